@@ -1,0 +1,37 @@
+# Two entry points: `make demo` and `make test`. Both set up .venv (idempotent) and install what they need.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.qasr-installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: demo test lint bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v espeak-ng >/dev/null 2>&1 && command -v ffmpeg >/dev/null 2>&1 || { \
+	  echo "installing Debian packages espeak-ng and ffmpeg"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng ffmpeg >/dev/null; }
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@# CPU machines get the local CPU wheel of torch first; a GPU machine keeps the CUDA torch it has.
+	@$(PY) -c "import torch" 2>/dev/null || { \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	  else $(PY) -m pip install -q $(TORCH_CPU); fi; }
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks scripts examples
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py --quick
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,82 @@
+"""Command line: ``qasr transcribe PATH... [-m MODEL] [--language L] [--context TEXT] [-f FMT] [-o DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from qasr import __version__
+
+DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qasr", description="Fast, exact Qwen3-ASR speech recognition.")
+    parser.add_argument("--version", action="version", version=f"qasr {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("transcribe", help="transcribe audio files",
+                       description="Transcribe audio files (wav, flac, mp3, ogg/opus, m4a, webm, ...).")
+    t.add_argument("paths", nargs="+", metavar="PATH", help="audio files")
+    t.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
+    t.add_argument("--language", default=None, help="force the language (name or ISO code); default: detect")
+    t.add_argument("--context", default="", help="background text / hotwords for the system turn")
+    t.add_argument("-f", "--format", default="txt", choices=["txt", "json"], help="output format (default txt)")
+    t.add_argument("-o", "--output-dir", type=Path, default=None,
+                   help="write one file per input here instead of printing to stdout")
+    t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    t.add_argument("--batch-size", type=int, default=16, help="pieces decoded together (default 16)")
+    t.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on generated tokens per piece (default: from the checkpoint)")
+    return parser
+
+
+def transcribe_command(args: argparse.Namespace) -> int:
+    from qasr.api import ASR
+    from qasr.model.prompt import normalize_language
+    from qasr.outputs import output_path, render, write_atomic
+
+    try:
+        normalize_language(args.language)
+        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"qasr: error: {exc}", file=sys.stderr)
+        return 2
+    progress = _progress_bar(len(args.paths))
+    results = asr.transcribe(args.paths, language=args.language, context=args.context,
+                             max_new_tokens=args.max_new_tokens, progress=progress)
+    failed = 0
+    for result in results:
+        if result.error is not None:
+            failed += 1
+            print(f"qasr: error: {result.error}", file=sys.stderr)
+            continue
+        text = render(result, args.format)
+        if args.output_dir is None:
+            sys.stdout.write(text)
+        else:
+            write_atomic(output_path(args.output_dir, result.source, args.format), text)
+    sys.stdout.flush()
+    return 1 if failed else 0
+
+
+def _progress_bar(total: int):  # noqa: ANN202 - returns a callback or None
+    if total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="piece", file=sys.stderr)
+    return bar.update
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "transcribe":
+        return transcribe_command(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

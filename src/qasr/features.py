@@ -1,0 +1,115 @@
+"""Whisper-style log-mel features, computed per utterance in torch.
+
+Matches ``WhisperFeatureExtractor`` run on one utterance at a time (the way the official package
+feeds the model): periodic Hann window, reflect-padded centred STFT, power spectrum, slaney mel
+filters, log10, a dynamic-range clamp of 8 decades below the utterance's own maximum, then
+``(x + 4) / 4``. The last STFT frame is dropped, so N samples give ``N // hop`` frames. Computing the
+clamp per utterance keeps a request's features independent of whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """The log-mel settings; read from preprocessor_config.json."""
+
+    num_mel_bins: int = 128
+    sampling_rate: int = 16000
+    hop_length: int = 160
+    n_fft: int = 400
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FeatureConfig:
+        return cls(
+            num_mel_bins=int(d.get("feature_size", 128)),
+            sampling_rate=int(d.get("sampling_rate", 16000)),
+            hop_length=int(d.get("hop_length", 160)),
+            n_fft=int(d.get("n_fft", 400)),
+        )
+
+
+def _hz_to_mel_slaney(hz: np.ndarray) -> np.ndarray:
+    # Linear below 1 kHz, logarithmic above (Slaney's Auditory Toolbox convention).
+    f_sp = 200.0 / 3
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    logstep = np.log(6.4) / 27.0
+    hz = np.asarray(hz, dtype=np.float64)
+    mel = hz / f_sp
+    above = hz >= min_log_hz
+    mel[above] = min_log_mel + np.log(hz[above] / min_log_hz) / logstep
+    return mel
+
+
+def _mel_to_hz_slaney(mel: np.ndarray) -> np.ndarray:
+    f_sp = 200.0 / 3
+    min_log_hz = 1000.0
+    min_log_mel = min_log_hz / f_sp
+    logstep = np.log(6.4) / 27.0
+    mel = np.asarray(mel, dtype=np.float64)
+    hz = mel * f_sp
+    above = mel >= min_log_mel
+    hz[above] = min_log_hz * np.exp(logstep * (mel[above] - min_log_mel))
+    return hz
+
+
+@functools.lru_cache(maxsize=8)
+def mel_filterbank(num_mel_bins: int, n_fft: int, sampling_rate: int) -> np.ndarray:
+    """Slaney-scale, slaney-normalised triangular filters, shape (n_fft // 2 + 1, num_mel_bins)."""
+    n_freqs = n_fft // 2 + 1
+    fft_freqs = np.linspace(0, sampling_rate // 2, n_freqs)
+    mel_points = np.linspace(_hz_to_mel_slaney(np.array([0.0]))[0],
+                             _hz_to_mel_slaney(np.array([sampling_rate / 2]))[0], num_mel_bins + 2)
+    hz_points = _mel_to_hz_slaney(mel_points)
+    widths = np.diff(hz_points)
+    slopes = hz_points[None, :] - fft_freqs[:, None]  # (n_freqs, num_mel_bins + 2)
+    down = -slopes[:, :-2] / widths[:-1]
+    up = slopes[:, 2:] / widths[1:]
+    filters = np.maximum(0.0, np.minimum(down, up))
+    enorm = 2.0 / (hz_points[2:num_mel_bins + 2] - hz_points[:num_mel_bins])
+    return filters * enorm[None, :]
+
+
+class LogMel:
+    """Callable log-mel extractor; holds the window and filterbank once per device."""
+
+    def __init__(self, config: FeatureConfig = FeatureConfig(), device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self._window = torch.hann_window(config.n_fft, device=self.device)
+        fb = mel_filterbank(config.num_mel_bins, config.n_fft, config.sampling_rate)
+        self._filters = torch.from_numpy(fb.T.astype(np.float32)).to(self.device)  # (mels, freqs)
+
+    def num_frames(self, num_samples: int) -> int:
+        return num_samples // self.config.hop_length
+
+    def __call__(self, waveform: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """One utterance (N,) float32 -> (num_mel_bins, N // hop) float32."""
+        x = torch.as_tensor(waveform, dtype=torch.float32, device=self.device)
+        if x.ndim != 1:
+            raise ValueError(f"expected a 1-D waveform, got shape {tuple(x.shape)}")
+        cfg = self.config
+        if x.numel() < cfg.hop_length:
+            raise ValueError(f"audio too short for one feature frame ({x.numel()} samples)")
+        # Reflect padding needs at least n_fft // 2 + 1 samples; shorter clips are padded with zeros
+        # first and the frame count is kept at N // hop.
+        frames = self.num_frames(x.numel())
+        if x.numel() <= cfg.n_fft // 2:
+            x = torch.nn.functional.pad(x, (0, cfg.n_fft // 2 + 1 - x.numel()))
+        spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=self._window, return_complex=True)
+        power = spec[:, :frames].abs() ** 2
+        mel = self._filters @ power
+        log_spec = torch.clamp(mel, min=1e-10).log10()
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        return (log_spec + 4.0) / 4.0
+
+    def batch(self, waveforms: list[np.ndarray]) -> list[torch.Tensor]:
+        """Per-utterance features for several clips (each computed on its own: no cross-talk)."""
+        return [self(w) for w in waveforms]

@@ -1,0 +1,57 @@
+"""The whole Qwen3-ASR network: audio encoder, text decoder and LM head, with packed forwards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qasr.model.config import ModelConfig
+from qasr.model.decoder import AttentionMeta, KVStore, TextModel
+from qasr.model.encoder import AudioEncoder
+
+
+class Qwen3ASRModel(nn.Module):
+    """Module names follow the release checkpoint after dropping its ``thinker.`` prefix."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.audio_tower = AudioEncoder(cfg.encoder)
+        self.model = TextModel(cfg.decoder)
+        self.lm_head = nn.Linear(cfg.decoder.hidden_size, cfg.decoder.vocab_size, bias=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        self.audio_tower.init_buffers(device)
+        self.model.init_buffers(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.audio_tower(features)
+
+    def embed(self, token_ids: torch.Tensor, audio_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings with the audio placeholder rows replaced, in order, by ``audio_embeds``."""
+        x = self.model.embed_tokens(token_ids)
+        if audio_embeds is not None and audio_embeds.shape[0] > 0:
+            where = token_ids == self.cfg.audio_token_id
+            n = int(where.sum())
+            if n != audio_embeds.shape[0]:
+                raise ValueError(f"{n} audio placeholders but {audio_embeds.shape[0]} audio embeddings")
+            x[where] = audio_embeds.to(x.dtype)
+        return x
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVStore, meta: AttentionMeta,
+                logits_rows: torch.Tensor | None = None,
+                audio_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed decoder forward. Returns logits (len(logits_rows), vocab) in float32."""
+        x = self.embed(token_ids, audio_embeds)
+        h = self.model(x, positions, cache, meta)
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.lm_head(h).float()

@@ -1,0 +1,172 @@
+"""Checkpoint configuration: frozen dataclasses read from config.json in either release layout.
+
+Two layouts exist: the original release (``thinker_config`` nested, keys under ``thinker.*``) and the
+transformers-native "-hf" conversion (flat ``audio_config`` / ``text_config``, keys under ``model.*``).
+Both are read into the same dataclasses so nothing downstream cares which one was loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    num_mel_bins: int
+    d_model: int
+    encoder_layers: int
+    encoder_attention_heads: int
+    encoder_ffn_dim: int
+    output_dim: int
+    n_window: int
+    n_window_infer: int
+    downsample_hidden_size: int
+    conv_chunksize: int = 500
+
+    @property
+    def chunk_frames(self) -> int:
+        """Mel frames per conv chunk (1 s for n_window 50)."""
+        return 2 * self.n_window
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return post_conv_length(self.chunk_frames)
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens per bidirectional attention window (104 = 8 s for the released models)."""
+        return self.tokens_per_chunk * (self.n_window_infer // self.chunk_frames)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EncoderConfig:
+        return cls(
+            num_mel_bins=int(d.get("num_mel_bins", 128)),
+            d_model=int(d["d_model"]),
+            encoder_layers=int(d["encoder_layers"]),
+            encoder_attention_heads=int(d["encoder_attention_heads"]),
+            encoder_ffn_dim=int(d["encoder_ffn_dim"]),
+            output_dim=int(d["output_dim"]),
+            n_window=int(d.get("n_window", 50)),
+            n_window_infer=int(d.get("n_window_infer", 800)),
+            downsample_hidden_size=int(d.get("downsample_hidden_size", 480)),
+            conv_chunksize=int(d.get("conv_chunksize", 500)),
+        )
+
+
+def post_conv_length(frames: int) -> int:
+    """Length after the three stride-2 convolutions (k 3, p 1); zero stays zero."""
+    for _ in range(3):
+        frames = (frames - 1) // 2 + 1 if frames > 0 else 0
+    return frames
+
+
+def audio_token_count(frames: int, chunk_frames: int = 100) -> int:
+    """Encoder output tokens for ``frames`` mel frames: full chunks give 13 tokens each."""
+    full, rest = divmod(frames, chunk_frames)
+    return full * post_conv_length(chunk_frames) + post_conv_length(rest)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, d: dict, tie_default: bool) -> DecoderConfig:
+        theta = d.get("rope_theta")
+        if theta is None:
+            theta = (d.get("rope_parameters") or {}).get("rope_theta")
+        if theta is None:
+            theta = (d.get("rope_scaling") or {}).get("rope_theta", 1_000_000.0)
+        heads = int(d["num_attention_heads"])
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            rope_theta=float(theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 65536)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", tie_default)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model code needs from config.json."""
+
+    layout: str  # "original" | "hf"
+    encoder: EncoderConfig
+    decoder: DecoderConfig
+    audio_token_id: int
+    audio_start_token_id: int | None
+    audio_end_token_id: int | None
+    support_languages: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        if "thinker_config" in d:
+            th = d["thinker_config"]
+            tie = bool(d.get("tie_word_embeddings", th.get("tie_word_embeddings", True)))
+            return cls(
+                layout="original",
+                encoder=EncoderConfig.from_dict(th["audio_config"]),
+                decoder=DecoderConfig.from_dict(th["text_config"], tie),
+                audio_token_id=int(th["audio_token_id"]),
+                audio_start_token_id=_opt_int(th.get("audio_start_token_id")),
+                audio_end_token_id=_opt_int(th.get("audio_end_token_id")),
+                support_languages=tuple(d.get("support_languages") or ()),
+            )
+        if "audio_config" in d and "text_config" in d:
+            tie = bool(d.get("tie_word_embeddings", True))
+            return cls(
+                layout="hf",
+                encoder=EncoderConfig.from_dict(d["audio_config"]),
+                decoder=DecoderConfig.from_dict(d["text_config"], tie),
+                audio_token_id=int(d["audio_token_id"]),
+                audio_start_token_id=_opt_int(d.get("audio_start_token_id")),
+                audio_end_token_id=_opt_int(d.get("audio_end_token_id")),
+                support_languages=tuple(d.get("support_languages") or ()),
+            )
+        raise ValueError("config.json is neither the Qwen3-ASR release layout (thinker_config) "
+                         "nor the transformers layout (audio_config + text_config)")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Stop ids and length limit, from generation_config.json when the checkpoint has one."""
+
+    eos_token_ids: tuple[int, ...]
+    max_new_tokens: int = 512
+
+    @classmethod
+    def load(cls, model_dir: Path, fallback_eos: tuple[int, ...]) -> GenerationDefaults:
+        path = model_dir / "generation_config.json"
+        if not path.exists():
+            return cls(eos_token_ids=fallback_eos)
+        d = json.loads(path.read_text())
+        eos = d.get("eos_token_id", list(fallback_eos))
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])) or fallback_eos
+        return cls(eos_token_ids=eos_ids, max_new_tokens=int(d.get("max_new_tokens", 512)))
+
+
+def _opt_int(v: object) -> int | None:
+    return None if v is None else int(v)  # type: ignore[arg-type]

@@ -1,0 +1,138 @@
+"""The Qwen3 text decoder: RMSNorm, q/k-norm, GQA, rotary positions, SwiGLU; packed forwards.
+
+A forward takes a packed batch (several sequences' new tokens concatenated, each with its own
+positions) plus a KV cache object that stores keys/values and runs attention. The decoder owns no
+loop and no scheduling: the engine decides which tokens go into each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qasr.model.config import DecoderConfig
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """Where each packed sequence lives in the cache and how many tokens it brings."""
+
+    slots: tuple[int, ...]  # cache slot per sequence
+    query_lens: tuple[int, ...]  # new tokens per sequence in this forward
+    context_lens: tuple[int, ...]  # tokens already cached per sequence before this forward
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+class KVStore(Protocol):
+    """What the decoder needs from a cache: store this layer's new k/v, attend, return (N, heads*hd)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMeta) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
+                meta: AttentionMeta) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = cache.attend(self.layer, q, k, v, meta)  # (N, heads * hd)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
+                meta: AttentionMeta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TextModel(nn.Module):
+    """Embeddings + layers + final norm (weights under ``model.*`` after key mapping)."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.inv_freq: torch.Tensor | None = None
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        hd = self.cfg.head_dim
+        exponent = torch.arange(0, hd, 2, dtype=torch.int64).float() / hd
+        self.inv_freq = (1.0 / (self.cfg.rope_theta ** exponent)).to(device)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape (N, 1, head_dim) for the given absolute positions."""
+        assert self.inv_freq is not None, "call init_buffers() after loading weights"
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVStore,
+                meta: AttentionMeta) -> torch.Tensor:
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)

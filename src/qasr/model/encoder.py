@@ -1,0 +1,175 @@
+"""The AuT audio encoder: conv front end over 1 s chunks, windowed bidirectional transformer, projector.
+
+Forwards are packed: several utterances go through one call with no padding to the longest one.
+Each utterance is cut into chunks of ``2 * n_window`` mel frames (the last one zero-padded, as the
+transformers port does), all chunks of all utterances run through the conv stack together, and only
+the valid positions are kept. Attention runs inside windows of ``window_tokens`` (104 = 8 s) aligned
+at each utterance start, so an utterance's output never depends on its neighbours in the pack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qasr.model.config import EncoderConfig, post_conv_length
+
+
+def sinusoid_table(length: int, channels: int) -> torch.Tensor:
+    """(length, channels): sin half then cos half, log-spaced timescales up to 10 000."""
+    inc = math.log(10000) / (channels // 2 - 1)
+    inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float32))
+    t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
+    return torch.cat([torch.sin(t), torch.cos(t)], dim=1)
+
+
+@dataclass(frozen=True)
+class EncoderPack:
+    """Index plan for one packed encoder call (built on the host, reused by every layer)."""
+
+    chunks: torch.Tensor  # (C, 1, mel, chunk_frames) zero-padded chunks of all utterances
+    valid_index: torch.Tensor  # (T,) rows of the (C * tokens_per_chunk) conv output that are real
+    window_index: torch.Tensor  # (W, Lw) packed-token index per window slot; T = pad row
+    window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
+    token_counts: tuple[int, ...]  # output tokens per utterance
+
+
+def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig) -> EncoderPack:
+    """Chunk each utterance, record which conv outputs are valid, and lay out attention windows."""
+    cf, tpc, win = cfg.chunk_frames, cfg.tokens_per_chunk, cfg.window_tokens
+    chunks, valid, counts = [], [], []
+    windows: list[tuple[int, int]] = []  # (start in packed tokens, length)
+    chunk_base = 0
+    token_base = 0
+    for feat in features:
+        frames = feat.shape[-1]
+        n_chunks = max(1, math.ceil(frames / cf))
+        padded = F.pad(feat, (0, n_chunks * cf - frames))
+        chunks.append(padded.reshape(feat.shape[0], n_chunks, cf).permute(1, 0, 2))
+        total = 0
+        for c in range(n_chunks):
+            n_valid = post_conv_length(min(cf, frames - c * cf))
+            start = (chunk_base + c) * tpc
+            valid.append(torch.arange(start, start + n_valid))
+            total += n_valid
+        for w in range(0, total, win):
+            windows.append((token_base + w, min(win, total - w)))
+        counts.append(total)
+        chunk_base += n_chunks
+        token_base += total
+    lw = max(length for _, length in windows)
+    pad_row = token_base
+    index = torch.full((len(windows), lw), pad_row, dtype=torch.long)
+    mask = torch.zeros((len(windows), lw), dtype=torch.bool)
+    for i, (start, length) in enumerate(windows):
+        index[i, :length] = torch.arange(start, start + length)
+        mask[i, :length] = True
+    return EncoderPack(
+        chunks=torch.cat(chunks, 0).unsqueeze(1),
+        valid_index=torch.cat(valid),
+        window_index=index,
+        window_mask=mask[:, None, None, :],
+        token_counts=tuple(counts),
+    )
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = d_model // heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, pack: EncoderPack) -> torch.Tensor:
+        # x: (T, d). Gather into (W, heads, Lw, hd) windows; one padded row (zeros) serves every pad slot.
+        t, d = x.shape
+        qkv = torch.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)])  # (3, T, d)
+        qkv = torch.cat([qkv, qkv.new_zeros(3, 1, d)], dim=1)
+        w, lw = pack.window_index.shape
+        win = qkv[:, pack.window_index.reshape(-1)].reshape(3, w, lw, self.heads, self.head_dim)
+        q, k, v = win.transpose(2, 3).unbind(0)  # each (W, heads, Lw, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=pack.window_mask)
+        out = out.transpose(1, 2).reshape(w * lw, d)
+        valid = pack.window_mask.reshape(-1)
+        packed = out.new_empty(t + 1, d)
+        packed[pack.window_index.reshape(-1)[valid]] = out[valid]
+        return self.out_proj(packed[:t])
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = EncoderAttention(d, cfg.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, pack: EncoderPack) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), pack)
+        x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        if x.dtype == torch.float16:  # keep fp16 activations finite, as the reference does
+            limit = torch.finfo(torch.float16).max - 1000
+            x = x.clamp(-limit, limit)
+        return x
+
+
+class AudioEncoder(nn.Module):
+    """Mel features -> LM-sized embeddings (conv stack, transformer, ln_post, proj1/GELU/proj2)."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ch = cfg.downsample_hidden_size
+        self.conv2d1 = nn.Conv2d(1, ch, 3, 2, padding=1)
+        self.conv2d2 = nn.Conv2d(ch, ch, 3, 2, padding=1)
+        self.conv2d3 = nn.Conv2d(ch, ch, 3, 2, padding=1)
+        freq = post_conv_length(cfg.num_mel_bins)
+        self.conv_out = nn.Linear(ch * freq, cfg.d_model, bias=False)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.ln_post = nn.LayerNorm(cfg.d_model)
+        self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
+        self.positions: torch.Tensor | None = None  # computed, never stored in checkpoints
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        self.positions = sinusoid_table(self.cfg.tokens_per_chunk, self.cfg.d_model).to(device)
+
+    def conv_front(self, chunks: torch.Tensor) -> torch.Tensor:
+        """(C, 1, mel, frames) -> (C, tokens_per_chunk, d_model), in groups of conv_chunksize."""
+        outs = []
+        for start in range(0, chunks.shape[0], self.cfg.conv_chunksize):
+            x = chunks[start:start + self.cfg.conv_chunksize]
+            x = F.gelu(self.conv2d1(x))
+            x = F.gelu(self.conv2d2(x))
+            x = F.gelu(self.conv2d3(x))
+            c, ch, freq, t = x.shape
+            x = self.conv_out(x.permute(0, 3, 1, 2).reshape(c, t, ch * freq))
+            outs.append(x)
+        x = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+        assert self.positions is not None, "call init_buffers() after loading weights"
+        return x + self.positions[: x.shape[1]].to(x.dtype)
+
+    def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-utterance (mel, frames) features -> per-utterance (tokens, output_dim) embeddings."""
+        p = self.parameters().__next__()
+        pack = plan_pack([f.to(p.device, p.dtype) for f in features], self.cfg)
+        pack = EncoderPack(
+            chunks=pack.chunks, valid_index=pack.valid_index.to(p.device),
+            window_index=pack.window_index.to(p.device), window_mask=pack.window_mask.to(p.device),
+            token_counts=pack.token_counts,
+        )
+        x = self.conv_front(pack.chunks)
+        x = x.reshape(-1, x.shape[-1])[pack.valid_index]
+        for layer in self.layers:
+            x = layer(x, pack)
+        x = self.proj2(F.gelu(self.proj1(self.ln_post(x))))
+        return list(torch.split(x, list(pack.token_counts)))

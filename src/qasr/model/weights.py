@@ -1,0 +1,106 @@
+"""Find a checkpoint, read its safetensors (single file or sharded) and map both key layouts.
+
+Keys are mapped onto the release layout minus its ``thinker.`` prefix:
+``audio_tower.*`` (incl. proj1/proj2), ``model.*`` (the text decoder) and ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qasr.model.asr_model import Qwen3ASRModel
+from qasr.model.config import ModelConfig
+
+_HF_PREFIXES = (
+    ("model.multi_modal_projector.linear_1.", "audio_tower.proj1."),
+    ("model.multi_modal_projector.linear_2.", "audio_tower.proj2."),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def map_key(key: str, layout: str) -> str | None:
+    """Checkpoint key -> module key, or None for tensors the model does not use."""
+    if layout == "original":
+        return key[len("thinker."):] if key.startswith("thinker.") else None
+    for src, dst in _HF_PREFIXES:
+        if key.startswith(src):
+            return dst + key[len(src):]
+    return None
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
+    """A local directory, else the local Hugging Face cache, else a download (when online)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Qwen3-ASR checkpoint directory")
+        return path
+    name = str(name_or_path)
+    if path.exists() or name.count("/") != 1:
+        raise FileNotFoundError(f"model {name!r}: no such checkpoint directory, and not a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model"]
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"model {name!r} is not in the local Hugging Face cache and could not be downloaded "
+            f"({type(exc).__name__}). On an offline machine, copy the checkpoint directory here and pass "
+            f"its path, e.g. ASR.from_pretrained('/models/{name.split('/')[-1]}') or `qasr ... -m PATH`."
+        ) from exc
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors weights")
+    return found
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3ASRModel:
+    """Build the module without initialising weights, then fill every parameter from the files."""
+    with torch.device("meta"):
+        model = Qwen3ASRModel(cfg)
+    expected = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = map_key(key, cfg.layout)
+                if name is None or name not in expected:
+                    continue
+                state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    tie = cfg.decoder.tie_word_embeddings or "lm_head.weight" not in state
+    if tie and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: share the embedding tensor
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"{model_dir}: {len(missing)} weights missing from the checkpoint ({shown})")
+    for name, tensor in state.items():
+        want = expected[name].shape
+        if tuple(tensor.shape) != tuple(want):
+            raise ValueError(f"{model_dir}: weight {name} has shape {tuple(tensor.shape)}, "
+                             f"config implies {tuple(want)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False)

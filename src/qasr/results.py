@@ -1,0 +1,41 @@
+"""Result types returned by every front end."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the input: for now one per transcribed piece (long audio gives several)."""
+
+    start: float
+    end: float
+    text: str
+    words: tuple[Word, ...] = ()
+
+
+@dataclass(frozen=True)
+class Transcription:
+    text: str
+    language: str
+    duration: float  # seconds of input audio
+    raw: str = ""  # decoded model output before parsing
+    token_ids: tuple[int, ...] = ()  # generated ids, EOS excluded (all pieces, in order)
+    segments: tuple[Segment, ...] = field(default_factory=tuple)
+    error: str | None = None
+    source: str = ""  # what was transcribed: a path, "bytes", or "array"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,70 @@
+"""Synthetic speech for tests and benchmarks, via the espeak-ng and ffmpeg command-line tools.
+
+Real recordings cannot be shipped with the repository, but tests still need genuine speech in genuine
+container formats. espeak-ng is deterministic and tiny; ffmpeg produces every format we decode. Both are
+invoked as subprocesses so this module adds no Python dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+# Encoder arguments by output extension. ".ogg" is Vorbis and ".opus" is Opus (also in an Ogg container).
+_CODEC_ARGS: dict[str, list[str]] = {
+    ".wav": ["-c:a", "pcm_s16le"],
+    ".flac": ["-c:a", "flac"],
+    ".mp3": ["-c:a", "libmp3lame", "-q:a", "4"],
+    ".ogg": ["-c:a", "libvorbis", "-q:a", "4"],
+    ".opus": ["-c:a", "libopus", "-b:a", "48k"],
+    ".m4a": ["-c:a", "aac", "-b:a", "96k"],
+    ".webm": ["-c:a", "libopus", "-b:a", "48k"],
+}
+
+
+def speak(
+    text: str, path: str | os.PathLike, voice: str = "en-us", speed: int = 160, pitch: int = 50
+) -> Path:
+    """Synthesise ``text`` with espeak-ng into a WAV file at ``path`` and return the path.
+
+    The text is fed on stdin so that text starting with ``-`` is never parsed as an option.
+    """
+    exe = _require("espeak-ng")
+    out = Path(path)
+    cmd = [exe, "-v", voice, "-s", str(speed), "-p", str(pitch), "-w", str(out), "--stdin"]
+    _run(cmd, input_text=text)
+    return out
+
+
+def convert(src_wav: str | os.PathLike, dst_path: str | os.PathLike, codec: str | None = None) -> Path:
+    """Transcode ``src_wav`` to ``dst_path`` with ffmpeg, choosing the encoder from the extension.
+
+    Supported extensions: wav, flac, mp3, ogg (Vorbis), opus, m4a (AAC), webm (Opus). ``codec``
+    overrides the encoder, e.g. ``convert(wav, "x.ogg", codec="libopus")`` for Opus in a .ogg file.
+    """
+    exe = _require("ffmpeg")
+    dst = Path(dst_path)
+    suffix = dst.suffix.lower()
+    if codec is not None:
+        codec_args = ["-c:a", codec]
+    elif suffix in _CODEC_ARGS:
+        codec_args = _CODEC_ARGS[suffix]
+    else:
+        raise ValueError(f"convert: unsupported output extension {suffix!r} (known: {sorted(_CODEC_ARGS)})")
+    _run([exe, "-y", "-loglevel", "error", "-i", str(src_wav), "-vn", *codec_args, str(dst)])
+    return dst
+
+
+def _require(tool: str) -> str:
+    exe = shutil.which(tool)
+    if exe is None:
+        raise RuntimeError(f"{tool} is not installed or not on PATH; it is needed to generate test audio")
+    return exe
+
+
+def _run(cmd: list[str], input_text: str | None = None) -> None:
+    result = subprocess.run(cmd, input=input_text, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {result.returncode}): {result.stderr.strip()}")

@@ -1,0 +1,67 @@
+"""The command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qasr.testing.speech import speak
+
+QASR = [sys.executable, "-m", "qasr.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*QASR, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    return [speak("hello there", d / "one.wav"), speak("good morning", d / "two.wav")]
+
+
+def test_help_and_version() -> None:
+    out = run("--help")
+    assert out.returncode == 0 and "transcribe" in out.stdout
+    out = run("transcribe", "--help")
+    assert out.returncode == 0 and "--language" in out.stdout and "--output-dir" in out.stdout
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("qasr ")
+
+
+def test_text_to_stdout(tiny_original, clips) -> None:
+    out = run("transcribe", *map(str, clips), "-m", str(tiny_original), "--device", "cpu",
+              "--dtype", "float32", "--max-new-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 2
+
+
+def test_json_files_to_output_dir(tiny_original, clips, tmp_path) -> None:
+    out = run("transcribe", *map(str, clips), "-m", str(tiny_original), "-f", "json", "-o", str(tmp_path),
+              "--language", "en", "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+    data = json.loads((tmp_path / "one.json").read_text())
+    assert data["language"] == "English" and data["error"] is None and data["duration"] > 0.3
+    assert (tmp_path / "two.json").exists()
+    assert not list(tmp_path.glob(".*.part"))
+
+
+def test_failed_input_exits_nonzero_with_one_message(tiny_original, clips, tmp_path) -> None:
+    missing = tmp_path / "nope.wav"
+    out = run("transcribe", str(clips[0]), str(missing), "-m", str(tiny_original), "--max-new-tokens", "3",
+              "--device", "cpu", "--dtype", "float32")
+    assert out.returncode == 1
+    assert len(out.stdout.splitlines()) == 1
+    errors = [line for line in out.stderr.splitlines() if line.startswith("qasr: error")]
+    assert len(errors) == 1 and "nope.wav" in errors[0]
+
+
+def test_bad_language_and_missing_model() -> None:
+    out = run("transcribe", "x.wav", "-m", "/no/such/model")
+    assert out.returncode == 2 and "/no/such/model" in out.stderr
+    out = run("transcribe", "x.wav", "--language", "Klingon")
+    assert out.returncode == 2 and "supported" in out.stderr
