@@ -137,9 +137,7 @@ class Tokenizer:
             tok.no_padding()
         self._full = full
         self._plain = plain
-        self._special_ids = frozenset(
-            idx for idx, token in full.get_added_tokens_decoder().items() if token.special
-        )
+        self._special_ids = frozenset(idx for idx, token in full.get_added_tokens_decoder().items() if token.special)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:

@@ -107,9 +107,7 @@ def _apply_merge(word: tuple[str, ...], pair: tuple[str, str], joined: str) -> t
     return tuple(out)
 
 
-def write_tiny_tokenizer(
-    dir: str | os.PathLike[str], extra_text: str = "", vocab_budget: int = 400
-) -> dict[str, int]:
+def write_tiny_tokenizer(dir: str | os.PathLike[str], extra_text: str = "", vocab_budget: int = 400) -> dict[str, int]:
     """Write vocab.json, merges.txt and tokenizer_config.json into ``dir``; return added-token ids."""
     if vocab_budget < 256:
         raise ValueError("vocab_budget must be at least 256 (the byte-level alphabet)")
