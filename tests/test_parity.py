@@ -12,7 +12,7 @@ import torch
 from conftest import noise
 
 from qasr.engine.generate import GenRequest, generate
-from qasr.engine.kv_cache import SlotKVCache
+from qasr.engine.kv_cache import KVPool
 from qasr.features import LogMel
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
@@ -46,8 +46,8 @@ def _hf_inputs(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _prefill_logits(ck, ids: list[int], features: torch.Tensor) -> torch.Tensor:
     audio = ck.model.encode_audio([features])
-    cache = SlotKVCache(ck.config.decoder, 1, len(ids), ck.device, ck.dtype)
-    meta = AttentionMeta((0,), (len(ids),), (0,))
+    cache = KVPool(ck.config.decoder, len(ids), ck.device, ck.dtype)
+    meta = AttentionMeta.build([0], [len(ids)], [0], ck.device)
     with torch.inference_mode():
         return ck.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, audio_embeds=audio[0])
 
@@ -71,7 +71,7 @@ def test_logits_and_greedy_ids_match_transformers(oracle, ours, seconds, context
         if tok in ours.generation.eos_token_ids:
             break
         expected.append(tok)
-    got = generate(ours.model, [GenRequest(ids, feats, NEW_TOKENS)], ours.generation.eos_token_ids)[0]
+    got = generate(ours, [GenRequest(ids, feats, NEW_TOKENS)])[0]
     assert got == expected
     assert len(set(got)) > 1  # a degenerate random model would make this test meaningless
 
@@ -94,7 +94,7 @@ def test_batched_greedy_equals_single(ours) -> None:
     feats = [lm(noise(s, seed=k)) for k, s in enumerate([0.7, 9.3, 3.1, 16.2])]
     reqs = [GenRequest(build_prompt(ours.tokenizer, ours.special, audio_token_count(f.shape[1])), f, 20)
             for f in feats]
-    batched = generate(ours.model, reqs, ours.generation.eos_token_ids)
+    batched = generate(ours, reqs)
     for r, out in zip(reqs, batched, strict=True):
-        alone = generate(ours.model, [GenRequest(r.prompt, r.features, 20)], ours.generation.eos_token_ids)[0]
+        alone = generate(ours, [GenRequest(r.prompt, r.features, 20)])[0]
         assert out == alone

@@ -7,8 +7,10 @@ features and a prompt, and sent through greedy generation. A bad input yields a 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 
 from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
 from qasr.audio.split import split_long_audio
-from qasr.engine.generate import GenRequest, generate
+from qasr.engine.engine import Engine, EngineConfig
 from qasr.features import LogMel
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.config import audio_token_count
@@ -40,7 +42,6 @@ class _Piece:
     item: int
     offset: float
     duration: float
-    features: torch.Tensor
     prompt: list[int]
     language: str | None
     max_new_tokens: int
@@ -48,15 +49,22 @@ class _Piece:
 
 
 class ASR:
-    def __init__(self, checkpoint: Checkpoint, max_chunk_sec: float = 1200.0, batch_size: int = 16) -> None:
+    def __init__(self, checkpoint: Checkpoint, max_chunk_sec: float = 1200.0,
+                 engine: EngineConfig | None = None, max_pending: int = 256,
+                 max_tokens_per_second: float = 15.0) -> None:
+        """``max_pending`` bounds decoded-but-unfinished pieces (memory for huge input lists);
+        ``max_tokens_per_second`` caps generation per piece from its duration unless the caller passes
+        max_new_tokens, so a repetition loop stops early instead of running to the checkpoint limit."""
         self.checkpoint = checkpoint
         self.max_chunk_sec = max_chunk_sec
-        self.batch_size = batch_size
+        self.max_pending = max_pending
+        self.max_tokens_per_second = max_tokens_per_second
         self.features = LogMel(checkpoint.features)
+        self.engine = Engine(checkpoint, engine or EngineConfig())
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "Qwen/Qwen3-ASR-0.6B", device: str = "auto",
-                        dtype: str | torch.dtype = "auto", **kwargs: float) -> ASR:
+                        dtype: str | torch.dtype = "auto", **kwargs: object) -> ASR:
         """Load from a local directory or a hub id (local cache first); see ``ASR.__init__`` for kwargs."""
         return cls(load_checkpoint(model, device=device, dtype=dtype), **kwargs)  # type: ignore[arg-type]
 
@@ -79,58 +87,74 @@ class ASR:
         languages = _broadcast(language, len(items), "language")
         contexts = _broadcast(context, len(items), "context")
         forced = [normalize_language(lang) for lang in languages]  # ValueError before any work
-        cap = max_new_tokens or self.checkpoint.generation.max_new_tokens
-        pieces: list[_Piece] = []
         results: list[Transcription | None] = [None] * len(items)
         durations = [0.0] * len(items)
+        pending: list[tuple[_Piece, Future]] = []
+        done: dict[int, list[tuple[_Piece, list[int] | Exception]]] = {i: [] for i in range(len(items))}
+
+        def settle(piece: _Piece, fut: Future) -> None:
+            try:
+                done[piece.item].append((piece, fut.result().token_ids))
+            except Exception as exc:  # noqa: BLE001 - one piece's failure is that input's error
+                done[piece.item].append((piece, exc))
+            if progress is not None:
+                progress(1)
+
         for i, item in enumerate(items):
             try:
                 wave = load_audio(item, sample_rate)
                 durations[i] = len(wave) / SAMPLE_RATE
-                pieces += self._pieces(i, wave, contexts[i] or "", forced[i], cap, ignore_eos)
+                pieces = self._pieces(i, wave, contexts[i] or "", forced[i], max_new_tokens, ignore_eos)
             except (AudioError, ValueError) as exc:
                 name = _name(item)
                 msg = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
                 results[i] = Transcription("", "", durations[i], error=msg, source=name)
-        outputs = self._run(pieces, progress)
+                continue
+            for piece, samples in pieces:
+                fut = self.engine.submit(piece.prompt, waveform=samples, max_new_tokens=piece.max_new_tokens,
+                                         ignore_eos=piece.ignore_eos)
+                pending.append((piece, fut))
+                while len(pending) > self.max_pending:
+                    settle(*pending.pop(0))
+        for piece, fut in pending:
+            settle(piece, fut)
         for i, item in enumerate(items):
             if results[i] is None:
-                mine = [(p, outputs[k]) for k, p in enumerate(pieces) if p.item == i]
+                mine = sorted(done[i], key=lambda pr: pr[0].offset)
                 results[i] = self._assemble(mine, durations[i], _name(item))
         return results  # type: ignore[return-value]
 
-    def _pieces(self, item: int, wave: np.ndarray, context: str, language: str | None, cap: int,
-                ignore_eos: bool) -> list[_Piece]:
+    def _pieces(self, item: int, wave: np.ndarray, context: str, language: str | None,
+                max_new_tokens: int | None, ignore_eos: bool) -> list[tuple[_Piece, np.ndarray]]:
         out = []
+        hop = self.checkpoint.features.hop_length
         for piece in split_long_audio(wave, self.max_chunk_sec):
-            feats = self.features(piece.samples)
-            if feats.shape[1] == 0:
-                raise AudioError(f"audio too short ({len(piece.samples)} samples)")
-            n = audio_token_count(feats.shape[1], self.checkpoint.config.encoder.chunk_frames)
+            frames = len(piece.samples) // hop
+            if frames == 0:
+                raise AudioError(f"audio too short ({len(piece.samples)} samples, need at least {hop})")
+            n = audio_token_count(frames, self.checkpoint.config.encoder.chunk_frames)
             prompt = build_prompt(self.checkpoint.tokenizer, self.checkpoint.special, n, context, language)
-            out.append(_Piece(item, piece.offset_sec, min(len(piece.samples), len(wave)) / SAMPLE_RATE,
-                              feats, prompt, language, cap, ignore_eos))
+            duration = min(len(piece.samples), len(wave) - round(piece.offset_sec * SAMPLE_RATE)) / SAMPLE_RATE
+            cap = max_new_tokens or self.token_cap(duration)
+            out.append((_Piece(item, piece.offset_sec, duration, prompt, language, cap, ignore_eos),
+                        piece.samples))
         return out
 
-    def _run(self, pieces: list[_Piece], progress: Callable[[int], None] | None) -> list[list[int]]:
-        """Generate for all pieces, longest first in groups of batch_size (similar lengths batch well)."""
-        order = sorted(range(len(pieces)), key=lambda k: -pieces[k].features.shape[1])
-        outputs: list[list[int]] = [[] for _ in pieces]
-        for start in range(0, len(order), self.batch_size):
-            group = order[start:start + self.batch_size]
-            reqs = [GenRequest(pieces[k].prompt, pieces[k].features, pieces[k].max_new_tokens,
-                               pieces[k].ignore_eos) for k in group]
-            for k, ids in zip(group, generate(self.checkpoint.model, reqs,
-                                              self.checkpoint.generation.eos_token_ids), strict=True):
-                outputs[k] = ids
-            if progress is not None:
-                progress(len(group))
-        return outputs
+    def token_cap(self, duration: float) -> int:
+        """Default generation cap for a piece: the checkpoint's limit, or less for short audio."""
+        limit = self.checkpoint.generation.max_new_tokens
+        return max(1, min(limit, math.ceil(duration * self.max_tokens_per_second) + 24))
 
-    def _assemble(self, mine: list[tuple[_Piece, list[int]]], duration: float, source: str) -> Transcription:
+    def close(self) -> None:
+        self.engine.close()
+
+    def _assemble(self, mine: list[tuple[_Piece, list[int] | Exception]], duration: float,
+                  source: str) -> Transcription:
         tok = self.checkpoint.tokenizer
         texts, langs, raws, ids, segments = [], [], [], [], []
         for piece, out in mine:
+            if isinstance(out, Exception):
+                return Transcription("", "", duration, error=f"{source}: {out}", source=source)
             raw = tok.decode(out, skip_special_tokens=True)
             lang, text = parse_asr_output(raw, piece.language)
             texts.append(text)

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one file per input here instead of printing to stdout")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    t.add_argument("--batch-size", type=int, default=16, help="pieces decoded together (default 16)")
+    t.add_argument("--max-running", type=int, default=64,
+                   help="sequences decoded together by the engine (default 64)")
     t.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on generated tokens per piece (default: from the checkpoint)")
     return parser
@@ -35,12 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def transcribe_command(args: argparse.Namespace) -> int:
     from qasr.api import ASR
+    from qasr.engine.engine import EngineConfig
     from qasr.model.prompt import normalize_language
     from qasr.outputs import output_path, render, write_atomic
 
     try:
         normalize_language(args.language)
-        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size)
+        engine = EngineConfig(max_running=args.max_running)
+        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, engine=engine)
     except (ValueError, FileNotFoundError) as exc:
         print(f"qasr: error: {exc}", file=sys.stderr)
         return 2

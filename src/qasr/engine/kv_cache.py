@@ -1,16 +1,24 @@
-"""A KV cache allocated once: per layer, keys and values for ``slots`` sequences of ``capacity`` tokens.
+"""The KV cache: one token pool per layer, allocated once, carved into contiguous regions.
 
-Slots (not pages): on the CPU there is no paged-attention kernel, and a slot's keys are one
-contiguous (kv_heads, capacity, head_dim) block, so attention reads a plain view of the cache with
-no gather or copy per step. The engine sizes slots from a memory budget and admits a request only
-when a slot large enough for its prompt plus its token cap is free.
+Why a token pool with contiguous regions rather than fixed slots or pages:
+- fixed slots must each be sized for the longest request (a 20-minute piece needs 16k tokens), which
+  wastes most of the memory on short clips;
+- pages need a paged-attention kernel, and a gather of scattered pages per step costs more memory
+  traffic than the attention itself on a CPU;
+- a contiguous (kv_heads, tokens, head_dim) region per request is read by prefill attention as a plain
+  view, and by the decode kernel as one linear stream, with no copy.
+A request reserves ``prompt + max_new_tokens`` tokens at admission (first fit); it is freed when the
+request ends. Admission waits while no region is free, so memory never exceeds the budget.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
+from qasr.engine.native import decode_kernel
 from qasr.model.config import DecoderConfig
 from qasr.model.decoder import AttentionMeta
 
@@ -20,38 +28,97 @@ def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-class SlotKVCache:
-    def __init__(self, cfg: DecoderConfig, slots: int, capacity: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
+class RegionAllocator:
+    """First-fit allocator of contiguous token ranges in [0, capacity); merges neighbours on free."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length)
+        self.used = 0
+
+    def alloc(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + n, length - n)
+                self.used += n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        i = bisect.bisect_left(self._free, (start, 0))
+        self._free.insert(i, (start, n))
+        self.used -= n
+        # merge with the right, then the left neighbour
+        if i + 1 < len(self._free) and start + n == self._free[i + 1][0]:
+            self._free[i] = (start, n + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+
+class KVPool:
+    def __init__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
+                 use_native: bool = True) -> None:
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, tokens, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.slots = slots
-        self.capacity = capacity
+        self.tokens = tokens
+        self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5
+        self.allocator = RegionAllocator(tokens)
+        native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.kernel = decode_kernel() if (use_native and native_ok) else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMeta) -> torch.Tensor:
-        """q (N, heads, hd), k/v (N, kv_heads, hd) -> (N, heads * hd); writes k/v into the slots first."""
+        """q (N, heads, hd), k/v (N, kv_heads, hd) -> (N, heads * hd).
+
+        Rows are ordered: first ``meta.num_decode`` single-token sequences, then prefill chunks.
+        """
         kc, vc = self.k[layer], self.v[layer]
+        nd = meta.num_decode
         outs = []
-        row = 0
-        for slot, n, ctx in zip(meta.slots, meta.query_lens, meta.context_lens, strict=True):
-            end = ctx + n
-            if end > self.capacity:
-                raise RuntimeError(f"sequence of {end} tokens overflows the KV slot ({self.capacity})")
-            kc[slot, :, ctx:end] = k[row:row + n].transpose(0, 1)
-            vc[slot, :, ctx:end] = v[row:row + n].transpose(0, 1)
-            qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
-            keys, values = kc[slot, :, :end].unsqueeze(0), vc[slot, :, :end].unsqueeze(0)
-            if n == 1:
-                o = F.scaled_dot_product_attention(qi, keys, values, enable_gqa=True)
-            elif ctx == 0:
-                o = F.scaled_dot_product_attention(qi, keys, values, is_causal=True, enable_gqa=True)
+        if nd:
+            idx = meta.decode_write_index
+            kc[:, idx] = k[:nd].transpose(0, 1)
+            vc[:, idx] = v[:nd].transpose(0, 1)
+            if self.kernel is not None:
+                out = self.kernel.decode_attention(q[:nd].contiguous(), kc, vc, meta.decode_starts,
+                                                   meta.decode_lens, self.scale)
+                outs.append(out.reshape(nd, -1))
             else:
-                allowed = torch.arange(end, device=q.device)[None, :] <= (
-                    ctx + torch.arange(n, device=q.device)[:, None])
-                o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=allowed, enable_gqa=True)
-            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+                for i in range(nd):
+                    outs.append(self._one(q[i:i + 1], kc, vc, meta.starts[i], meta.context_lens[i], 1))
+        row = nd
+        for i in range(nd, len(meta.starts)):
+            n, ctx, start = meta.query_lens[i], meta.context_lens[i], meta.starts[i]
+            kc[:, start + ctx:start + ctx + n] = k[row:row + n].transpose(0, 1)
+            vc[:, start + ctx:start + ctx + n] = v[row:row + n].transpose(0, 1)
+            outs.append(self._one(q[row:row + n], kc, vc, start, ctx, n))
             row += n
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+
+    def _one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, ctx: int,
+             n: int) -> torch.Tensor:
+        """Attention of n new tokens (already written) over the sequence's first ctx + n tokens."""
+        end = start + ctx + n
+        qi = q.transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
+        keys, values = kc[:, start:end].unsqueeze(0), vc[:, start:end].unsqueeze(0)
+        if n == 1:
+            o = F.scaled_dot_product_attention(qi, keys, values, scale=self.scale, enable_gqa=True)
+        elif ctx == 0:
+            o = F.scaled_dot_product_attention(qi, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            allowed = torch.arange(ctx + n, device=q.device)[None, :] <= (
+                ctx + torch.arange(n, device=q.device)[:, None])
+            o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=allowed, scale=self.scale,
+                                               enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, -1)

@@ -19,15 +19,30 @@ from qasr.model.config import DecoderConfig
 
 @dataclass(frozen=True)
 class AttentionMeta:
-    """Where each packed sequence lives in the cache and how many tokens it brings."""
+    """Where each packed sequence lives in the cache and how many tokens it brings.
 
-    slots: tuple[int, ...]  # cache slot per sequence
+    Sequences that bring exactly one token (decode) come first; the decode tensors are built once per
+    forward so the cache does no host work per layer.
+    """
+
+    starts: tuple[int, ...]  # first cache token of each sequence's region
     query_lens: tuple[int, ...]  # new tokens per sequence in this forward
     context_lens: tuple[int, ...]  # tokens already cached per sequence before this forward
+    num_decode: int = 0  # leading sequences with exactly one new token
+    decode_starts: torch.Tensor | None = None  # (num_decode,) int64
+    decode_lens: torch.Tensor | None = None  # (num_decode,) tokens attended (context + 1)
+    decode_write_index: torch.Tensor | None = None  # (num_decode,) cache index of the new token
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
+    @classmethod
+    def build(cls, starts: list[int], query_lens: list[int], context_lens: list[int],
+              device: torch.device) -> AttentionMeta:
+        nd = 0  # a 1-token prefill chunk is attention-wise identical to a decode step
+        while nd < len(query_lens) and query_lens[nd] == 1:
+            nd += 1
+        st = torch.tensor(starts[:nd], dtype=torch.int64)
+        ctx = torch.tensor(context_lens[:nd], dtype=torch.int64)
+        return cls(tuple(starts), tuple(query_lens), tuple(context_lens), nd,
+                   st.to(device), (ctx + 1).to(device), (st + ctx).to(device))
 
 
 class KVStore(Protocol):

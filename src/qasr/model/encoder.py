@@ -143,11 +143,13 @@ class AudioEncoder(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         self.positions = sinusoid_table(self.cfg.tokens_per_chunk, self.cfg.d_model).to(device)
 
-    def conv_front(self, chunks: torch.Tensor) -> torch.Tensor:
-        """(C, 1, mel, frames) -> (C, tokens_per_chunk, d_model), in groups of conv_chunksize."""
+    def conv_front(self, chunks: torch.Tensor, conv_batch: int | None = None) -> torch.Tensor:
+        """(C, 1, mel, frames) -> (C, tokens_per_chunk, d_model), in groups of conv_batch chunks
+        (default: the checkpoint's conv_chunksize; smaller groups keep CPU activations in cache)."""
+        group = conv_batch or self.cfg.conv_chunksize
         outs = []
-        for start in range(0, chunks.shape[0], self.cfg.conv_chunksize):
-            x = chunks[start:start + self.cfg.conv_chunksize]
+        for start in range(0, chunks.shape[0], group):
+            x = chunks[start:start + group]
             x = F.gelu(self.conv2d1(x))
             x = F.gelu(self.conv2d2(x))
             x = F.gelu(self.conv2d3(x))
@@ -158,7 +160,7 @@ class AudioEncoder(nn.Module):
         assert self.positions is not None, "call init_buffers() after loading weights"
         return x + self.positions[: x.shape[1]].to(x.dtype)
 
-    def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, features: list[torch.Tensor], conv_batch: int | None = None) -> list[torch.Tensor]:
         """Per-utterance (mel, frames) features -> per-utterance (tokens, output_dim) embeddings."""
         p = self.parameters().__next__()
         pack = plan_pack([f.to(p.device, p.dtype) for f in features], self.cfg)
@@ -167,7 +169,7 @@ class AudioEncoder(nn.Module):
             window_index=pack.window_index.to(p.device), window_mask=pack.window_mask.to(p.device),
             token_counts=pack.token_counts,
         )
-        x = self.conv_front(pack.chunks)
+        x = self.conv_front(pack.chunks, conv_batch)
         x = x.reshape(-1, x.shape[-1])[pack.valid_index]
         for layer in self.layers:
             x = layer(x, pack)

@@ -1,0 +1,346 @@
+"""Synthetic English speech for the demo model: espeak-ng over many voices, with noise and padding.
+
+The demo model must really recognise speech, yet no recordings can be downloaded, so the data is
+made here: sentences from a closed but useful grammar (commands, numbers, dates, times, spelled
+codes, short everyday sentences) spoken by espeak-ng accents x voice variants at random speeds and
+pitches, padded with silence, scaled, and mixed with white/pink/brown noise or mains hum at 15-40 dB
+SNR. A few clips hold no speech at all (their target text is empty).
+
+The split is by sentence AND by voice: validation sentences never occur in training, and half of
+the validation clips use voices (accent + variant combinations, from accents and variants that are
+never trained on) so the measured WER says something about unseen speakers. The sentences that
+tests/test_demo_model.py speaks are excluded from both sets.
+
+    .venv/bin/python scripts/make_demo_data.py --out data/demo --train 12000 --val 400 --jobs 2
+
+Writes 16 kHz mono FLAC files and ``train.jsonl`` / ``val.jsonl`` (path relative to the manifest,
+text, voice, speed, pitch, snr, noise). Same seed, same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import subprocess
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+SAMPLE_RATE = 16000
+
+# Accents x variants. Training never sees the held-out accents or variants, so every held-out
+# validation voice is new in both respects.
+TRAIN_ACCENTS = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan")
+TRAIN_VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "f1", "f2", "f3", "f4", "klatt", "adam", "linda", "steph")
+HELD_OUT_VOICES = ("en-us-nyc+f5", "en-gb-x-gbcwmd+m7", "en-us-nyc+m7", "en-gb-x-gbcwmd+f5")
+
+# Spoken by tests/test_demo_model.py: grammar-conforming, never in the training or validation data.
+TEST_SENTENCES = (
+    "set an alarm for six forty five",
+    "call anna on the ninth of july",
+    "the code is k four z nine",
+    "turn off the lights in the bedroom",
+    "remind me to buy milk tomorrow morning",
+    "what is the weather like in paris on friday",
+    "book a table for three people at eight thirty",
+    "it costs twelve dollars and fifty cents",
+)
+
+# ---- grammar -------------------------------------------------------------------------------------
+
+ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen " \
+       "sixteen seventeen eighteen nineteen".split()
+TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+ORDINALS = ("first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth "
+            "fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth").split()
+MONTHS = "january february march april may june july august september october november december".split()
+WEEKDAYS = "monday tuesday wednesday thursday friday saturday sunday".split()
+LETTERS = list("bcdefghijklmnopqrstuvwxyz")  # no "a": espeak reads it as the article
+CONTACTS = ("mom", "dad", "anna", "john", "sarah", "david", "emma", "peter", "lisa", "michael", "grandma",
+            "the doctor", "the office", "my brother", "my sister", "the school", "tom", "kate")
+CITIES = ("london", "paris", "berlin", "tokyo", "madrid", "rome", "new york", "chicago", "boston", "sydney",
+          "dublin", "toronto", "vienna", "oslo", "lisbon", "seattle")
+ROOMS = ("kitchen", "bedroom", "living room", "bathroom", "office", "garage", "hallway", "garden")
+DEVICES = ("lights", "heating", "fan", "radio", "television", "oven", "music", "air conditioning", "lamp")
+ITEMS = ("milk", "bread", "eggs", "apples", "coffee", "rice", "cheese", "butter", "tea", "oranges", "water",
+         "sugar", "tomatoes", "potatoes", "chicken", "fish", "bananas", "juice")
+TASKS = ("buy milk", "call mom", "water the plants", "take the medicine", "pay the rent", "walk the dog",
+         "send the report", "book the tickets", "pick up the kids", "clean the kitchen", "check the email",
+         "feed the cat", "go to the bank", "charge the phone", "lock the door", "read the letter")
+PLACES = ("the airport", "the station", "the hospital", "the office", "the park", "the city center",
+          "the nearest gas station", "the beach", "the museum", "the library", "the hotel", "the school")
+APPS = ("camera", "calendar", "settings", "music player", "map", "calculator", "browser", "photos", "clock")
+GENRES = ("jazz", "rock", "classical", "pop", "country", "relaxing", "dance")
+PHRASES = ("i am running late", "see you soon", "i am on my way", "call me back", "happy birthday",
+           "thank you very much", "i will be home at six", "good night", "the meeting is cancelled",
+           "where are you", "let us meet tomorrow", "dinner is ready")
+FIXED = ("what time is it", "what day is it today", "how are you today", "stop", "cancel", "yes please",
+         "no thank you", "good morning", "good evening", "turn the volume up", "turn the volume down",
+         "play the next song", "stop the music", "pause", "repeat that please", "hello", "thank you",
+         "what is the date today", "go back", "never mind", "read my messages", "take a picture")
+SUBJECTS = ("the dog", "the cat", "my friend", "the teacher", "the little girl", "the old man", "my mother",
+            "the driver", "our neighbor", "the doctor", "the children", "my father", "the bird", "the team")
+VERBS = ("likes", "wants", "found", "has", "sees", "needs", "bought", "lost", "opened", "painted", "took")
+ADJECTIVES = ("red", "big", "small", "old", "new", "green", "blue", "heavy", "white", "black", "yellow",
+              "warm", "cold", "long", "short", "happy", "quiet")
+NOUNS = ("ball", "book", "car", "house", "box", "door", "window", "table", "chair", "letter", "bag",
+         "hat", "key", "cup", "bottle", "bike", "garden", "picture", "phone", "coat")
+WHERE = ("in the kitchen", "at the station", "in the park", "near the river", "on the table", "at home",
+         "in the garden", "at school", "under the bed", "by the window")
+
+
+def number(n: int) -> str:
+    """0..999 in words, American style without "and" (e.g. two hundred fifty)."""
+    if n < 20:
+        return ONES[n]
+    if n < 100:
+        return TENS[n // 10] + ("" if n % 10 == 0 else " " + ONES[n % 10])
+    rest = n % 100
+    return ONES[n // 100] + " hundred" + ("" if rest == 0 else " " + number(rest))
+
+
+def small(r: random.Random, hi: int = 60) -> str:
+    return number(r.randint(1, hi)) if r.random() < 0.85 else number(r.randint(1, 999))
+
+
+def count(r: random.Random, unit: str, hi: int = 60) -> str:
+    """A quantity with its unit, singular for one ("one minute", "twenty minutes")."""
+    n = r.randint(1, hi) if r.random() < 0.85 else r.randint(1, 999)
+    return f"{number(n)} {unit}" + ("" if n == 1 else "s")
+
+
+def clock(r: random.Random) -> str:
+    h = number(r.randint(1, 12))
+    m = r.randint(0, 59)
+    kind = r.random()
+    if kind < 0.2:
+        return h
+    if kind < 0.3:
+        return r.choice(("half past ", "quarter past ", "quarter to ")) + h
+    if kind < 0.4:
+        return h + r.choice((" in the morning", " in the evening", " in the afternoon"))
+    if kind < 0.45:
+        return r.choice(("noon", "midnight"))
+    if m == 0:
+        return h + " hundred" if r.random() < 0.1 else h
+    return h + (" oh " + ONES[m] if m < 10 else " " + number(m))
+
+
+def date(r: random.Random) -> str:
+    day, month = r.choice(ORDINALS[:20] + ["twenty " + o for o in ORDINALS[:9]] + ["thirtieth", "thirty first"]), \
+        r.choice(MONTHS)
+    kind = r.random()
+    if kind < 0.45:
+        return f"the {day} of {month}"
+    if kind < 0.7:
+        return f"{month} {day}"
+    if kind < 0.85:
+        return f"{r.choice(WEEKDAYS)} the {day}"
+    return r.choice(("next ", "this ", "")) + r.choice(WEEKDAYS)
+
+
+def when(r: random.Random) -> str:
+    k = r.random()
+    if k < 0.35:
+        return "at " + clock(r)
+    if k < 0.6:
+        return "on " + date(r)
+    if k < 0.8:
+        return r.choice(("tomorrow", "today", "tonight", "tomorrow morning", "this evening", "next week"))
+    return "on " + date(r) + " at " + clock(r)
+
+
+def code(r: random.Random) -> str:
+    return " ".join(r.choice(LETTERS) if r.random() < 0.55 else ONES[r.randint(0, 9)] for _ in range(r.randint(2, 6)))
+
+
+def digits(r: random.Random, lo: int, hi: int) -> str:
+    return " ".join(ONES[r.randint(0, 9)] for _ in range(r.randint(lo, hi)))
+
+
+def sentence(r: random.Random) -> str:
+    """One random sentence; the templates are weighted by how often such requests come up."""
+    c = r.choice
+    templates = [
+        lambda: f"set an alarm for {clock(r)}" + c(("", " tomorrow", " on " + c(WEEKDAYS), " on " + date(r))),
+        lambda: f"wake me up at {clock(r)}" + c(("", " tomorrow", " on " + c(WEEKDAYS))),
+        lambda: f"set a timer for {count(r, c(('minute', 'second', 'hour')))}",
+        lambda: f"remind me to {c(TASKS)} {when(r)}",
+        lambda: f"call {c(CONTACTS)}" + c(("", " " + when(r), " on " + date(r))),
+        lambda: f"send a message to {c(CONTACTS)} saying {c(PHRASES)}",
+        lambda: f"the code is {code(r)}",
+        lambda: f"my number is {digits(r, 4, 7)}",
+        lambda: f"my initials are {c(LETTERS)} {c(LETTERS)}",
+        lambda: f"turn {c(('on', 'off'))} the {c(DEVICES)}" + c(("", f" in the {c(ROOMS)}")),
+        lambda: f"set the temperature to {number(r.randint(10, 30))} degrees",
+        lambda: f"what is the weather like in {c(CITIES)}" + c(("", " today", " tomorrow", f" on {c(WEEKDAYS)}")),
+        lambda: f"add {c(ITEMS)} to the shopping list",
+        lambda: f"add {small(r, 12)} {c(ITEMS)} and {c(ITEMS)} to my list",
+        lambda: f"play some {c(GENRES)} music",
+        lambda: f"how much is {small(r, 20)} {c(('plus', 'minus', 'times'))} {small(r, 20)}",
+        lambda: f"book a table for {number(r.randint(2, 12))} people {when(r)}",
+        lambda: f"the meeting is on {date(r)} at {clock(r)}",
+        lambda: f"i will be there in {count(r, 'minute')}",
+        lambda: f"it costs {count(r, 'dollar', 99)}" + c(("", f" and {number(r.randint(2, 99))} cents")),
+        lambda: f"open the {c(APPS)}",
+        lambda: f"navigate to {c(PLACES)}",
+        lambda: f"how far is {c(PLACES)} from here",
+        lambda: f"my flight to {c(CITIES)} leaves {when(r)}",
+        lambda: f"the train to {c(CITIES)} leaves from platform {number(r.randint(1, 20))}",
+        lambda: f"room {number(r.randint(1, 999))} is on the {c(ORDINALS[:12])} floor",
+        lambda: f"flight {c(LETTERS)} {c(LETTERS)} {number(r.randint(10, 999))} is delayed",
+        lambda: f"{c(SUBJECTS)} {c(VERBS)} the {c(ADJECTIVES)} {c(NOUNS)}" + c(("", " " + c(WHERE))),
+        lambda: f"please put the {c(NOUNS)} {c(WHERE)}",
+        lambda: f"{c(SUBJECTS)} is {c(WHERE)}",
+        lambda: c(FIXED),
+        lambda: small(r, 999),
+        lambda: date(r),
+        lambda: clock(r),
+    ]
+    weights = [4, 2, 3, 4, 4, 2, 4, 2, 1, 3, 2, 2, 2, 1, 1, 2, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 1, 4, 1, 1, 2, 1, 1, 1]
+    return " ".join(r.choices(templates, weights)[0]().split())
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Clip:
+    path: str  # relative to the manifest
+    text: str
+    voice: str
+    speed: int
+    pitch: int
+    snr: float | None  # dB of speech over noise; None for clean and for noise-only clips
+    noise: str
+    seed: int
+
+
+def espeak(text: str, voice: str, speed: int, pitch: int) -> np.ndarray:
+    """espeak-ng's 22.05 kHz output resampled to 16 kHz float32 (text on stdin, WAV on stdout)."""
+    out = subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdout", "--stdin"],
+                         input=text.encode(), capture_output=True, check=True).stdout
+    if not out:
+        raise RuntimeError(f"espeak-ng produced no audio for voice {voice!r}")
+    wav, sr = sf.read(io.BytesIO(out), dtype="float32")
+    return soxr.resample(wav, sr, SAMPLE_RATE).astype(np.float32)
+
+
+def make_noise(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Unit-RMS noise of a colour; real microphones add hiss, rumble and hum rather than white noise only."""
+    white = rng.standard_normal(n)
+    if kind == "white":
+        x = white
+    elif kind in ("pink", "brown"):
+        spec = np.fft.rfft(white)
+        f = np.maximum(np.arange(len(spec)), 1.0)
+        spec /= np.sqrt(f) if kind == "pink" else f
+        x = np.fft.irfft(spec, n)
+    else:  # mains hum with harmonics over faint hiss
+        t = np.arange(n) / SAMPLE_RATE
+        base = rng.choice([50.0, 60.0])
+        x = sum(np.sin(2 * np.pi * base * k * t + rng.uniform(0, 6.3)) / k for k in (1, 2, 3, 5)) + 0.1 * white
+    x = x - x.mean()
+    return (x / (np.sqrt(np.mean(x**2)) + 1e-12)).astype(np.float32)
+
+
+def render(clip: Clip, root: Path) -> float:
+    """Write one clip; return its duration in seconds."""
+    rng = np.random.default_rng(clip.seed)
+    speech = espeak(clip.text, clip.voice, clip.speed, clip.pitch) if clip.text else np.zeros(0, np.float32)
+    lead, tail = (int(rng.uniform(0.05, 0.8) * SAMPLE_RATE) for _ in range(2))
+    body = speech if clip.text else np.zeros(int(rng.uniform(0.5, 4.0) * SAMPLE_RATE), np.float32)
+    wave = np.concatenate([np.zeros(lead, np.float32), body, np.zeros(tail, np.float32)])
+    peak = 10 ** (rng.uniform(-20, -1) / 20)
+    if clip.text:
+        wave *= peak / (np.abs(wave).max() + 1e-9)
+        if clip.snr is not None:
+            rms = np.sqrt(np.mean(speech**2)) * peak / (np.abs(speech).max() + 1e-9)
+            wave += make_noise(clip.noise, len(wave), rng) * rms / 10 ** (clip.snr / 20)
+    elif clip.noise != "silence":
+        wave += make_noise(clip.noise, len(wave), rng) * peak * 10 ** (rng.uniform(-35, -10) / 20)
+    wave += rng.standard_normal(len(wave)).astype(np.float32) * 1e-5  # a recording is never digital zero
+    wave = np.clip(wave, -1.0, 1.0)
+    out = root / clip.path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(out, wave, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+    return len(wave) / SAMPLE_RATE
+
+
+def render_many(clips: list[Clip], root: Path) -> list[float]:
+    return [render(c, root) for c in clips]
+
+
+# ---- planning ------------------------------------------------------------------------------------
+
+
+def unique_sentences(r: random.Random, n: int, exclude: set[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    tries = 0
+    while len(seen) < n:
+        s = sentence(r)
+        tries += 1
+        if s not in exclude:
+            seen.setdefault(s)
+        if tries > 50 * n:
+            raise RuntimeError(f"the grammar yields only {len(seen)} distinct sentences, {n} requested")
+    return list(seen)
+
+
+def plan(split: str, texts: list[str], voices: list[str], silent: int, r: random.Random) -> list[Clip]:
+    clips = []
+    for i, text in enumerate(texts + [""] * silent):
+        clean = r.random() < 0.1
+        noise = r.choice(("white", "pink", "brown", "hum")) if text or r.random() < 0.8 else "silence"
+        noise = "none" if text and clean else noise
+        snr = None if clean or not text else round(r.uniform(15, 40), 1)
+        clips.append(Clip(path=f"{split}/{i // 1000:02d}/{split}_{i:05d}.flac", text=text,
+                          voice=voices[i % len(voices)] if text else "", speed=r.randint(130, 190),
+                          pitch=r.randint(25, 75), snr=snr, noise=noise,
+                          seed=r.getrandbits(63)))
+    return clips
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("data/demo"))
+    ap.add_argument("--train", type=int, default=12000, help="training sentences (one clip each)")
+    ap.add_argument("--val", type=int, default=400, help="validation sentences (one clip each)")
+    ap.add_argument("--silent", type=float, default=0.03, help="extra noise-only clips, as a fraction")
+    ap.add_argument("--jobs", type=int, default=2, help="espeak worker processes (keep it small)")
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args()
+    r = random.Random(args.seed)
+    texts = unique_sentences(r, args.train + args.val, set(TEST_SENTENCES))
+    r.shuffle(texts)
+    val_texts, train_texts = texts[:args.val], texts[args.val:]
+    train_voices = [f"{a}+{v}" if v else a for a in TRAIN_ACCENTS for v in TRAIN_VARIANTS]
+    tv = [r.choice(train_voices) for _ in train_texts]
+    vv = [r.choice(train_voices) if i % 2 else HELD_OUT_VOICES[(i // 2) % len(HELD_OUT_VOICES)]
+          for i in range(len(val_texts))]
+    splits = {"train": plan("train", train_texts, tv, int(args.silent * len(train_texts)), r),
+              "val": plan("val", val_texts, vv, max(8, int(args.silent * len(val_texts))), r)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    for name, clips in splits.items():
+        parts = [clips[i::max(1, args.jobs * 4)] for i in range(max(1, args.jobs * 4))]
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            durations = dict(zip((c.path for p in parts for c in p),
+                                 (d for ds in pool.map(render_many, parts, [args.out] * len(parts)) for d in ds),
+                                 strict=True))
+        with open(args.out / f"{name}.jsonl", "w") as f:
+            for c in clips:
+                f.write(json.dumps(dict(asdict(c), duration=round(durations[c.path], 3))) + "\n")
+        hours = sum(durations.values()) / 3600
+        print(f"{name}: {len(clips)} clips, {hours:.2f} h of audio ({time.time() - start:.0f} s so far)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Train the small demo model (exact Qwen3-ASR architecture) on the synthetic data of make_demo_data.py.
+
+Why this exists: qasr needs a checkpoint that really recognises speech offline, for the demo and for
+end-to-end tests, and the released weights cannot be downloaded everywhere. So a few-million-parameter
+model with the released architecture is trained here with qasr's OWN modules (encoder, decoder, log-mel,
+prompt builder, tokenizer files), and saved in the original release layout, so that loading it
+exercises exactly the code path of the real checkpoints.
+
+Training is plain teacher forcing on the official prompt: the assistant turn is
+``language English<asr_text>{text}<|im_end|>`` (``language None<asr_text><|im_end|>`` for clips without
+speech) and only those tokens are scored. An auxiliary CTC head on the audio embeddings (thrown away
+at save time) makes the encoder learn useful features sooner, which matters on a one-core budget.
+Augmentation: speed perturbation, random gain, SpecAugment-style masks.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_demo_model.py --data data/demo --out models/qasr-demo-en
+
+Deterministic for a given seed and thread count (one thread by default: the budget is 45 min on one core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qasr.features import LogMel
+from qasr.model.asr_model import Qwen3ASRModel
+from qasr.model.config import ModelConfig
+from qasr.model.prompt import SpecialTokens, build_prompt
+from qasr.model.tokenizer import Tokenizer
+from qasr.testing.checkpoint import _configs, _rename, _save
+from qasr.testing.tokenizer_files import write_tiny_tokenizer
+
+SR = 16000
+DIMS: dict[str, int] = dict(
+    d_model=256, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=1024, downsample_hidden_size=64,
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64,
+)
+
+
+@dataclass
+class Utt:
+    wave: np.ndarray  # int16, 16 kHz
+    text: str
+    voice: str
+
+
+def load_split(manifest: Path, limit: int | None = None) -> list[Utt]:
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()][:limit]
+    out = []
+    for row in rows:
+        wave, sr = sf.read(manifest.parent / row["path"], dtype="int16")
+        assert sr == SR, f"{row['path']}: {sr} Hz"
+        out.append(Utt(wave, row["text"], row["voice"]))
+    return out
+
+
+class PackedCausalStore:
+    """Cache-free KVStore for training: causal attention within each packed sequence, differentiable.
+
+    Sequences are scattered into a padded (batch, max_len) layout so one SDPA call serves the batch;
+    lengths are similar within a batch (duration buckets), so little work goes to padding.
+    """
+
+    def __init__(self, lens: list[int]) -> None:
+        total, longest = sum(lens), max(lens)
+        index = torch.full((len(lens), longest), total, dtype=torch.long)
+        offset = 0
+        for i, n in enumerate(lens):
+            index[i, :n] = torch.arange(offset, offset + n)
+            offset += n
+        self.index = index
+        self.valid = (index < total).reshape(-1)
+        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+        self.mask = (causal[None] & (index < total)[:, None, :])[:, None]  # (B, 1, L, L)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object) -> torch.Tensor:
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.index].transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, out.shape[1] * out.shape[3])[self.valid]
+
+
+class Trainer:
+    def __init__(self, model: Qwen3ASRModel, tok: Tokenizer, special: SpecialTokens, args: argparse.Namespace):
+        self.model, self.tok, self.special, self.args = model, tok, special, args
+        self.logmel = LogMel()
+        lang = {True: tok.encode("language English"), False: tok.encode("language None")}
+        self.prefix = {k: [*v, special.asr_text] for k, v in lang.items()}
+        vocab = model.cfg.decoder.vocab_size
+        self.ctc_head = nn.Linear(model.cfg.decoder.hidden_size, vocab + 1)  # last index = CTC blank
+
+    def target(self, text: str) -> list[int]:
+        return [*self.prefix[bool(text)], *(self.tok.encode(text) if text else []), self.special.im_end]
+
+    def features(self, utts: list[Utt], rng: np.random.Generator | None) -> list[torch.Tensor]:
+        feats = []
+        for u in utts:
+            wave = u.wave.astype(np.float32) / 32768.0
+            if rng is not None:
+                speed = rng.uniform(0.9, 1.1)
+                wave = soxr.resample(wave, SR * speed, SR).astype(np.float32)
+                wave *= 10 ** (rng.uniform(-10, 6) / 20)
+                wave = np.clip(wave, -1, 1)
+            f = self.logmel(wave)
+            if rng is not None:
+                f = spec_augment(f, rng)
+            feats.append(f)
+        return feats
+
+    def loss(self, utts: list[Utt], rng: np.random.Generator) -> tuple[torch.Tensor, float, float]:
+        audio = self.model.audio_tower(self.features(utts, rng))
+        ids, lens, rows, labels = [], [], [], []
+        for a, u in zip(audio, utts, strict=True):
+            prompt = build_prompt(self.tok, self.special, a.shape[0])
+            tgt = self.target(u.text)
+            base = len(ids)
+            rows += range(base + len(prompt) - 1, base + len(prompt) + len(tgt) - 1)
+            labels += tgt
+            ids += prompt + tgt
+            lens.append(len(prompt) + len(tgt))
+        positions = torch.cat([torch.arange(n) for n in lens])
+        logits = self.model(torch.tensor(ids), positions, PackedCausalStore(lens), None,  # type: ignore[arg-type]
+                            logits_rows=torch.tensor(rows), audio_embeds=torch.cat(audio))
+        ce = F.cross_entropy(logits, torch.tensor(labels), label_smoothing=self.args.label_smoothing)
+        ctc = self.ctc(audio, utts) if self.args.ctc_weight > 0 else torch.zeros(())
+        return ce + self.args.ctc_weight * ctc, float(ce), float(ctc)
+
+    def ctc(self, audio: list[torch.Tensor], utts: list[Utt]) -> torch.Tensor:
+        blank = self.model.cfg.decoder.vocab_size
+        logp = self.ctc_head(nn.utils.rnn.pad_sequence(audio)).log_softmax(-1)  # (T, B, V + 1)
+        targets = [self.tok.encode(u.text) if u.text else [] for u in utts]
+        loss = F.ctc_loss(logp, torch.tensor([t for ts in targets for t in ts], dtype=torch.long),
+                          torch.tensor([a.shape[0] for a in audio]), torch.tensor([len(t) for t in targets]),
+                          blank=blank, reduction="sum", zero_infinity=True)
+        return loss / max(1, sum(len(t) + 1 for t in targets))
+
+    @torch.no_grad()
+    def greedy(self, utts: list[Utt], max_new: int = 48) -> list[str]:
+        """Greedy decoding without a KV cache (recomputes each step; fine for a quick progress check)."""
+        self.model.eval()
+        audio = self.model.audio_tower(self.features(utts, None))
+        seqs = [build_prompt(self.tok, self.special, a.shape[0]) for a in audio]
+        start = [len(s) for s in seqs]
+        active = list(range(len(utts)))
+        for _ in range(max_new):
+            if not active:
+                break
+            lens = [len(seqs[i]) for i in active]
+            ids = torch.tensor([t for i in active for t in seqs[i]])
+            rows = torch.tensor(lens).cumsum(0) - 1
+            logits = self.model(ids, torch.cat([torch.arange(n) for n in lens]), PackedCausalStore(lens),
+                                None, logits_rows=rows,  # type: ignore[arg-type]
+                                audio_embeds=torch.cat([audio[i] for i in active]))
+            nxt = logits.argmax(-1).tolist()
+            for i, t in zip(active, nxt, strict=True):
+                seqs[i].append(t)
+            active = [i for i, t in zip(active, nxt, strict=True) if t != self.special.im_end]
+        self.model.train()
+        texts = []
+        for s, n in zip(seqs, start, strict=True):
+            raw = self.tok.decode([t for t in s[n:] if t != self.special.im_end])
+            texts.append(raw.split("<asr_text>", 1)[-1].strip())
+        return texts
+
+
+def spec_augment(f: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    """Two frequency masks and up to two short time masks, filled with the utterance mean."""
+    f = f.clone()
+    fill = float(f.mean())
+    for _ in range(2):
+        w = int(rng.integers(0, 16))
+        s = int(rng.integers(0, f.shape[0] - w + 1))
+        f[s:s + w] = fill
+    for _ in range(int(rng.integers(0, 3))):
+        w = int(rng.integers(0, max(1, min(20, f.shape[1] // 10))))
+        s = int(rng.integers(0, max(1, f.shape[1] - w)))
+        f[:, s:s + w] = fill
+    return f
+
+
+def batches(utts: list[Utt], seconds: float, rng: np.random.Generator) -> list[list[Utt]]:
+    """Shuffled batches of similar duration, each holding about ``seconds`` of audio."""
+    order = sorted(range(len(utts)), key=lambda i: len(utts[i].wave) + rng.uniform(0, 0.3 * SR))
+    out, cur, total = [], [], 0.0
+    for i in order:
+        cur.append(utts[i])
+        total += len(utts[i].wave) / SR
+        if total >= seconds:
+            out.append(cur)
+            cur, total = [], 0.0
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)  # type: ignore[arg-type]
+    return out
+
+
+def wer(refs: list[str], hyps: list[str]) -> float:
+    import jiwer
+
+    pairs = [(r, h) for r, h in zip(refs, hyps, strict=True) if r]
+    return jiwer.wer([r for r, _ in pairs], [h or "<empty>" for _, h in pairs])
+
+
+def save(model: Qwen3ASRModel, dims: dict[str, int], specials: dict[str, int], out: Path, dtype: torch.dtype) -> None:
+    """Write config/generation/preprocessor JSON and ``thinker.*`` safetensors (the original release layout)."""
+    original, _ = _configs(dims, specials, model.cfg.decoder.vocab_size, tied=False)
+    original["support_languages"] = ["English"]
+    original["thinker_config"]["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(original, indent=2))
+    eos = [specials["<|im_end|>"], specials["<|endoftext|>"]]
+    (out / "generation_config.json").write_text(json.dumps(
+        dict(do_sample=False, eos_token_id=eos, pad_token_id=specials["<|endoftext|>"], max_new_tokens=128), indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        dict(feature_extractor_type="WhisperFeatureExtractor", feature_size=128, sampling_rate=SR, hop_length=160,
+             n_fft=400, chunk_length=30, padding_value=0.0, return_attention_mask=True, padding_side="right",
+             dither=0.0), indent=2))
+    state = {_rename(k, "original"): v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    _save(state, out, shards=1)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def init_weights(model: nn.Module) -> None:
+    """GPT-style init (N(0, 0.02) linears and embeddings, zero biases); norms keep their ones."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=Path("data/demo"))
+    ap.add_argument("--out", type=Path, default=Path("models/qasr-demo-en"))
+    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--batch-seconds", type=float, default=40.0)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--ctc-weight", type=float, default=0.3)
+    ap.add_argument("--label-smoothing", type=float, default=0.05)
+    ap.add_argument("--vocab-budget", type=int, default=1000)
+    ap.add_argument("--dims", default="", help="overrides, e.g. d_model=192,encoder_layers=3")
+    ap.add_argument("--train-limit", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=600)
+    ap.add_argument("--max-minutes", type=float, default=44.0, help="stop early (and save) past this wall time")
+    ap.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    dims = {**DIMS, **{k: int(v) for k, v in (kv.split("=") for kv in args.dims.split(",") if kv)}}
+
+    train = load_split(args.data / "train.jsonl", args.train_limit)
+    val = load_split(args.data / "val.jsonl")
+    monitor = [u for u in val if u.text][:96] + [u for u in val if not u.text][:4]
+    print(f"loaded {len(train)} train / {len(val)} val clips in {time.time() - t0:.0f} s", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    corpus = "\n".join(sorted({u.text for u in train if u.text}))
+    specials = write_tiny_tokenizer(args.out, extra_text=corpus, vocab_budget=args.vocab_budget)
+    tok = Tokenizer.from_dir(args.out)
+    original, _ = _configs(dims, specials, max(specials.values()) + 1, tied=False)
+    cfg = ModelConfig.from_dict(original)
+    model = Qwen3ASRModel(cfg)
+    init_weights(model)
+    model.init_buffers("cpu")
+    special = SpecialTokens.resolve(tok, cfg.audio_token_id, cfg.audio_start_token_id, cfg.audio_end_token_id)
+    trainer = Trainer(model, tok, special, args)
+    params = list(model.parameters()) + list(trainer.ctc_head.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.01), dict(params=no_decay, weight_decay=0.0)],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-9)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model {n_params / 1e6:.2f} M params, vocab {cfg.decoder.vocab_size}, dims {dims}", flush=True)
+
+    model.train()
+    step, epoch, seen = 0, 0, 0.0
+    pending: list[list[Utt]] = []
+    log_ce = log_ctc = 0.0
+    stopped_early = False
+    while step < args.steps:
+        if not pending:
+            pending = batches(train, args.batch_seconds, rng)
+            epoch += 1
+        batch = pending.pop()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        loss, ce, ctc = trainer.loss(batch, rng)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        seen += sum(len(u.wave) for u in batch) / SR
+        log_ce += ce
+        log_ctc += ctc
+        if step % 50 == 0:
+            print(f"step {step} epoch {epoch} ce {log_ce / 50:.3f} ctc {log_ctc / 50:.3f} "
+                  f"lr {opt.param_groups[0]['lr']:.2e} audio {seen / 3600:.1f} h {(time.time() - t0) / 60:.1f} min",
+                  flush=True)
+            log_ce = log_ctc = 0.0
+        if step % args.eval_every == 0 or step == args.steps:
+            hyps = [h for i in range(0, len(monitor), 25) for h in trainer.greedy(monitor[i:i + 25])]
+            silent_ok = sum(not h for u, h in zip(monitor, hyps, strict=True) if not u.text)
+            print(f"  val WER {100 * wer([u.text for u in monitor], hyps):.2f}% on {len(monitor) - 4} clips, "
+                  f"silence empty {silent_ok}/4; e.g. {monitor[0].text!r} -> {hyps[0]!r}", flush=True)
+        if (time.time() - t0) / 60 > args.max_minutes:
+            print(f"stopping early at step {step}: past {args.max_minutes} min", flush=True)
+            stopped_early = True
+            break
+
+    save(model, dims, specials, args.out, getattr(torch, args.save_dtype))
+    minutes = (time.time() - t0) / 60
+    info = dict(steps=step, epochs=epoch, audio_hours_seen=round(seen / 3600, 2), minutes=round(minutes, 1),
+                threads=args.threads, params=n_params, train_clips=len(train), dims=dims, seed=args.seed,
+                stopped_early=stopped_early, args={k: str(v) for k, v in vars(args).items()})
+    (args.out / "training.json").write_text(json.dumps(info, indent=2))
+    print(f"saved {args.out} after {minutes:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

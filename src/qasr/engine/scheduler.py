@@ -1,0 +1,86 @@
+"""Decides what each engine step does: admissions, encoder work, prefill chunks, decode rows.
+
+Pure bookkeeping on Request objects; no tensors are touched here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from qasr.engine.kv_cache import RegionAllocator
+from qasr.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 64  # sequences holding a KV region at once
+    prefill_tokens: int = 2048  # prompt tokens per step (chunked prefill), shared with decode rows
+    encoder_tokens: int = 4096  # encoder output tokens per step (about 5 min of audio)
+
+
+@dataclass
+class StepPlan:
+    encode: list[Request]
+    decode: list[Request]  # one token each
+    prefill: list[tuple[Request, int]]  # (request, chunk length)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: RegionAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # admitted, holding a KV region, in admission order
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def admit(self) -> tuple[list[Request], list[Request]]:
+        """Move waiting requests into KV regions, oldest first. Returns (admitted, impossible)."""
+        admitted, impossible = [], []
+        while self.waiting and len(self.active) < self.config.max_running:
+            req = self.waiting[0]
+            if req.future.cancelled():
+                self.waiting.popleft()
+                continue
+            if req.needs_tokens > self.allocator.capacity:
+                impossible.append(self.waiting.popleft())
+                continue
+            start = self.allocator.alloc(req.needs_tokens)
+            if start is None:
+                break  # wait for a region to free up; FIFO keeps latency fair
+            self.waiting.popleft()
+            req.start, req.reserved = start, req.needs_tokens
+            self.active.append(req)
+            admitted.append(req)
+        return admitted, impossible
+
+    def plan(self) -> StepPlan:
+        encode, budget = [], self.config.encoder_tokens
+        for req in self.active:
+            if req.audio is None:
+                n = req.audio_tokens
+                if encode and n > budget:
+                    break
+                encode.append(req)
+                budget -= n
+        decode = [r for r in self.active if r.prefill_done]
+        prefill, budget = [], max(self.config.prefill_tokens - len(decode), 1)
+        for req in self.active:
+            if req.audio is None and req not in encode:
+                continue
+            if req.prefill_done or budget <= 0:
+                continue
+            n = min(len(req.prompt) - req.prefilled, budget)
+            prefill.append((req, n))
+            budget -= n
+        return StepPlan(encode, decode, prefill)
+
+    def finish(self, req: Request) -> None:
+        self.active.remove(req)
+        self.allocator.free(req.start, req.reserved)
