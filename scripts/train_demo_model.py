@@ -336,11 +336,82 @@ def main() -> None:
 
     save(model, dims, specials, args.out, getattr(torch, args.save_dtype))
     minutes = (time.time() - t0) / 60
-    info = dict(steps=step, epochs=epoch, audio_hours_seen=round(seen / 3600, 2), minutes=round(minutes, 1),
-                threads=args.threads, params=n_params, train_clips=len(train), dims=dims, seed=args.seed,
-                stopped_early=stopped_early, args={k: str(v) for k, v in vars(args).items()})
-    (args.out / "training.json").write_text(json.dumps(info, indent=2))
+    hours = sum(len(u.wave) for u in train) / SR / 3600
+    run = (f"{step} steps ({epoch} epochs, {seen / 3600:.1f} h of audio seen) in {minutes:.1f} min on {args.threads} "
+           f"CPU thread(s){', stopped early by --max-minutes' if stopped_early else ''}; seed {args.seed}; command: "
+           f"`scripts/train_demo_model.py {' '.join(_cli(args))}`")
+    write_card(args.out, dims, n_params, cfg.decoder.vocab_size, len(train), hours, run, args.save_dtype)
     print(f"saved {args.out} after {minutes:.1f} min", flush=True)
+
+
+def _cli(args: argparse.Namespace) -> list[str]:
+    return [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and v != ""]
+
+
+def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, clips: int, hours: float, run: str,
+               dtype: str) -> None:
+    """The model card: what the model is, how it was made, and what it cannot do."""
+    card = out / "README.md"
+    evaluation = "Not measured yet: run `scripts/eval_demo_model.py --update-card`."
+    if card.exists() and "<!-- eval:start -->" in card.read_text():
+        evaluation = card.read_text().split("<!-- eval:start -->")[1].split("<!-- eval:end -->")[0].strip()
+    enc = ", ".join(f"{k} {dims[k]}" for k in ("d_model", "encoder_layers", "encoder_attention_heads",
+                                                "encoder_ffn_dim", "downsample_hidden_size"))
+    dec = ", ".join(f"{k} {dims[k]}" for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                "num_attention_heads", "num_key_value_heads", "head_dim"))
+    card.write_text(f"""# qasr-demo-en
+
+A toy English speech recogniser with the exact Qwen3-ASR architecture ({n_params / 1e6:.1f} M parameters),
+trained from scratch with qasr's own model code so that `make demo` and the end-to-end tests recognise
+real words offline. It is **not** Qwen3-ASR: it knows only the small grammar below and only synthetic voices.
+
+```python
+from qasr import ASR
+asr = ASR.from_pretrained("models/qasr-demo-en")
+print(asr.transcribe("examples/alarm.flac")[0].text)
+```
+
+## Files
+
+The original Qwen3-ASR release layout: `config.json` (`thinker_config`), `generation_config.json`,
+`preprocessor_config.json`, `vocab.json` + `merges.txt` + `tokenizer_config.json` (byte-level BPE, {vocab}
+ids including the Qwen control tokens), and `model.safetensors` with `thinker.*` keys in {dtype}.
+
+- audio encoder: {enc}; num_mel_bins 128, n_window 50, n_window_infer 800 (as released)
+- text decoder: {dec}; untied LM head
+
+## Training data
+
+`scripts/make_demo_data.py`: {clips} clips ({hours:.1f} h) of espeak-ng speech, one sentence each, from a
+closed grammar of about 400 words: voice-assistant commands (alarms, timers, reminders, calls, messages,
+smart-home, weather, shopping, navigation), numbers up to 999 as words, dates, clock times, spelled codes
+of letters and digits, and short everyday sentences. Voices: 6 espeak-ng English accents x 15 voice
+variants; speed 130-190 wpm, pitch 25-75; 0.05-0.8 s of silence on both sides; random level; white, pink,
+brown noise or mains hum at 15-40 dB SNR (10% clean); 3% of the clips hold no speech (target: empty).
+Text is lowercase, without punctuation, numbers spelled out.
+
+## Training
+
+`scripts/train_demo_model.py`: teacher forcing on the official prompt (empty context, the assistant
+turn `language English<asr_text>{{text}}<|im_end|>`, or `language None<asr_text><|im_end|>` for clips
+without speech), loss on the assistant turn only, plus an auxiliary CTC loss on the audio embeddings (its
+head is not saved); AdamW, warm-up then cosine decay; speed perturbation 0.9-1.1, random gain, SpecAugment
+masks. {run}.
+
+## Evaluation
+
+<!-- eval:start -->
+{evaluation}
+<!-- eval:end -->
+
+## Limits
+
+- English only, and only the grammar's vocabulary: any other word comes out as the nearest word it knows.
+- Trained and tested on espeak-ng voices only; real human speech will mostly fail.
+- Output is lowercase without punctuation; numbers come out as words.
+- Clips of about 0.5-8 s; longer speech was never seen in training.
+- Language identification is not learned: speech is always labelled English.
+""")
 
 
 if __name__ == "__main__":

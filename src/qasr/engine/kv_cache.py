@@ -64,8 +64,9 @@ class KVPool:
     def __init__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
                  use_native: bool = True) -> None:
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, tokens, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # empty, not zeros: every slot is written before it is read, and untouched pages cost no RAM
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
         self.tokens = tokens
         self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5

@@ -105,7 +105,7 @@ def random_state_dict(cfg: ModelConfig, seed: int, std: float = 0.2, tied: bool 
 def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed: int = 0,
                          max_new_tokens: int = 64, extra_text: str = "", vocab_budget: int = 400,
                          shards: int = 1, dtype: torch.dtype = torch.float32, tied: bool = False,
-                         **dims: int) -> Path:
+                         std: float = 0.2, **dims: int) -> Path:
     """Write a loadable random checkpoint; ``dims`` override TINY_DIMS (see QWEN3_ASR_0_6B_DIMS)."""
     if layout not in ("original", "hf"):
         raise ValueError(f"layout must be 'original' or 'hf', got {layout!r}")
@@ -125,8 +125,8 @@ def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed
         dict(feature_extractor_type="WhisperFeatureExtractor", feature_size=128, sampling_rate=16000,
              hop_length=160, n_fft=400, chunk_length=30, padding_value=0.0, return_attention_mask=True,
              padding_side="right", dither=0.0), indent=2))
-    state = random_state_dict(ModelConfig.from_dict(original), seed, tied=tied)
-    named = {_rename(k, layout): v.to(dtype) for k, v in state.items()}
+    state = random_state_dict(ModelConfig.from_dict(original), seed, std=std, tied=tied)
+    named = {_rename(k, layout): state.pop(k).to(dtype) for k in list(state)}
     _save(named, out, shards)
     return out
 

@@ -1,0 +1,119 @@
+"""Measure the demo model on the held-out validation set, through the public ``qasr.ASR`` API.
+
+Why through the API: the number in the model card must describe what a user gets, so the clips go
+through exactly ``ASR.from_pretrained(...).transcribe([...])`` (batched), not the training loop.
+WER uses Whisper-style normalisation (lowercase, punctuation to spaces, collapsed spaces); the
+grammar writes numbers as words, so no number normaliser is needed. Clips without speech must come
+back with empty text. Results are split by voice group: voices also used in training versus
+held-out voices never heard in training.
+
+    .venv/bin/python scripts/eval_demo_model.py --model models/qasr-demo-en --data data/demo [--update-card]
+
+Exit status 0 when WER <= --max-wer and every silent clip gave empty text, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import unicodedata
+from pathlib import Path
+
+import jiwer
+import torch
+
+from qasr import ASR
+
+CARD_START, CARD_END = "<!-- eval:start -->", "<!-- eval:end -->"
+
+
+def normalize(text: str) -> str:
+    """Whisper's basic normaliser: lowercase, drop bracketed asides, symbols and punctuation to spaces."""
+    text = re.sub(r"[<\[][^>\]]*[>\]]|\([^)]*\)", " ", text.lower())
+    text = "".join(" " if unicodedata.category(c)[0] in "MSP" else c for c in unicodedata.normalize("NFKC", text))
+    return " ".join(text.split())
+
+
+def word_errors(refs: list[str], hyps: list[str]) -> tuple[float, int]:
+    """WER over non-empty references and the number of reference words."""
+    pairs = [(normalize(r), normalize(h)) for r, h in zip(refs, hyps, strict=True) if normalize(r)]
+    if not pairs:
+        return 0.0, 0
+    out = jiwer.process_words([r for r, _ in pairs], [h for _, h in pairs])
+    return out.wer, sum(len(r.split()) for r, _ in pairs)
+
+
+def update_card(card: Path, body: str) -> None:
+    text = card.read_text()
+    if CARD_START not in text or CARD_END not in text:
+        raise SystemExit(f"{card}: no {CARD_START} ... {CARD_END} block to update")
+    head, rest = text.split(CARD_START, 1)
+    card.write_text(f"{head}{CARD_START}\n{body}\n{CARD_END}{rest.split(CARD_END, 1)[1]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/qasr-demo-en")
+    ap.add_argument("--data", type=Path, default=Path("data/demo"))
+    ap.add_argument("--split", default="val")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-wer", type=float, default=0.05)
+    ap.add_argument("--show", type=int, default=15, help="print this many wrong transcripts")
+    ap.add_argument("--update-card", action="store_true", help="write the results into the model's README.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    rows = [json.loads(line) for line in (args.data / f"{args.split}.jsonl").read_text().splitlines()]
+    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, batch_size=args.batch_size)
+    start = time.perf_counter()
+    results = asr.transcribe([str(args.data / r["path"]) for r in rows])
+    elapsed = time.perf_counter() - start
+    failed = [r.error for r in results if r.error]
+    if failed:
+        print(f"{len(failed)} inputs failed, e.g. {failed[0]}", file=sys.stderr)
+        return 1
+    refs, hyps = [r["text"] for r in rows], [r.text for r in results]
+    held_out = {r["voice"] for r in rows if r["voice"]} - set(_train_voices(args.data))
+    groups = {"all": lambda r: True, "training voices": lambda r: r["voice"] not in held_out,
+              "held-out voices": lambda r: r["voice"] in held_out}
+    lines = []
+    for name, keep in groups.items():
+        idx = [i for i, r in enumerate(rows) if r["text"] and keep(r)]
+        w, n = word_errors([refs[i] for i in idx], [hyps[i] for i in idx])
+        lines.append(f"- WER {name}: **{100 * w:.2f}%** ({len(idx)} clips, {n} words)")
+        if name == "all":
+            total_wer = w
+    for voice in sorted(held_out):
+        idx = [i for i, r in enumerate(rows) if r["voice"] == voice]
+        w, n = word_errors([refs[i] for i in idx], [hyps[i] for i in idx])
+        lines.append(f"  - held-out voice `{voice}`: {100 * w:.2f}% ({len(idx)} clips)")
+    silent = [i for i, r in enumerate(rows) if not r["text"]]
+    noisy = [i for i in silent if hyps[i].strip()]
+    lines.append(f"- clips without speech that gave empty text: {len(silent) - len(noisy)} of {len(silent)}")
+    audio = sum(r.duration for r in results)
+    lines.append(f"- {audio:.0f} s of audio in {elapsed:.1f} s ({asr.checkpoint.device}, {asr.checkpoint.dtype}, "
+                 f"{args.threads} thread(s), batch {args.batch_size})")
+    print("\n".join(lines))
+    wrong = [i for i in range(len(rows)) if normalize(refs[i]) != normalize(hyps[i])]
+    for i in wrong[:args.show]:
+        print(f"  [{rows[i]['voice'] or 'no speech'}] {refs[i]!r} -> {hyps[i]!r}")
+    if args.update_card:
+        card = Path(args.model) / "README.md"
+        update_card(card, f"Measured by `scripts/eval_demo_model.py` on the `{args.split}` split "
+                          f"({len(rows)} clips; sentences never seen in training):\n\n" + "\n".join(lines))
+        print(f"updated {card}")
+    return 0 if total_wer <= args.max_wer and not noisy else 1
+
+
+def _train_voices(data: Path) -> list[str]:
+    return [json.loads(line)["voice"] for line in (data / "train.jsonl").read_text().splitlines()]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

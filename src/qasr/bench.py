@@ -1,0 +1,280 @@
+"""Side-by-side throughput benchmark: qasr's engine against transformers' qwen3_asr generate.
+
+Both sides run in this process on the same random checkpoint with the real Qwen3-ASR-0.6B dimensions,
+the same dtype, the same seeded clips, and a forced output of 4 tokens per audio second (EOS ignored),
+so they do equal work and the ratio is what we report. The reference is batched the way its users
+batch: clips sorted by length, batch 8, features from its own extractor, left-padded prompts.
+transformers is needed only here (a test extra), never by qasr at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+TOKENS_PER_SECOND = 4
+SR = 16000
+
+
+@dataclass(frozen=True)
+class Workload:
+    clips_s: tuple[float, ...]  # throughput clips (2-120 s)
+    ttft_levels: tuple[tuple[int, int], ...]  # (concurrency, requests)
+    ttft_clip_range: tuple[float, float]
+
+
+QUICK = Workload(clips_s=(), ttft_levels=((1, 3), (4, 8), (16, 16), (64, 64)), ttft_clip_range=(2.0, 8.0))
+FULL = Workload(clips_s=(), ttft_levels=((1, 8), (4, 16), (16, 48), (64, 128)), ttft_clip_range=(2.0, 20.0))
+
+
+def clip_lengths(n: int, seed: int) -> list[float]:
+    """n lengths spread evenly over 2-120 s (stratified, then shuffled), rounded to 0.01 s."""
+    rng = np.random.default_rng(seed)
+    edges = np.linspace(2.0, 120.0, n + 1)
+    lengths = [round(float(rng.uniform(edges[i], edges[i + 1])), 2) for i in range(n)]
+    rng.shuffle(lengths)
+    return lengths
+
+
+def make_clip(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (0.1 * rng.standard_normal(int(seconds * SR))).astype(np.float32)
+
+
+class RssSampler:
+    """Peak resident memory of this process over a phase, sampled every 20 ms."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def build_checkpoint(cache_dir: Path) -> Path:
+    from qasr.testing import QWEN3_ASR_0_6B_DIMS, make_tiny_checkpoint
+
+    path = cache_dir / "qwen3-asr-0.6b-dims-random-hf"
+    if not (path / "model.safetensors").exists():
+        print(f"building a random checkpoint with the real 0.6B dimensions in {path} ...", flush=True)
+        make_tiny_checkpoint(path, layout="hf", seed=0, dtype=torch.bfloat16, std=0.02, **QWEN3_ASR_0_6B_DIMS)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- qasr
+def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: float, seed: int) -> dict:
+    from qasr.engine.engine import Engine, EngineConfig
+    from qasr.model.checkpoint import load_checkpoint
+    from qasr.model.config import audio_token_count
+    from qasr.model.prompt import build_prompt
+
+    ck = load_checkpoint(ckpt_dir, device="cpu", dtype="bfloat16")
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=int(kv_gib * 2**30)))
+
+    def submit(wave: np.ndarray):
+        n_audio = audio_token_count(len(wave) // 160)
+        prompt = build_prompt(ck.tokenizer, ck.special, n_audio)
+        return engine.submit(prompt, waveform=wave, max_new_tokens=round(TOKENS_PER_SECOND * len(wave) / SR),
+                             ignore_eos=True)
+
+    # warm-up: builds the native kernel and touches the code paths
+    submit(make_clip(3.0, 999)).result()
+    steps0 = engine.steps
+    with RssSampler() as rss:
+        t0 = time.perf_counter()
+        futures = [submit(w) for w in clips]
+        results = [f.result() for f in futures]
+        wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    audio_s = sum(len(w) for w in clips) / SR
+    out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
+               peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30)
+    out["ttft"] = measure_ttft(submit, wl, seed)
+    engine.close()
+    return out
+
+
+def measure_ttft(submit, wl: Workload, seed: int) -> dict:
+    """Closed loop: c clients each submit their next clip as soon as the previous one finishes."""
+    rng = np.random.default_rng(seed + 7)
+    report = {}
+    for conc, n_req in wl.ttft_levels:
+        lengths = [float(rng.uniform(*wl.ttft_clip_range)) for _ in range(n_req)]
+        waves = [make_clip(s, 1000 + k) for k, s in enumerate(lengths)]
+        ttfts: list[float] = []
+        lock = threading.Lock()
+        queue_ = list(waves)
+
+        def client(queue_: list = queue_, lock: threading.Lock = lock, ttfts: list = ttfts) -> None:
+            while True:
+                with lock:
+                    if not queue_:
+                        return
+                    w = queue_.pop()
+                r = submit(w).result()
+                with lock:
+                    ttfts.append(r.ttft_s)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(conc)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        ttfts.sort()
+        report[str(conc)] = dict(requests=n_req, p50_s=statistics.median(ttfts),
+                                 p95_s=ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))],
+                                 rtfx=sum(lengths) / wall)
+        print(f"  qasr TTFT conc {conc:3d}: p50 {report[str(conc)]['p50_s']*1e3:7.0f} ms  "
+              f"p95 {report[str(conc)]['p95_s']*1e3:7.0f} ms", flush=True)
+    return report
+
+
+# ---------------------------------------------------------------------------------------- reference
+def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> dict:
+    import transformers
+    from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
+
+    model = transformers.Qwen3ASRForConditionalGeneration.from_pretrained(ckpt_dir, dtype=torch.bfloat16).eval()
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    from qasr.model.config import audio_token_count
+    from qasr.model.prompt import SpecialTokens, build_prompt
+    from qasr.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(ckpt_dir)
+    special = SpecialTokens.resolve(tok, cfg["audio_token_id"])
+    fe = Qwen3ASRFeatureExtractor()
+    pad_id = cfg.get("pad_token_id", special.im_end)
+    order = sorted(range(len(clips)), key=lambda i: len(clips[i]))
+    kw = dict(sampling_rate=SR, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
+
+    def run_batch(idx: list[int]) -> int:
+        waves = [clips[i] for i in idx]
+        feats = fe(waves, **kw)
+        mask = feats["attention_mask"]
+        prompts = [build_prompt(tok, special, audio_token_count(int(m.sum()))) for m in mask]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        # equal total work: every row of a forced batch gets the batch's mean of 4 tokens per second
+        n_new = max(1, round(statistics.mean(TOKENS_PER_SECOND * len(w) / SR for w in waves)))
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=att,
+                                 input_features=feats["input_features"].to(torch.bfloat16),
+                                 input_features_mask=mask, do_sample=False, max_new_tokens=n_new,
+                                 min_new_tokens=n_new)
+        return (out.shape[1] - width) * len(idx)
+
+    run_batch(order[:1])  # warm-up
+    with RssSampler() as rss:
+        t0 = time.perf_counter()
+        tokens = sum(run_batch(order[i:i + batch]) for i in range(0, len(order), batch))
+        wall = time.perf_counter() - t0
+    audio_s = sum(len(w) for w in clips) / SR
+    return dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, peak_rss_gib=rss.peak / 2**30,
+                batch=batch)
+
+
+# ------------------------------------------------------------------------------------------- report
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ["transformers (batch 8)", "qasr"]
+    vals = [report["reference"]["rtfx"], report["qasr"]["rtfx"]]
+    a.bar(names, vals, color=["#999999", "#2b7bba"])
+    a.set_ylabel("audio seconds per wall second (RTFx)")
+    a.set_title(f"throughput, speedup x{report['speedup']:.2f}")
+    for i, v in enumerate(vals):
+        a.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    conc = list(report["qasr"]["ttft"])
+    b.plot(conc, [report["qasr"]["ttft"][c]["p50_s"] * 1e3 for c in conc], "o-", label="p50")
+    b.plot(conc, [report["qasr"]["ttft"][c]["p95_s"] * 1e3 for c in conc], "s--", label="p95")
+    b.set_xlabel("arrival concurrency")
+    b.set_ylabel("qasr time to first token (ms)")
+    b.set_yscale("log")
+    b.legend()
+    b.set_title("qasr TTFT (closed loop)")
+    fig.suptitle(report["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="qasr bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small workload, finishes in under 5 minutes on 2 cores")
+    p.add_argument("--clips", type=int, default=None, help="number of 2-120 s clips (default 10 quick, 32 full)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-gib", type=float, default=6.0, help="qasr KV-cache budget")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    wl = QUICK if args.quick else FULL
+    lengths = clip_lengths(args.clips or (10 if args.quick else 32), args.seed)
+    clips = [make_clip(s, args.seed * 1000 + k) for k, s in enumerate(lengths)]
+    ckpt = build_checkpoint(args.cache)
+    print(f"workload: {len(clips)} clips, {sum(lengths):.0f} s of audio (2-120 s), "
+          f"{TOKENS_PER_SECOND} forced tokens per audio second, bf16, {torch.get_num_threads()} threads", flush=True)
+    t0 = time.perf_counter()
+    ours = run_qasr(ckpt, clips, wl, args.kv_gib, args.seed)
+    gc.collect()
+    print(f"  qasr: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}", flush=True)
+    ref = run_reference(ckpt, clips)
+    gc.collect()
+    print(f"  transformers: {ref['wall_s']:.1f} s, RTFx {ref['rtfx']:.1f}", flush=True)
+    speedup = ours["rtfx"] / ref["rtfx"]
+    report = dict(title=f"Qwen3-ASR-0.6B dims (random weights), {len(clips)} clips / {sum(lengths):.0f} s, "
+                  f"bf16, {torch.get_num_threads()} CPU threads, torch {torch.__version__}",
+                  workload=dict(clips_s=lengths, tokens_per_second=TOKENS_PER_SECOND), qasr=ours, reference=ref,
+                  speedup=speedup, total_wall_s=time.perf_counter() - t0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "throughput_quick" if args.quick else "throughput"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.out / f"{stem}.png")
+    print()
+    print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, r in (("transformers generate, batch 8", ref), ("qasr engine", ours)):
+        print(f"| {name} | {r['wall_s']:.1f} | {r['audio_s']:.0f} | {r['rtfx']:.1f} | {r['tokens']} | "
+              f"{r['peak_rss_gib']:.2f} |")
+    print("\nqasr TTFT by arrival concurrency: " + ", ".join(
+        f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in ours["ttft"].items()))
+    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    print(f"speedup={speedup:.2f} rtfx={ours['rtfx']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
