@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import torch
 
+from qasr.engine.cpu_linear import pack_linears, packing_supported
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
@@ -38,6 +39,7 @@ class EngineConfig:
     encoder_tokens: int = 4096
     conv_batch: int = 64
     use_native: bool = True  # the C++ decode-attention kernel on CPU (falls back when it cannot build)
+    pack_weights: bool = True  # oneDNN-prepacked linears for bf16 on CPU
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -52,6 +54,10 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = config
         model = checkpoint.model
+        if config.pack_weights and packing_supported(model.device, model.dtype) and not getattr(
+                model, "_qasr_packed", False):
+            pack_linears(model)
+            model._qasr_packed = True  # the checkpoint's model is shared by every engine made from it
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
         tokens = max(budget // per_token, 256)
@@ -67,6 +73,10 @@ class Engine:
         self._lock = threading.Lock()
         self._stopped = False
         self.steps = 0
+        # wall seconds by phase; step_s is the total, what it has beyond the others is host-side work.
+        # forward_mixed_s counts forwards that carry prefill chunks (decode rows may ride along).
+        self.stats = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
+                          prefill_tokens=0, decode_tokens=0)
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: list[int], *, waveform: np.ndarray | None = None, features: torch.Tensor | None = None,
@@ -127,16 +137,24 @@ class Engine:
     def step(self) -> None:
         """One scheduling step. A failure fails the requests involved, never the loop."""
         sched = self.scheduler
+        t_step = time.perf_counter()
         admitted, impossible = sched.admit()
         for req in impossible:
             req.future.set_exception(ValueError(
                 f"request needs {req.needs_tokens} KV-cache tokens but the cache holds {self.pool.tokens}; "
                 f"raise kv_cache_bytes or lower max_new_tokens / max_chunk_sec"))
         plan = sched.plan()
+        st = self.stats
         try:
             if plan.encode:
-                self.runner.encode(plan.encode)
+                t0 = time.perf_counter()
+                st["features_s"] += self.runner.encode(plan.encode)
+                st["encoder_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             sampled = self.runner.forward(plan) if (plan.decode or plan.prefill) else []
+            st["forward_mixed_s" if plan.prefill else "forward_decode_s"] += time.perf_counter() - t0
+            st["prefill_tokens"] += sum(n for _, n in plan.prefill)
+            st["decode_tokens"] += len(plan.decode)
         except Exception as exc:  # fail what this step touched, keep serving the rest
             log.exception("qasr engine step failed")
             touched = {id(r): r for r in [*plan.encode, *plan.decode, *(r for r, _ in plan.prefill)]}
@@ -162,3 +180,4 @@ class Engine:
                 if not req.future.cancelled():
                     req.future.set_result(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
                                                            now - req.submitted))
+        st["step_s"] += time.perf_counter() - t_step

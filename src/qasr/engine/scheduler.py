@@ -70,15 +70,22 @@ class Scheduler:
                 encode.append(req)
                 budget -= n
         decode = [r for r in self.active if r.prefill_done]
+        # Prefill whole prompts when they fit the step's token budget: a chunk that starts mid-prompt
+        # needs masked attention over its cached prefix, which is several times slower on CPUs. Only
+        # a prompt longer than the whole budget is chunked, and then it gets the step to itself.
         prefill, budget = [], max(self.config.prefill_tokens - len(decode), 1)
         for req in self.active:
-            if req.audio is None and req not in encode:
+            if (req.audio is None and req not in encode) or req.prefill_done:
                 continue
-            if req.prefill_done or budget <= 0:
-                continue
-            n = min(len(req.prompt) - req.prefilled, budget)
-            prefill.append((req, n))
-            budget -= n
+            left = len(req.prompt) - req.prefilled
+            if left <= budget:
+                prefill.append((req, left))
+                budget -= left
+            elif not prefill:
+                prefill.append((req, budget))
+                break
+            else:
+                break  # keep arrival order: the next prompt waits for the next step
         return StepPlan(encode, decode, prefill)
 
     def finish(self, req: Request) -> None:

@@ -26,11 +26,11 @@ class Qwen3ASRModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.audio_tower(features)

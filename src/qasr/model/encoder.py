@@ -154,8 +154,9 @@ class AudioEncoder(nn.Module):
             x = F.gelu(self.conv2d2(x))
             x = F.gelu(self.conv2d3(x))
             c, ch, freq, t = x.shape
-            x = self.conv_out(x.permute(0, 3, 1, 2).reshape(c, t, ch * freq))
-            outs.append(x)
+            # flatten to 2-D first: a 3-D non-contiguous input makes linear expand the weight per chunk
+            x = self.conv_out(x.permute(0, 3, 1, 2).reshape(c * t, ch * freq))
+            outs.append(x.view(c, t, -1))
         x = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
         assert self.positions is not None, "call init_buffers() after loading weights"
         return x + self.positions[: x.shape[1]].to(x.dtype)
