@@ -96,8 +96,7 @@ class KVPool:
                                                    meta.decode_lens, self.scale)
                 outs.append(out.reshape(nd, -1))
             else:
-                for i in range(nd):
-                    outs.append(self._one(q[i:i + 1], kc, vc, meta.starts[i], meta.context_lens[i], 1))
+                outs.append(self._decode_padded(q[:nd], kc, vc, meta))
         row = nd
         for i in range(nd, len(meta.starts)):
             n, ctx, start = meta.query_lens[i], meta.context_lens[i], meta.starts[i]
@@ -106,6 +105,23 @@ class KVPool:
             outs.append(self._one(q[row:row + n], kc, vc, start, ctx, n))
             row += n
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+
+    def _decode_padded(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                       meta: AttentionMeta) -> torch.Tensor:
+        """Portable decode attention (GPUs, or CPUs without the kernel): gather each sequence's keys
+        into a (B, kv_heads, longest, hd) batch and run one masked SDPA. The gather costs one extra
+        pass over the cache, which GPU bandwidth absorbs."""
+        nd = q.shape[0]
+        lens = meta.decode_lens
+        longest = int(max(meta.context_lens[:nd])) + 1
+        offs = torch.arange(longest, device=q.device)
+        index = (meta.decode_starts[:, None] + offs[None, :]).clamp_max(self.tokens - 1)  # (B, longest)
+        keys = kc[:, index].permute(1, 0, 2, 3)  # (B, kv_heads, longest, hd)
+        values = vc[:, index].permute(1, 0, 2, 3)
+        mask = (offs[None, :] < lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=True)
+        return o.reshape(nd, -1)
 
     def _one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, ctx: int,
              n: int) -> torch.Tensor:
