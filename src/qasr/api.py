@@ -100,6 +100,18 @@ class ASR:
             if progress is not None:
                 progress(1)
 
+        staged: list[tuple[_Piece, np.ndarray]] = []
+
+        def submit_staged() -> None:
+            # Longest first: long pieces start early instead of decoding alone at the end of a batch.
+            for piece, samples in sorted(staged, key=lambda ps: -len(ps[1])):
+                fut = self.engine.submit(piece.prompt, waveform=samples, max_new_tokens=piece.max_new_tokens,
+                                         ignore_eos=piece.ignore_eos)
+                pending.append((piece, fut))
+            staged.clear()
+            while len(pending) > self.max_pending:
+                settle(*pending.pop(0))
+
         for i, item in enumerate(items):
             try:
                 wave = load_audio(item, sample_rate)
@@ -110,12 +122,10 @@ class ASR:
                 msg = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
                 results[i] = Transcription("", "", durations[i], error=msg, source=name)
                 continue
-            for piece, samples in pieces:
-                fut = self.engine.submit(piece.prompt, waveform=samples, max_new_tokens=piece.max_new_tokens,
-                                         ignore_eos=piece.ignore_eos)
-                pending.append((piece, fut))
-                while len(pending) > self.max_pending:
-                    settle(*pending.pop(0))
+            staged += pieces
+            if len(staged) >= self.max_pending:
+                submit_staged()
+        submit_staged()
         for piece, fut in pending:
             settle(piece, fut)
         for i, item in enumerate(items):

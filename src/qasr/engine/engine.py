@@ -36,7 +36,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: 40% of available memory on CPU, capped at 8 GiB
     max_running: int = 64
     prefill_tokens: int = 2048
-    encoder_tokens: int = 4096
+    encoder_tokens: int = 2048
     conv_batch: int = 64
     use_native: bool = True  # the C++ decode-attention kernel on CPU (falls back when it cannot build)
     pack_weights: bool = True  # oneDNN-prepacked linears for bf16 on CPU

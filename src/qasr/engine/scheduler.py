@@ -16,7 +16,7 @@ from qasr.engine.request import Request
 class SchedulerConfig:
     max_running: int = 64  # sequences holding a KV region at once
     prefill_tokens: int = 2048  # prompt tokens per step (chunked prefill), shared with decode rows
-    encoder_tokens: int = 4096  # encoder output tokens per step (about 5 min of audio)
+    encoder_tokens: int = 2048  # encoder output tokens per step (about 2.6 min of audio)
 
 
 @dataclass
