@@ -239,13 +239,23 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def init_weights(model: nn.Module) -> None:
-    """GPT-style init (N(0, 0.02) linears and embeddings, zero biases); norms keep their ones."""
+def init_weights(model: Qwen3ASRModel) -> None:
+    """GPT-style N(0, 0.02) linears and embeddings with zero biases, except the conv front end.
+
+    The convs get He init and ``conv_out`` unit gain, so that at step 0 the audio features are as large
+    as the sinusoidal positions added to them; with default init they start ~70x smaller, and the
+    encoder then spends most of a short budget growing them before it hears anything.
+    """
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+    tower = model.audio_tower
+    for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3):
+        nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+        nn.init.zeros_(conv.bias)
+    nn.init.normal_(tower.conv_out.weight, std=tower.conv_out.in_features ** -0.5)
 
 
 def main() -> None:

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences decoded together by the engine (default 64)")
     t.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on generated tokens per piece (default: from the checkpoint)")
+    b = sub.add_parser("bench", help="throughput benchmark against transformers (needs the test extras)",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see qasr bench -h)")
     return parser
 
 
@@ -75,6 +78,11 @@ def _progress_bar(total: int):  # noqa: ANN202 - returns a callback or None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser; pass everything through, -h included
+        from qasr.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "transcribe":
         return transcribe_command(args)
