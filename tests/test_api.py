@@ -123,3 +123,18 @@ def test_missing_model_offline_error_names_it_and_the_fix(tmp_path) -> None:
 def test_directory_without_config_is_rejected(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_model_dir(tmp_path)
+
+
+def test_float16_on_cpu_runs(tiny_original) -> None:
+    asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float16")
+    assert str(asr.checkpoint.dtype) == "torch.float16"
+    r = asr.transcribe((noise(3.0), 16000), max_new_tokens=5)[0]
+    assert r.error is None and 1 <= len(r.token_ids) <= 5
+
+
+def test_auto_dtype_follows_the_cpu(tiny_original) -> None:
+    from qasr.model.device import cpu_has_native_bf16
+
+    asr = ASR.from_pretrained(tiny_original, device="auto", dtype="auto")
+    expected = "torch.bfloat16" if cpu_has_native_bf16() else "torch.float32"
+    assert asr.checkpoint.device.type == "cpu" and str(asr.checkpoint.dtype) == expected
