@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -24,9 +25,23 @@ def decode_kernel() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        _put_ninja_on_path()
         return load(name="qasr_decode_attention", sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no headers: the torch path is correct, only slower
         log.warning("qasr: native decode attention unavailable (%s); using the torch fallback", exc)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; the pip-installed one lives next to this interpreter."""
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([*dirs, path]) if path else os.pathsep.join(dirs)
