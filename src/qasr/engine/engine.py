@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import torch
 
-from qasr.engine.cpu_linear import pack_linears, packing_supported
+from qasr.engine.cpu_linear import channels_last_convs, pack_linears, packing_supported
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
@@ -57,6 +57,7 @@ class Engine:
         if config.pack_weights and packing_supported(model.device, model.dtype) and not getattr(
                 model, "_qasr_packed", False):
             pack_linears(model)
+            channels_last_convs(model)
             model._qasr_packed = True  # the checkpoint's model is shared by every engine made from it
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
