@@ -115,7 +115,9 @@ class KVPool:
         lens = meta.decode_lens
         longest = int(max(meta.context_lens[:nd])) + 1
         offs = torch.arange(longest, device=q.device)
-        index = (meta.decode_starts[:, None] + offs[None, :]).clamp_max(self.tokens - 1)  # (B, longest)
+        # pad positions point at the sequence's own last key: the pool is uninitialised memory (may hold
+        # NaN), and a masked NaN key would still poison the softmax
+        index = meta.decode_starts[:, None] + torch.minimum(offs[None, :], (lens - 1)[:, None])  # (B, longest)
         keys = kc[:, index].permute(1, 0, 2, 3)  # (B, kv_heads, longest, hd)
         values = vc[:, index].permute(1, 0, 2, 3)
         mask = (offs[None, :] < lens[:, None])[:, None, None, :]
