@@ -130,6 +130,8 @@ def test_portable_decode_path_matches_native(ck) -> None:
     out = {}
     for native in (True, False):
         engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20, use_native=native))
+        engine.pool.k.fill_(float("nan"))  # the pool is uninitialised memory: nothing may read unwritten slots
+        engine.pool.v.fill_(float("nan"))
         futures = [engine.submit(p, waveform=w, max_new_tokens=20) for p, w in zip(prompts, waves, strict=True)]
         out[native] = [f.result().token_ids for f in futures]
         engine.close()
