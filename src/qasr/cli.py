@@ -73,7 +73,8 @@ def _progress_bar(total: int):  # noqa: ANN202 - returns a callback or None
         return None
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="piece", file=sys.stderr)
+    # counted in pieces: a long input split at max_chunk_sec counts once per piece
+    bar = tqdm(unit="piece", file=sys.stderr, desc=f"{total} inputs")
     return bar.update
 
 
