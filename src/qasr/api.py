@@ -20,7 +20,6 @@ import torch
 from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
 from qasr.audio.split import split_long_audio
 from qasr.engine.engine import Engine, EngineConfig
-from qasr.features import LogMel
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import (
@@ -59,7 +58,6 @@ class ASR:
         self.max_chunk_sec = max_chunk_sec
         self.max_pending = max_pending
         self.max_tokens_per_second = max_tokens_per_second
-        self.features = LogMel(checkpoint.features)
         self.engine = Engine(checkpoint, engine or EngineConfig())
 
     @classmethod
@@ -80,8 +78,10 @@ class ASR:
 
         ``language`` forces the output language (a name or ISO code; None detects it); ``context`` is
         background text for the system turn. Scalars apply to every input, lists go item by item.
-        ``sample_rate`` is needed for bare numpy arrays. ``max_new_tokens`` defaults to the
-        checkpoint's generation_config; ``ignore_eos`` forces that many tokens (for benchmarks).
+        ``sample_rate`` is needed for bare numpy arrays. ``max_new_tokens`` defaults per piece to
+        ``ceil(max_tokens_per_second x seconds) + 24``, never above the checkpoint's generation_config
+        limit; ``ignore_eos`` forces exactly that many tokens (for benchmarks). ``progress`` is called
+        with 1 as each piece finishes.
         """
         items = _as_list(audio)
         languages = _broadcast(language, len(items), "language")

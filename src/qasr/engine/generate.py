@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.model.checkpoint import Checkpoint
 
 
@@ -23,8 +24,6 @@ def generate(checkpoint: Checkpoint, reqs: list[GenRequest], config: EngineConfi
     if not reqs:
         return []
     need = sum(len(r.prompt) + r.max_new_tokens for r in reqs)
-    from qasr.engine.kv_cache import kv_bytes_per_token
-
     per_token = kv_bytes_per_token(checkpoint.config.decoder, checkpoint.dtype)
     engine = Engine(checkpoint, config or EngineConfig(kv_cache_bytes=need * per_token))
     try:
