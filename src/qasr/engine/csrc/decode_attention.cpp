@@ -15,7 +15,12 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
                 const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
                 int64_t dim, float scale) {
   const int64_t rep = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Small batches run on the calling thread: waking a thread team costs more than the work, and far
+  // more when the cores are busy with other processes.
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += lens[b];
+  const int64_t grain = total * kv_heads * dim < (int64_t(1) << 18) ? batch * kv_heads : 1;
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rep * dim), acc(rep * dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, g = task % kv_heads;
