@@ -7,7 +7,7 @@ excluded from its training and validation data) with espeak-ng and check the wor
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +26,12 @@ VOICES = (("en-us", 160, 50), ("en-gb", 150, 40), ("en-us+f3", 175, 60), ("en-gb
 
 
 def _test_sentences() -> tuple[str, ...]:
-    spec = importlib.util.spec_from_file_location("make_demo_data", ROOT / "scripts" / "make_demo_data.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TEST_SENTENCES
+    """TEST_SENTENCES from the data script (one list: the script keeps them out of all its data)."""
+    tree = ast.parse((ROOT / "scripts" / "make_demo_data.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "TEST_SENTENCES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("scripts/make_demo_data.py has no TEST_SENTENCES")
 
 
 SENTENCES = _test_sentences()
