@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class ASR:
         forced = [normalize_language(lang) for lang in languages]  # ValueError before any work
         results: list[Transcription | None] = [None] * len(items)
         durations = [0.0] * len(items)
-        pending: list[tuple[_Piece, Future]] = []
+        pending: deque[tuple[_Piece, Future]] = deque()
         done: dict[int, list[tuple[_Piece, list[int] | Exception]]] = {i: [] for i in range(len(items))}
 
         def settle(piece: _Piece, fut: Future) -> None:
@@ -110,7 +111,7 @@ class ASR:
                 pending.append((piece, fut))
             staged.clear()
             while len(pending) > self.max_pending:
-                settle(*pending.pop(0))
+                settle(*pending.popleft())
 
         for i, item in enumerate(items):
             try:

@@ -103,10 +103,6 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    @property
-    def kv_tokens(self) -> int:
-        return self.pool.tokens
-
     # ------------------------------------------------------------------ the loop
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -118,29 +114,25 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopped:
-            block = self.scheduler.idle
-            try:
-                item = self._inbox.get(block=block, timeout=None) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-            else:
-                if item is None:
-                    continue
-            while item is not None:
-                self.scheduler.add(item)
+            if self.scheduler.idle:
+                self._take(self._inbox.get())  # nothing to do: sleep until a request (or close) arrives
+            while True:
                 try:
-                    item = self._inbox.get_nowait()
+                    self._take(self._inbox.get_nowait())
                 except queue.Empty:
-                    item = None
+                    break
             if not self.scheduler.idle:
                 self.step()
+
+    def _take(self, item: Request | None) -> None:
+        if item is not None:  # None only wakes the loop (close)
+            self.scheduler.add(item)
 
     def step(self) -> None:
         """One scheduling step. A failure fails the requests involved, never the loop."""
         sched = self.scheduler
         t_step = time.perf_counter()
-        admitted, impossible = sched.admit()
-        for req in impossible:
+        for req in sched.admit():
             req.future.set_exception(ValueError(
                 f"request needs {req.needs_tokens} KV-cache tokens but the cache holds {self.pool.tokens}; "
                 f"raise kv_cache_bytes or lower max_new_tokens / max_chunk_sec"))

@@ -49,5 +49,10 @@ class Request:
         return len(self.prompt) + self.max_new_tokens
 
     @property
+    def encoded(self) -> bool:
+        """Set by the encoder step; stays true after the encoder output is released."""
+        return self.audio_before is not None
+
+    @property
     def prefill_done(self) -> bool:
         return self.prefilled == len(self.prompt)

@@ -89,6 +89,6 @@ class Runner:
         for req, n in plan.prefill:
             req.prefilled += n
             if req.prefill_done:
-                req.audio = req.audio[:0]  # encoder output no longer needed; keep "encoded" marker
+                req.audio = None  # encoder output no longer needed
         tokens = logits.argmax(-1).tolist() if rows else []
         return list(zip(sampled, tokens, strict=True))

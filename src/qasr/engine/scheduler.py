@@ -40,9 +40,9 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.active
 
-    def admit(self) -> tuple[list[Request], list[Request]]:
-        """Move waiting requests into KV regions, oldest first. Returns (admitted, impossible)."""
-        admitted, impossible = [], []
+    def admit(self) -> list[Request]:
+        """Move waiting requests into KV regions, oldest first. Returns those that can never fit."""
+        impossible = []
         while self.waiting and len(self.active) < self.config.max_running:
             req = self.waiting[0]
             if req.future.cancelled():
@@ -57,25 +57,24 @@ class Scheduler:
             self.waiting.popleft()
             req.start, req.reserved = start, req.needs_tokens
             self.active.append(req)
-            admitted.append(req)
-        return admitted, impossible
+        return impossible
 
     def plan(self) -> StepPlan:
         encode, budget = [], self.config.encoder_tokens
         for req in self.active:
-            if req.audio is None:
+            if not req.encoded:
                 n = req.audio_tokens
                 if encode and n > budget:
                     break
                 encode.append(req)
                 budget -= n
         decode = [r for r in self.active if r.prefill_done]
-        # Prefill whole prompts when they fit the step's token budget: a chunk that starts mid-prompt
-        # needs masked attention over its cached prefix, which is several times slower on CPUs. Only
-        # a prompt longer than the whole budget is chunked, and then it gets the step to itself.
+        # Prefill whole prompts when they fit the step's token budget (fewer, larger forwards). Only a
+        # prompt longer than the whole budget is chunked, and then it gets the step to itself.
+        encoding = {id(r) for r in encode}
         prefill, budget = [], max(self.config.prefill_tokens - len(decode), 1)
         for req in self.active:
-            if (req.audio is None and req not in encode) or req.prefill_done:
+            if (not req.encoded and id(req) not in encoding) or req.prefill_done:
                 continue
             left = len(req.prompt) - req.prefilled
             if left <= budget:
