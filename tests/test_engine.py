@@ -24,6 +24,12 @@ def ck(tiny_original):
     return load_checkpoint(tiny_original, device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def ck_bf16(tiny_original):
+    """bf16 on CPU: the engine swaps in prepacked linears (qasr's AVX512-BF16 kernel where it builds)."""
+    return load_checkpoint(tiny_original, device="cpu", dtype="bfloat16")
+
+
 def prompt_for(ck, wave: np.ndarray, context: str = "") -> list[int]:
     return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), context)
 
@@ -40,7 +46,9 @@ def test_region_allocator_first_fit_and_merge() -> None:
     assert a.used == 0 and a.alloc(100) == 0
 
 
-def test_concurrent_random_arrivals_match_one_by_one(ck) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_concurrent_random_arrivals_match_one_by_one(dtype, request) -> None:
+    ck = request.getfixturevalue("ck" if dtype == "float32" else "ck_bf16")
     rng = random.Random(0)
     waves = [noise(rng.uniform(0.3, 20.0), seed=k) for k in range(30)]
     contexts = ["" if k % 3 else "names: Anna, Bo" for k in range(30)]

@@ -1,18 +1,39 @@
-"""CPU speed-up: replace nn.Linear weights by oneDNN-prepacked ones for bf16 inference.
+"""CPU speed-up for bf16 inference: replace nn.Linear weights by prepacked ones.
 
-oneDNN's linear on a weight reordered once into its blocked layout runs small-batch products (the
-decode step) two to three times faster than torch's plain bf16 GEMM on AVX512-BF16 machines, and is
-never slower for large batches. The maths is the same bf16 product with float accumulation.
+First choice is qasr's own AVX512-BF16 kernel (engine/csrc/bf16_linear.cpp): a row's result never
+depends on the other rows of the call, so a request decodes to the same tokens whatever shares its
+batch, and it streams the weights of a decode step faster than oneDNN. Without it (no compiler, no
+AVX512-BF16) the weights are reordered for oneDNN, which runs small-batch products two to three times
+faster than torch's plain bf16 GEMM but may round a row differently depending on the batch size.
+Both compute the same bf16 product with float accumulation.
 """
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from qasr.engine.native import linear_kernel
+
 log = logging.getLogger(__name__)
+
+
+class InvariantLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernel: ModuleType) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.kernel = kernel
+        self.packed = kernel.pack(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = self.kernel.linear(x.reshape(-1, shape[-1]), self.packed, self.out_features, self.bias)
+        return out.view(*shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -39,12 +60,15 @@ def pack_linears(model: nn.Module, batch_hint: int = 64) -> int:
 
     Tied weights stay correct: each packed copy is made from the tensor the module holds.
     """
+    kernel = linear_kernel()
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 try:
-                    setattr(parent, name, PackedLinear(child, batch_hint))
+                    packed = (InvariantLinear(child, kernel) if kernel is not None and child.in_features % 2 == 0
+                              else PackedLinear(child, batch_hint))
+                    setattr(parent, name, packed)
                     count += 1
                 except RuntimeError as exc:  # an unusual build without the op: keep the plain module
                     log.warning("qasr: could not prepack %s (%s)", name, exc)

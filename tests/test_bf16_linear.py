@@ -1,0 +1,48 @@
+"""qasr's AVX512-BF16 linear kernel: correct products, and a row never depends on its neighbours."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qasr.engine.cpu_linear import InvariantLinear, pack_linears
+from qasr.engine.native import linear_kernel
+
+kernel = linear_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX512-BF16 (or no compiler) on this machine")
+
+
+def make_linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(64, 64, False), (256, 1000, True), (3072, 96, False), (2, 17, True)])
+def test_matches_float32_product(k: int, n: int, bias: bool) -> None:
+    lin = make_linear(k, n, bias)
+    x = torch.randn(23, k, dtype=torch.bfloat16)
+    got = InvariantLinear(lin, kernel)(x).float()
+    want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
+    # float32 accumulation, one bf16 rounding of the result: relative error within 2^-8 (+ summation slack)
+    assert torch.allclose(got, want, rtol=2 ** -8, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(("k", "n"), [(1024, 1000), (3072, 1024), (96, 130)])
+def test_rows_are_batch_invariant(k: int, n: int) -> None:
+    lin = InvariantLinear(make_linear(k, n, bias=True, seed=1), kernel)
+    x = torch.randn(150, k, dtype=torch.bfloat16)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(150)])
+    for m in (1, 2, 5, 6, 7, 13, 37, 64, 150):  # every register-tile remainder and several row groups
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+    # a 3-D input is the same product row by row
+    assert torch.equal(lin(x[:60].view(3, 20, k)).view(60, n), alone[:60])
+
+
+def test_pack_linears_uses_the_invariant_kernel() -> None:
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 8, bias=False)).to(torch.bfloat16)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    before = model(x).float()
+    assert pack_linears(model) == 2
+    assert all(isinstance(m, InvariantLinear) for m in (model[0], model[2]))
+    assert torch.allclose(model(x).float(), before, rtol=2 ** -6, atol=2e-2)
