@@ -22,6 +22,7 @@ import torch
 
 from qasr.engine.cpu_linear import channels_last_convs, pack_linears, packing_supported
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
+from qasr.engine.openmp import release_idle_workers
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig
@@ -35,8 +36,9 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     kv_cache_bytes: int | None = None  # None: 40% of available memory on CPU, capped at 8 GiB
     max_running: int = 64
-    prefill_tokens: int = 2048
-    encoder_tokens: int = 2048
+    prefill_tokens: int = 256  # prompt tokens per step (whole chunks), riding along with the decode rows
+    prefill_chunk: int = 128  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
+    encoder_tokens: int = 512  # encoder output tokens per step (whole requests, at least one)
     conv_batch: int = 64
     use_native: bool = True  # the C++ decode-attention kernel on CPU (falls back when it cannot build)
     pack_weights: bool = True  # oneDNN-prepacked linears for bf16 on CPU
@@ -64,7 +66,7 @@ class Engine:
         tokens = max(budget // per_token, 256)
         self.pool = KVPool(checkpoint.config.decoder, tokens, model.device, model.dtype, config.use_native)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_running, config.prefill_tokens, config.encoder_tokens),
+            SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens),
             self.pool.allocator)
         self.runner = Runner(model, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
@@ -91,6 +93,7 @@ class Engine:
                       waveform=waveform, features=features,
                       audio_tokens=sum(1 for t in prompt if t == self.audio_token_id))
         self._ensure_thread()
+        release_idle_workers()  # this thread's idle OpenMP pool would slow the engine's (see openmp.py)
         self._inbox.put(req)
         return req.future
 

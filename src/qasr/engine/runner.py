@@ -67,8 +67,10 @@ class Runner:
             ctxs.append(ctx)
             rows.append(len(ids) - 1)
             sampled.append(req)
+        reached: dict[int, int] = {}  # a request's later chunks in this step start where its earlier ones end
         for req, n in plan.prefill:
-            a, b = req.prefilled, req.prefilled + n
+            a = reached.get(id(req), req.prefilled)
+            b = reached[id(req)] = a + n
             ids.extend(req.prompt[a:b])
             positions.extend(range(a, b))
             starts.append(req.start)

@@ -15,15 +15,16 @@ from qasr.engine.request import Request
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # sequences holding a KV region at once
-    prefill_tokens: int = 2048  # prompt tokens per step (chunked prefill), shared with decode rows
-    encoder_tokens: int = 2048  # encoder output tokens per step (about 2.6 min of audio)
+    prefill_tokens: int = 256  # prompt tokens per step, in whole chunks (at least one chunk per step)
+    prefill_chunk: int = 128  # a prompt is prefilled in pieces [0, C), [C, 2C), ... whatever shares the step
+    encoder_tokens: int = 512  # encoder output tokens per step (whole requests; at least one)
 
 
 @dataclass
 class StepPlan:
     encode: list[Request]
     decode: list[Request]  # one token each
-    prefill: list[tuple[Request, int]]  # (request, chunk length)
+    prefill: list[tuple[Request, int]]  # (request, chunk length); a request's chunks are consecutive
 
 
 class Scheduler:
@@ -60,31 +61,38 @@ class Scheduler:
         return impossible
 
     def plan(self) -> StepPlan:
-        encode, budget = [], self.config.encoder_tokens
-        for req in self.active:
-            if not req.encoded:
-                n = req.audio_tokens
-                if encode and n > budget:
-                    break
-                encode.append(req)
-                budget -= n
+        """Every step runs all decode rows plus a bounded slice of the other work, so the running
+        requests advance one token per step while newcomers are encoded and prefilled a little at a
+        time: a decode step streams all the weights anyway, and prefill rows riding along use the
+        compute that streaming leaves idle.
+
+        Prefill chunks lie on a fixed grid per prompt, so the tokens a request sees in each forward
+        (and hence its output, with row-invariant kernels) never depend on its neighbours."""
+        cfg = self.config
+        # Encode just in time: only while the encoded-but-unprefilled backlog is under two steps' worth.
+        backlog = sum(len(r.prompt) - r.prefilled for r in self.active if r.encoded and not r.prefill_done)
+        encode, budget = [], cfg.encoder_tokens
+        if backlog < 2 * cfg.prefill_tokens:
+            for req in self.active:
+                if not req.encoded:
+                    if encode and req.audio_tokens > budget:
+                        break
+                    encode.append(req)
+                    budget -= req.audio_tokens
         decode = [r for r in self.active if r.prefill_done]
-        # Prefill whole prompts when they fit the step's token budget (fewer, larger forwards). Only a
-        # prompt longer than the whole budget is chunked, and then it gets the step to itself.
         encoding = {id(r) for r in encode}
-        prefill, budget = [], max(self.config.prefill_tokens - len(decode), 1)
-        for req in self.active:
-            if (not req.encoded and id(req) not in encoding) or req.prefill_done:
+        prefill, budget = [], cfg.prefill_tokens
+        for req in self.active:  # admission order
+            if req.prefill_done or (not req.encoded and id(req) not in encoding):
                 continue
-            left = len(req.prompt) - req.prefilled
-            if left <= budget:
-                prefill.append((req, left))
-                budget -= left
-            elif not prefill:
-                prefill.append((req, budget))
-                break
-            else:
-                break  # keep arrival order: the next prompt waits for the next step
+            done = req.prefilled
+            while done < len(req.prompt):  # a request may bring several consecutive chunks
+                n = min(cfg.prefill_chunk - done % cfg.prefill_chunk, len(req.prompt) - done)
+                if prefill and n > budget:
+                    return StepPlan(encode, decode, prefill)
+                prefill.append((req, n))
+                budget -= n
+                done += n
         return StepPlan(encode, decode, prefill)
 
     def finish(self, req: Request) -> None:
