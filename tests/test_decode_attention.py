@@ -1,0 +1,51 @@
+"""The native decode-attention kernel against float32 attention, for the shapes the models use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qasr.engine.native import decode_kernel
+
+kernel = decode_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the native kernel")
+
+
+def reference(q, kpool, vpool, starts, lens, scale):
+    outs = []
+    for b in range(q.shape[0]):
+        s, n = int(starts[b]), int(lens[b])
+        k = kpool[:, s:s + n].float()[None]
+        v = vpool[:, s:s + n].float()[None]
+        o = F.scaled_dot_product_attention(q[b].float()[None, :, None], k, v, scale=scale, enable_gqa=True)
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "dtype"), [
+    (16, 8, 128, torch.bfloat16),  # Qwen3-ASR 0.6B / 1.7B: the AVX-512 path
+    (4, 4, 128, torch.bfloat16),
+    (8, 2, 128, torch.bfloat16),
+    (4, 2, 64, torch.bfloat16),  # other head sizes: the portable loop
+    (4, 2, 32, torch.float32),
+])
+def test_matches_float32_attention(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    pool = 3000
+    kpool = torch.randn(kv_heads, pool, dim, dtype=dtype)
+    vpool = torch.randn(kv_heads, pool, dim, dtype=dtype)
+    kpool[:, 2990:] = float("nan")  # memory outside every sequence's range must never be read
+    lens = torch.tensor([1, 7, 130, 1000, 17])
+    starts = torch.tensor([0, 5, 20, 1500, 2900])
+    q = torch.randn(len(lens), heads, dim, dtype=dtype)
+    scale = dim ** -0.5
+    got = kernel.decode_attention(q, kpool, vpool, starts, lens, scale).float()
+    want = reference(q, kpool, vpool, starts, lens, scale)
+    assert torch.isfinite(got).all()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+    # a row is computed alone: the same result in any batch
+    for b in range(len(lens)):
+        one = kernel.decode_attention(q[b:b + 1].contiguous(), kpool, vpool, starts[b:b + 1], lens[b:b + 1], scale)
+        assert torch.equal(one[0], kernel.decode_attention(q, kpool, vpool, starts, lens, scale)[b])
