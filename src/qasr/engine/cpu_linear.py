@@ -85,3 +85,18 @@ def channels_last_convs(model: nn.Module) -> int:
             module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
             count += 1
     return count
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """Point every decoder RMSNorm at the fused bf16 kernels (RMSNorm; q/k-norm + rotary), where they
+    build. Returns how many norms use them."""
+    from qasr.engine.native import decoder_ops_kernel
+    from qasr.model.decoder import RMSNorm
+
+    ops = decoder_ops_kernel()
+    if ops is None:
+        return 0
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for norm in norms:
+        norm.fused = ops
+    return len(norms)

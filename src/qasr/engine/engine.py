@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import torch
 
-from qasr.engine.cpu_linear import channels_last_convs, pack_linears, packing_supported
+from qasr.engine.cpu_linear import channels_last_convs, fuse_norms, pack_linears, packing_supported
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.openmp import release_idle_workers
 from qasr.engine.request import GenerationResult, Request
@@ -60,6 +60,7 @@ class Engine:
                 model, "_qasr_packed", False):
             pack_linears(model)
             channels_last_convs(model)
+            fuse_norms(model)
             model._qasr_packed = True  # the checkpoint's model is shared by every engine made from it
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)

@@ -2,6 +2,7 @@
 
 - decode attention: streams every cached key and value once per step; torch's GEMM kernels run the
   (2 query heads x context) shape far below memory bandwidth on CPUs, so a small loop does it instead.
+- decoder ops: RMSNorm and q/k-norm + rotary in one pass each (a decode step is dispatch-bound there).
 - bf16 linear: a batch-invariant AVX512-BF16 product (a row's result never depends on the other rows
   of the call, which oneDNN does not promise), also fast for the few-row decode products.
 If no compiler is available the engine falls back to plain torch ops (same maths).
@@ -28,6 +29,11 @@ def linear_kernel() -> ModuleType | None:
     """The bf16 linear module, or None when it cannot be built or this CPU lacks AVX512-BF16."""
     mod = _build("qasr_bf16_linear", "bf16_linear.cpp", fast_math=False)
     return mod if mod is not None and mod.supported() else None
+
+
+def decoder_ops_kernel() -> ModuleType | None:
+    """Fused bf16 RMSNorm and q/k-norm + rotary (engine/csrc/decoder_ops.cpp)."""
+    return _build("qasr_decoder_ops", "decoder_ops.cpp", fast_math=False)
 
 
 @functools.cache

@@ -8,6 +8,7 @@ loop and no scheduling: the engine decides which tokens go into each forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -57,8 +58,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: ModuleType | None = None  # the engine's bf16 CPU kernels (engine/cpu_ops.py), same maths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.bfloat16:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -88,11 +92,17 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
                 meta: AttentionMeta) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        fused = self.q_norm.fused
+        if fused is not None and q.dtype == torch.bfloat16:
+            q = fused.norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+            k = fused.norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         out = cache.attend(self.layer, q, k, v, meta)  # (N, heads * hd)
         return self.o_proj(out)
 
