@@ -49,3 +49,21 @@ def test_matches_float32_attention(heads: int, kv_heads: int, dim: int, dtype: t
     for b in range(len(lens)):
         one = kernel.decode_attention(q[b:b + 1].contiguous(), kpool, vpool, starts[b:b + 1], lens[b:b + 1], scale)
         assert torch.equal(one[0], kernel.decode_attention(q, kpool, vpool, starts, lens, scale)[b])
+
+
+def test_stores_new_keys_and_values_before_attending() -> None:
+    torch.manual_seed(2)
+    kv_heads, dim = 8, 128
+    kpool = torch.randn(kv_heads, 500, dim, dtype=torch.bfloat16)
+    vpool = torch.randn(kv_heads, 500, dim, dtype=torch.bfloat16)
+    starts, lens = torch.tensor([0, 100, 300]), torch.tensor([5, 60, 1])
+    q = torch.randn(3, 16, dim, dtype=torch.bfloat16)
+    k_new = torch.randn(3, kv_heads, dim, dtype=torch.bfloat16)
+    v_new = torch.randn(3, kv_heads, dim, dtype=torch.bfloat16)
+    kref, vref = kpool.clone(), vpool.clone()
+    last = starts + lens - 1
+    kref[:, last], vref[:, last] = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    want = kernel.decode_attention(q, kref, vref, starts, lens, 0.1)
+    got = kernel.decode_attention(q, kpool, vpool, starts, lens, 0.1, k_new, v_new)
+    assert torch.equal(kpool, kref) and torch.equal(vpool, vref)
+    assert torch.equal(got, want)

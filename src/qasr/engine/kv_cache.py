@@ -88,14 +88,14 @@ class KVPool:
         nd = meta.num_decode
         outs = []
         if nd:
-            idx = meta.decode_write_index
-            kc[:, idx] = k[:nd].transpose(0, 1)
-            vc[:, idx] = v[:nd].transpose(0, 1)
-            if self.kernel is not None:
+            if self.kernel is not None:  # the kernel also stores the new keys/values
                 out = self.kernel.decode_attention(q[:nd].contiguous(), kc, vc, meta.decode_starts,
-                                                   meta.decode_lens, self.scale)
+                                                   meta.decode_lens, self.scale, k[:nd], v[:nd])
                 outs.append(out.reshape(nd, -1))
             else:
+                idx = meta.decode_write_index
+                kc[:, idx] = k[:nd].transpose(0, 1)
+                vc[:, idx] = v[:nd].transpose(0, 1)
                 outs.append(self._decode_padded(q[:nd], kc, vc, meta))
         row = nd
         for i in range(nd, len(meta.starts)):

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -172,13 +173,36 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
 }
 
 // q: (B, H, D); kpool, vpool: (KVH, P, D); starts, lens: (B,) int64 -> out (B, H, D)
+// Optionally first stores each sequence's new key/value (k_new, v_new: (B, KVH, D)) at its last
+// position, start + len - 1: one call instead of two index_put dispatches per layer.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
-                               torch::Tensor starts, torch::Tensor lens, double scale) {
+                               torch::Tensor starts, torch::Tensor lens, double scale,
+                               c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new) {
   TORCH_CHECK(q.is_contiguous() && kpool.is_contiguous() && vpool.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == kpool.scalar_type() && kpool.scalar_type() == vpool.scalar_type());
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = kpool.size(0), P = kpool.size(1);
   auto st = starts.contiguous(), ln = lens.contiguous();
+  if (k_new.has_value() && v_new.has_value()) {
+    auto kn = k_new->contiguous(), vn = v_new->contiguous();
+    TORCH_CHECK(kn.sizes() == vn.sizes() && kn.size(0) == B && kn.size(1) == KVH && kn.size(2) == D &&
+                kn.scalar_type() == kpool.scalar_type(), "k_new/v_new: (B, kv_heads, head_dim)");
+    const int64_t item = kpool.element_size() * D;
+    const auto* sp = st.data_ptr<int64_t>();
+    const auto* lp = ln.data_ptr<int64_t>();
+    auto* kb = static_cast<char*>(kpool.data_ptr());
+    auto* vb = static_cast<char*>(vpool.data_ptr());
+    const auto* knp = static_cast<const char*>(kn.data_ptr());
+    const auto* vnp = static_cast<const char*>(vn.data_ptr());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t pos = sp[b] + lp[b] - 1;
+      TORCH_CHECK(pos >= 0 && pos < P, "decode_attention: write position outside the pool");
+      for (int64_t g = 0; g < KVH; ++g) {
+        std::memcpy(kb + (g * P + pos) * item, knp + (b * KVH + g) * item, item);
+        std::memcpy(vb + (g * P + pos) * item, vnp + (b * KVH + g) * item, item);
+      }
+    }
+  }
   const int64_t rep = KVH > 0 ? H / KVH : 0;
 #if QASR_AVX512
   if (q.scalar_type() == at::kBFloat16 && D == 128 && (rep == 1 || rep == 2 || rep == 4) && H == rep * KVH) {
@@ -207,5 +231,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "batched single-token attention over a token pool");
+  m.def("decode_attention", &decode_attention, "batched single-token attention over a token pool",
+        py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("starts"), py::arg("lens"), py::arg("scale"),
+        py::arg("k_new") = py::none(), py::arg("v_new") = py::none());
 }
