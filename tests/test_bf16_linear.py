@@ -46,3 +46,21 @@ def test_pack_linears_uses_the_invariant_kernel() -> None:
     assert pack_linears(model) == 2
     assert all(isinstance(m, InvariantLinear) for m in (model[0], model[2]))
     assert torch.allclose(model(x).float(), before, rtol=2 ** -6, atol=2e-2)
+
+
+def test_gemm_conv_matches_conv2d_and_is_batch_invariant() -> None:
+    from qasr.engine.cpu_conv import GemmConv2d, gemm_convs
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, 2, padding=1), nn.GELU(), nn.Conv2d(32, 48, 3, 2, padding=1),
+                          nn.GELU(), nn.Conv2d(48, 40, 3, 2, padding=1)).to(torch.bfloat16)
+    x = torch.randn(7, 1, 128, 100, dtype=torch.bfloat16)
+    want = model(x).float()
+    assert gemm_convs(model, kernel) == 2  # one input channel (odd kernel row) stays a Conv2d
+    assert [type(m).__name__ for m in model][::2] == ["Conv2d", "GemmConv2d", "GemmConv2d"]
+    assert isinstance(model[2], GemmConv2d)
+    got = model(x)
+    assert got.shape == want.shape
+    assert torch.allclose(got.float(), want, rtol=2 ** -6, atol=2e-2 * want.abs().max().item())
+    alone = torch.cat([model(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(got, alone)

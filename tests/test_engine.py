@@ -14,6 +14,7 @@ from conftest import noise
 
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import RegionAllocator, kv_bytes_per_token
+from qasr.engine.native import linear_kernel
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
@@ -144,3 +145,23 @@ def test_portable_decode_path_matches_native(ck) -> None:
         out[native] = [f.result().token_ids for f in futures]
         engine.close()
     assert out[True] == out[False]
+
+
+@pytest.mark.skipif(linear_kernel() is None, reason="bit identity needs qasr's AVX512-BF16 kernels")
+def test_packed_encoder_output_is_bit_identical_to_alone(ck_bf16) -> None:
+    """Short windows packed next to full ones (and conv chunks grouped with others' chunks) give the
+    same bits as the utterance alone: the property every batched request's identity rests on.
+    (float32 on CPU uses torch's GEMMs, which may round a row differently by batch size.)"""
+    import torch
+
+    from qasr.features import LogMel
+
+    ck = ck_bf16
+    Engine(ck, EngineConfig(kv_cache_bytes=1 << 24)).close()  # applies the CPU kernels to the model
+    fe = LogMel(ck.features, "cpu")
+    feats = [fe(noise(s, seed=k)).to(ck.dtype) for k, s in enumerate((17.0, 5.4, 0.4, 8.0, 11.3))]
+    enc = ck.model.audio_tower
+    with torch.inference_mode():
+        packed = enc(feats, conv_batch=3)
+        for f, p in zip(feats, packed, strict=True):
+            assert torch.equal(enc([f], conv_batch=3)[0], p)

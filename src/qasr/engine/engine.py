@@ -20,8 +20,10 @@ import numpy as np
 import psutil
 import torch
 
+from qasr.engine.cpu_conv import gemm_convs
 from qasr.engine.cpu_linear import channels_last_convs, fuse_norms, pack_linears, packing_supported
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
+from qasr.engine.native import linear_kernel
 from qasr.engine.openmp import release_idle_workers
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
@@ -39,7 +41,7 @@ class EngineConfig:
     prefill_tokens: int = 256  # prompt tokens per step (whole chunks), riding along with the decode rows
     prefill_chunk: int = 128  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
     encoder_tokens: int = 512  # encoder output tokens per step (whole requests, at least one)
-    conv_batch: int = 64
+    conv_batch: int = 8  # 1 s chunks per conv call: small groups keep the activations in cache
     use_native: bool = True  # the C++ decode-attention kernel on CPU (falls back when it cannot build)
     pack_weights: bool = True  # oneDNN-prepacked linears for bf16 on CPU
 
@@ -61,6 +63,8 @@ class Engine:
             pack_linears(model)
             channels_last_convs(model)
             fuse_norms(model)
+            if (kernel := linear_kernel()) is not None:
+                gemm_convs(model, kernel)
             model._qasr_packed = True  # the checkpoint's model is shared by every engine made from it
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)

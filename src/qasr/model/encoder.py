@@ -61,7 +61,10 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig) -> EncoderPack:
         counts.append(total)
         chunk_base += n_chunks
         token_base += total
-    lw = max(length for _, length in windows)
+    # Every window is padded to the full window length, even when the pack holds only shorter ones: the
+    # attention kernel then sees the same shape for a window whatever shares the pack, so an utterance's
+    # output is bit-identical alone and packed (with the longest window's length it was not, measured).
+    lw = win
     pad_row = token_base
     index = torch.full((len(windows), lw), pad_row, dtype=torch.long)
     mask = torch.zeros((len(windows), lw), dtype=torch.bool)
