@@ -82,7 +82,7 @@ class Runner:
             if b == len(req.prompt):
                 rows.append(len(ids) - 1)
                 sampled.append(req)
-        meta = AttentionMeta.build(starts, qlens, ctxs, dev)
+        meta = AttentionMeta.build(starts, qlens, ctxs, dev, num_decode=len(plan.decode))
         logits = self.model(
             torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.pool, meta,
             logits_rows=torch.tensor(rows, device=dev) if rows else torch.zeros(0, dtype=torch.long, device=dev),

@@ -36,10 +36,12 @@ class AttentionMeta:
 
     @classmethod
     def build(cls, starts: list[int], query_lens: list[int], context_lens: list[int],
-              device: torch.device) -> AttentionMeta:
-        nd = 0  # a 1-token prefill chunk is attention-wise identical to a decode step
-        while nd < len(query_lens) and query_lens[nd] == 1:
-            nd += 1
+              device: torch.device, num_decode: int = 0) -> AttentionMeta:
+        """``num_decode``: how many leading sequences are decode steps. A one-token prefill chunk is
+        not counted among them even when it follows the decode rows: it must take the prefill path in
+        every batch, or its result would depend on whether other chunks precede it."""
+        nd = num_decode
+        assert all(n == 1 for n in query_lens[:nd]), "decode rows bring exactly one token"
         st = torch.tensor(starts[:nd], dtype=torch.int64)
         ctx = torch.tensor(context_lens[:nd], dtype=torch.int64)
         return cls(tuple(starts), tuple(query_lens), tuple(context_lens), nd,
