@@ -67,3 +67,33 @@ def test_stores_new_keys_and_values_before_attending() -> None:
     got = kernel.decode_attention(q, kpool, vpool, starts, lens, 0.1, k_new, v_new)
     assert torch.equal(kpool, kref) and torch.equal(vpool, vref)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("start", "ctx", "n"),
+                         [(0, 0, 5), (100, 0, 128), (300, 1400, 128), (7, 61, 67), (1000, 130, 1)])
+def test_prefill_chunk_attention_matches_float32(start: int, ctx: int, n: int) -> None:
+    from qasr.engine.native import linear_kernel
+
+    flash = linear_kernel()
+    if flash is None:
+        pytest.skip("no AVX512-BF16")
+    torch.manual_seed(4)
+    kv_heads, heads, dim = 8, 16, 128
+    kpool = torch.randn(kv_heads, 2000, dim, dtype=torch.bfloat16)
+    vpool = torch.randn(kv_heads, 2000, dim, dtype=torch.bfloat16)
+    kpool[:, start + ctx + n:] = float("nan")  # keys after the chunk must never be read
+    vpool[:, start + ctx + n:] = float("nan")
+    q = torch.randn(n, heads, dim, dtype=torch.bfloat16)
+    scale = dim ** -0.5
+    got = flash.prefill_attention(q, kpool, vpool, start, ctx, scale).float()
+    keys = kpool[:, start:start + ctx + n].float()[None]
+    values = vpool[:, start:start + ctx + n].float()[None]
+    causal = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n)[:, None])
+    want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values, attn_mask=causal,
+                                          scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, atol=1.5e-2, rtol=1e-2), (got - want).abs().max()
+    # each query row is computed on its own: the first rows alone give the same bits
+    if n > 3:
+        head = flash.prefill_attention(q[:3].contiguous(), kpool, vpool, start, ctx, scale)
+        assert torch.equal(head, flash.prefill_attention(q, kpool, vpool, start, ctx, scale)[:3])

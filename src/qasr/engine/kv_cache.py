@@ -18,7 +18,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from qasr.engine.native import decode_kernel
+from qasr.engine.native import decode_kernel, linear_kernel
 from qasr.model.config import DecoderConfig
 from qasr.model.decoder import AttentionMeta
 
@@ -73,6 +73,9 @@ class KVPool:
         self.allocator = RegionAllocator(tokens)
         native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.kernel = decode_kernel() if (use_native and native_ok) else None
+        # prompt chunks: the flash-style bf16 kernel (2x torch's CPU SDPA) where it applies
+        bf16_d128 = device.type == "cpu" and dtype == torch.bfloat16 and cfg.head_dim == 128
+        self.prefill_kernel = linear_kernel() if (use_native and bf16_d128) else None
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +131,8 @@ class KVPool:
     def _one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, ctx: int,
              n: int) -> torch.Tensor:
         """Attention of n new tokens (already written) over the sequence's first ctx + n tokens."""
+        if self.prefill_kernel is not None:
+            return self.prefill_kernel.prefill_attention(q, kc, vc, start, ctx, self.scale).reshape(n, -1)
         end = start + ctx + n
         qi = q.transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
         keys, values = kc[:, start:end].unsqueeze(0), vc[:, start:end].unsqueeze(0)
