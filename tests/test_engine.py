@@ -49,6 +49,8 @@ def test_region_allocator_first_fit_and_merge() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_concurrent_random_arrivals_match_one_by_one(dtype, request) -> None:
+    if dtype == "bfloat16" and linear_kernel() is None:
+        pytest.skip("bf16 batch invariance rests on qasr's AVX512-BF16 kernels (oneDNN's fallback lacks it)")
     ck = request.getfixturevalue("ck" if dtype == "float32" else "ck_bf16")
     rng = random.Random(0)
     waves = [noise(rng.uniform(0.3, 20.0), seed=k) for k in range(30)]
