@@ -38,8 +38,9 @@ class EncoderPack:
     token_counts: tuple[int, ...]  # output tokens per utterance
 
 
-def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig) -> EncoderPack:
-    """Chunk each utterance, record which conv outputs are valid, and lay out attention windows."""
+def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu") -> EncoderPack:
+    """Chunk each utterance, record which conv outputs are valid, and lay out attention windows.
+    Index tensors are built on the host and placed on ``device`` once."""
     cf, tpc, win = cfg.chunk_frames, cfg.tokens_per_chunk, cfg.window_tokens
     chunks, valid, counts = [], [], []
     windows: list[tuple[int, int]] = []  # (start in packed tokens, length)
@@ -73,9 +74,9 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig) -> EncoderPack:
         mask[i, :length] = True
     return EncoderPack(
         chunks=torch.cat(chunks, 0).unsqueeze(1),
-        valid_index=torch.cat(valid),
-        window_index=index,
-        window_mask=mask[:, None, None, :],
+        valid_index=torch.cat(valid).to(device),
+        window_index=index.to(device),
+        window_mask=mask[:, None, None, :].to(device),
         token_counts=tuple(counts),
     )
 
@@ -167,12 +168,7 @@ class AudioEncoder(nn.Module):
     def forward(self, features: list[torch.Tensor], conv_batch: int | None = None) -> list[torch.Tensor]:
         """Per-utterance (mel, frames) features -> per-utterance (tokens, output_dim) embeddings."""
         p = self.parameters().__next__()
-        pack = plan_pack([f.to(p.device, p.dtype) for f in features], self.cfg)
-        pack = EncoderPack(
-            chunks=pack.chunks, valid_index=pack.valid_index.to(p.device),
-            window_index=pack.window_index.to(p.device), window_mask=pack.window_mask.to(p.device),
-            token_counts=pack.token_counts,
-        )
+        pack = plan_pack([f.to(p.device, p.dtype) for f in features], self.cfg, p.device)
         x = self.conv_front(pack.chunks, conv_batch)
         x = x.reshape(-1, x.shape[-1])[pack.valid_index]
         for layer in self.layers:
