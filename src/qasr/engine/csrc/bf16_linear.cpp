@@ -146,6 +146,28 @@ static void run(const Rows& rows, int64_t M, const uint16_t* packed, int64_t N, 
 }
 #endif
 
+// The shared tail of linear() and conv(): bias to float32, then the tiled product into a new (M, N) tensor.
+static torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t M, int64_t N,
+                             const c10::optional<torch::Tensor>& bias, int64_t segs, int64_t seg_stride,
+                             int64_t seg_pairs, int64_t ho, int64_t wo, int64_t s_n, int64_t s_i, int64_t s_j) {
+  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+#if QASR_HAS_BF16
+  if (M > 0) {
+    const Rows rows{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), segs, seg_stride, seg_pairs,
+                    ho, wo, s_n, s_i, s_j};
+    run(rows, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N, bp,
+        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  }
+#endif
+  return out;
+}
+
 // x: (M, K) bf16; packed from pack(); bias: optional (N,) float32 -> (M, N) bf16
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(supported(), "qasr bf16 linear: built without AVX512-BF16");
@@ -153,22 +175,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   TORCH_CHECK(packed.size(1) * 2 == K && packed.size(0) * NB >= N, "linear: packed weight does not match");
-  auto out = torch::empty({M, N}, x.options());
-  const float* bp = nullptr;
-  torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
-#if QASR_HAS_BF16
-  if (M > 0) {
-    const Rows rows{reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), 1, 0, K / 2, 1, 1, K, 0, 0};
-    // row m = (n=m, i=0, j=0): base + m * K
-    run(rows, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N, bp,
-        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  }
-#endif
-  return out;
+  // one run of K values per row; row m at base + m * K
+  return product(xc, packed, M, N, bias, 1, 0, K / 2, 1, 1, K, 0, 0);
 }
 
 // Convolution with a (kh, kw) kernel over a zero-padded channels-last input xp: (n, hp, wp, cin) bf16,
@@ -180,23 +188,10 @@ torch::Tensor conv(torch::Tensor xp, torch::Tensor packed, int64_t cout, c10::op
   const int64_t n = xp.size(0), hp = xp.size(1), wp = xp.size(2), cin = xp.size(3);
   TORCH_CHECK((kw * cin) % 2 == 0, "conv: kernel width x channels must be even");
   TORCH_CHECK(packed.size(1) * 2 == kh * kw * cin && packed.size(0) * NB >= cout, "conv: packed weight mismatch");
-  const int64_t ho = (hp - kh) / sh + 1, wo = (wp - kw) / sw + 1, M = n * ho * wo;
-  auto out = torch::empty({M, cout}, xp.options());
-  const float* bp = nullptr;
-  torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
-#if QASR_HAS_BF16
-  if (M > 0) {
-    const Rows rows{reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), kh, wp * cin, kw * cin / 2,
-                    ho, wo, hp * wp * cin, sh * wp * cin, sw * cin};
-    run(rows, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), cout, bp,
-        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  }
-#endif
-  return out;
+  const int64_t ho = (hp - kh) / sh + 1, wo = (wp - kw) / sw + 1;
+  // kh runs per output position (one per kernel row), each kw * cin contiguous values
+  return product(xp, packed, n * ho * wo, cout, bias, kh, wp * cin, kw * cin / 2, ho, wo, hp * wp * cin,
+                 sh * wp * cin, sw * cin);
 }
 
 #if QASR_HAS_BF16
