@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     kv_cache_bytes: int | None = None  # None: 40% of available memory on CPU, capped at 8 GiB
     max_running: int = 64
-    prefill_tokens: int = 256  # prompt tokens per step (whole chunks), riding along with the decode rows
-    prefill_chunk: int = 128  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
+    prefill_tokens: int = 512  # prompt tokens per step (whole chunks), riding along with the decode rows
+    prefill_chunk: int = 256  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
     encoder_tokens: int = 512  # encoder output tokens per step (whole requests, at least one)
     conv_batch: int = 8  # 1 s chunks per conv call: small groups keep the activations in cache
     use_native: bool = True  # the C++ decode-attention kernel on CPU (falls back when it cannot build)

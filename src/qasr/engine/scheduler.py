@@ -15,8 +15,8 @@ from qasr.engine.request import Request
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # sequences holding a KV region at once
-    prefill_tokens: int = 256  # prompt tokens per step, in whole chunks (at least one chunk per step)
-    prefill_chunk: int = 128  # a prompt is prefilled in pieces [0, C), [C, 2C), ... whatever shares the step
+    prefill_tokens: int = 512  # prompt tokens per step, in whole chunks (at least one chunk per step)
+    prefill_chunk: int = 256  # a prompt is prefilled in pieces [0, C), [C, 2C), ... whatever shares the step
     encoder_tokens: int = 512  # encoder output tokens per step (whole requests; at least one)
 
 
