@@ -61,10 +61,10 @@ class Engine:
         if config.pack_weights and packing_supported(model.device, model.dtype) and not getattr(
                 model, "_qasr_packed", False):
             pack_linears(model)
-            channels_last_convs(model)
-            fuse_norms(model)
             if (kernel := linear_kernel()) is not None:
                 gemm_convs(model, kernel)
+            channels_last_convs(model)  # only the convs gemm_convs left (no weight copies thrown away)
+            fuse_norms(model)
             model._qasr_packed = True  # the checkpoint's model is shared by every engine made from it
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)

@@ -147,7 +147,7 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
       }
       for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores.data() + r * len;
-        float mx = -INFINITY;
+        float mx = -std::numeric_limits<float>::max();  // see the note in run_bf16_d128
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sr[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) { sr[t] = std::exp(sr[t] - mx); sum += sr[t]; }
