@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from qasr.engine.cpu_linear import InvariantLinear, pack_linears
-from qasr.engine.native import linear_kernel
+from qasr.engine.cpu.linear import InvariantLinear, pack_linears
+from qasr.engine.cpu.native import linear_kernel
 
 kernel = linear_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX512-BF16 (or no compiler) on this machine")
@@ -49,7 +49,7 @@ def test_pack_linears_uses_the_invariant_kernel() -> None:
 
 
 def test_gemm_conv_matches_conv2d_and_is_batch_invariant() -> None:
-    from qasr.engine.cpu_conv import GemmConv2d, gemm_convs
+    from qasr.engine.cpu.conv import GemmConv2d, gemm_convs
 
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(1, 32, 3, 2, padding=1), nn.GELU(), nn.Conv2d(32, 48, 3, 2, padding=1),

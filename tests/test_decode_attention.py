@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qasr.engine.native import decode_kernel
+from qasr.engine.cpu.native import decode_kernel
 
 kernel = decode_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the native kernel")
@@ -72,7 +72,7 @@ def test_stores_new_keys_and_values_before_attending() -> None:
 @pytest.mark.parametrize(("start", "ctx", "n"),
                          [(0, 0, 5), (100, 0, 128), (300, 1400, 128), (7, 61, 67), (1000, 130, 1)])
 def test_prefill_chunk_attention_matches_float32(start: int, ctx: int, n: int) -> None:
-    from qasr.engine.native import linear_kernel
+    from qasr.engine.cpu.native import linear_kernel
 
     flash = linear_kernel()
     if flash is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qasr.engine.native import decoder_ops_kernel
+from qasr.engine.cpu.native import decoder_ops_kernel
 from qasr.model.decoder import RMSNorm, rotate_half
 
 ops = decoder_ops_kernel()

@@ -14,7 +14,7 @@ from conftest import noise
 
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import RegionAllocator, kv_bytes_per_token
-from qasr.engine.native import linear_kernel
+from qasr.engine.cpu.native import linear_kernel
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt

@@ -133,7 +133,7 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     audio_s = sum(len(w) for w in clips) / SR
     out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
                peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
-               phases=dict(engine.stats))
+               phases=dict(engine.timings))
     out["ttft"] = measure_ttft(submit, wl, seed)
     engine.close()
     return out

@@ -20,11 +20,11 @@ import numpy as np
 import psutil
 import torch
 
-from qasr.engine.cpu_conv import gemm_convs
-from qasr.engine.cpu_linear import channels_last_convs, fuse_norms, pack_linears, packing_supported
+from qasr.engine.cpu.conv import gemm_convs
+from qasr.engine.cpu.linear import channels_last_convs, fuse_norms, pack_linears, packing_supported
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.native import linear_kernel
-from qasr.engine.openmp import release_idle_workers
+from qasr.engine.cpu.native import linear_kernel
+from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig
@@ -83,7 +83,7 @@ class Engine:
         self.steps = 0
         # wall seconds by phase; step_s is the total, what it has beyond the others is host-side work.
         # forward_mixed_s counts forwards that carry prefill chunks (decode rows may ride along).
-        self.stats = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
+        self.timings = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
                           prefill_tokens=0, decode_tokens=0)
 
     # ------------------------------------------------------------------ public API
@@ -145,7 +145,7 @@ class Engine:
                 f"request needs {req.needs_tokens} KV-cache tokens but the cache holds {self.pool.tokens}; "
                 f"raise kv_cache_bytes or lower max_new_tokens / max_chunk_sec"))
         plan = sched.plan()
-        st = self.stats
+        st = self.timings
         try:
             if plan.encode:
                 t0 = time.perf_counter()

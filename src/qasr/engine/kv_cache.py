@@ -18,7 +18,7 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from qasr.engine.native import decode_kernel, linear_kernel
+from qasr.engine.cpu.native import decode_kernel, linear_kernel
 from qasr.model.config import DecoderConfig
 from qasr.model.decoder import AttentionMeta
 

@@ -1,6 +1,6 @@
 """CPU speed-up for bf16 inference: replace nn.Linear weights by prepacked ones.
 
-First choice is qasr's own AVX512-BF16 kernel (engine/csrc/bf16_linear.cpp): a row's result never
+First choice is qasr's own AVX512-BF16 kernel (engine/cpu/csrc/bf16_linear.cpp): a row's result never
 depends on the other rows of the call, so a request decodes to the same tokens whatever shares its
 batch, and it streams the weights of a decode step faster than oneDNN. Without it (no compiler, no
 AVX512-BF16) the weights are reordered for oneDNN, which runs small-batch products two to three times
@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from qasr.engine.native import linear_kernel
+from qasr.engine.cpu.native import linear_kernel
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def channels_last_convs(model: nn.Module) -> int:
 def fuse_norms(model: nn.Module) -> int:
     """Point every decoder RMSNorm at the fused bf16 kernels (RMSNorm; q/k-norm + rotary), where they
     build. Returns how many norms use them."""
-    from qasr.engine.native import decoder_ops_kernel
+    from qasr.engine.cpu.native import decoder_ops_kernel
     from qasr.model.decoder import RMSNorm
 
     ops = decoder_ops_kernel()
