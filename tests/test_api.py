@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 from conftest import noise
 
-from qasr import ASR, Transcription
+from qasr import ASR, AudioError, Piece, Transcription, api
+from qasr.engine.engine import EngineConfig
+from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.weights import resolve_model_dir
+from qasr.outputs import render
 from qasr.testing import make_tiny_checkpoint
 from qasr.testing.speech import convert, speak
 
@@ -82,8 +89,8 @@ def test_language_and_context_validation(tiny_asr) -> None:
     assert r.token_ids == r2.token_ids
 
 
-def test_long_audio_is_split_into_segments(tiny_original) -> None:
-    asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32", max_chunk_sec=10.0)
+def test_long_audio_is_split_into_segments(split_asr) -> None:
+    asr = split_asr
     x = noise(25.0)
     x[int(9.5 * 16000):int(10.5 * 16000)] = 0.0  # a quiet spot near the first cut
     r = asr.transcribe((x, 16000), max_new_tokens=3)[0]
@@ -138,3 +145,177 @@ def test_auto_dtype_follows_the_cpu(tiny_original) -> None:
     asr = ASR.from_pretrained(tiny_original, device="auto", dtype="auto")
     expected = "torch.bfloat16" if cpu_has_native_bf16() else "torch.float32"
     assert asr.checkpoint.device.type == "cpu" and str(asr.checkpoint.dtype) == expected
+
+
+# ---------------------------------------------------------------- the request API: prepare, async, finish reasons
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "models" / "qasr-demo-en"
+ALARM = ROOT / "examples" / "alarm.flac"
+
+
+@pytest.fixture(scope="module")
+def demo_asr():
+    asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
+    yield asr
+    asr.close()
+
+
+@pytest.fixture(scope="module")
+def split_asr(tiny_original):
+    """Cuts at 10 s, so a 25 s input gives three pieces."""
+    asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32", max_chunk_sec=10.0)
+    yield asr
+    asr.close()
+
+
+def _spy_submits(monkeypatch, asr: ASR) -> list:
+    """Record the futures the engine hands out (the real engine does the work)."""
+    futures = []
+    real = asr.engine.submit
+
+    def submit(*args, **kwargs):
+        futures.append(real(*args, **kwargs))
+        return futures[-1]
+
+    monkeypatch.setattr(asr.engine, "submit", submit)
+    return futures
+
+
+def test_prepared_pieces_driven_by_hand_match_transcribe(split_asr) -> None:
+    x = noise(25.0, seed=3)
+    pieces = split_asr.prepare((x, 16000), max_new_tokens=3)
+    assert [type(p) for p in pieces] == [Piece] * 3
+    assert {p.source for p in pieces} == {"array input"} and {p.item for p in pieces} == {0}
+    audio_id = split_asr.checkpoint.config.audio_token_id
+    for p in pieces:
+        assert p.samples.dtype == np.float32 and p.samples.ndim == 1
+        assert p.max_new_tokens == 3 and p.language is None
+        assert p.prompt.count(audio_id) > 0
+    assert sum(p.duration for p in pieces) == pytest.approx(25.0)
+    futures = [split_asr.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)
+               for p in pieces]
+    by_hand = split_asr.assemble(pieces, [f.result() for f in futures])
+    r = split_asr.transcribe((x, 16000), max_new_tokens=3)[0]
+    assert by_hand == r
+    assert [s.start for s in r.segments] == [round(p.offset, 3) for p in pieces]
+
+
+def test_prepare_by_hand_on_the_demo_model(demo_asr) -> None:
+    [piece] = demo_asr.prepare(ALARM, language="en")
+    assert piece.source == str(ALARM) and piece.language == "English"
+    result = demo_asr.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens).result()
+    r = demo_asr.transcribe(ALARM, language="en")[0]
+    assert tuple(result.token_ids) == r.token_ids and r.text == "set an alarm for seven thirty tomorrow"
+
+
+def test_prepare_raises_naming_the_bad_input(tiny_asr, tmp_path) -> None:
+    good = (noise(1.0), 16000)
+    pieces = tiny_asr.prepare([good, good], language=["en", None])
+    assert [(p.item, p.language) for p in pieces] == [(0, "English"), (1, None)]
+    with pytest.raises(ValueError, match="several inputs"):
+        tiny_asr.assemble(pieces, [GenerationResult([1], "eos", 0.0, 0.0)] * 2)
+    with pytest.raises(AudioError, match="missing.wav"):
+        tiny_asr.prepare([good, tmp_path / "missing.wav"])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tiny_asr.prepare(good, max_new_tokens=0)
+
+
+def test_default_cap_follows_the_audio_not_generation_config(demo_asr) -> None:
+    assert demo_asr.checkpoint.generation.max_new_tokens == 128  # the limit that used to clip silently
+    [long] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000))
+    assert long.max_new_tokens == 474  # ceil(15 x 30) + 24
+    [short] = demo_asr.prepare((np.zeros(38400, np.float32), 16000))
+    assert short.max_new_tokens == 60  # 2.4 s: ceil(36) + 24, no floating-point 37
+    [forced] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000), max_new_tokens=7)
+    assert forced.max_new_tokens == 7
+
+
+def test_finish_reason_and_the_cut_warning(demo_asr, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        full = demo_asr.transcribe(ALARM)[0]
+    assert full.finish_reason == "stop" and [s.finish_reason for s in full.segments] == ["stop"]
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        cut = demo_asr.transcribe([ALARM, (noise(1.0), 16000)], max_new_tokens=2)
+    assert [r.finish_reason for r in cut] == ["length", "length"]
+    assert len(cut[0].token_ids) == 2 and cut[0].segments[0].finish_reason == "length"
+    messages = [rec.getMessage() for rec in caplog.records if rec.name.startswith("qasr")]
+    assert len(messages) == 2 and "alarm.flac" in messages[0] and "max_new_tokens=2" in messages[0]
+    data = json.loads(render(cut[0], "json"))
+    assert data["finish_reason"] == "length" and data["segments"][0]["finish_reason"] == "length"
+
+
+def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
+    pieces = split_asr.prepare((noise(25.0, seed=3), 16000))
+    ends = [GenerationResult([5, 6], "eos", 0.0, 0.0), GenerationResult([7], "length", 0.0, 0.0),
+            GenerationResult([8], "eos", 0.0, 0.0)]
+    r = split_asr.assemble(pieces, ends)
+    assert [s.finish_reason for s in r.segments] == ["stop", "length", "stop"]
+    assert r.finish_reason == "length" and r.token_ids == (5, 6, 7, 8)
+    failed = split_asr.assemble(pieces, [ends[0], ValueError("boom"), ends[2]])
+    assert failed.error == "array input: boom" and failed.finish_reason is None
+
+
+def test_transcribe_async_matches_transcribe(tiny_asr, speech_files, tmp_path) -> None:
+    inputs = [speech_files["wav"], tmp_path / "missing.wav", (noise(2.0), 16000), speech_files["mp3"]]
+    sync = tiny_asr.transcribe(inputs, language=["en", None, None, "de"], max_new_tokens=5)
+    ticks = []
+    got = asyncio.run(tiny_asr.transcribe_async(inputs, language=["en", None, None, "de"], max_new_tokens=5,
+                                                progress=ticks.append))
+    assert got == sync
+    assert got[1].error is not None and "missing.wav" in got[1].error
+    assert ticks == [1, 1, 1]  # one per piece of the three good inputs
+
+
+def test_cancelling_transcribe_async_cancels_its_requests(tiny_asr, monkeypatch) -> None:
+    futures = _spy_submits(monkeypatch, tiny_asr)
+    inputs = [(noise(2.0), 16000), (noise(3.0, seed=1), 16000)]
+
+    async def start_then_cancel() -> None:
+        task = asyncio.create_task(tiny_asr.transcribe_async(inputs, max_new_tokens=2000, ignore_eos=True))
+        while len(futures) < 2:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(start_then_cancel())
+    assert len(futures) == 2 and all(f.cancelled() for f in futures)
+    monkeypatch.undo()
+    r = tiny_asr.transcribe(inputs[0], max_new_tokens=4)[0]
+    assert r.error is None and len(r.token_ids) >= 1
+
+
+def test_inputs_are_submitted_as_soon_as_each_is_decoded(tiny_asr, monkeypatch) -> None:
+    events = []
+    real_load, real_submit = api.load_audio, tiny_asr.engine.submit
+
+    def load(item, sample_rate=None):
+        events.append("decode")
+        return real_load(item, sample_rate)
+
+    def submit(*args, **kwargs):
+        events.append("submit")
+        return real_submit(*args, **kwargs)
+
+    monkeypatch.setattr(api, "load_audio", load)
+    monkeypatch.setattr(tiny_asr.engine, "submit", submit)
+    monkeypatch.setattr(tiny_asr, "max_pending", 1)  # wait on the oldest piece once two are in flight
+    inputs = [(noise(1.0, seed=k), 16000) for k in range(3)]
+    got = tiny_asr.transcribe(inputs, max_new_tokens=3)
+    assert events == ["decode", "submit"] * 3
+    monkeypatch.undo()
+    assert got == tiny_asr.transcribe(inputs, max_new_tokens=3)
+
+
+def test_a_request_too_big_for_the_kv_cache_fails_alone(tiny_original) -> None:
+    asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32",
+                              engine=EngineConfig(kv_cache_bytes=1))  # the smallest cache the engine makes
+    try:
+        results = asr.transcribe([(noise(1.0), 16000), (noise(60.0), 16000), (noise(1.0), 16000)],
+                                 max_new_tokens=4)
+    finally:
+        asr.close()
+    assert results[0].ok and results[2].ok and results[0].token_ids == results[2].token_ids
+    assert not results[1].ok and results[1].error.startswith("array input") and "KV" in results[1].error

@@ -1,20 +1,23 @@
-"""The command line, run as a real subprocess."""
+"""The command line, run as a real subprocess: ``python -m qasr``, exactly what the ``qasr`` script runs."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from qasr import __version__
 from qasr.testing.speech import speak
 
-QASR = [sys.executable, "-m", "qasr.cli"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*QASR, *args], capture_output=True, text=True, timeout=120)
+def run(*args: str, module: str = "qasr") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +31,27 @@ def test_help_and_version() -> None:
     assert out.returncode == 0 and "transcribe" in out.stdout
     out = run("transcribe", "--help")
     assert out.returncode == 0 and "--language" in out.stdout and "--output-dir" in out.stdout
+    assert "ceil(15 x seconds) + 24" in " ".join(out.stdout.split())
     out = run("--version")
-    assert out.returncode == 0 and out.stdout.startswith("qasr ")
+    assert out.returncode == 0 and out.stdout == f"qasr {__version__}\n"
+    assert run("--version", module="qasr.cli").stdout == out.stdout  # the old spelling still works
+
+
+def test_python_m_qasr_transcribes_an_example() -> None:
+    out = run("transcribe", "examples/alarm.flac", "-m", "models/qasr-demo-en")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "set an alarm for seven thirty tomorrow\n" and out.stderr == ""
+
+
+def test_a_cut_piece_warns_and_says_so_in_json(tmp_path) -> None:
+    out = run("transcribe", "examples/alarm.flac", "-m", "models/qasr-demo-en", "--max-new-tokens", "2",
+              "-f", "json", "-o", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "qasr: warning: examples/alarm.flac: the piece at 0.0 s was cut at max_new_tokens=2; "
+        "its text may be incomplete"]
+    data = json.loads((tmp_path / "alarm.json").read_text())
+    assert data["finish_reason"] == "length" and data["segments"][0]["finish_reason"] == "length"
 
 
 def test_text_to_stdout(tiny_original, clips) -> None:
@@ -46,6 +68,7 @@ def test_json_files_to_output_dir(tiny_original, clips, tmp_path) -> None:
     assert out.stdout == ""
     data = json.loads((tmp_path / "one.json").read_text())
     assert data["language"] == "English" and data["error"] is None and data["duration"] > 0.3
+    assert data["finish_reason"] in ("stop", "length")
     assert (tmp_path / "two.json").exists()
     assert not list(tmp_path.glob(".*.part"))
 

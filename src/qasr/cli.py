@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -29,12 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     t.add_argument("--max-running", type=int, default=64,
                    help="sequences decoded together by the engine (default 64)")
-    t.add_argument("--max-new-tokens", type=int, default=None,
-                   help="cap on generated tokens per piece (default: from the checkpoint)")
+    t.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="cap on generated tokens per piece (default: ceil(15 x seconds) + 24 for each piece; "
+                        "a piece cut at the cap is reported with a warning)")
     b = sub.add_parser("bench", help="throughput benchmark against transformers (needs the test extras)",
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see qasr bench -h)")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
@@ -78,6 +87,25 @@ def _progress_bar(total: int):  # noqa: ANN202 - returns a callback or None
     return bar.update
 
 
+class _CliFormatter(logging.Formatter):
+    """``qasr: warning: ...``, in the style of the ``qasr: error:`` lines the command prints itself."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = logging.makeLogRecord(record.__dict__)  # a copy: other handlers keep the original
+        record.levelname = record.levelname.lower()
+        return super().format(record)
+
+
+def _log_to_stderr() -> None:
+    """Show the library's warnings (e.g. a piece cut at max_new_tokens) once, in the command's style."""
+    logger = logging.getLogger("qasr")
+    if logger.handlers or logging.getLogger().handlers:
+        return  # the embedding program (or a test harness) configured logging: leave it alone
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CliFormatter("qasr: %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark has its own parser; pass everything through, -h included
@@ -85,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     if args.command == "transcribe":
         return transcribe_command(args)
     return 2

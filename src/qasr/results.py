@@ -20,6 +20,7 @@ class Segment:
     end: float
     text: str
     words: tuple[Word, ...] = ()
+    finish_reason: str = "stop"  # "stop": the model ended the text; "length": cut at max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,10 @@ class Transcription:
     token_ids: tuple[int, ...] = ()  # generated ids, EOS excluded (all pieces, in order)
     segments: tuple[Segment, ...] = field(default_factory=tuple)
     error: str | None = None
-    source: str = ""  # what was transcribed: a path, "bytes", or "array"
+    source: str = ""  # what was transcribed: a path, "bytes input" or "array input"
+    # the worst of the segments' reasons ("length" beats "stop"): "length" means text may be missing;
+    # None when the input failed
+    finish_reason: str | None = None
 
     @property
     def ok(self) -> bool:
