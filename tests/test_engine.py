@@ -12,9 +12,9 @@ import psutil
 import pytest
 from conftest import noise
 
+from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import RegionAllocator, kv_bytes_per_token
-from qasr.engine.cpu.native import linear_kernel
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
@@ -102,13 +102,12 @@ def test_ignore_eos_forces_exact_length(ck) -> None:
     assert len(r.token_ids) == 37 and r.finish_reason == "length" and 0 < r.ttft_s <= r.latency_s
 
 
-def test_request_larger_than_cache_fails_alone(ck) -> None:
+def test_request_larger_than_cache_is_refused_at_submit(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=kv_bytes_per_token(ck.config.decoder, ck.dtype) * 300))
     big, small = noise(30.0), noise(1.0)
-    f_big = engine.submit(prompt_for(ck, big), waveform=big, max_new_tokens=4)
-    f_small = engine.submit(prompt_for(ck, small), waveform=small, max_new_tokens=4)
     with pytest.raises(ValueError, match="KV-cache tokens"):
-        f_big.result()
+        engine.submit(prompt_for(ck, big), waveform=big, max_new_tokens=4)
+    f_small = engine.submit(prompt_for(ck, small), waveform=small, max_new_tokens=4)
     assert len(f_small.result().token_ids) >= 1
     engine.close()
 
@@ -140,7 +139,7 @@ def test_portable_decode_path_matches_native(ck) -> None:
     prompts = [prompt_for(ck, w) for w in waves]
     out = {}
     for native in (True, False):
-        engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20, use_native=native))
+        engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20, native_kernels=native))
         engine.pool.k.fill_(float("nan"))  # the pool is uninitialised memory: nothing may read unwritten slots
         engine.pool.v.fill_(float("nan"))
         futures = [engine.submit(p, waveform=w, max_new_tokens=20) for p, w in zip(prompts, waves, strict=True)]
@@ -159,11 +158,11 @@ def test_packed_encoder_output_is_bit_identical_to_alone(ck_bf16) -> None:
     from qasr.features import LogMel
 
     ck = ck_bf16
-    Engine(ck, EngineConfig(kv_cache_bytes=1 << 24)).close()  # applies the CPU kernels to the model
+    kernels = Engine(ck, EngineConfig(kv_cache_bytes=1 << 24)).prepared.kernels  # the engine's CPU kernels
     fe = LogMel(ck.features, "cpu")
     feats = [fe(noise(s, seed=k)).to(ck.dtype) for k, s in enumerate((17.0, 5.4, 0.4, 8.0, 11.3))]
     enc = ck.model.audio_tower
     with torch.inference_mode():
-        packed = enc(feats, conv_batch=3)
+        packed = enc(feats, conv_batch=3, kernels=kernels)
         for f, p in zip(feats, packed, strict=True):
-            assert torch.equal(enc([f], conv_batch=3)[0], p)
+            assert torch.equal(enc([f], conv_batch=3, kernels=kernels)[0], p)

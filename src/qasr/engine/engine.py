@@ -1,9 +1,15 @@
 """The engine: owns the model and the KV pool, batches every submitted request on one loop.
 
 ``submit`` is thread-safe and returns a ``concurrent.futures.Future``; ``generate_async`` wraps it for
-asyncio. One background thread drives the device: each step admits waiting requests into KV regions,
-encodes newly admitted audio in one packed call, and runs one packed decoder forward that mixes the
-decode rows of running requests with chunked prefill of new ones.
+asyncio, ``stream`` / ``stream_async`` yield each token as it is sampled. One background thread drives
+the device: each step admits waiting requests into KV regions, encodes a few audio windows in one
+packed call, and runs one packed decoder forward that mixes the decode rows of running requests with
+chunked prefill of new ones.
+
+No request harms another: a malformed request is refused at submit; a step that raises is rerun one
+request at a time so only the culprit fails; a cancelled future stops its request at the next step and
+frees its KV region; an unexpected error in the loop marks the engine broken and fails every pending
+future with it (and every later submit); ``close`` resolves every future it does not finish.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -20,18 +28,18 @@ import numpy as np
 import psutil
 import torch
 
-from qasr.engine.cpu.conv import gemm_convs
-from qasr.engine.cpu.linear import channels_last_convs, fuse_norms, pack_linears, packing_supported
+from qasr.engine.device import prepare_model
+from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.cpu.native import linear_kernel
-from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
-from qasr.engine.scheduler import Scheduler, SchedulerConfig
+from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from qasr.engine.validate import Limits, check_request
 from qasr.features import LogMel
 from qasr.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
+RATE_WINDOW_S = 10.0  # the rolling tokens/s in stats() counts the steps of the last 10 s
 
 
 @dataclass(frozen=True)
@@ -40,10 +48,22 @@ class EngineConfig:
     max_running: int = 64
     prefill_tokens: int = 512  # prompt tokens per step (whole chunks), riding along with the decode rows
     prefill_chunk: int = 256  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
-    encoder_tokens: int = 512  # encoder output tokens per step (whole requests, at least one)
+    encoder_tokens: int = 512  # encoder output tokens per step (whole 8 s windows, at least one)
     conv_batch: int = 8  # 1 s chunks per conv call: small groups keep the activations in cache
-    use_native: bool = True  # the C++ decode-attention kernel on CPU (falls back when it cannot build)
-    pack_weights: bool = True  # oneDNN-prepacked linears for bf16 on CPU
+    native_kernels: bool = True  # qasr's C++ CPU kernels (each self-tested; torch ops where they fail)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int  # submitted, not yet holding a KV region
+    running: int  # holding a KV region (encoding, prefilling or decoding)
+    kv_tokens_used: int
+    kv_tokens_total: int
+    steps: int
+    generated_tokens: int
+    tokens_per_s: float  # generated tokens per second over the last RATE_WINDOW_S seconds
+    broken: bool
+    closed: bool
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -57,115 +77,229 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
         self.checkpoint = checkpoint
         self.config = config
-        model = checkpoint.model
-        if config.pack_weights and packing_supported(model.device, model.dtype) and not getattr(
-                model, "_qasr_packed", False):
-            pack_linears(model)
-            if (kernel := linear_kernel()) is not None:
-                gemm_convs(model, kernel)
-            channels_last_convs(model)  # only the convs gemm_convs left (no weight copies thrown away)
-            fuse_norms(model)
-            model._qasr_packed = True  # the checkpoint's model is shared by every engine made from it
+        self.prepared = prepare_model(checkpoint.model, native=config.native_kernels)
+        model = self.prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
         tokens = max(budget // per_token, 256)
-        self.pool = KVPool(checkpoint.config.decoder, tokens, model.device, model.dtype, config.use_native)
+        self.pool = KVPool(checkpoint.config.decoder, tokens, model.device, model.dtype,
+                           self.prepared.decode_attention, self.prepared.prefill_attention)
+        enc = checkpoint.config.encoder
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens),
-            self.pool.allocator)
-        self.runner = Runner(model, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
+            SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
+                            enc.window_tokens), self.pool.allocator)
+        self.runner = Runner(self.prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
+        self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
+                             checkpoint.features.hop_length, enc.num_mel_bins, enc.chunk_frames, tokens)
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._stopped = False
+        self._closing = False  # no new submits; the loop ends once idle
+        self._abort = False  # the loop ends after the current step (close(drain=False))
+        self._broken: BaseException | None = None
         self.steps = 0
+        self.generated_tokens = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         # wall seconds by phase; step_s is the total, what it has beyond the others is host-side work.
         # forward_mixed_s counts forwards that carry prefill chunks (decode rows may ride along).
         self.timings = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
-                          prefill_tokens=0, decode_tokens=0)
+                            prefill_tokens=0, decode_tokens=0)
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: list[int], *, waveform: np.ndarray | None = None, features: torch.Tensor | None = None,
-               max_new_tokens: int, ignore_eos: bool = False) -> Future:
-        """Queue one request; the future resolves to a GenerationResult (or raises its error)."""
-        if (waveform is None) == (features is None):
-            raise ValueError("pass exactly one of waveform or features")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        req = Request(prompt=list(prompt), max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
-                      waveform=waveform, features=features,
-                      audio_tokens=sum(1 for t in prompt if t == self.audio_token_id))
-        self._ensure_thread()
-        release_idle_workers()  # this thread's idle OpenMP pool would slow the engine's (see openmp.py)
-        self._inbox.put(req)
+               max_new_tokens: int, ignore_eos: bool = False,
+               on_token: Callable[[int | None], None] | None = None) -> Future:
+        """Queue one request; the future resolves to a GenerationResult (or raises its error).
+
+        ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
+        1-D float 16 kHz ``waveform`` or as (mel, frames) ``features``. ``on_token`` (called on the engine
+        thread, so keep it quick) receives each generated token and then None. Cancelling the future
+        stops the request at the next step. Raises ValueError for a malformed request, EngineClosed
+        after close(), EngineBroken after the loop failed."""
+        waveform, features, audio_tokens = check_request(prompt, waveform, features, max_new_tokens, self.limits)
+        prompt = [int(t) for t in prompt]
+        req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
+                      waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
+                      audio_before=np.concatenate([[0], np.cumsum(np.asarray(prompt) == self.audio_token_id)]))
+        with self._lock:  # the check and the put are one step, so close() never strands a request
+            self._raise_if_unusable()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="qasr-engine", daemon=True)
+                self._thread.start()
+            self._inbox.put(req)
+        self.prepared.release_caller_threads()  # e.g. this thread's idle OpenMP pool (see cpu/openmp.py)
         return req.future
 
     async def generate_async(self, prompt: list[int], **kwargs: object) -> GenerationResult:
+        """``submit`` for asyncio; cancelling the awaiting task cancels the request."""
         return await asyncio.wrap_future(self.submit(prompt, **kwargs))  # type: ignore[arg-type]
 
-    def close(self) -> None:
-        self._stopped = True
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+    def stream(self, prompt: list[int], **kwargs: object) -> Iterator[int]:
+        """Yield each generated token id as soon as it is sampled (the same ids ``submit`` returns).
+        Raises the request's error after its last token; closing the iterator early cancels the request."""
+        tokens: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        future = self.submit(prompt, on_token=tokens.put, **kwargs)  # type: ignore[arg-type]
+        return _drain(tokens, future)
+
+    async def stream_async(self, prompt: list[int], **kwargs: object) -> AsyncIterator[int]:
+        """``stream`` for asyncio: an async iterator of token ids."""
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[int | None] = asyncio.Queue()
+        future = self.submit(prompt, on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t),
+                             **kwargs)  # type: ignore[arg-type]
+        try:
+            while (token := await tokens.get()) is not None:
+                yield token
+            await asyncio.wrap_future(future)  # the request's error, if it failed
+        finally:
+            future.cancel()  # no-op once done
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (read from any thread; counts may be one step stale)."""
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
+        rate = sum(n for _, n in recent) / RATE_WINDOW_S if recent else 0.0
+        sched = self.scheduler
+        return EngineStats(waiting=len(sched.waiting) + self._inbox.qsize(), running=len(sched.active),
+                           kv_tokens_used=self.pool.allocator.used, kv_tokens_total=self.pool.tokens,
+                           steps=self.steps, generated_tokens=self.generated_tokens, tokens_per_s=rate,
+                           broken=self._broken is not None, closed=self._closing)
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting requests. ``drain=True`` finishes what was accepted; ``drain=False`` stops after
+        the current step and fails every unfinished request with EngineClosed. Either way every future
+        is resolved when the loop ends; ``timeout`` bounds the wait for it."""
+        with self._lock:
+            self._closing = True
+            self._abort = self._abort or not drain
+            thread = self._thread
+        if thread is None:
+            return
+        self._inbox.put(None)  # wake the loop
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _raise_if_unusable(self) -> None:
+        if self._broken is not None:
+            raise EngineBroken(f"the engine failed and serves no more requests: {self._broken!r}") from self._broken
+        if self._closing:
+            raise EngineClosed("the engine is closed")
 
     # ------------------------------------------------------------------ the loop
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                if self._stopped:
-                    raise RuntimeError("engine is closed")
-                self._thread = threading.Thread(target=self._loop, name="qasr-engine", daemon=True)
-                self._thread.start()
-
     def _loop(self) -> None:
-        while not self._stopped:
-            if self.scheduler.idle:
-                self._take(self._inbox.get())  # nothing to do: sleep until a request (or close) arrives
-            while True:
-                try:
-                    self._take(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            if not self.scheduler.idle:
-                self.step()
+        try:
+            while not self._abort:
+                if self.scheduler.idle:
+                    if self._closing and self._inbox.empty():
+                        break
+                    self._take(self._inbox.get())  # nothing to do: sleep until a request (or close) arrives
+                while True:
+                    try:
+                        self._take(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if not self.scheduler.idle and not self._abort:
+                    self.step()
+        except BaseException as exc:  # noqa: BLE001 - the loop must never die silently
+            log.exception("qasr engine loop failed; the engine is now broken")
+            self._broken = exc
+        finally:
+            self._fail_everything()
 
     def _take(self, item: Request | None) -> None:
         if item is not None:  # None only wakes the loop (close)
             self.scheduler.add(item)
 
+    def _fail_everything(self) -> None:
+        with self._lock:
+            self._closing = True  # later submits raise (EngineBroken first when broken)
+        if self._broken is not None:
+            error: BaseException = EngineBroken(f"the engine failed: {self._broken!r}")
+            error.__cause__ = self._broken
+        else:
+            error = EngineClosed("the engine was closed before this request finished")
+        pending = [*self.scheduler.active, *self.scheduler.waiting]
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                pending.append(item)
+        for req in pending:
+            req.resolve(error=error)
+        self.scheduler.active.clear()
+        self.scheduler.waiting.clear()
+
     def step(self) -> None:
-        """One scheduling step. A failure fails the requests involved, never the loop."""
+        """One scheduling step. A failing step is rerun one request at a time: only the culprit fails."""
         sched = self.scheduler
         t_step = time.perf_counter()
-        for req in sched.admit():
-            req.future.set_exception(ValueError(
-                f"request needs {req.needs_tokens} KV-cache tokens but the cache holds {self.pool.tokens}; "
-                f"raise kv_cache_bytes or lower max_new_tokens / max_chunk_sec"))
+        for req in [r for r in sched.active if r.cancelled]:  # stop cancelled requests, free their regions
+            sched.finish(req)
+            req.resolve()
+        for req in sched.admit():  # submit checks this too; the cache may be smaller than at submit only in tests
+            req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
+                                         f"{self.pool.tokens}"))
         plan = sched.plan()
-        st = self.timings
+        encoded = False
         try:
             if plan.encode:
-                t0 = time.perf_counter()
-                st["features_s"] += self.runner.encode(plan.encode)
-                st["encoder_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            sampled = self.runner.forward(plan) if (plan.decode or plan.prefill) else []
-            st["forward_mixed_s" if plan.prefill else "forward_decode_s"] += time.perf_counter() - t0
-            st["prefill_tokens"] += sum(n for _, n in plan.prefill)
-            st["decode_tokens"] += len(plan.decode)
-        except Exception as exc:  # fail what this step touched, keep serving the rest
-            log.exception("qasr engine step failed")
-            touched = {id(r): r for r in [*plan.encode, *plan.decode, *(r for r, _ in plan.prefill)]}
-            for req in touched.values():
-                sched.finish(req)
-                if not req.future.done():
-                    req.future.set_exception(exc)
-            return
+                self._encode(plan.encode)
+            encoded = True
+            sampled = self._forward(plan)
+        except Exception as exc:  # noqa: BLE001 - find the culprit below
+            sampled = self._rerun_alone(plan, exc, encoded)
         self.steps += 1
+        self._apply(sampled)
+        self.timings["step_s"] += time.perf_counter() - t_step
+
+    def _encode(self, slices: list[tuple[Request, int]]) -> None:
+        t0 = time.perf_counter()
+        self.timings["features_s"] += self.runner.encode(slices)
+        self.timings["encoder_s"] += time.perf_counter() - t0
+
+    def _forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
+        if not (plan.decode or plan.prefill):
+            return []
+        t0 = time.perf_counter()
+        sampled = self.runner.forward(plan)
+        st = self.timings
+        st["forward_mixed_s" if plan.prefill else "forward_decode_s"] += time.perf_counter() - t0
+        st["prefill_tokens"] += sum(n for _, n in plan.prefill)
+        st["decode_tokens"] += len(plan.decode)
+        return sampled
+
+    def _rerun_alone(self, plan: StepPlan, exc: Exception, encoded: bool) -> list[tuple[Request, int]]:
+        """Rerun each request's share of a failed step alone (its encoder slice too, unless the step's
+        packed encoder call had already succeeded). Row-invariant kernels make the survivors' results
+        the same as in the batch; the culprit fails with its own error."""
+        reqs = plan.requests
+        log.warning("qasr: a step of %d requests failed (%r); rerunning them one by one", len(reqs), exc)
+        sampled = []
+        for req in reqs:
+            own = plan.only(req)
+            try:
+                if own.encode and not encoded:
+                    self._encode(own.encode)
+                sampled += self._forward(own)
+            except Exception as err:  # noqa: BLE001 - this request is the culprit: it alone fails
+                log.error("qasr: request %d failed: %r", req.id, err)
+                self.scheduler.finish(req)
+                req.resolve(error=err)
+        return sampled
+
+    def _apply(self, sampled: list[tuple[Request, int]]) -> None:
         now = time.perf_counter()
+        generated = 0
         for req, token in sampled:
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -174,11 +308,37 @@ class Engine:
                 reason = "eos"
             else:
                 req.output.append(token)
+                generated += 1
+                if req.on_token is not None and not self._deliver(req, token):
+                    continue
                 if len(req.output) >= req.max_new_tokens:
                     reason = "length"
             if reason is not None:
-                sched.finish(req)
-                if not req.future.cancelled():
-                    req.future.set_result(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
-                                                           now - req.submitted))
-        st["step_s"] += time.perf_counter() - t_step
+                self.scheduler.finish(req)
+                req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
+                                             now - req.submitted))
+        self.generated_tokens += generated
+        self._recent.append((now, generated))
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def _deliver(self, req: Request, token: int) -> bool:
+        """Hand a token to the request's listener; a listener that raises ends its own request only."""
+        try:
+            req.on_token(token)  # type: ignore[misc]
+            return True
+        except Exception as exc:  # noqa: BLE001 - e.g. the consumer's event loop is closed
+            log.warning("qasr: token listener of request %d failed (%r); cancelling it", req.id, exc)
+            req.on_token = None
+            self.scheduler.finish(req)
+            req.resolve(error=exc)
+            return False
+
+
+def _drain(tokens: queue.SimpleQueue, future: Future) -> Iterator[int]:
+    try:
+        while (token := tokens.get()) is not None:
+            yield token
+        future.result()  # the request's error, if it failed
+    finally:
+        future.cancel()  # the consumer stopped early: stop the request (no-op once done)

@@ -14,11 +14,11 @@ request ends. Admission waits while no region is free, so memory never exceeds t
 from __future__ import annotations
 
 import bisect
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from qasr.engine.cpu.native import decode_kernel, linear_kernel
 from qasr.model.config import DecoderConfig
 from qasr.model.decoder import AttentionMeta
 
@@ -62,7 +62,9 @@ class RegionAllocator:
 
 class KVPool:
     def __init__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
-                 use_native: bool = True) -> None:
+                 decode_kernel: ModuleType | None = None, prefill_kernel: ModuleType | None = None) -> None:
+        """``decode_kernel`` / ``prefill_kernel``: native attention modules chosen by engine/device.py
+        (None: torch's SDPA, same maths)."""
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, tokens, cfg.head_dim)
         # empty, not zeros: every slot is written before it is read, and untouched pages cost no RAM
         self.k = torch.empty(shape, device=device, dtype=dtype)
@@ -71,11 +73,8 @@ class KVPool:
         self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5
         self.allocator = RegionAllocator(tokens)
-        native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        self.kernel = decode_kernel() if (use_native and native_ok) else None
-        # prompt chunks: the flash-style bf16 kernel (2x torch's CPU SDPA) where it applies
-        bf16_d128 = device.type == "cpu" and dtype == torch.bfloat16 and cfg.head_dim == 128
-        self.prefill_kernel = linear_kernel() if (use_native and bf16_d128) else None
+        self.kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
 
     @property
     def nbytes(self) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +24,8 @@ class GenerationResult:
 
 @dataclass(eq=False)
 class Request:
-    """A prompt plus its audio. Features are computed at admission, not at submit, so a long queue
-    holds only waveforms (or nothing extra when callers share arrays), never everyone's features."""
+    """A prompt plus its audio. Features are computed when the request is first encoded, not at submit,
+    so a long queue holds only waveforms (or nothing extra when callers share arrays)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -32,14 +33,16 @@ class Request:
     waveform: np.ndarray | None = None
     features: torch.Tensor | None = None
     audio_tokens: int = 0  # audio placeholders in the prompt (= encoder output rows)
+    on_token: Callable[[int | None], None] | None = None  # streaming: each token, then None at the end
     future: Future = field(default_factory=Future)
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     # progress (owned by the engine thread)
     start: int = -1  # KV region start
     reserved: int = 0  # KV region length
-    audio: torch.Tensor | None = None  # encoder output (T, hidden)
-    audio_before: np.ndarray | None = None  # audio placeholders in prompt[:i], for chunked prefill
+    audio: torch.Tensor | None = None  # encoder output (audio_tokens, hidden), filled window by window
+    encoded_tokens: int = 0  # rows of ``audio`` computed so far
+    audio_before: np.ndarray | None = None  # (len(prompt) + 1,) audio placeholders in prompt[:i]; set at submit
     prefilled: int = 0  # prompt tokens already in the cache
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
@@ -50,9 +53,33 @@ class Request:
 
     @property
     def encoded(self) -> bool:
-        """Set by the encoder step; stays true after the encoder output is released."""
-        return self.audio_before is not None
+        return self.encoded_tokens == self.audio_tokens
 
     @property
     def prefill_done(self) -> bool:
         return self.prefilled == len(self.prompt)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.cancelled()
+
+    def ready_until(self, encoded: int) -> int:
+        """Prompt tokens [0, n) whose audio embeddings exist once ``encoded`` audio tokens are encoded:
+        everything before the (encoded + 1)-th audio placeholder (the whole prompt when all are)."""
+        assert self.audio_before is not None, "set by the engine at submit"
+        if encoded >= self.audio_tokens:
+            return len(self.prompt)
+        return int(np.searchsorted(self.audio_before, encoded + 1)) - 1
+
+    def resolve(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        """Settle the future once (a caller may have cancelled it meanwhile) and close the token stream."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+        except InvalidStateError:  # cancelled or already settled: nothing to tell
+            pass
+        if self.on_token is not None:
+            self.on_token(None)
+            self.on_token = None

@@ -5,46 +5,56 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
+from qasr.engine.device import PreparedModel
 from qasr.engine.kv_cache import KVPool
 from qasr.engine.request import Request
 from qasr.engine.scheduler import StepPlan
 from qasr.features import LogMel
-from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.decoder import AttentionMeta
 
 
 class Runner:
-    def __init__(self, model: Qwen3ASRModel, pool: KVPool, features: LogMel, conv_batch: int = 64) -> None:
-        self.model = model
+    def __init__(self, prepared: PreparedModel, pool: KVPool, features: LogMel, conv_batch: int = 64) -> None:
+        self.model = model = prepared.model
+        self.kernels = prepared.kernels
         self.pool = pool
         self.features = features
         self.conv_batch = conv_batch
         self.audio_token_id = model.cfg.audio_token_id
 
     @torch.inference_mode()
-    def encode(self, reqs: list[Request]) -> float:
-        """Packed encoder over all given requests; features are made here and dropped right after.
-        Returns the seconds spent on features."""
+    def encode(self, slices: list[tuple[Request, int]]) -> float:
+        """One packed encoder call over a slice of each request's audio: ``n`` tokens from its
+        ``encoded_tokens`` on, which lies on the 8 s window grid (windows attend only within
+        themselves, so a slice's output equals those rows of the whole). Features are made at a
+        request's first slice (the log-mel needs the whole utterance) and dropped after its last.
+        Nothing is changed unless the whole call succeeds. Returns the seconds spent on features."""
+        enc = self.model.cfg.encoder
+        window_frames = enc.window_tokens // enc.tokens_per_chunk * enc.chunk_frames
         feats = []
         t0 = time.perf_counter()
-        for req in reqs:
+        for req, n in slices:
             if req.features is None:
                 assert req.waveform is not None
                 req.features = self.features(req.waveform)
-            feats.append(req.features)
+                req.waveform = None
+            f0 = req.encoded_tokens // enc.window_tokens * window_frames
+            f1 = f0 + -(-n // enc.window_tokens) * window_frames
+            feats.append(req.features[:, f0:f1])
         feat_s = time.perf_counter() - t0
-        outs = self.model.audio_tower(feats, conv_batch=self.conv_batch)
-        for req, out in zip(reqs, outs, strict=True):
-            if out.shape[0] != req.audio_tokens:
-                raise ValueError(f"prompt has {req.audio_tokens} audio placeholders, encoder gave {out.shape[0]}")
-            req.audio = out
-            req.audio_before = np.concatenate(
-                [[0], np.cumsum(np.asarray(req.prompt) == self.audio_token_id)])
-            req.features = None
-            req.waveform = None
+        outs = self.model.audio_tower(feats, conv_batch=self.conv_batch, kernels=self.kernels)
+        for (req, n), out in zip(slices, outs, strict=True):
+            if out.shape[0] != n:
+                raise ValueError(f"request {req.id}: encoder gave {out.shape[0]} tokens for a slice of {n}")
+        for (req, n), out in zip(slices, outs, strict=True):
+            if req.audio is None:
+                req.audio = out.new_empty((req.audio_tokens, out.shape[1]))
+            req.audio[req.encoded_tokens:req.encoded_tokens + n] = out
+            req.encoded_tokens += n
+            if req.encoded:
+                req.features = None
         return feat_s
 
     @torch.inference_mode()
@@ -86,7 +96,7 @@ class Runner:
         logits = self.model(
             torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.pool, meta,
             logits_rows=torch.tensor(rows, device=dev) if rows else torch.zeros(0, dtype=torch.long, device=dev),
-            audio_embeds=torch.cat(audio) if audio else None,
+            audio_embeds=torch.cat(audio) if audio else None, kernels=self.kernels,
         )
         for req, n in plan.prefill:
             req.prefilled += n

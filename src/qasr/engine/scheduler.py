@@ -1,6 +1,12 @@
-"""Decides what each engine step does: admissions, encoder work, prefill chunks, decode rows.
+"""Decides what each engine step does: admissions, encoder slices, prefill chunks, decode rows.
 
 Pure bookkeeping on Request objects; no tensors are touched here.
+
+Fairness: a 20-minute piece is encoded a few 8 s windows per step and prefilled a few chunks per step,
+so no step is long; and each step first serves an "express lane" (the request with the least work
+left, one encoder slice and one prefill chunk) before the rest in admission order. A short request
+that arrives behind a long one is therefore encoded in the next step and prefilled in the one after,
+while the long one keeps moving with what is left of the budget.
 """
 
 from __future__ import annotations
@@ -17,14 +23,28 @@ class SchedulerConfig:
     max_running: int = 64  # sequences holding a KV region at once
     prefill_tokens: int = 512  # prompt tokens per step, in whole chunks (at least one chunk per step)
     prefill_chunk: int = 256  # a prompt is prefilled in pieces [0, C), [C, 2C), ... whatever shares the step
-    encoder_tokens: int = 512  # encoder output tokens per step (whole requests; at least one)
+    encoder_tokens: int = 512  # encoder output tokens per step, in whole windows (at least one)
+    window_tokens: int = 104  # the encoder's attention window: slices start on window boundaries
 
 
 @dataclass
 class StepPlan:
-    encode: list[Request]
+    encode: list[tuple[Request, int]]  # (request, audio tokens to encode now), from its encoded_tokens on
     decode: list[Request]  # one token each
     prefill: list[tuple[Request, int]]  # (request, chunk length); a request's chunks are consecutive
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every request this plan touches, each once, in plan order."""
+        seen: dict[int, Request] = {}
+        for req in [*(r for r, _ in self.encode), *self.decode, *(r for r, _ in self.prefill)]:
+            seen.setdefault(id(req), req)
+        return list(seen.values())
+
+    def only(self, req: Request) -> StepPlan:
+        """The part of this plan that concerns one request (to rerun it alone after a failed step)."""
+        return StepPlan([(r, n) for r, n in self.encode if r is req], [r for r in self.decode if r is req],
+                        [(r, n) for r, n in self.prefill if r is req])
 
 
 class Scheduler:
@@ -42,12 +62,14 @@ class Scheduler:
         return not self.waiting and not self.active
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into KV regions, oldest first. Returns those that can never fit."""
+        """Move waiting requests into KV regions, oldest first. Returns those that can never fit.
+        Cancelled waiting requests are dropped here."""
         impossible = []
         while self.waiting and len(self.active) < self.config.max_running:
             req = self.waiting[0]
-            if req.future.cancelled():
+            if req.cancelled:
                 self.waiting.popleft()
+                req.resolve()  # closes a token stream, if any
                 continue
             if req.needs_tokens > self.allocator.capacity:
                 impossible.append(self.waiting.popleft())
@@ -66,35 +88,79 @@ class Scheduler:
         time: a decode step streams all the weights anyway, and prefill rows riding along use the
         compute that streaming leaves idle.
 
-        Prefill chunks lie on a fixed grid per prompt, so the tokens a request sees in each forward
-        (and hence its output, with row-invariant kernels) never depend on its neighbours."""
-        cfg = self.config
-        # Encode just in time: only while the encoded-but-unprefilled backlog is under two steps' worth.
-        backlog = sum(len(r.prompt) - r.prefilled for r in self.active if r.encoded and not r.prefill_done)
-        encode, budget = [], cfg.encoder_tokens
-        if backlog < 2 * cfg.prefill_tokens:
-            for req in self.active:
-                if not req.encoded:
-                    if encode and req.audio_tokens > budget:
-                        break
-                    encode.append(req)
-                    budget -= req.audio_tokens
+        Prefill chunks lie on a fixed grid per prompt and encoder slices on the window grid, so the
+        work a request sees in each call (and hence its output, with row-invariant kernels) never
+        depends on its neighbours."""
+        encode = self._plan_encode()
+        after = {id(r): r.encoded_tokens + n for r, n in encode}  # encoded tokens once this step's slices ran
         decode = [r for r in self.active if r.prefill_done]
-        encoding = {id(r) for r in encode}
-        prefill, budget = [], cfg.prefill_tokens
-        for req in self.active:  # admission order
-            if req.prefill_done or (not req.encoded and id(req) not in encoding):
+        prefill = self._plan_prefill(after)
+        return StepPlan(encode, decode, prefill)
+
+    def _plan_encode(self) -> list[tuple[Request, int]]:
+        cfg = self.config
+        lookahead = 2 * cfg.prefill_tokens  # just in time: keep little encoded-but-unprefilled audio
+        wanted = [r for r in self.active if not r.encoded
+                  and r.encoded_tokens - _audio_prefilled(r) < lookahead]
+        budget = max(cfg.encoder_tokens, cfg.window_tokens)
+        plan: list[tuple[Request, int]] = []
+        for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
+            cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane takes at most half
+            n = self._slice(req, max(cap, cfg.window_tokens))
+            if plan and n > budget:
+                break
+            plan.append((req, n))
+            budget -= n
+            if budget < cfg.window_tokens:
+                break
+        return plan
+
+    def _slice(self, req: Request, budget: int) -> int:
+        """Audio tokens to encode from req.encoded_tokens on: whole windows within budget (one at least)."""
+        w = self.config.window_tokens
+        left = req.audio_tokens - req.encoded_tokens
+        return min(left, max(1, budget // w) * w)
+
+    def _plan_prefill(self, encoded_after: dict[int, int]) -> list[tuple[Request, int]]:
+        cfg = self.config
+        ready = {}
+        for req in self.active:
+            if req.prefill_done:
                 continue
-            done = req.prefilled
-            while done < len(req.prompt):  # a request may bring several consecutive chunks
-                n = min(cfg.prefill_chunk - done % cfg.prefill_chunk, len(req.prompt) - done)
+            limit = req.ready_until(encoded_after.get(id(req), req.encoded_tokens))
+            if limit > req.prefilled:
+                ready[id(req)] = limit
+        wanted = [r for r in self.active if id(r) in ready]
+        prefill: list[tuple[Request, int]] = []
+        budget = cfg.prefill_tokens
+        for k, req in enumerate(_express_first(wanted, key=lambda r: len(r.prompt) - r.prefilled)):
+            done, limit = req.prefilled, ready[id(req)]
+            while done < limit:  # a request may bring several consecutive chunks
+                end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, len(req.prompt))
+                if end > limit:
+                    break  # the chunk's audio is not encoded yet: the grid stays fixed, so wait for it
+                n = end - done
                 if prefill and n > budget:
-                    return StepPlan(encode, decode, prefill)
+                    return prefill
                 prefill.append((req, n))
                 budget -= n
-                done += n
-        return StepPlan(encode, decode, prefill)
+                done = end
+                if k == 0 and len(wanted) > 1:
+                    break  # the express lane gets one chunk per step
+        return prefill
 
     def finish(self, req: Request) -> None:
         self.active.remove(req)
         self.allocator.free(req.start, req.reserved)
+
+
+def _express_first(reqs: list[Request], key) -> list[Request]:  # noqa: ANN001 - a sort key
+    """The request with the least work left first, then the others in admission order."""
+    if len(reqs) < 2:
+        return reqs
+    best = min(reqs, key=key)
+    return [best, *(r for r in reqs if r is not best)]
+
+
+def _audio_prefilled(req: Request) -> int:
+    return int(req.audio_before[req.prefilled])

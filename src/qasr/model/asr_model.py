@@ -8,6 +8,7 @@ from torch import nn
 from qasr.model.config import ModelConfig
 from qasr.model.decoder import AttentionMeta, KVStore, TextModel
 from qasr.model.encoder import AudioEncoder
+from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 
 class Qwen3ASRModel(nn.Module):
@@ -47,11 +48,11 @@ class Qwen3ASRModel(nn.Module):
         return x
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVStore, meta: AttentionMeta,
-                logits_rows: torch.Tensor | None = None,
-                audio_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None, audio_embeds: torch.Tensor | None = None,
+                kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         """Packed decoder forward. Returns logits (len(logits_rows), vocab) in float32."""
         x = self.embed(token_ids, audio_embeds)
-        h = self.model(x, positions, cache, meta)
+        h = self.model(x, positions, cache, meta, kernels)
         if logits_rows is not None:
             h = h[logits_rows]
-        return self.lm_head(h).float()
+        return kernels.linear(self.lm_head, h).float()

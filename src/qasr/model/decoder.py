@@ -8,7 +8,6 @@ loop and no scheduling: the engine decides which tokens go into each forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.model.config import DecoderConfig
+from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused: ModuleType | None = None  # the engine's bf16 CPU kernels (engine/cpu_ops.py), same maths
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.dtype == torch.bfloat16:
-            return self.fused.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+        if kernels.fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps)  # type: ignore[misc]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -92,21 +91,21 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
-                meta: AttentionMeta) -> torch.Tensor:
+                meta: AttentionMeta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        fused = self.q_norm.fused
-        if fused is not None and q.dtype == torch.bfloat16:
-            q = fused.norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
-            k = fused.norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        linear = kernels.linear
+        q = linear(self.q_proj, x).view(n, self.heads, self.head_dim)
+        k = linear(self.k_proj, x).view(n, self.kv_heads, self.head_dim)
+        v = linear(self.v_proj, x).view(n, self.kv_heads, self.head_dim)
+        if kernels.fused(q):
+            q = kernels.norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)  # type: ignore[misc]
+            k = kernels.norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)  # type: ignore[misc]
         else:
             q, k = self.q_norm(q), self.k_norm(k)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         out = cache.attend(self.layer, q, k, v, meta)  # (N, heads * hd)
-        return self.o_proj(out)
+        return linear(self.o_proj, out)
 
 
 class DecoderLayer(nn.Module):
@@ -118,9 +117,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
-                meta: AttentionMeta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                meta: AttentionMeta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x, kernels), cos, sin, cache, meta, kernels)
+        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
 
 
 class SwiGLU(nn.Module):
@@ -130,8 +129,9 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+        linear = kernels.linear
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class TextModel(nn.Module):
@@ -158,8 +158,8 @@ class TextModel(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVStore,
-                meta: AttentionMeta) -> torch.Tensor:
+                meta: AttentionMeta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta)
-        return self.norm(x)
+            x = layer(x, cos, sin, cache, meta, kernels)
+        return self.norm(x, kernels)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.model.config import EncoderConfig, post_conv_length
+from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 
 def sinusoid_table(length: int, channels: int) -> torch.Tensor:
@@ -91,10 +92,11 @@ class EncoderAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor, pack: EncoderPack) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pack: EncoderPack, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         # x: (T, d). Gather into (W, heads, Lw, hd) windows; one padded row (zeros) serves every pad slot.
         t, d = x.shape
-        qkv = torch.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)])  # (3, T, d)
+        linear = kernels.linear
+        qkv = torch.stack([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)])  # (3, T, d)
         qkv = torch.cat([qkv, qkv.new_zeros(3, 1, d)], dim=1)
         w, lw = pack.window_index.shape
         win = qkv[:, pack.window_index.reshape(-1)].reshape(3, w, lw, self.heads, self.head_dim)
@@ -104,7 +106,7 @@ class EncoderAttention(nn.Module):
         valid = pack.window_mask.reshape(-1)
         packed = out.new_empty(t + 1, d)
         packed[pack.window_index.reshape(-1)[valid]] = out[valid]
-        return self.out_proj(packed[:t])
+        return linear(self.out_proj, packed[:t])
 
 
 class EncoderLayer(nn.Module):
@@ -117,9 +119,10 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, pack: EncoderPack) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), pack)
-        x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+    def forward(self, x: torch.Tensor, pack: EncoderPack, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+        linear = kernels.linear
+        x = x + self.self_attn(self.self_attn_layer_norm(x), pack, kernels)
+        x = x + linear(self.fc2, F.gelu(linear(self.fc1, self.final_layer_norm(x))))
         if x.dtype == torch.float16:  # keep fp16 activations finite, as the reference does
             limit = torch.finfo(torch.float16).max - 1000
             x = x.clamp(-limit, limit)
@@ -147,31 +150,33 @@ class AudioEncoder(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         self.positions = sinusoid_table(self.cfg.tokens_per_chunk, self.cfg.d_model).to(device)
 
-    def conv_front(self, chunks: torch.Tensor, conv_batch: int | None = None) -> torch.Tensor:
+    def conv_front(self, chunks: torch.Tensor, conv_batch: int | None = None,
+                   kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         """(C, 1, mel, frames) -> (C, tokens_per_chunk, d_model), in groups of conv_batch chunks
         (default: the checkpoint's conv_chunksize; smaller groups keep CPU activations in cache)."""
         group = conv_batch or self.cfg.conv_chunksize
         outs = []
         for start in range(0, chunks.shape[0], group):
             x = chunks[start:start + group]
-            x = F.gelu(self.conv2d1(x))
-            x = F.gelu(self.conv2d2(x))
-            x = F.gelu(self.conv2d3(x))
+            x = F.gelu(kernels.conv(self.conv2d1, x))
+            x = F.gelu(kernels.conv(self.conv2d2, x))
+            x = F.gelu(kernels.conv(self.conv2d3, x))
             c, ch, freq, t = x.shape
             # flatten to 2-D first: a 3-D non-contiguous input makes linear expand the weight per chunk
-            x = self.conv_out(x.permute(0, 3, 1, 2).reshape(c * t, ch * freq))
+            x = kernels.linear(self.conv_out, x.permute(0, 3, 1, 2).reshape(c * t, ch * freq))
             outs.append(x.view(c, t, -1))
         x = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
         assert self.positions is not None, "call init_buffers() after loading weights"
         return x + self.positions[: x.shape[1]].to(x.dtype)
 
-    def forward(self, features: list[torch.Tensor], conv_batch: int | None = None) -> list[torch.Tensor]:
+    def forward(self, features: list[torch.Tensor], conv_batch: int | None = None,
+                kernels: Kernels = TORCH_KERNELS) -> list[torch.Tensor]:
         """Per-utterance (mel, frames) features -> per-utterance (tokens, output_dim) embeddings."""
         p = self.parameters().__next__()
         pack = plan_pack([f.to(p.device, p.dtype) for f in features], self.cfg, p.device)
-        x = self.conv_front(pack.chunks, conv_batch)
+        x = self.conv_front(pack.chunks, conv_batch, kernels)
         x = x.reshape(-1, x.shape[-1])[pack.valid_index]
         for layer in self.layers:
-            x = layer(x, pack)
-        x = self.proj2(F.gelu(self.proj1(self.ln_post(x))))
+            x = layer(x, pack, kernels)
+        x = kernels.linear(self.proj2, F.gelu(kernels.linear(self.proj1, self.ln_post(x))))
         return list(torch.split(x, list(pack.token_counts)))

@@ -1,11 +1,13 @@
-"""CPU speed-up for bf16 inference: replace nn.Linear weights by prepacked ones.
+"""bf16 linear layers on the CPU: every nn.Linear's weight packed once, products on the best kernel.
 
-First choice is qasr's own AVX512-BF16 kernel (engine/cpu/csrc/bf16_linear.cpp): a row's result never
-depends on the other rows of the call, so a request decodes to the same tokens whatever shares its
-batch, and it streams the weights of a decode step faster than oneDNN. Without it (no compiler, no
-AVX512-BF16) the weights are reordered for oneDNN, which runs small-batch products two to three times
-faster than torch's plain bf16 GEMM but may round a row differently depending on the batch size.
-Both compute the same bf16 product with float accumulation.
+First choice is qasr's own batch-invariant kernel (the AMX one where the CPU has AMX, else AVX512-BF16;
+see native.py): a row's result never depends on the other rows of the call, so a request decodes to
+the same tokens whatever shares its batch, and few-row products stream the weights at memory speed.
+Without it (no compiler, no AVX512-BF16) the weights are reordered for oneDNN, which runs small-batch
+products two to three times faster than torch's plain bf16 GEMM but may round a row differently
+depending on the batch size. Both compute the same bf16 product with float accumulation.
+
+The packed copies live here, keyed by module; the model's own modules are never changed.
 """
 
 from __future__ import annotations
@@ -14,89 +16,54 @@ import logging
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from qasr.engine.cpu.native import linear_kernel
 
 log = logging.getLogger(__name__)
 
 
-class InvariantLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernel: ModuleType) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+class InvariantLinears:
+    """``linear(module, x)`` on qasr's row-invariant kernel (odd K, which it cannot pack, uses torch)."""
+
+    def __init__(self, model: nn.Module, kernel: ModuleType) -> None:
         self.kernel = kernel
-        self.packed = kernel.pack(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.in_features % 2 == 0:
+                bias = None if module.bias is None else module.bias.detach().float()
+                self.packed[module] = (kernel.pack(module.weight.detach()), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        entry = self.packed.get(module)
+        if entry is None:
+            return F.linear(x, module.weight, module.bias)
         shape = x.shape
-        out = self.kernel.linear(x.reshape(-1, shape[-1]), self.packed, self.out_features, self.bias)
-        return out.view(*shape[:-1], self.out_features)
+        out = self.kernel.linear(x.reshape(-1, shape[-1]), entry[0], module.out_features, entry[1])
+        return out.view(*shape[:-1], module.out_features)
 
 
-class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+class OneDnnLinears:
+    """``linear(module, x)`` on oneDNN-prepacked weights (fast, not batch-invariant)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, model: nn.Module, batch_hint: int = 64) -> None:
+        self.packed: dict[nn.Linear, torch.Tensor] = {}
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                try:
+                    self.packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_hint)
+                except RuntimeError as exc:  # an unusual build without the op: plain torch for the rest
+                    log.warning("qasr: could not prepack linear weights for oneDNN (%s)", exc)
+                    break
+
+    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed.get(module)
+        if packed is None:
+            return F.linear(x, module.weight, module.bias)
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
-        return out.view(*shape[:-1], self.out_features)
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, module.bias, "none", [], "")
+        return out.view(*shape[:-1], module.out_features)
 
 
-def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def pack_linears(model: nn.Module, batch_hint: int = 64) -> int:
-    """Swap every nn.Linear in ``model`` for a PackedLinear (in place). Returns how many were packed.
-
-    Tied weights stay correct: each packed copy is made from the tensor the module holds.
-    """
-    kernel = linear_kernel()
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                try:
-                    packed = (InvariantLinear(child, kernel) if kernel is not None and child.in_features % 2 == 0
-                              else PackedLinear(child, batch_hint))
-                    setattr(parent, name, packed)
-                    count += 1
-                except RuntimeError as exc:  # an unusual build without the op: keep the plain module
-                    log.warning("qasr: could not prepack %s (%s)", name, exc)
-                    return count
-    return count
-
-
-def channels_last_convs(model: nn.Module) -> int:
-    """Store conv weights channels-last: oneDNN then runs the encoder's 480-channel convolutions about
-    20% faster on CPUs (activations follow the weight's layout). Same maths."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last)
-            count += 1
-    return count
-
-
-def fuse_norms(model: nn.Module) -> int:
-    """Point every decoder RMSNorm at the fused bf16 kernels (RMSNorm; q/k-norm + rotary), where they
-    build. Returns how many norms use them."""
-    from qasr.engine.cpu.native import decoder_ops_kernel
-    from qasr.model.decoder import RMSNorm
-
-    ops = decoder_ops_kernel()
-    if ops is None:
-        return 0
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for norm in norms:
-        norm.fused = ops
-    return len(norms)

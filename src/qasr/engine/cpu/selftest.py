@@ -1,0 +1,202 @@
+"""Self-tests a native kernel passes once, at its first load, on the CPU it is about to run on.
+
+The kernels are built with -march=native on machines nobody here tested: another CPU generation or
+vendor, an OS that refuses AMX tile data, a compiler that miscompiles an intrinsic. A kernel must never
+give wrong results there, so before the loader (native.py) hands one out it runs a few small calls
+against float32 references computed by torch, on shapes that hit every tile remainder, and the GEMMs
+must also be row-invariant bit for bit. A kernel that fails (or raises) is disabled with one warning and
+the engine uses the next kernel or plain torch. Each check takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# Seconds each passing self-test took in this process, by kernel name (for logs and reports).
+timings: dict[str, float] = {}
+
+
+class SelfTestFailure(AssertionError):
+    """A kernel's result disagreed with the reference (the message says where)."""
+
+
+def verified(name: str, module: ModuleType | None, check: Callable[[ModuleType], None]) -> ModuleType | None:
+    """``module`` if ``check(module)`` passes, else None with one warning naming the kernel and the failure."""
+    if module is None:
+        return None
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            check(module)
+    except Exception as exc:  # a wrong number, a crash-free exception, a missing function: all disqualify
+        log.warning("qasr: native kernel %r failed its self-test on this CPU and is disabled: %s: %s",
+                    name, type(exc).__name__, exc)
+        return None
+    timings[name] = time.perf_counter() - start
+    log.debug("qasr: native kernel %r passed its self-test in %.1f ms", name, 1e3 * timings[name])
+    return module
+
+
+def check_gemm(kernel: ModuleType) -> None:
+    """pack / linear / conv against float32 products, and rows independent of the call they are in."""
+    gen = torch.Generator().manual_seed(20261130)
+    # (K, N, bias): whole K tiles with a column tail; a K tail (35 pairs = 2 tiles + 3) with a 3-column
+    # last block; the smallest K (one pair) -- every M remainder comes from the 37-row calls.
+    for k, n, has_bias in ((96, 130, True), (70, 67, False), (2, 17, True)):
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen) if has_bias else None
+        x = torch.randn(37, k, generator=gen).to(torch.bfloat16)
+        packed = kernel.pack(w)
+        got = kernel.linear(x, packed, n, bias)
+        ref = x.float() @ w.float().T + (bias if bias is not None else 0)
+        scale = x.float().abs() @ w.float().abs().T + (bias.abs() if bias is not None else 0)
+        _expect_close(f"linear K={k} N={n}", got, ref, scale)
+        rows_alone = functools.partial(_linear_rows, kernel, x, packed, n, bias)
+        _expect_row_invariant(f"linear K={k} N={n}", got, rows_alone)
+    _check_conv(kernel, gen)
+
+
+def _linear_rows(kernel: ModuleType, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+                 rows: slice) -> torch.Tensor:
+    return kernel.linear(x[rows], packed, n, bias)
+
+
+def _check_conv(kernel: ModuleType, gen: torch.Generator) -> None:
+    # 3x3 kernel, stride (2, 1), 6 channels: K = 54 (a K tail), 3 x 3 x 7 = 63 output positions
+    n, hp, wp, cin, cout = 3, 7, 9, 6, 70
+    xp = torch.randn(n, hp, wp, cin, generator=gen).to(torch.bfloat16)
+    w = torch.randn(cout, cin, 3, 3, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(cout, generator=gen)
+    packed = kernel.pack(w.permute(0, 2, 3, 1).reshape(cout, -1).contiguous())  # (kh, kw, cin) order
+    got = kernel.conv(xp, packed, cout, bias, 3, 3, 2, 1)
+    nchw = xp.float().permute(0, 3, 1, 2)
+    ref = F.conv2d(nchw, w.float(), bias, stride=(2, 1)).permute(0, 2, 3, 1).reshape(-1, cout)
+    scale = F.conv2d(nchw.abs(), w.float().abs(), bias.abs(), stride=(2, 1)).permute(0, 2, 3, 1).reshape(-1, cout)
+    _expect_close("conv 3x3 cin=6 cout=70", got, ref, scale)
+    alone = kernel.conv(xp[1:2].contiguous(), packed, cout, bias, 3, 3, 2, 1)
+    if not torch.equal(alone, got[21:42]):
+        raise SelfTestFailure("conv: an image alone differs from the same image in a batch of 3")
+
+
+def _expect_close(what: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
+    """float32 accumulation and one bf16 rounding: within 2^-8 of the value (the rounding, with room)
+    plus 2^-12 of the sum of |products| (another summation order). A lost K tile, a wrong column or
+    row is far outside that; NaN fails."""
+    if got.shape != ref.shape or got.dtype != torch.bfloat16:
+        raise SelfTestFailure(f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(ref.shape)} bfloat16")
+    err = (got.float() - ref).abs()
+    ok = err <= 2 ** -8 * ref.abs() + 2 ** -12 * scale
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0].tolist()
+        raise SelfTestFailure(f"{what}: {int((~ok).sum())} of {ok.numel()} values off, first at {bad}: "
+                              f"{got[tuple(bad)].item()} vs {ref[tuple(bad)].item():.6g}")
+
+
+def _expect_row_invariant(what: str, full: torch.Tensor, call: Callable[[slice], torch.Tensor]) -> None:
+    """Rows of a 37-row call equal the same rows computed in 1-row and 5-row calls, bit for bit: at the
+    start, across tile boundaries and in the last partial tile."""
+    for rows in (slice(0, 1), slice(17, 18), slice(36, 37), slice(0, 5), slice(14, 19), slice(32, 37)):
+        if not torch.equal(call(rows), full[rows]):
+            raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 37-row call")
+
+
+def check_prefill_attention(kernel: ModuleType) -> None:
+    """Causal attention of a 9-token chunk after 70 cached tokens (2 key blocks, GQA 4:2) against float32
+    attention; keys after the chunk hold NaN and must not be read; a chunk's rows are independent."""
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, heads, d, pool, start, ctx, n = 2, 4, 128, 160, 5, 70, 9
+    kpool = torch.randn(kv_heads, pool, d, generator=gen).to(torch.bfloat16)
+    vpool = torch.randn(kv_heads, pool, d, generator=gen).to(torch.bfloat16)
+    kpool[:, start + ctx + n:] = float("nan")
+    vpool[:, start + ctx + n:] = float("nan")
+    q = torch.randn(n, heads, d, generator=gen).to(torch.bfloat16)
+    scale = d ** -0.5
+    got = kernel.prefill_attention(q, kpool, vpool, start, ctx, scale)
+    keys = kpool[:, start:start + ctx + n].float()[None]
+    values = vpool[:, start:start + ctx + n].float()[None]
+    causal = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n)[:, None])
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values, attn_mask=causal,
+                                         scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    _expect_near("prefill attention", got, ref, 1.5e-2)
+    tail = kernel.prefill_attention(q[6:].contiguous(), kpool, vpool, start, ctx + 6, scale)
+    if not torch.equal(tail, got[6:]):
+        raise SelfTestFailure("prefill attention: the last 3 queries alone differ from the whole chunk")
+
+
+def check_decode_attention(kernel: ModuleType) -> None:
+    """One query token per sequence (bf16 head_dim 128: the AVX-512 path; float32 head_dim 64: the
+    portable loop) against float32 attention; the new key/value store; a row alone equals it in a batch."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype, d, tol in ((torch.bfloat16, 128, 1e-2), (torch.float32, 64, 1e-4)):
+        kv_heads, heads, pool = 2, 4, 200
+        kpool = torch.randn(kv_heads, pool, d, generator=gen).to(dtype)
+        vpool = torch.randn(kv_heads, pool, d, generator=gen).to(dtype)
+        kpool[:, 190:] = float("nan")  # outside every sequence: must never be read
+        starts, lens = torch.tensor([0, 100, 20]), torch.tensor([1, 70, 33])
+        q = torch.randn(3, heads, d, generator=gen).to(dtype)
+        k_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
+        v_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
+        scale = d ** -0.5
+        got = kernel.decode_attention(q, kpool, vpool, starts, lens, scale, k_new, v_new)
+        last = starts + lens - 1
+        stored = (torch.equal(kpool[:, last], k_new.transpose(0, 1))
+                  and torch.equal(vpool[:, last], v_new.transpose(0, 1)))
+        if not stored:
+            raise SelfTestFailure(f"decode attention {dtype}: new keys/values not stored at the last position")
+        ref = torch.stack([
+            F.scaled_dot_product_attention(q[b].float()[None, :, None], kpool[:, s:s + m].float()[None],
+                                           vpool[:, s:s + m].float()[None], scale=scale, enable_gqa=True)[0, :, 0]
+            for b, (s, m) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))])
+        _expect_near(f"decode attention {dtype} d={d}", got, ref, tol)
+        one = kernel.decode_attention(q[1:2].contiguous(), kpool, vpool, starts[1:2], lens[1:2], scale)
+        if not torch.equal(one[0], got[1]):
+            raise SelfTestFailure(f"decode attention {dtype}: a sequence alone differs from it in a batch")
+
+
+def check_decoder_ops(kernel: ModuleType) -> None:
+    """rms_norm and norm_rope against the same steps in torch (float math, bf16 where torch rounds)."""
+    gen = torch.Generator().manual_seed(5)
+    eps = 1e-6
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+    x = (3 * torch.randn(5, 96, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(96, generator=gen).to(torch.bfloat16)
+    _expect_bf16_steps("rms_norm", kernel.rms_norm(x, w, eps), rms(x, w))
+    n, heads, d = 3, 2, 128
+    x = torch.randn(n, heads, d, generator=gen).to(torch.bfloat16)
+    w = torch.randn(d, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(n, 1, d // 2, generator=gen) * 50
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    y = rms(x, w)
+    rotated = torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1)
+    _expect_bf16_steps("norm_rope", kernel.norm_rope(x, w, cos, sin, eps), y * cos + rotated * sin)
+
+
+def _expect_near(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    if got.shape != ref.shape or not bool(torch.isfinite(got).all()):
+        raise SelfTestFailure(f"{what}: shape {tuple(got.shape)} (want {tuple(ref.shape)}) or non-finite values")
+    err = (got.float() - ref).abs().max().item()
+    if not torch.allclose(got.float(), ref, atol=tol, rtol=tol):
+        raise SelfTestFailure(f"{what}: max error {err:.3g} over the tolerance {tol}")
+
+
+def _expect_bf16_steps(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The sum of squares may be added in another order: allow one bf16 rounding step."""
+    if got.shape != ref.shape or got.dtype != torch.bfloat16:
+        raise SelfTestFailure(f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(ref.shape)} bfloat16")
+    tol = 2 ** -7
+    if not torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item()):
+        raise SelfTestFailure(f"{what}: max error {(got.float() - ref.float()).abs().max().item():.3g}")

@@ -1,0 +1,82 @@
+"""Checks a request at submit, so a malformed one is refused with a clear message before it can reach a
+batch (where it would cost its neighbours a retry)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qasr.model.config import audio_token_count
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request must agree with, all read from the checkpoint."""
+
+    audio_token_id: int
+    vocab_size: int
+    hop_length: int
+    num_mel_bins: int
+    chunk_frames: int
+    kv_tokens: int  # the KV cache's capacity: prompt + max_new_tokens must fit
+
+
+def check_request(prompt: list[int], waveform: np.ndarray | None, features: torch.Tensor | None,
+                  max_new_tokens: int, limits: Limits) -> tuple[np.ndarray | None, torch.Tensor | None, int]:
+    """Validate one request; returns (waveform as float32, features as float32, audio placeholder count).
+    Raises ValueError naming what is wrong."""
+    if (waveform is None) == (features is None):
+        raise ValueError("pass exactly one of waveform or features")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError("prompt must be a non-empty list of token ids")
+    if ids.min() < 0 or ids.max() >= limits.vocab_size:
+        raise ValueError(f"prompt has token ids outside [0, {limits.vocab_size})")
+    placeholders = int((ids == limits.audio_token_id).sum())
+    if waveform is not None:
+        waveform = _check_waveform(waveform, limits.hop_length)
+        frames = len(waveform) // limits.hop_length
+    else:
+        features = _check_features(features, limits.num_mel_bins)
+        frames = features.shape[-1]
+    expected = audio_token_count(frames, limits.chunk_frames)
+    if placeholders != expected:
+        raise ValueError(f"prompt has {placeholders} audio placeholders but the audio gives {expected} encoder "
+                         f"tokens ({frames} frames); build the prompt for this audio (ASR.prepare does)")
+    need = len(prompt) + int(max_new_tokens)
+    if need > limits.kv_tokens:
+        raise ValueError(f"request needs {need} KV-cache tokens (prompt {len(prompt)} + max_new_tokens "
+                         f"{max_new_tokens}) but the cache holds {limits.kv_tokens}; raise kv_cache_bytes or "
+                         f"send shorter audio / a lower max_new_tokens")
+    return waveform, features, placeholders
+
+
+def _check_waveform(waveform: np.ndarray, hop: int) -> np.ndarray:
+    if isinstance(waveform, torch.Tensor):
+        waveform = waveform.detach().cpu().numpy()
+    wave = np.asarray(waveform)
+    if wave.ndim != 1:
+        raise ValueError(f"waveform must be 1-D mono samples, got shape {wave.shape}")
+    if not np.issubdtype(wave.dtype, np.floating):
+        raise ValueError(f"waveform must hold float samples in [-1, 1], got {wave.dtype}")
+    if len(wave) < hop:
+        raise ValueError(f"waveform too short: {len(wave)} samples, need at least one hop ({hop})")
+    wave = np.ascontiguousarray(wave, dtype=np.float32)
+    if not np.isfinite(wave).all():
+        raise ValueError("waveform has NaN or infinite samples")
+    return wave
+
+
+def _check_features(features: torch.Tensor, mel: int) -> torch.Tensor:
+    if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != mel:
+        shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+        raise ValueError(f"features must be a ({mel}, frames) tensor, got {shape}")
+    if features.shape[1] < 1:
+        raise ValueError("features have no frames")
+    if not features.is_floating_point() or not torch.isfinite(features).all():
+        raise ValueError("features must be finite floats")
+    return features.float()

@@ -1,0 +1,43 @@
+"""How the model computes its heavy operations, handed in by whoever runs it.
+
+The model's forwards take a ``Kernels`` argument instead of having their modules swapped or attributes
+injected from outside: the module tree stays exactly what the checkpoint loaded (so two engines on one
+checkpoint never see each other's preparation), and the engine chooses the implementation for its
+device in one place (``qasr.engine.device``). The defaults are plain torch ops, the reference maths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def torch_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def torch_conv(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """``linear(module, x)`` and ``conv(module, x)`` compute what the module would; ``rms_norm(x, weight,
+    eps)`` and ``norm_rope(x, weight, cos, sin, eps)`` (RMSNorm, then rotary) replace the decoder's norm
+    maths when set; ``dtype`` limits where those two apply (a fused kernel is written for one dtype)."""
+
+    linear: Callable[[nn.Linear, torch.Tensor], torch.Tensor] = torch_linear
+    conv: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] = torch_conv
+    rms_norm: Callable[..., torch.Tensor] | None = None
+    norm_rope: Callable[..., torch.Tensor] | None = None
+    fused_dtype: torch.dtype | None = None
+
+    def fused(self, x: torch.Tensor) -> bool:
+        return self.rms_norm is not None and x.dtype == self.fused_dtype
+
+
+TORCH_KERNELS = Kernels()
