@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from qasr.bench import PeakRss, clip_lengths
+from qasr.bench import PeakRss, clip_lengths, summary_line
+from qasr.model.config import DecoderConfig, EncoderConfig, ModelConfig
+from qasr.perf.flops import (
+    PhaseFlops,
+    Utterance,
+    decode_flops,
+    decoder_weight_bytes,
+    encoder_flops,
+    prefill_flops,
+    workload_flops,
+)
+from qasr.perf.machine import cpu_info, gemm_peak, read_bandwidth
+from qasr.perf.phases import ForwardLog, efficiency_report
+from qasr.perf.report import draw_roofline, machine_line, phase_table
+from qasr.testing import QWEN3_ASR_0_6B_DIMS, TINY_DIMS
 
 
 def test_clip_lengths_are_seeded_and_spread_over_2_to_120_s() -> None:
@@ -26,3 +43,134 @@ def test_peak_rss_sees_a_short_lived_allocation() -> None:
         block = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
         del block
     assert busy.peak - quiet.peak > 150 * 2**20
+
+
+# ------------------------------------------------------------------------------- efficiency accounting
+# A tiny model counted by hand. Encoder: 16 mel bins, 4 conv channels, d 8, 2 layers, ffn 16, output 12,
+# 1 s chunks of 100 frames (13 tokens each), 2-chunk windows (26 tokens). Decoder: hidden 8, 2 layers,
+# 2 query heads and 1 kv head of 4, ffn 16, vocabulary 50.
+TINY_ENC = EncoderConfig(num_mel_bins=16, d_model=8, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=16,
+                         output_dim=12, n_window=50, n_window_infer=200, downsample_hidden_size=4)
+TINY_DEC = DecoderConfig(vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=4, rope_theta=1e6, rms_norm_eps=1e-6,
+                         max_position_embeddings=128, tie_word_embeddings=True)
+TINY = ModelConfig(layout="hf", encoder=TINY_ENC, decoder=TINY_DEC, audio_token_id=3, audio_start_token_id=None,
+                   audio_end_token_id=None)
+
+
+def test_encoder_flops_match_a_hand_count() -> None:
+    # 250 frames: 3 chunks (the last zero-padded); 13 + 13 + 7 = 33 tokens; windows of 26 and 7 tokens.
+    # per chunk: mel 16 -> 8 -> 4 -> 2, frames 100 -> 50 -> 25 -> 13
+    conv = 4 * 1 * 9 * 8 * 50 + 4 * 4 * 9 * 4 * 25 + 4 * 4 * 9 * 2 * 13 + 13 * (4 * 2) * 8  # 33376 MAC
+    layers = 33 * 2 * (4 * 8 * 8 + 2 * 8 * 16)  # q, k, v, out + fc1, fc2 per token and layer
+    projector = 33 * (8 * 8 + 8 * 12)
+    attention = 2 * 2 * (26 * 26 + 7 * 7) * 8  # layers x (scores + weighted sum) x window^2 x d
+    assert encoder_flops(TINY_ENC, 250) == 2 * (3 * conv + layers + projector + attention)  # 324800
+
+
+def test_decoder_flops_match_a_hand_count() -> None:
+    per_token = 2 * (8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16)  # layers x (q, k, v, o, gate, up, down) = 1152
+    lm_head = 8 * 50
+    per_position = 2 * 2 * 2 * 4  # layers x (scores + weighted sum) x query heads x head_dim
+    # a 5-token prompt: position i attends i + 1 positions (1 + ... + 5 = 15); one logit row (the first token)
+    assert prefill_flops(TINY_DEC, 5) == 2 * (5 * per_token + 15 * per_position + lm_head)
+    # 3 forced tokens: the first comes from the prefill; 2 decode rows at positions 5 and 6 attend 6 and 7
+    assert decode_flops(TINY_DEC, 5, 3) == 2 * (2 * (per_token + lm_head) + 13 * per_position)
+    assert decode_flops(TINY_DEC, 5, 1) == 0
+    total = workload_flops(TINY, [Utterance(250, 5, 3), Utterance(250, 5, 3)])
+    assert total.encoder == 2 * 324800 and total.total == 2 * (324800 + 13280 + 7040)
+
+
+def test_real_dims_match_the_reference_count() -> None:
+    # shared/reference/baseline-cpu.md: a 30 s clip (390 audio tokens, 405-token prompt) costs 9.03 GFLOP
+    # per audio second in the encoder and 12.53 in the prefill
+    dims = {**TINY_DIMS, **QWEN3_ASR_0_6B_DIMS}
+    enc = EncoderConfig(num_mel_bins=128, d_model=dims["d_model"], encoder_layers=dims["encoder_layers"],
+                        encoder_attention_heads=dims["encoder_attention_heads"],
+                        encoder_ffn_dim=dims["encoder_ffn_dim"], output_dim=dims["hidden_size"], n_window=50,
+                        n_window_infer=800, downsample_hidden_size=dims["downsample_hidden_size"])
+    dec = DecoderConfig(vocab_size=dims["vocab_size"], hidden_size=dims["hidden_size"],
+                        intermediate_size=dims["intermediate_size"], num_hidden_layers=dims["num_hidden_layers"],
+                        num_attention_heads=dims["num_attention_heads"],
+                        num_key_value_heads=dims["num_key_value_heads"], head_dim=dims["head_dim"], rope_theta=1e6,
+                        rms_norm_eps=1e-6, max_position_embeddings=65536, tie_word_embeddings=True)
+    assert encoder_flops(enc, 3000) / 30e9 == pytest.approx(9.03, abs=0.01)
+    assert prefill_flops(dec, 405) / 30e9 == pytest.approx(12.53, abs=0.01)
+    assert decoder_weight_bytes(dec) / 1e9 == pytest.approx(1.19, abs=0.01)  # what a decode step streams
+
+
+def test_machine_probes_are_positive_and_finite_on_tiny_sizes() -> None:
+    gemm = gemm_peak(m=8, k=32, n=64, repeats=2)
+    assert gemm["best_flops"] == max(gemm["flops"].values())
+    assert all(math.isfinite(v) and v > 0 for v in gemm["flops"].values())
+    bw = read_bandwidth(nbytes=1 << 20, repeats=2)
+    assert math.isfinite(bw) and bw > 0
+
+
+def test_cpu_info_reads_model_and_bf16_flags(tmp_path) -> None:  # noqa: ANN001 - pytest fixture
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx512f avx512_bf16\n\n"
+                    "processor\t: 1\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert cpu_info(str(fake)) == dict(model="Test CPU 9000", amx_bf16=False, avx512_bf16=True)
+    assert cpu_info(str(tmp_path / "missing"))["model"] == "unknown"
+
+
+def _req(prompt: int, output: int = 0, prefilled: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(prompt=[0] * prompt, output=[0] * output, prefilled=prefilled)
+
+
+def test_forward_log_counts_rows_and_attended_positions() -> None:
+    log = ForwardLog()
+    a, b = _req(10, output=2), _req(600, prefilled=256)
+    log.note(SimpleNamespace(decode=[a], prefill=[(b, 256), (b, 88)]))  # a rides along b's two chunks
+    log.note(SimpleNamespace(decode=[a, _req(4, output=1)], prefill=[]))
+    assert (log.mixed_forwards, log.decode_forwards) == (1, 1)
+    assert (log.ride_rows, log.ride_attended) == (1, 12)
+    assert (log.prefill_tokens, log.prefill_kv_read) == (344, 512 + 600)
+    assert (log.decode_rows, log.decode_attended) == (2, 12 + 5)
+
+
+def _fake_efficiency() -> tuple[dict, PhaseFlops]:
+    utts = [Utterance(250, 40, 10)]
+    flops = workload_flops(TINY, utts)
+    log = ForwardLog(encoder_calls=1, mixed_forwards=1, decode_forwards=8, prefill_tokens=40, prefill_kv_read=40,
+                     ride_rows=1, ride_attended=41, decode_rows=8, decode_attended=8 * 45)
+    timings = dict(features_s=0.1, encoder_s=0.6, forward_mixed_s=1.0, forward_decode_s=2.0, step_s=3.7,
+                   prefill_tokens=40, decode_tokens=9)
+    machine = dict(peak_flops=1e6, bandwidth_Bps=1e8)
+    return efficiency_report(TINY, utts, flops, 2.5, 4.0, timings, log, machine, reference_wall_s=8.0), flops
+
+
+def test_efficiency_is_model_flops_over_wall_over_peak_and_phases_split_the_forwards() -> None:
+    eff, flops = _fake_efficiency()
+    assert eff["overall"] == pytest.approx(flops.total / 4.0 / 1e6)
+    assert eff["reference_overall"] == pytest.approx(eff["overall"] / 2)
+    assert eff["flop_per_audio_s"]["total"] == pytest.approx(flops.total / 2.5)
+    ph = eff["phases"]
+    assert ph["encoder"]["seconds"] == pytest.approx(0.5)  # features are not encoder work
+    assert ph["prefill"]["seconds"] + ph["decode"]["seconds"] == pytest.approx(3.0)
+    assert 0.5 < eff["mixed_prefill_share"] < 1 and ph["prefill"]["seconds"] < 1.0
+    for p in ("encoder", "prefill", "decode"):
+        assert ph[p]["efficiency"] == pytest.approx(ph[p]["flop"] / ph[p]["seconds"] / 1e6)
+        assert ph[p]["bandwidth_fraction"] == pytest.approx(ph[p]["bytes"] / ph[p]["seconds"] / 1e8)
+    assert ph["decode"]["intensity"] < ph["prefill"]["intensity"]  # decode streams the weights per row
+
+
+def test_last_line_table_and_roofline_render() -> None:
+    eff, _ = _fake_efficiency()
+    report = dict(speedup=3.0456, qasr=dict(rtfx=9.54), efficiency=eff)
+    line = summary_line(report)
+    assert re.fullmatch(r"speedup=3\.05 rtfx=9\.5 efficiency=\d+\.\d{3}", line)
+    assert float(line.rsplit("=", 1)[1]) == pytest.approx(eff["overall"], abs=5e-4)
+    assert "| decode |" in phase_table(eff)
+    machine = dict(cpu=dict(model="Test CPU", amx_bf16=False, avx512_bf16=True), threads=2, peak_flops=4e11,
+                   bandwidth_Bps=3e10, gemm=dict(shape=[1024, 1024, 3072], flops=dict(torch=4e11)))
+    assert machine_line(machine).startswith("machine: Test CPU (no amx_bf16, avx512_bf16), 2 threads")
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    draw_roofline(ax, eff)
+    assert len(ax.lines) >= 6  # roof, two guides, three phases
+    plt.close(fig)

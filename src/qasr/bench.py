@@ -5,6 +5,12 @@ the same dtype, the same seeded clips, and a forced output of 4 tokens per audio
 so they do equal work and the ratio is what we report. The reference is batched the way its users
 batch: clips sorted by length, batch 8, features from its own extractor, left-padded prompts.
 transformers is needed only here (a test extra), never by qasr at run time.
+
+The machines are shared and their speed moves 2x from hour to hour, so the run starts by measuring this
+machine (CPU model, best bf16 GEMM rate, read bandwidth; qasr.perf.machine) and reports qasr's
+efficiency against it: model FLOP for the workload (qasr.perf.flops) per wall second over the peak,
+overall and per phase, with a roofline panel (qasr.perf.phases, qasr.perf.report). The last line is
+``speedup=<x> rtfx=<y> efficiency=<z>``.
 """
 
 from __future__ import annotations
@@ -16,11 +22,17 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from qasr.model.config import ModelConfig
+from qasr.perf.flops import Utterance, workload_flops
+from qasr.perf.machine import probe
+from qasr.perf.phases import ForwardLog, efficiency_report, timing_delta
+from qasr.perf.report import draw_roofline, machine_line, phase_table
 
 TOKENS_PER_SECOND = 4
 SR = 16000
@@ -113,27 +125,35 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
 
     ck = load_checkpoint(ckpt_dir, device="cpu", dtype="bfloat16")
     engine = Engine(ck, EngineConfig(kv_cache_bytes=int(kv_gib * 2**30)))
+    hop = ck.features.hop_length
+    utterances: list[Utterance] = []
 
     def submit(wave: np.ndarray):
-        n_audio = audio_token_count(len(wave) // 160)
-        prompt = build_prompt(ck.tokenizer, ck.special, n_audio)
-        return engine.submit(prompt, waveform=wave, max_new_tokens=round(TOKENS_PER_SECOND * len(wave) / SR),
-                             ignore_eos=True)
+        frames = len(wave) // hop
+        prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(frames))
+        new_tokens = round(TOKENS_PER_SECOND * len(wave) / SR)
+        utterances.append(Utterance(frames, len(prompt), new_tokens))
+        return engine.submit(prompt, waveform=wave, max_new_tokens=new_tokens, ignore_eos=True)
 
     # warm-up: builds the native kernel and touches the code paths
     submit(make_clip(3.0, 999)).result()
-    steps0 = engine.steps
+    utterances.clear()
+    steps0, timings0 = engine.steps, dict(engine.timings)
+    forwards = ForwardLog()
+    forwards.attach(engine.runner)  # counts what each forward carries, to split the mixed forwards' time
     with PeakRss() as rss:
         t0 = time.perf_counter()
         # longest first, as ASR.transcribe does: long clips start early instead of decoding alone at the end
         futures = [submit(w) for w in sorted(clips, key=len, reverse=True)]
         results = [f.result() for f in futures]
         wall = time.perf_counter() - t0
+    phases = timing_delta(engine.timings, timings0)  # the measured window only, not the warm-up
+    measured = list(utterances)
     tokens = sum(len(r.token_ids) for r in results)
     audio_s = sum(len(w) for w in clips) / SR
     out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
                peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
-               phases=dict(engine.timings))
+               phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured])
     out["ttft"] = measure_ttft(submit, wl, seed)
     engine.close()
     return out
@@ -251,7 +271,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = ["transformers (batch 8)", "qasr"]
     vals = [report["reference"]["rtfx"], report["qasr"]["rtfx"]]
     a.bar(names, vals, color=["#999999", "#2b7bba"])
@@ -267,6 +287,7 @@ def plot(report: dict, path: Path) -> None:
     b.set_yscale("log")
     b.legend()
     b.set_title("qasr TTFT (closed loop)")
+    draw_roofline(c, report["efficiency"])
     fig.suptitle(report["title"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -286,11 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     wl = QUICK if args.quick else FULL
     lengths = clip_lengths(args.clips or (16 if args.quick else 48), args.seed)
     clips = [make_clip(s, args.seed * 1000 + k) for k, s in enumerate(lengths)]
+    threads = torch.get_num_threads()
+    # the machine first, with the benchmark's thread count, in its own process like both sides
+    machine = _in_subprocess(probe, threads)
+    print(machine_line(machine), flush=True)
     ckpt = build_checkpoint(args.cache)
     print(f"workload: {len(clips)} clips, {sum(lengths):.0f} s of audio (2-120 s), "
-          f"{TOKENS_PER_SECOND} forced tokens per audio second, bf16, {torch.get_num_threads()} threads", flush=True)
+          f"{TOKENS_PER_SECOND} forced tokens per audio second, bf16, {threads} threads", flush=True)
     t0 = time.perf_counter()
-    threads = torch.get_num_threads()
     # each side in a fresh process (one after the other), so peak RSS and warm caches are its own
     ours = _in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed)
     print(f"  qasr: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}, phases "
@@ -298,25 +322,42 @@ def main(argv: list[str] | None = None) -> int:
     ref = _in_subprocess(run_reference, threads, ckpt, clips)
     print(f"  transformers: {ref['wall_s']:.1f} s, RTFx {ref['rtfx']:.1f}", flush=True)
     speedup = ours["rtfx"] / ref["rtfx"]
+    cfg = ModelConfig.from_file(ckpt / "config.json")
+    utterances = [Utterance(**u) for u in ours["utterances"]]
+    eff = efficiency_report(cfg, utterances, workload_flops(cfg, utterances), ours["audio_s"], ours["wall_s"],
+                            ours["phases"], ForwardLog(**ours["forwards"]), machine, reference_wall_s=ref["wall_s"])
+    cpu = machine["cpu"]
     report = dict(title=f"Qwen3-ASR-0.6B dims (random weights), {len(clips)} clips / {sum(lengths):.0f} s, "
-                  f"bf16, {torch.get_num_threads()} CPU threads, torch {torch.__version__}",
-                  workload=dict(clips_s=lengths, tokens_per_second=TOKENS_PER_SECOND), qasr=ours, reference=ref,
-                  speedup=speedup, total_wall_s=time.perf_counter() - t0)
+                  f"bf16, {threads} CPU threads, torch {torch.__version__}; {cpu['model']}, "
+                  f"peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s, {machine['bandwidth_Bps'] / 1e9:.1f} GB/s",
+                  workload=dict(clips_s=lengths, tokens_per_second=TOKENS_PER_SECOND), machine=machine,
+                  qasr=ours, reference=ref, speedup=speedup, efficiency=eff, total_wall_s=time.perf_counter() - t0)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "throughput_quick" if args.quick else "throughput"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / f"{stem}.png")
     print()
-    print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB |")
-    print("|---|---|---|---|---|---|")
-    for name, r in (("transformers generate, batch 8", ref), ("qasr engine", ours)):
+    print(machine_line(machine))
+    print()
+    print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r, e in (("transformers generate, batch 8", ref, eff["reference_overall"]),
+                       ("qasr engine", ours, eff["overall"])):
         print(f"| {name} | {r['wall_s']:.1f} | {r['audio_s']:.0f} | {r['rtfx']:.1f} | {r['tokens']} | "
-              f"{r['peak_rss_gib']:.2f} |")
+              f"{r['peak_rss_gib']:.2f} | {100 * e:.1f}% |")
+    print()
+    print(phase_table(eff))
     print("\nqasr TTFT by arrival concurrency: " + ", ".join(
         f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in ours["ttft"].items()))
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
-    print(f"speedup={speedup:.2f} rtfx={ours['rtfx']:.1f}")
+    print(summary_line(report))
     return 0
+
+
+def summary_line(report: dict) -> str:
+    """The benchmark's last line, the one scripts read."""
+    return (f"speedup={report['speedup']:.2f} rtfx={report['qasr']['rtfx']:.1f} "
+            f"efficiency={report['efficiency']['overall']:.3f}")
 
 
 if __name__ == "__main__":

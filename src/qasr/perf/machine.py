@@ -1,0 +1,79 @@
+"""What this machine can do right now: CPU model, best bf16 GEMM rate, memory read bandwidth.
+
+These machines are shared and their speed moves 2x from hour to hour, so a benchmark measures them at
+the start of its run, with its own thread count, and reports efficiency against them, never a bare time.
+Sizes are parameters so tests can probe on tiny ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+    """CPU model name and the bf16 matrix features that decide which kernels can run."""
+    model, flags = "unknown", set()
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return dict(model=model, amx_bf16="amx_bf16" in flags, avx512_bf16="avx512_bf16" in flags)
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first-touch pages, kernel dispatch, OpenMP pool start
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict:
+    """Best FLOP/s of an (m x k) @ (k x n) bf16 product, by torch's F.linear and by qasr's invariant
+    kernel (when it builds on this CPU); ``best`` is the larger, the machine's peak for our purposes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    flop = 2.0 * m * k * n
+    rates = {"torch": flop / _best_seconds(lambda: F.linear(x, w), repeats)}
+    from qasr.engine.cpu.native import linear_kernel
+
+    kernel = linear_kernel() if k % 2 == 0 else None
+    if kernel is not None:
+        packed = kernel.pack(w)
+        rates["native"] = flop / _best_seconds(lambda: kernel.linear(x, packed, n, None), repeats)
+    best = max(rates, key=rates.__getitem__)
+    return dict(shape=[m, k, n], flops=rates, best_flops=rates[best], best_kernel=best)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second of a float32 sum over a buffer far larger than the caches (best of ``repeats``):
+    the rate at which a decode step can stream weights and KV cache at best."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # ones, not empty: every page is touched
+    seconds = _best_seconds(lambda: buf.sum(), repeats)
+    return buf.numel() * 4 / seconds
+
+
+def probe(gemm_shape: tuple[int, int, int] = (1024, 1024, 3072), bandwidth_bytes: int = 1 << 30) -> dict:
+    """Everything a benchmark header needs, with the current torch thread count."""
+    m, k, n = gemm_shape
+    with torch.inference_mode():
+        gemm = gemm_peak(m, k, n)
+        bw = read_bandwidth(bandwidth_bytes)
+    # the load average says whether other tenants were busy while we measured (it counts this probe too)
+    return dict(cpu=cpu_info(), threads=torch.get_num_threads(), gemm=gemm, peak_flops=gemm["best_flops"],
+                bandwidth_Bps=bw, load_avg_1min=os.getloadavg()[0])

@@ -1,0 +1,126 @@
+"""Achieved FLOP/s and bytes/s of the engine's phases against the machine's measured peaks.
+
+The engine times its phases (``engine.timings``) but a forward that carries prefill chunks may also
+carry decode rows riding along. ForwardLog reads each step's plan to count what every forward carried,
+and phase_report splits each such mixed forward's seconds and weight traffic between its prefill chunks
+and its ride-along decode rows in proportion to their FLOP: the weights are streamed for the chunk
+anyway, so a riding row costs about its share of the compute. Decode-only forwards are all decode.
+KV reads are charged exactly to the rows that make them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from qasr.model.config import ModelConfig, audio_token_count
+from qasr.perf.flops import (
+    PhaseFlops,
+    Utterance,
+    decode_row_flops,
+    decoder_weight_bytes,
+    encoder_weight_bytes,
+    kv_bytes_per_position,
+)
+
+PHASES = ("encoder", "prefill", "decode")
+
+
+@dataclass
+class ForwardLog:
+    """Counts of what the engine's encoder calls and decoder forwards carried (no timing of its own)."""
+
+    encoder_calls: int = 0
+    mixed_forwards: int = 0  # forwards carrying prefill chunks
+    decode_forwards: int = 0  # decode-only forwards
+    prefill_tokens: int = 0
+    prefill_kv_read: int = 0  # cached positions read by prompt chunks: a chunk [a, b) reads b positions
+    ride_rows: int = 0  # decode rows inside mixed forwards
+    ride_attended: int = 0  # positions those rows attend (context + themselves)
+    decode_rows: int = 0  # rows of decode-only forwards
+    decode_attended: int = 0
+
+    def attach(self, runner: Any) -> None:
+        """Count every later ``runner.encode`` / ``runner.forward`` call. Only reads the plans."""
+        encode, forward = runner.encode, runner.forward
+
+        def counted_encode(*args: Any, **kwargs: Any) -> Any:  # each call streams the encoder weights once
+            self.encoder_calls += 1
+            return encode(*args, **kwargs)
+
+        def counted_forward(plan: Any, *args: Any, **kwargs: Any) -> Any:
+            self.note(plan)
+            return forward(plan, *args, **kwargs)
+
+        runner.encode, runner.forward = counted_encode, counted_forward
+
+    def note(self, plan: Any) -> None:
+        attended = sum(len(r.prompt) + len(r.output) for r in plan.decode)  # a row at ctx sees ctx + 1
+        if not plan.prefill:
+            self.decode_forwards += 1
+            self.decode_rows += len(plan.decode)
+            self.decode_attended += attended
+            return
+        self.mixed_forwards += 1
+        self.ride_rows += len(plan.decode)
+        self.ride_attended += attended
+        reached: dict[int, int] = {}  # a request's later chunks in one step start where its earlier end
+        for req, n in plan.prefill:
+            end = reached[id(req)] = reached.get(id(req), req.prefilled) + n
+            self.prefill_tokens += n
+            self.prefill_kv_read += end
+
+
+def _phase(flop: float, seconds: float, nbytes: float, peak: float, bandwidth: float) -> dict:
+    s = max(seconds, 1e-12)
+    return dict(seconds=seconds, flop=flop, bytes=nbytes, flops=flop / s, intensity=flop / max(nbytes, 1.0),
+                efficiency=flop / s / peak, bandwidth_Bps=nbytes / s, bandwidth_fraction=nbytes / s / bandwidth)
+
+
+def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, timings: dict,
+                 log: ForwardLog, peak_flops: float, bandwidth_Bps: float, itemsize: int = 2) -> dict:
+    """Per phase: seconds, model FLOP, minimum bytes moved, achieved FLOP/s and bytes/s, and their
+    fractions of the machine's peak GEMM rate and read bandwidth. ``timings`` as in engine.timings
+    (differences over the measured window)."""
+    enc, dec = cfg.encoder, cfg.decoder
+    ride = decode_row_flops(dec, log.ride_rows, log.ride_attended)
+    share = flops.prefill / (flops.prefill + ride) if flops.prefill + ride > 0 else 1.0
+    weights = decoder_weight_bytes(dec, itemsize)
+    kv = kv_bytes_per_position(dec, itemsize)
+    # encoder: its weights once per packed call, features in (float32), embeddings out
+    enc_bytes = (encoder_weight_bytes(enc, itemsize) * log.encoder_calls
+                 + sum(u.frames for u in utterances) * enc.num_mel_bins * 4
+                 + sum(audio_token_count(u.frames, enc.chunk_frames) for u in utterances) * enc.output_dim * itemsize)
+    pre_bytes = weights * log.mixed_forwards * share + kv * (log.prefill_kv_read + log.prefill_tokens)
+    dec_bytes = (weights * (log.decode_forwards + log.mixed_forwards * (1 - share))
+                 + kv * (log.decode_attended + log.ride_attended))
+    mixed_s = timings["forward_mixed_s"]
+    seconds = dict(encoder=timings["encoder_s"] - timings["features_s"], prefill=mixed_s * share,
+                   decode=timings["forward_decode_s"] + mixed_s * (1 - share))
+    nbytes = dict(encoder=enc_bytes, prefill=pre_bytes, decode=dec_bytes)
+    phases = {p: _phase(getattr(flops, p), seconds[p], nbytes[p], peak_flops, bandwidth_Bps) for p in PHASES}
+    return dict(phases=phases, mixed_prefill_share=share, forwards=asdict(log),
+                split_rule="mixed forwards' seconds and weight traffic split between prefill chunks and "
+                           "ride-along decode rows in proportion to FLOP; KV reads charged to their rows")
+
+
+def efficiency_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, audio_s: float,
+                      wall_s: float, timings: dict, log: ForwardLog, machine: dict,
+                      reference_wall_s: float | None = None) -> dict:
+    """Overall efficiency = model FLOP / wall seconds / peak GEMM rate (= FLOP per audio second x RTFx / peak),
+    plus the per-phase report."""
+    peak, bw = machine["peak_flops"], machine["bandwidth_Bps"]
+    out: dict[str, Any] = dict(
+        peak_flops=peak, bandwidth_Bps=bw, flop_per_audio_s={p: getattr(flops, p) / audio_s for p in PHASES},
+        overall=flops.total / wall_s / peak)
+    out["flop_per_audio_s"]["total"] = flops.total / audio_s
+    if reference_wall_s:
+        out["reference_overall"] = flops.total / reference_wall_s / peak
+    out.update(phase_report(cfg, utterances, flops, timings, log, peak, bw))
+    return out
+
+
+def timing_delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+

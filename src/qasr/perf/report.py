@@ -1,0 +1,63 @@
+"""Text and plot forms of the efficiency report (perf.phases): the machine line, the phase table, the
+roofline panel."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qasr.perf.phases import PHASES
+
+
+def machine_line(machine: dict) -> str:
+    cpu, gemm = machine["cpu"], machine["gemm"]
+    feats = ", ".join(f"{'' if cpu[f] else 'no '}{f}" for f in ("amx_bf16", "avx512_bf16"))
+    rates = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in gemm["flops"].items())
+    m, k, n = gemm["shape"]
+    return (f"machine: {cpu['model']} ({feats}), {machine['threads']} threads: bf16 GEMM peak "
+            f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s ({m}x{k}x{n}; {rates}), "
+            f"read bandwidth {machine['bandwidth_Bps'] / 1e9:.1f} GB/s")
+
+
+def phase_table(eff: dict) -> str:
+    """qasr's phases against the machine: model FLOP, achieved rates and their fractions of the peaks."""
+    rows = ["| qasr phase | seconds | GFLOP per audio s | GFLOP/s | of peak | FLOP/byte | GB/s | of bandwidth |",
+            "|---|---|---|---|---|---|---|---|"]
+    for p in PHASES:
+        v = eff["phases"][p]
+        rows.append(f"| {p} | {v['seconds']:.1f} | {eff['flop_per_audio_s'][p] / 1e9:.2f} | {v['flops'] / 1e9:.0f} | "
+                    f"{100 * v['efficiency']:.1f}% | {v['intensity']:.1f} | {v['bandwidth_Bps'] / 1e9:.1f} | "
+                    f"{100 * v['bandwidth_fraction']:.0f}% |")
+    total = eff["flop_per_audio_s"]["total"] / 1e9
+    rows.append(f"| all (wall) | | {total:.2f} | | {100 * eff['overall']:.1f}% | | | |")
+    rows.append(f"\nmixed forwards: {100 * eff['mixed_prefill_share']:.1f}% of their seconds and weight traffic to "
+                f"prefill (by FLOP share), the rest to the decode rows riding along")
+    return "\n".join(rows)
+
+
+def draw_roofline(ax, eff: dict) -> None:  # noqa: ANN001 - a matplotlib Axes
+    """Arithmetic intensity vs achieved FLOP/s, one point per qasr phase, under this machine's measured
+    GEMM peak (flat line) and read bandwidth (slanted line): left of the ridge a phase can be at most
+    bandwidth-bound, right of it compute-bound; its distance below the roof is what is left on the table."""
+    peak, bw = eff["peak_flops"], eff["bandwidth_Bps"]
+    pts = {p: eff["phases"][p] for p in PHASES}
+    lo = min(0.3, *(v["intensity"] / 3 for v in pts.values()))
+    hi = max(3 * peak / bw, *(v["intensity"] * 3 for v in pts.values()))
+    xs = np.geomspace(lo, hi, 200)
+    ax.plot(xs, np.minimum(peak, bw * xs) / 1e9, "k-", lw=1.5)
+    ax.axhline(peak / 1e9, color="k", ls=":", lw=0.8)
+    ax.plot(xs, bw * xs / 1e9, color="k", ls=":", lw=0.8)
+    ax.text(hi, peak / 1e9 * 1.08, f"bf16 GEMM peak {peak / 1e9:.0f} GFLOP/s", ha="right", fontsize=8)
+    ridge = peak / bw
+    ax.text(ridge / 8, bw * ridge / 8 / 1e9 * 1.4, f"read {bw / 1e9:.1f} GB/s", fontsize=8, ha="right")
+    colors = dict(encoder="#d95f02", prefill="#7570b3", decode="#1b9e77")
+    for name, v in pts.items():
+        label = f"{name}: {100 * v['efficiency']:.0f}% of peak, {100 * v['bandwidth_fraction']:.0f}% of bandwidth"
+        ax.plot(v["intensity"], v["flops"] / 1e9, "o", ms=8, color=colors[name], label=label)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    low = min(v["flops"] for v in pts.values())
+    ax.set_ylim(min(low, bw * lo) / 3e9, 3 * peak / 1e9)
+    ax.set_xlabel("arithmetic intensity (model FLOP per byte moved, at least)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title(f"qasr roofline: efficiency {100 * eff['overall']:.0f}% of peak overall")
