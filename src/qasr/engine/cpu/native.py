@@ -1,11 +1,14 @@
-"""The optional C++ kernels, built once per machine with torch's extension loader.
+"""The optional C++ kernels, built once per machine with torch's extension loader, each proved by a
+self-test (selftest.py) on the CPU it runs on before anything uses it.
 
 - decode attention: streams every cached key and value once per step; torch's GEMM kernels run the
   (2 query heads x context) shape far below memory bandwidth on CPUs, so a small loop does it instead.
 - decoder ops: RMSNorm and q/k-norm + rotary in one pass each (a decode step is dispatch-bound there).
-- bf16 linear: a batch-invariant AVX512-BF16 product (a row's result never depends on the other rows
-  of the call, which oneDNN does not promise), also fast for the few-row decode products.
-If no compiler is available the engine falls back to plain torch ops (same maths).
+- batch-invariant bf16 GEMMs (a row's result never depends on the other rows of the call, which oneDNN
+  does not promise): on AMX tiles where the CPU has them (amx_linear.cpp), else AVX512-BF16
+  (bf16_linear.cpp, which also holds the flash-style prefill attention). Both pack weights the same way.
+A kernel that cannot be built, or fails its self-test, is None: the engine falls back to the next kernel or
+to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_NO_AMX=1 the AMX one.
 """
 
 from __future__ import annotations
@@ -17,36 +20,125 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from qasr.engine.cpu import selftest
+
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-
-
-def decode_kernel() -> ModuleType | None:
-    return _build("qasr_decode_attention", "decode_attention.cpp", fast_math=True)
-
-
-def linear_kernel() -> ModuleType | None:
-    """The bf16 linear module, or None when it cannot be built or this CPU lacks AVX512-BF16."""
-    mod = _build("qasr_bf16_linear", "bf16_linear.cpp", fast_math=False)
-    return mod if mod is not None and mod.supported() else None
-
-
-def decoder_ops_kernel() -> ModuleType | None:
-    """Fused bf16 RMSNorm and q/k-norm + rotary (engine/csrc/decoder_ops.cpp)."""
-    return _build("qasr_decoder_ops", "decoder_ops.cpp", fast_math=False)
+BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+# -march=native enables AMX on AMX CPUs with recent compilers; naming it keeps older defaults honest.
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 
 
 @functools.cache
-def _build(name: str, source: str, fast_math: bool) -> ModuleType | None:
+def decode_kernel() -> ModuleType | None:
+    """Batched single-token attention over the KV pool (decode_attention.cpp)."""
+    mod = _build("qasr_decode_attention", "decode_attention.cpp", ("-ffast-math",))
+    return selftest.verified("decode attention", mod, selftest.check_decode_attention)
+
+
+@functools.cache
+def decoder_ops_kernel() -> ModuleType | None:
+    """Fused bf16 RMSNorm and q/k-norm + rotary (decoder_ops.cpp)."""
+    mod = _build("qasr_decoder_ops", "decoder_ops.cpp")
+    return selftest.verified("decoder ops", mod, selftest.check_decoder_ops)
+
+
+@functools.cache
+def linear_kernel() -> ModuleType | None:
+    """The fastest batch-invariant bf16 GEMM module that passed its self-test here (pack, linear, conv):
+    the AMX one, else the AVX512-BF16 one, else None."""
+    amx = amx_kernel()
+    if amx is None:
+        return avx512_kernel()  # the bf16_linear module itself: it also has prefill_attention
+    attention = attention_kernel()
+    return amx if attention is None else _with_prefill_attention(amx, attention)
+
+
+@functools.cache
+def amx_kernel() -> ModuleType | None:
+    """The AMX-BF16 GEMM module, or None: QASR_NO_AMX=1, no AMX in /proc/cpuinfo, no build, the OS refused
+    tile data, or the self-test failed."""
+    if os.environ.get("QASR_NO_AMX") == "1" or not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        return None  # not built at all: -march=native would compile it to supported() == False anyway
+    mod = _build("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
+    if mod is None:
+        return None
+    if not mod.supported():
+        log.warning("qasr: the AMX kernel cannot run here (the CPU or OS refused AMX tile data); using AVX512-BF16")
+        return None
+    return selftest.verified("AMX-BF16 linear", mod, selftest.check_gemm)
+
+
+@functools.cache
+def avx512_kernel() -> ModuleType | None:
+    """The AVX512-BF16 GEMM module (bf16_linear.cpp) if its products passed their self-test here."""
+    return selftest.verified("AVX512-BF16 linear", _bf16_module(), selftest.check_gemm)
+
+
+@functools.cache
+def attention_kernel() -> ModuleType | None:
+    """The module holding the flash-style bf16 prefill attention (bf16_linear.cpp), if it passed its
+    self-test here."""
+    return selftest.verified("AVX512-BF16 prefill attention", _bf16_module(), selftest.check_prefill_attention)
+
+
+def clear_caches() -> None:
+    """Forget which kernels were chosen and verified, so QASR_NO_AMX / QASR_NO_NATIVE are read again
+    (tests). Built modules stay loaded: a build is expensive and a loaded extension cannot be unloaded."""
+    for fn in (decode_kernel, decoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel, attention_kernel,
+               _bf16_module, cpu_flags):
+        getattr(fn, "cache_clear", lambda: None)()  # a test may have replaced one by a plain function
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def _bf16_module() -> ModuleType | None:
+    mod = _build("qasr_bf16_linear", "bf16_linear.cpp")
+    return mod if mod is not None and mod.supported() else None
+
+
+def _with_prefill_attention(gemm: ModuleType, attention: ModuleType) -> ModuleType:
+    """The AMX GEMM functions plus the AVX512-BF16 prefill attention in one module object.
+
+    Transitional: kv_cache.py still takes prefill_attention from linear_kernel(); once it asks
+    attention_kernel(), linear_kernel() can return the AMX module itself.
+    """
+    combined = ModuleType(f"{gemm.__name__}+prefill_attention", gemm.__doc__)
+    for name in ("supported", "pack", "linear", "conv"):
+        setattr(combined, name, getattr(gemm, name))
+    combined.prefill_attention = attention.prefill_attention
+    combined.KIND = getattr(gemm, "KIND", gemm.__name__)
+    combined.gemm_module = gemm
+    return combined
+
+
+def _build(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> ModuleType | None:
+    """The extension built from csrc/``source`` with the base flags plus ``flags``, or None."""
     if os.environ.get("QASR_NO_NATIVE") == "1":
         return None
+    return _compile(name, source, flags, include)
+
+
+@functools.cache
+def _compile(name: str, source: str, flags: tuple[str, ...], include: tuple[str, ...]) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else [])
-        return load(name=name, sources=[str(CSRC / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return load(name=name, sources=[str(CSRC / source)], extra_cflags=[*BASE_FLAGS, *flags],
+                    extra_ldflags=["-fopenmp"], extra_include_paths=list(include), verbose=False)
     except Exception as exc:  # no compiler, no headers: the torch path is correct, only slower
         log.warning("qasr: native kernel %s unavailable (%s); using the torch fallback", name, exc)
         return None
