@@ -8,9 +8,9 @@ from torch import nn
 
 from qasr.engine.cpu.conv import CpuConvs
 from qasr.engine.cpu.linear import InvariantLinears
-from qasr.engine.cpu.native import linear_kernel
+from qasr.engine.cpu.native import avx512_kernel
 
-kernel = linear_kernel()
+kernel = avx512_kernel()  # the AMX kernel has its own tests (test_amx_linear.py)
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX512-BF16 (or no compiler) on this machine")
 
 

@@ -48,10 +48,7 @@ def linear_kernel() -> ModuleType | None:
     """The fastest batch-invariant bf16 GEMM module that passed its self-test here (pack, linear, conv):
     the AMX one, else the AVX512-BF16 one, else None."""
     amx = amx_kernel()
-    if amx is None:
-        return avx512_kernel()  # the bf16_linear module itself: it also has prefill_attention
-    attention = attention_kernel()
-    return amx if attention is None else _with_prefill_attention(amx, attention)
+    return amx if amx is not None else avx512_kernel()
 
 
 @functools.cache
@@ -107,21 +104,6 @@ def cpu_flags() -> frozenset[str]:
 def _bf16_module() -> ModuleType | None:
     mod = _build("qasr_bf16_linear", "bf16_linear.cpp")
     return mod if mod is not None and mod.supported() else None
-
-
-def _with_prefill_attention(gemm: ModuleType, attention: ModuleType) -> ModuleType:
-    """The AMX GEMM functions plus the AVX512-BF16 prefill attention in one module object.
-
-    Transitional: kv_cache.py still takes prefill_attention from linear_kernel(); once it asks
-    attention_kernel(), linear_kernel() can return the AMX module itself.
-    """
-    combined = ModuleType(f"{gemm.__name__}+prefill_attention", gemm.__doc__)
-    for name in ("supported", "pack", "linear", "conv"):
-        setattr(combined, name, getattr(gemm, name))
-    combined.prefill_attention = attention.prefill_attention
-    combined.KIND = getattr(gemm, "KIND", gemm.__name__)
-    combined.gemm_module = gemm
-    return combined
 
 
 def _build(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> ModuleType | None:
