@@ -21,7 +21,7 @@ from qasr.perf.flops import (
     prefill_flops,
     workload_flops,
 )
-from qasr.perf.machine import cpu_info, gemm_peak, read_bandwidth
+from qasr.perf.machine import ForeignCpu, cpu_info, gemm_peak, read_bandwidth
 from qasr.perf.phases import ForwardLog, efficiency_report
 from qasr.perf.report import draw_roofline, machine_line, phase_table
 from qasr.testing import QWEN3_ASR_0_6B_DIMS, TINY_DIMS
@@ -105,6 +105,12 @@ def test_machine_probes_are_positive_and_finite_on_tiny_sizes() -> None:
     assert all(math.isfinite(v) and v > 0 for v in gemm["flops"].values())
     bw = read_bandwidth(nbytes=1 << 20, repeats=2)
     assert math.isfinite(bw) and bw > 0
+
+
+def test_foreign_cpu_is_a_share_between_0_and_1() -> None:
+    with ForeignCpu() as others:
+        sum(i * i for i in range(200_000))  # our own work is not counted
+    assert others.seconds >= 0 and 0 <= others.share <= 1
 
 
 def test_cpu_info_reads_model_and_bf16_flags(tmp_path) -> None:  # noqa: ANN001 - pytest fixture

@@ -30,12 +30,13 @@ import torch
 
 from qasr.model.config import ModelConfig
 from qasr.perf.flops import Utterance, workload_flops
-from qasr.perf.machine import probe
+from qasr.perf.machine import ForeignCpu, probe
 from qasr.perf.phases import ForwardLog, efficiency_report, timing_delta
 from qasr.perf.report import draw_roofline, machine_line, phase_table
 
 TOKENS_PER_SECOND = 4
 SR = 16000
+CONTENDED = 0.1  # other processes' share of the CPUs above which a side's figures get a warning
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     steps0, timings0 = engine.steps, dict(engine.timings)
     forwards = ForwardLog()
     forwards.attach(engine.runner)  # counts what each forward carries, to split the mixed forwards' time
-    with PeakRss() as rss:
+    with PeakRss() as rss, ForeignCpu() as others:
         t0 = time.perf_counter()
         # longest first, as ASR.transcribe does: long clips start early instead of decoding alone at the end
         futures = [submit(w) for w in sorted(clips, key=len, reverse=True)]
@@ -153,7 +154,8 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     audio_s = sum(len(w) for w in clips) / SR
     out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
                peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
-               phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured])
+               phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured],
+               foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
     out["ttft"] = measure_ttft(submit, wl, seed)
     engine.close()
     return out
@@ -232,13 +234,13 @@ def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> di
         return (out.shape[1] - width) * len(idx)
 
     run_batch(order[:1])  # warm-up
-    with PeakRss() as rss:
+    with PeakRss() as rss, ForeignCpu() as others:
         t0 = time.perf_counter()
         tokens = sum(run_batch(order[i:i + batch]) for i in range(0, len(order), batch))
         wall = time.perf_counter() - t0
     audio_s = sum(len(w) for w in clips) / SR
     return dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, peak_rss_gib=rss.peak / 2**30,
-                batch=batch)
+                batch=batch, foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
 
 
 def _child(conn, fn, threads, args) -> None:  # noqa: ANN001 - multiprocessing plumbing
@@ -339,12 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(machine_line(machine))
     print()
-    print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency | others' CPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r, e in (("transformers generate, batch 8", ref, eff["reference_overall"]),
                        ("qasr engine", ours, eff["overall"])):
         print(f"| {name} | {r['wall_s']:.1f} | {r['audio_s']:.0f} | {r['rtfx']:.1f} | {r['tokens']} | "
-              f"{r['peak_rss_gib']:.2f} | {100 * e:.1f}% |")
+              f"{r['peak_rss_gib']:.2f} | {100 * e:.1f}% | {100 * r['foreign_cpu_share']:.0f}% |")
+    for name, r in (("transformers", ref), ("qasr", ours)):
+        if r["foreign_cpu_share"] > CONTENDED:
+            print(f"WARNING: other processes used {100 * r['foreign_cpu_share']:.0f}% of the CPUs during the "
+                  f"{name} side: its figures are not representative of this machine")
     print()
     print(phase_table(eff))
     print("\nqasr TTFT by arrival concurrency: " + ", ".join(

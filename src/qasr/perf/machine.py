@@ -32,6 +32,42 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
     return dict(model=model, amx_bf16="amx_bf16" in flags, avx512_bf16="avx512_bf16" in flags)
 
 
+class ForeignCpu:
+    """CPU seconds other processes used while the block ran, and their share of the machine's CPUs.
+
+    A benchmark side shares the machine with whatever else runs: with 2 cores, one busy neighbour
+    oversubscribes the OpenMP workers, and a step of many short parallel regions then costs a
+    scheduler time slice per region (a 10x slowdown was seen). This says when a figure is not
+    representative. Linux only (/proc/stat); elsewhere the counts stay zero."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.share = 0.0
+        self._start = (0.0, 0.0, 0.0)
+
+    def __enter__(self) -> ForeignCpu:
+        self._start = _cpu_snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, own, wall = (b - a for a, b in zip(self._start, _cpu_snapshot(), strict=True))
+        self.seconds = max(0.0, busy - own)
+        self.share = self.seconds / max(wall * (os.cpu_count() or 1), 1e-9)
+
+
+def _cpu_snapshot() -> tuple[float, float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process, wall time)."""
+    busy = 0.0
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    t = os.times()
+    return busy, t.user + t.system if busy else 0.0, time.perf_counter()
+
+
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up: first-touch pages, kernel dispatch, OpenMP pool start
     best = float("inf")

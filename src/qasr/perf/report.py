@@ -48,7 +48,7 @@ def draw_roofline(ax, eff: dict) -> None:  # noqa: ANN001 - a matplotlib Axes
     ax.plot(xs, bw * xs / 1e9, color="k", ls=":", lw=0.8)
     ax.text(hi, peak / 1e9 * 1.08, f"bf16 GEMM peak {peak / 1e9:.0f} GFLOP/s", ha="right", fontsize=8)
     ridge = peak / bw
-    ax.text(ridge / 8, bw * ridge / 8 / 1e9 * 1.4, f"read {bw / 1e9:.1f} GB/s", fontsize=8, ha="right")
+    ax.text(ridge / 6, bw * ridge / 6 / 1e9 * 2.2, f"read {bw / 1e9:.1f} GB/s", fontsize=8, ha="right")
     colors = dict(encoder="#d95f02", prefill="#7570b3", decode="#1b9e77")
     for name, v in pts.items():
         label = f"{name}: {100 * v['efficiency']:.0f}% of peak, {100 * v['bandwidth_fraction']:.0f}% of bandwidth"
