@@ -3,10 +3,10 @@
 Pure bookkeeping on Request objects; no tensors are touched here.
 
 Fairness: a 20-minute piece is encoded a few 8 s windows per step and prefilled a few chunks per step,
-so no step is long; and each step first serves an "express lane" (the request with the least work
-left, one encoder slice and one prefill chunk) before the rest in admission order. A short request
-that arrives behind a long one is therefore encoded in the next step and prefilled in the one after,
-while the long one keeps moving with what is left of the budget.
+so no step is long; and each step serves an "express lane" (the request with the least work left: one
+encoder slice of at most half the budget, one prefill chunk) besides the oldest request, before the
+rest in admission order. A short request that arrives behind a long one is therefore encoded in the
+next step and prefilled within the next two, while the long one keeps moving.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class Scheduler:
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted, holding a KV region, in admission order
+        self._turn = False  # which of the oldest request and the express lane is served first
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -133,7 +134,8 @@ class Scheduler:
         wanted = [r for r in self.active if id(r) in ready]
         prefill: list[tuple[Request, int]] = []
         budget = cfg.prefill_tokens
-        for k, req in enumerate(_express_first(wanted, key=lambda r: len(r.prompt) - r.prefilled)):
+        express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)
+        for req in self._prefill_order(wanted, express):
             done, limit = req.prefilled, ready[id(req)]
             while done < limit:  # a request may bring several consecutive chunks
                 end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, len(req.prompt))
@@ -145,20 +147,37 @@ class Scheduler:
                 prefill.append((req, n))
                 budget -= n
                 done = end
-                if k == 0 and len(wanted) > 1:
+                if req is express and len(wanted) > 1:
                     break  # the express lane gets one chunk per step
         return prefill
+
+    def _prefill_order(self, wanted: list[Request], express: Request | None) -> list[Request]:
+        """The oldest request and the express lane first, then the rest in admission order. The first
+        two take turns at the front, so where the budget fits only one chunk neither starves."""
+        if express is None or len(wanted) < 2:
+            return wanted
+        head = wanted[0]
+        rest = [r for r in wanted if r is not head and r is not express]
+        if express is head:
+            return [head, *rest]
+        self._turn = not self._turn
+        return [express, head, *rest] if self._turn else [head, express, *rest]
 
     def finish(self, req: Request) -> None:
         self.active.remove(req)
         self.allocator.free(req.start, req.reserved)
 
 
+def _least(reqs: list[Request], key) -> Request | None:  # noqa: ANN001 - a sort key
+    """The request with the least work left (the express lane), None when there is none."""
+    return min(reqs, key=key) if reqs else None
+
+
 def _express_first(reqs: list[Request], key) -> list[Request]:  # noqa: ANN001 - a sort key
     """The request with the least work left first, then the others in admission order."""
     if len(reqs) < 2:
         return reqs
-    best = min(reqs, key=key)
+    best = _least(reqs, key)
     return [best, *(r for r in reqs if r is not best)]
 
 
