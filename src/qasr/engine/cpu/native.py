@@ -14,6 +14,7 @@ to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_N
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -119,6 +120,10 @@ def _compile(name: str, source: str, flags: tuple[str, ...], include: tuple[str,
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
+        # The build directory is named after the source and flags: checkouts with different kernel sources
+        # (or flags) then keep separate builds instead of rebuilding over each other in the shared cache.
+        digest = hashlib.sha256((CSRC / source).read_bytes() + "\0".join([*BASE_FLAGS, *flags, *include]).encode())
+        name = f"{name}_{digest.hexdigest()[:10]}"
         return load(name=name, sources=[str(CSRC / source)], extra_cflags=[*BASE_FLAGS, *flags],
                     extra_ldflags=["-fopenmp"], extra_include_paths=list(include), verbose=False)
     except Exception as exc:  # no compiler, no headers: the torch path is correct, only slower
