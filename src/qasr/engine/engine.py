@@ -246,7 +246,7 @@ class Engine:
         for req in [r for r in sched.active if r.cancelled]:  # stop cancelled requests, free their regions
             sched.finish(req)
             req.resolve()
-        for req in sched.admit():  # submit checks this too; the cache may be smaller than at submit only in tests
+        for req in sched.admit():  # submit refuses these already: a guard so nothing waits forever on a region
             req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
                                          f"{self.pool.tokens}"))
         plan = sched.plan()

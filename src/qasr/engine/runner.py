@@ -17,12 +17,11 @@ from qasr.model.decoder import AttentionMeta
 
 class Runner:
     def __init__(self, prepared: PreparedModel, pool: KVPool, features: LogMel, conv_batch: int = 64) -> None:
-        self.model = model = prepared.model
+        self.model = prepared.model
         self.kernels = prepared.kernels
         self.pool = pool
         self.features = features
         self.conv_batch = conv_batch
-        self.audio_token_id = model.cfg.audio_token_id
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
