@@ -1,35 +1,115 @@
-"""Writers for transcription results; files are written atomically (temp file + rename)."""
+"""Writers for transcription results (docs/output-formats.md); files are written atomically.
+
+txt and json write the result itself; srt, vtt and tsv write subtitle cues (qasr.subtitles).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
-from qasr.results import Transcription
+from qasr.results import Segment, Transcription
+from qasr.subtitles import Cue, CueRules, cues
 
-FORMATS = ("txt", "json")
+FORMATS = ("txt", "json", "srt", "vtt", "tsv")
 
 
-def render(result: Transcription, fmt: str) -> str:
+def _seconds(t: float) -> float:
+    return round(t, 3)  # milliseconds: finer digits are noise, and stable output diffs cleanly
+
+
+def _segment_dict(seg: Segment) -> dict:
+    d: dict = {"start": _seconds(seg.start), "end": _seconds(seg.end), "text": seg.text,
+               "finish_reason": seg.finish_reason}
+    if seg.words:
+        d["words"] = [{"text": w.text, "start": _seconds(w.start), "end": _seconds(w.end)} for w in seg.words]
+    return d
+
+
+def _json(result: Transcription, compact: bool) -> str:
+    data = {
+        "text": result.text,
+        "language": result.language,
+        "duration": _seconds(result.duration),
+        "finish_reason": result.finish_reason,
+        "source": result.source,
+        "error": result.error,
+        "segments": [_segment_dict(s) for s in result.segments],
+    }
+    # compact: one line per result, for JSON Lines on stdout
+    return json.dumps(data, ensure_ascii=False, indent=None if compact else 2) + "\n"
+
+
+def _timestamp(t: float, sep: str) -> str:
+    ms = max(round(t * 1000), 0)
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def _srt(cs: list[Cue]) -> str:
+    return "".join(
+        f"{i}\n{_timestamp(c.start, ',')} --> {_timestamp(c.end, ',')}\n" + "\n".join(c.lines) + "\n\n"
+        for i, c in enumerate(cs, 1))
+
+
+def _vtt_escape(line: str) -> str:
+    # cue text is markup in WebVTT: a bare & or < would start an entity or a tag (and "-->" ends a cue)
+    return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _vtt(cs: list[Cue]) -> str:
+    return "WEBVTT\n\n" + "".join(
+        f"{_timestamp(c.start, '.')} --> {_timestamp(c.end, '.')}\n"
+        + "\n".join(_vtt_escape(line) for line in c.lines) + "\n\n"
+        for c in cs)
+
+
+def _tsv(cs: list[Cue]) -> str:
+    rows = ["start\tend\ttext"]
+    # Cue.text is already one line with single spaces; the split keeps any tab or newline out regardless
+    rows += [f"{round(c.start * 1000)}\t{round(c.end * 1000)}\t{' '.join(c.text.split())}" for c in cs]
+    return "\n".join(rows) + "\n"
+
+
+def render(result: Transcription, fmt: str, *, compact: bool = False, rules: CueRules = CueRules()) -> str:
+    """The result as text in ``fmt`` (one of FORMATS); ``compact`` puts json on one line."""
     if fmt == "txt":
         return result.text + "\n"
     if fmt == "json":
-        return json.dumps(result.to_dict(), ensure_ascii=False, indent=2) + "\n"
+        return _json(result, compact)
+    writers = {"srt": _srt, "vtt": _vtt, "tsv": _tsv}
+    if fmt in writers:
+        return writers[fmt](cues(result.segments, rules))
     raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Never leave a half-written file: write next to the target, then rename over it."""
+    """Never leave a half-written file: write a temp file next to the target, then rename over it.
+
+    The temp file is created with mode 0o666, so the umask (and any default ACL) gives the result
+    the permissions of any other new file; mkstemp would leave it 0600. On any failure the temp file
+    is removed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:  # another writer's temp file by chance: pick another name
+            continue
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data reaches the disk before the rename makes it visible
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -1,0 +1,179 @@
+"""Segments -> subtitle cues: a pure function, shared by the srt, vtt and tsv writers.
+
+A cue holds at most ``max_lines`` lines of at most ``max_line_chars`` characters and lasts at most
+``max_cue_s`` seconds. Text is cut into *units*: words where the text has spaces, single characters
+for scripts written without spaces (CJK). Cues and lines break only between units, so the one
+allowed overflow is a single unit longer than a line (a long URL, say), which gets a line of its own.
+
+Timing: a segment with word times uses them (a cue runs from its first word's start to its last
+word's end). A segment without them gets its span divided among its units in proportion to their
+characters, so each cue's share of the span is proportional to the characters it shows.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from qasr.results import Segment
+
+
+@dataclass(frozen=True)
+class CueRules:
+    max_line_chars: int = 42
+    max_lines: int = 2
+    max_cue_s: float = 7.0
+
+
+@dataclass(frozen=True)
+class Cue:
+    start: float
+    end: float
+    text: str  # one line, original spacing: what tsv writes
+    lines: tuple[str, ...]  # the same text wrapped for display: what srt and vtt write
+
+
+@dataclass(frozen=True)
+class _Unit:
+    text: str
+    space_before: bool  # a space separates it from the unit before (when both are on one line)
+    start: float
+    end: float
+
+
+def _wide(ch: str) -> bool:
+    # East Asian wide/full-width characters belong to scripts written without spaces between words
+    return unicodedata.east_asian_width(ch) in ("W", "F")
+
+
+def _closing(ch: str) -> bool:
+    # punctuation that must not start a line (、。！」 …): it stays glued to the character before
+    return unicodedata.category(ch) in ("Po", "Pe", "Pf")
+
+
+def _split_token(token: str) -> list[str]:
+    """One space-free token -> units: each wide character alone, runs of other characters whole."""
+    pieces: list[str] = []
+    for ch in token:
+        if pieces and _wide(ch) and _closing(ch):
+            pieces[-1] += ch
+        elif not pieces or _wide(ch) or _wide(pieces[-1][-1]):
+            pieces.append(ch)
+        else:
+            pieces[-1] += ch
+    return pieces
+
+
+def _join(units: list[_Unit]) -> str:
+    return "".join((" " if u.space_before and i else "") + u.text for i, u in enumerate(units))
+
+
+def _untimed_units(seg: Segment) -> list[_Unit]:
+    texts: list[tuple[str, bool]] = []
+    for token in seg.text.split():
+        texts += [(piece, i == 0) for i, piece in enumerate(_split_token(token))]
+    total = sum(len(t) for t, _ in texts)
+    span = max(seg.end - seg.start, 0.0)
+    units, done = [], 0
+    for text, space in texts:
+        start = seg.start + span * done / total
+        done += len(text)
+        units.append(_Unit(text, space, start, seg.start + span * done / total))
+    return units
+
+
+def _timed_units(seg: Segment) -> list[_Unit]:
+    units: list[_Unit] = []
+    for w in seg.words:
+        text = " ".join(w.text.split())
+        if not text:
+            continue
+        # word times carry no spacing: spaced scripts get a space, wide (CJK) neighbours none
+        space = bool(units) and not (_wide(units[-1].text[-1]) or _wide(text[0]))
+        start = max(w.start, units[-1].end) if units else w.start  # keep time order if the aligner did not
+        units.append(_Unit(text, space, start, max(w.end, start)))
+    return units
+
+
+def _gap(u: _Unit, line_len: int) -> int:
+    return 1 if u.space_before and line_len else 0
+
+
+def _greedy_lines(units: list[_Unit], width: int) -> list[list[_Unit]]:
+    lines: list[list[_Unit]] = []
+    length = 0
+    for u in units:
+        if lines and length + _gap(u, length) + len(u.text) <= width:
+            lines[-1].append(u)
+            length += _gap(u, length) + len(u.text)
+        else:
+            lines.append([u])  # a unit wider than the line gets a line of its own
+            length = len(u.text)
+    return lines
+
+
+def _wrap(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
+    """Balanced lines: the narrowest width that needs no more lines than the full width does.
+
+    Greedy filling minimises the line count for a width, and that count only falls as the width
+    grows, so a binary search finds the narrowest width.
+    """
+    need = len(_greedy_lines(units, rules.max_line_chars))
+    lo, hi = 1, rules.max_line_chars
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_greedy_lines(units, mid)) <= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    return _greedy_lines(units, lo)
+
+
+def _partition(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
+    """Fewest cues, and among those the most even (least sum of squared lengths): no one-word orphans.
+
+    Dynamic programming from the end. A cue starting at unit i may end anywhere up to the longest
+    run from i that fits, since a run that fits still fits without its last unit. Greedy line
+    filling is online, so the line count of the growing run is kept as it grows.
+    """
+    n = len(units)
+    best: list[tuple[int, int, int]] = [(0, 0, n)] * (n + 1)  # (cues, sum of squares, end of first cue)
+    for i in range(n - 1, -1, -1):
+        lines, length, size = 1, len(units[i].text), len(units[i].text)
+        # one unit always makes a cue: its text may overflow a line, its end is clipped to max_cue_s
+        options = [(best[i + 1][0] + 1, best[i + 1][1] + size * size, i + 1)]
+        for j in range(i + 1, n):
+            u = units[j]
+            if u.end - units[i].start > rules.max_cue_s + 1e-9:
+                break
+            size += _gap(u, size) + len(u.text)
+            if length + _gap(u, length) + len(u.text) <= rules.max_line_chars:
+                length += _gap(u, length) + len(u.text)
+            else:
+                lines, length = lines + 1, len(u.text)
+            if lines > rules.max_lines:
+                break
+            options.append((best[j + 1][0] + 1, best[j + 1][1] + size * size, j + 1))
+        best[i] = min(options)
+    groups, i = [], 0
+    while i < n:
+        groups.append(units[i:best[i][2]])
+        i = best[i][2]
+    return groups
+
+
+def cues(segments: Iterable[Segment], rules: CueRules = CueRules()) -> list[Cue]:
+    """Cues in time order that never overlap; segments are expected in time order, empty ones give none."""
+    out: list[Cue] = []
+    for seg in segments:
+        units = _timed_units(seg) if seg.words else _untimed_units(seg)
+        if not units:
+            continue
+        for group in _partition(units, rules):
+            # never before the previous cue's end, never longer than max_cue_s (a single long unit)
+            start = max(group[0].start, out[-1].end) if out else group[0].start
+            end = min(max(group[-1].end, start), start + rules.max_cue_s)
+            lines = tuple(_join(line) for line in _wrap(group, rules))
+            out.append(Cue(start, end, _join(group), lines))
+    return out
