@@ -30,7 +30,7 @@ def assert_follows_rules(got: list[tuple[float, float, list[str]]], segments: li
         assert start <= end <= start + rules.max_cue_s + EPS
         prev_end = end
     shown = sep.join(sep.join(lines) for _, _, lines in got)
-    spoken = sep.join(sep.join(seg.text.split()) for seg in segments)
+    spoken = sep.join(sep.join(seg.text.split()) for seg in segments if seg.text.strip())
     if not sep:
         shown, spoken = "".join(shown.split()), "".join(spoken.split())
     assert shown == spoken

@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 
 from qasr.results import Segment, Transcription
-from qasr.subtitles import Cue, CueRules, cues
+from qasr.subtitles import DEFAULT_RULES, Cue, CueRules, cues
 
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")
 
@@ -75,8 +75,11 @@ def _tsv(cs: list[Cue]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def render(result: Transcription, fmt: str, *, compact: bool = False, rules: CueRules = CueRules()) -> str:
-    """The result as text in ``fmt`` (one of FORMATS); ``compact`` puts json on one line."""
+def render(result: Transcription, fmt: str, *, compact: bool = False, rules: CueRules = DEFAULT_RULES) -> str:
+    """The result as text in ``fmt`` (one of FORMATS); ``compact`` puts json on one line.
+
+    ``rules`` shape the cues of srt, vtt and tsv.
+    """
     if fmt == "txt":
         return result.text + "\n"
     if fmt == "json":

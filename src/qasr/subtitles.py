@@ -26,6 +26,9 @@ class CueRules:
     max_cue_s: float = 7.0
 
 
+DEFAULT_RULES = CueRules()
+
+
 @dataclass(frozen=True)
 class Cue:
     start: float
@@ -163,7 +166,7 @@ def _partition(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
     return groups
 
 
-def cues(segments: Iterable[Segment], rules: CueRules = CueRules()) -> list[Cue]:
+def cues(segments: Iterable[Segment], rules: CueRules = DEFAULT_RULES) -> list[Cue]:
     """Cues in time order that never overlap; segments are expected in time order, empty ones give none."""
     out: list[Cue] = []
     for seg in segments:
