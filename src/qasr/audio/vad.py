@@ -1,0 +1,249 @@
+"""Voice activity detection: where in a 16 kHz waveform people speak, found online.
+
+:class:`SpeechDetector` is fed audio in chunks of any size and reports finished speech regions as sample
+offsets. It scores 32 ms frames (512 samples) with silero-vad when installed (see
+:mod:`qasr.audio.vad_models`) or with an energy detector otherwise, then turns the per-frame speech
+probabilities into regions with silero's rules, re-implemented here so they run incrementally:
+
+* a region starts at the first frame whose probability reaches ``threshold``;
+* it ends at the first frame of a run of frames below ``neg_threshold`` lasting ``min_silence_s``
+  (probabilities in between neither start nor end anything: hysteresis);
+* regions of ``min_speech_s`` or less are dropped;
+* kept regions are widened by ``speech_pad_s`` on each side; where two regions are closer than twice the
+  pad, the gap between them is shared half and half instead.
+
+Frames are scored in fixed blocks of ``BLOCK_FRAMES`` counted from the start of the stream, so the result
+never depends on how the input was chunked: feeding a file in one call or in 1000 gives the same regions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from qasr.audio.io import SAMPLE_RATE
+from qasr.audio.vad_models import (
+    FRAME,
+    EnergyScorer,
+    FrameScorer,
+    SileroJit,
+    SileroOnnx,
+    onnxruntime_available,
+    silero_available,
+)
+
+log = logging.getLogger(__name__)
+
+BLOCK_FRAMES = 64  # frames per model call (~2 s): amortises the call, bounds the detector's lag
+VadBackend = Literal["auto", "silero", "energy"]
+_BACKENDS = ("auto", "silero", "energy")
+_warned_fallback = False
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    """Speech detection settings; the defaults are silero-vad's own.
+
+    ``backend``: "silero" requires the ``silero-vad`` package (its model files) and runs them with ONNX
+    Runtime, or TorchScript when onnxruntime is absent; "energy" is the model-free fallback; "auto" picks
+    silero when it is installed and logs one warning when it falls back to energy.
+    ``neg_threshold`` defaults to ``max(threshold - 0.15, 0.01)``.
+    """
+
+    threshold: float = 0.5
+    min_speech_s: float = 0.25
+    min_silence_s: float = 0.1
+    speech_pad_s: float = 0.03
+    backend: VadBackend = "auto"
+    neg_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"VadConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"VadConfig.threshold must be in (0, 1), got {self.threshold}")
+        if self.neg_threshold is not None and not 0.0 <= self.neg_threshold <= self.threshold:
+            raise ValueError("VadConfig.neg_threshold must be in [0, threshold]")
+        if min(self.min_speech_s, self.min_silence_s, self.speech_pad_s) < 0:
+            raise ValueError("VadConfig durations must be non-negative")
+
+    @property
+    def exit_threshold(self) -> float:
+        return self.neg_threshold if self.neg_threshold is not None else max(self.threshold - 0.15, 0.01)
+
+
+def resolve_backend(backend: VadBackend) -> str:
+    """The scorer a backend name runs on: "silero-onnx", "silero-jit" or "energy"."""
+    global _warned_fallback
+    if backend == "energy":
+        return "energy"
+    if silero_available():
+        return "silero-onnx" if onnxruntime_available() else "silero-jit"
+    if backend == "silero":
+        raise RuntimeError("VAD backend 'silero' needs the silero-vad package: pip install 'qasr[vad]'")
+    if not _warned_fallback:  # once per process: a batch of files must not repeat it per file
+        _warned_fallback = True
+        log.warning("silero-vad is not installed: speech detection uses the energy-based fallback VAD")
+    return "energy"
+
+
+def _make_scorer(name: str) -> FrameScorer:
+    if name == "silero-onnx":
+        return SileroOnnx()
+    if name == "silero-jit":
+        return SileroJit()
+    return EnergyScorer()
+
+
+class SpeechDetector:
+    """Online speech detector over a 16 kHz mono float32 stream.
+
+    ``feed(chunk)`` returns the regions that became final with this chunk, ``flush()`` (once, at the end
+    of the stream) the rest. Regions are ``(start, end)`` sample offsets from the start of the stream,
+    half-open, in order and non-overlapping. A region is reported once its padded end can no longer
+    change, which is at most ``min_silence_s + 2 * speech_pad_s`` plus one block (~2 s) after it ended.
+    """
+
+    def __init__(self, config: VadConfig | None = None) -> None:
+        self.config = config or VadConfig()
+        self.backend = resolve_backend(self.config.backend)
+        self._scorer = _make_scorer(self.backend)
+        cfg = self.config
+        self._min_speech = cfg.min_speech_s * SAMPLE_RATE
+        self._min_silence = cfg.min_silence_s * SAMPLE_RATE
+        self._pad = int(cfg.speech_pad_s * SAMPLE_RATE)
+        self._pending = np.zeros(0, dtype=np.float32)  # fed samples not yet scored (< one block)
+        self._fed = 0
+        self._frames = 0  # frames scored so far
+        self._triggered = False
+        self._start = 0  # raw start of the region under way
+        self._temp_end: int | None = None  # first frame of the silence that may end that region
+        self._held: tuple[int, int] | None = None  # kept region: (padded start, raw end), end unsettled
+        self._last_end = 0  # end of the last reported region
+        self._flushed = False
+
+    @property
+    def samples_fed(self) -> int:
+        return self._fed
+
+    @property
+    def frontier(self) -> int:
+        """No region reported from now on starts before this sample offset."""
+        if self._held is not None:
+            return self._held[0]
+        pos = self._start if self._triggered else self._frames * FRAME
+        return max(pos - self._pad, self._last_end, 0)
+
+    @property
+    def open_region(self) -> tuple[int, int] | None:
+        """The next region, once it is sure to be reported but its end is not final.
+
+        Returns ``(start, end_at_least)``: ``start`` is final, the reported end will be at least
+        ``end_at_least``. None when no such region exists (a region under way that may still turn out
+        shorter than ``min_speech_s`` is not returned; :attr:`frontier` accounts for it).
+        """
+        if self._held is not None:
+            return self._held
+        if not self._triggered:
+            return None
+        end = self._temp_end if self._temp_end is not None else self._frames * FRAME
+        if end - self._start <= self._min_speech:
+            return None
+        # No held region: the previous one was settled with a gap of at least two pads, so this one's
+        # padded start is simply start - pad.
+        return max(self._start - self._pad, self._last_end, 0), end
+
+    def feed(self, chunk: np.ndarray) -> list[tuple[int, int]]:
+        """Consume ``chunk`` (1-D float32 at 16 kHz, any length) and return regions that became final."""
+        if self._flushed:
+            raise RuntimeError("SpeechDetector.feed after flush()")
+        chunk = np.asarray(chunk, dtype=np.float32).reshape(-1)
+        self._fed += chunk.size
+        self._pending = np.concatenate((self._pending, chunk)) if self._pending.size else chunk
+        block = BLOCK_FRAMES * FRAME
+        whole = self._pending.size // block * block
+        out: list[tuple[int, int]] = []
+        if whole:
+            self._score(self._pending[:whole].reshape(-1, FRAME), out)
+            self._pending = self._pending[whole:].copy()
+        return out
+
+    def flush(self) -> list[tuple[int, int]]:
+        """End of stream: score the remainder (the last frame zero-padded) and report every region left."""
+        if self._flushed:
+            return []
+        self._flushed = True
+        out: list[tuple[int, int]] = []
+        if self._pending.size:
+            frames = np.zeros(-(-self._pending.size // FRAME) * FRAME, dtype=np.float32)
+            frames[: self._pending.size] = self._pending
+            self._score(frames.reshape(-1, FRAME), out)
+            self._pending = np.zeros(0, dtype=np.float32)
+        total = self._fed
+        if self._triggered and total - self._start > self._min_speech:
+            self._keep(self._start, total, out)  # speech running into the end of the stream
+        self._triggered = False
+        if self._held is not None:
+            start, end = self._held
+            self._emit(start, min(total, end + self._pad), out)
+            self._held = None
+        return out
+
+    def _score(self, frames: np.ndarray, out: list[tuple[int, int]]) -> None:
+        for p in self._scorer.score(frames):
+            self._step(float(p), out)
+
+    def _step(self, p: float, out: list[tuple[int, int]]) -> None:
+        cur = self._frames * FRAME
+        self._frames += 1
+        cfg = self.config
+        if not self._triggered:
+            if p >= cfg.threshold:
+                self._triggered, self._start, self._temp_end = True, cur, None
+        elif p >= cfg.threshold:
+            self._temp_end = None  # speech again: the silence so far was a pause inside the region
+        elif p < cfg.exit_threshold:
+            if self._temp_end is None:
+                self._temp_end = cur
+            if cur - self._temp_end >= self._min_silence:
+                self._triggered = False
+                if self._temp_end - self._start > self._min_speech:
+                    self._keep(self._start, self._temp_end, out)
+                self._temp_end = None
+        self._settle_held(out)
+
+    def _keep(self, start: int, end: int, out: list[tuple[int, int]]) -> None:
+        """A region passed the length test: settle the held one against it, then hold it."""
+        padded_start = max(0, start - self._pad)
+        if self._held is not None:
+            held_start, held_end = self._held
+            gap = start - held_end
+            if gap < 2 * self._pad:  # too close to pad both: split the silence between them
+                self._emit(held_start, held_end + gap // 2, out)
+                padded_start = start - gap // 2
+            else:
+                self._emit(held_start, held_end + self._pad, out)
+        self._held = (max(padded_start, self._last_end), end)
+
+    def _settle_held(self, out: list[tuple[int, int]]) -> None:
+        """Report the held region once no later region can start within two pads of its end."""
+        if self._held is None:
+            return
+        next_start = self._start if self._triggered else self._frames * FRAME
+        if next_start - self._held[1] >= 2 * self._pad:
+            start, end = self._held
+            self._emit(start, end + self._pad, out)
+            self._held = None
+
+    def _emit(self, start: int, end: int, out: list[tuple[int, int]]) -> None:
+        out.append((start, end))
+        self._last_end = end
+
+
+def speech_regions(wave: np.ndarray, config: VadConfig | None = None) -> list[tuple[int, int]]:
+    """Speech regions ``(start, end)`` in samples of a whole 16 kHz mono waveform (see SpeechDetector)."""
+    detector = SpeechDetector(config)
+    return detector.feed(wave) + detector.flush()
