@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import subprocess
+import time
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 import soundfile as sf
 from conftest import noise
 
-from qasr import ASR, AudioError, Piece, Transcription, api
+from qasr import ASR, AudioError, Piece, Transcription
 from qasr.engine.engine import EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import load_checkpoint
@@ -255,6 +257,8 @@ def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
     assert r.finish_reason == "length" and r.token_ids == (5, 6, 7, 8)
     failed = split_asr.assemble(pieces, [ends[0], ValueError("boom"), ends[2]])
     assert failed.error == "array input: boom" and failed.finish_reason is None
+    several = split_asr.transcribe([(noise(1.0), 16000), (np.zeros(0, np.float32), 16000)])
+    assert several[1].error == "array input #2: contains no audio samples" and several[1].source == "array input #2"
 
 
 def test_transcribe_async_matches_transcribe(tiny_asr, speech_files, tmp_path) -> None:
@@ -265,7 +269,8 @@ def test_transcribe_async_matches_transcribe(tiny_asr, speech_files, tmp_path) -
                                                 progress=ticks.append))
     assert got == sync
     assert got[1].error is not None and "missing.wav" in got[1].error
-    assert ticks == [1, 1, 1]  # one per piece of the three good inputs
+    # one tick per piece of the three good inputs, with its audio seconds
+    assert sorted(ticks) == pytest.approx(sorted(r.duration for r in sync if r.ok), abs=1e-3)
 
 
 def test_cancelling_transcribe_async_cancels_its_requests(tiny_asr, monkeypatch) -> None:
@@ -287,26 +292,45 @@ def test_cancelling_transcribe_async_cancels_its_requests(tiny_asr, monkeypatch)
     assert r.error is None and len(r.token_ids) >= 1
 
 
-def test_inputs_are_submitted_as_soon_as_each_is_decoded(tiny_asr, monkeypatch) -> None:
-    events = []
-    real_load, real_submit = api.load_audio, tiny_asr.engine.submit
-
-    def load(item, sample_rate=None):
-        events.append("decode")
-        return real_load(item, sample_rate)
+def test_results_come_per_input_while_later_inputs_are_decoded(tiny_asr, monkeypatch) -> None:
+    """transcribe_iter hands back an input as soon as it is done; the audio in flight stays bounded."""
+    submitted = []
+    real_submit = tiny_asr.engine.submit
 
     def submit(*args, **kwargs):
-        events.append("submit")
-        return real_submit(*args, **kwargs)
+        fut = real_submit(*args, **kwargs)
+        submitted.append(fut)
+        return fut
 
-    monkeypatch.setattr(api, "load_audio", load)
     monkeypatch.setattr(tiny_asr.engine, "submit", submit)
-    monkeypatch.setattr(tiny_asr, "max_pending", 1)  # wait on the oldest piece once two are in flight
-    inputs = [(noise(1.0, seed=k), 16000) for k in range(3)]
-    got = tiny_asr.transcribe(inputs, max_new_tokens=3)
-    assert events == ["decode", "submit"] * 3
+    monkeypatch.setattr(tiny_asr, "max_in_flight_s", 1.5)  # one 1 s input at a time
+    inputs = [(noise(1.0, seed=k), 16000) for k in range(4)]
+    seen = []
+    for i, result in tiny_asr.transcribe_iter(inputs, max_new_tokens=3):
+        assert result.ok and result.source == f"array input #{i + 1}"
+        # the budget held the next input back until this one's piece finished
+        assert len(submitted) <= len(seen) + 2
+        seen.append(i)
+    assert sorted(seen) == [0, 1, 2, 3] and len(submitted) == 4
     monkeypatch.undo()
-    assert got == tiny_asr.transcribe(inputs, max_new_tokens=3)
+    assert [r.token_ids for r in tiny_asr.transcribe(inputs, max_new_tokens=3)] == \
+        [tiny_asr.transcribe(x, max_new_tokens=3)[0].token_ids for x in inputs]
+
+
+def test_closing_transcribe_iter_cancels_the_rest(tiny_asr, monkeypatch, tmp_path) -> None:
+    futures = _spy_submits(monkeypatch, tiny_asr)
+    inputs = [tmp_path / "missing.wav", (noise(2.0), 16000), (noise(2.0, seed=1), 16000)]
+    results = tiny_asr.transcribe_iter(inputs, max_new_tokens=5000, ignore_eos=True)
+    i, first = next(results)  # the missing file fails at once; the others are long
+    assert i == 0 and "missing.wav" in first.error
+    deadline = time.monotonic() + 30
+    while len(futures) < 2 and time.monotonic() < deadline:  # the decode thread goes on meanwhile
+        time.sleep(0.01)
+    assert len(futures) == 2
+    results.close()  # the caller stops reading: every request it started stops too
+    for fut in futures:
+        with pytest.raises(CancelledError):
+            fut.result(timeout=10)
 
 
 def test_a_request_too_big_for_the_kv_cache_fails_alone(tiny_original) -> None:

@@ -1,8 +1,9 @@
 """The ASR facade: load a checkpoint once, transcribe files, bytes or arrays.
 
-Every input is decoded, split when longer than ``max_chunk_sec`` and turned into pieces (audio, prompt,
-token cap; see ``qasr.pieces``), which go to the engine as soon as their input is decoded. A bad input
-yields a Transcription with ``error`` set; the other inputs in the same call still finish.
+Every input is decoded and cut into segments (see ``segmentation`` in ``transcribe``); each segment
+becomes a piece (audio, prompt, token cap; see ``qasr.pieces``), and all pieces go to the engine as
+soon as they exist, so the segments of one long file are transcribed together. A bad input yields a
+Transcription with ``error`` set; the other inputs in the same call still finish.
 """
 
 from __future__ import annotations
@@ -10,30 +11,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import deque
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from qasr.audio.io import AudioError, load_audio
+from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
-from qasr.model.prompt import SUPPORTED_LANGUAGES, merge_languages, normalize_language, parse_asr_output
-from qasr.pieces import Piece, make_pieces
+from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language, parse_asr_output
+from qasr.pieces import Piece, make_piece, make_pieces
+from qasr.pipeline import stream_results
 from qasr.results import Segment, Transcription
+from qasr.stitch import join_segment_texts
+
+if TYPE_CHECKING:
+    from qasr.audio.vad import VadConfig
 
 log = logging.getLogger(__name__)
 
 AudioInput = str | os.PathLike | bytes | np.ndarray | tuple
 Outcome = GenerationResult | BaseException  # what became of one piece's request
 
+SEGMENTATIONS = ("auto", "vad", "fixed", "none")
 _FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
-_SEVERITY = {"stop": 0, "length": 1}  # a reason we do not know ranks worst
+# a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
+_SEVERITY = {"stop": 0, "length": 1, "malformed": 2}
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass(frozen=True)
@@ -45,18 +55,44 @@ class _Call:
     contexts: list[str]
     sample_rate: int | None
     max_new_tokens: int | None
+    segmentation: str
+    max_segment_s: float
+    vad: VadConfig | None  # None: the detector's defaults
+
+
+class _Pieces:
+    """One input's pieces as its segments are decoded; ``duration`` (seconds) is final once exhausted."""
+
+    def __init__(self, pieces: Iterator[Piece], duration: float | None = None,
+                 stream: object | None = None) -> None:
+        self._pieces = pieces
+        self._stream = stream  # the segment stream whose duration becomes final at its end
+        self._duration = duration
+
+    @property
+    def duration(self) -> float:
+        if self._duration is not None:
+            return self._duration
+        return float(self._stream.duration or 0.0)  # type: ignore[union-attr]
+
+    def __iter__(self) -> Iterator[Piece]:
+        return self._pieces
 
 
 class ASR:
     def __init__(self, checkpoint: Checkpoint, max_chunk_sec: float = 1200.0,
                  engine: EngineConfig | None = None, max_pending: int = 256,
-                 max_tokens_per_second: float = 15.0) -> None:
-        """``max_pending`` bounds decoded-but-unfinished pieces (memory for huge input lists);
+                 max_tokens_per_second: float = 15.0, max_in_flight_s: float = 1800.0) -> None:
+        """``max_chunk_sec``: the longest piece of an unsegmented input (``segmentation="none"``), cut
+        at the quietest spot near each limit as the official package does. ``max_pending`` bounds the
+        inputs decoded at once by ``transcribe_async``; ``max_in_flight_s`` bounds the audio submitted
+        and not yet transcribed by ``transcribe`` (memory for huge inputs and folders).
         ``max_tokens_per_second`` sets each piece's default generation cap from its duration (see
         ``prepare``), so a repetition loop stops early instead of running on."""
         self.checkpoint = checkpoint
         self.max_chunk_sec = max_chunk_sec
         self.max_pending = max_pending
+        self.max_in_flight_s = max_in_flight_s
         self.max_tokens_per_second = max_tokens_per_second
         self.engine = Engine(checkpoint, engine or EngineConfig())
 
@@ -68,7 +104,8 @@ class ASR:
 
     @property
     def supported_languages(self) -> tuple[str, ...]:
-        return self.checkpoint.config.support_languages or SUPPORTED_LANGUAGES
+        """The languages this checkpoint's config lists (all of Qwen3-ASR's when it lists none)."""
+        return tuple(self.checkpoint.config.support_languages or SUPPORTED_LANGUAGES)
 
     def close(self) -> None:
         self.engine.close()
@@ -76,8 +113,9 @@ class ASR:
     # ------------------------------------------------------------------ preparing requests
     def prepare(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
                 context: str | Sequence[str] = "", sample_rate: int | None = None,
-                max_new_tokens: int | None = None) -> list[Piece]:
-        """Decode the inputs and return their pieces, ready for ``engine.submit``, in input order.
+                max_new_tokens: int | None = None, segmentation: str = "auto",
+                max_segment_s: float = 30.0, vad: VadConfig | None = None) -> list[Piece]:
+        """Decode and segment the inputs and return their pieces, ready for ``engine.submit``, in input order.
 
         Arguments are those of ``transcribe``. Each piece names its input (``source``, ``item``); a long
         input gives several. The default cap is ``ceil(max_tokens_per_second x seconds) + 24`` per
@@ -85,30 +123,66 @@ class ASR:
         Unlike ``transcribe``, a bad input raises: AudioError (a ValueError) whose message starts with
         the input's name. ``assemble`` turns a piece list and its results into a Transcription.
         """
-        call = self._call(audio, language, context, sample_rate, max_new_tokens)
-        return [piece for i in range(len(call.items)) for piece in self._prepare_item(call, i)]
+        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
+        return [piece for i in range(len(call.items)) for piece in self._pieces_of(call, i)]
 
     def _call(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence,
-              context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None) -> _Call:
+              context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None,
+              segmentation: str, max_segment_s: float, vad: VadConfig | None) -> _Call:
         items = _as_list(audio)
-        languages = [normalize_language(lang) for lang in _broadcast(language, len(items), "language")]
+        languages = [self.canonical_language(lang) for lang in _broadcast(language, len(items), "language")]
         contexts = [c or "" for c in _broadcast(context, len(items), "context")]
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        return _Call(items, languages, contexts, sample_rate, max_new_tokens)
+        if segmentation not in SEGMENTATIONS:
+            raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
+        if not max_segment_s > 0:
+            raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
+        return _Call(items, languages, contexts, sample_rate, max_new_tokens, segmentation, float(max_segment_s),
+                     vad)
 
-    def _prepare_item(self, call: _Call, i: int) -> list[Piece]:
-        """Decode input ``i`` into pieces; any failure is an AudioError naming the input."""
-        item = call.items[i]
-        name = _name(item)
+    def canonical_language(self, lang: str | None) -> str | None:
+        """The canonical name of a language name or ISO code (None for None or blank: detect).
+
+        Raises ValueError listing the supported languages when this checkpoint does not list it."""
+        name = normalize_language(lang)
+        supported = self.supported_languages
+        if name is not None and name not in supported:
+            raise ValueError(f"language {lang!r} is not supported by this model; supported: {', '.join(supported)}")
+        return name
+
+    def _pieces_of(self, call: _Call, i: int) -> _Pieces:
+        """Input ``i``'s pieces, decoded and segmented lazily; any failure is an AudioError naming the input."""
+        item, name = call.items[i], _name(call.items, i)
+        make = {"source": name, "item": i, "context": call.contexts[i], "language": call.languages[i],
+                "max_new_tokens": call.max_new_tokens, "tokens_per_second": self.max_tokens_per_second}
         try:
-            wave = load_audio(item, call.sample_rate)
-            return make_pieces(self.checkpoint, wave, source=name, item=i, context=call.contexts[i],
-                               language=call.languages[i], max_new_tokens=call.max_new_tokens,
-                               max_chunk_sec=self.max_chunk_sec, tokens_per_second=self.max_tokens_per_second)
+            if isinstance(item, str) and _URL.match(item):
+                raise AudioError(f"{item}: URLs are not fetched; download the file and pass its path")
+            mode, wave, stream = call.segmentation, None, None
+            if isinstance(item, (str, os.PathLike)):
+                if mode == "auto":  # the container's duration decides, without decoding the file
+                    stream = _segment_stream(item, None, "vad", call)
+                    known = stream.duration
+                    mode = "none" if known is not None and known <= call.max_segment_s else "vad"
+                if mode == "none":
+                    wave = load_audio(item)
+            else:  # bytes and arrays are decoded in memory either way
+                wave = load_audio(item, call.sample_rate)
+                if mode == "auto":
+                    mode = "none" if len(wave) / SAMPLE_RATE <= call.max_segment_s else "vad"
+            if mode == "none":
+                assert wave is not None
+                pieces = make_pieces(self.checkpoint, wave, max_chunk_sec=self.max_chunk_sec, **make)
+                return _Pieces(iter(pieces), duration=len(wave) / SAMPLE_RATE)
+            if stream is None or mode != "vad":
+                stream = _segment_stream(item if wave is None else (wave, SAMPLE_RATE), None, mode, call)
+            segments = _checked(stream, name)
+            pieces = (make_piece(self.checkpoint, seg.samples, offset=seg.start, duration=seg.end - seg.start,
+                                 **make) for seg in segments)
+            return _Pieces(pieces, stream=stream)
         except ValueError as exc:  # AudioError included
-            msg = str(exc)
-            raise AudioError(msg if msg.startswith(name) else f"{name}: {msg}") from exc
+            raise _named(exc, name) from exc
 
     def _submit(self, piece: Piece, ignore_eos: bool) -> Future:
         try:
@@ -123,83 +197,100 @@ class ASR:
     def transcribe(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
                    context: str | Sequence[str] = "", sample_rate: int | None = None,
                    max_new_tokens: int | None = None, ignore_eos: bool = False,
-                   progress: Callable[[int], None] | None = None) -> list[Transcription]:
+                   progress: Callable[[float], None] | None = None, segmentation: str = "auto",
+                   max_segment_s: float = 30.0, vad: VadConfig | None = None) -> list[Transcription]:
         """Transcribe one input or a list; always returns one Transcription per input, in order.
 
-        ``language`` forces the output language (a name or ISO code; None detects it); ``context`` is
-        background text for the system turn. Scalars apply to every input, lists go item by item.
-        ``sample_rate`` is needed for bare numpy arrays. ``max_new_tokens`` caps each piece (default: see
-        ``prepare``); a piece cut at its cap has finish_reason "length" and logs a warning naming the
-        input. ``ignore_eos`` forces exactly that many tokens (for benchmarks). ``progress`` is called
-        with 1 as each piece finishes.
+        ``language`` forces the output language (a name or ISO code the checkpoint lists; None detects
+        it); ``context`` is background text for the system turn. Scalars apply to every input, lists go
+        item by item. ``sample_rate`` is needed for bare numpy arrays. ``max_new_tokens`` caps each
+        piece (default: see ``prepare``); a piece cut at its cap has finish_reason "length" and logs a
+        warning naming the input. ``ignore_eos`` forces exactly that many tokens (for benchmarks).
+
+        ``segmentation``: "vad" cuts speech regions into segments of at most ``max_segment_s`` at the
+        longest pauses and skips the silence between them (silence-only input gives an empty
+        transcript); "fixed" cuts consecutive windows of ``max_segment_s``; "none" sends the input
+        whole (cut only beyond ``max_chunk_sec``, as the official package does); "auto" (default) is
+        "none" for inputs up to ``max_segment_s`` and "vad" for longer ones. ``progress`` is called
+        with the audio seconds of each piece as it finishes. ``vad`` tunes the speech detector
+        (``qasr.audio.vad.VadConfig``: backend, threshold, minimum speech and silence, padding).
         """
-        call = self._call(audio, language, context, sample_rate, max_new_tokens)
-        results: list[Transcription | None] = [None] * len(call.items)
-        pieces: dict[int, list[Piece]] = {}
-        outcomes: dict[int, list[Outcome]] = {}
-        pending: deque[tuple[Piece, Future]] = deque()
-
-        def settle_oldest() -> None:
-            piece, fut = pending.popleft()
-            mine = outcomes[piece.item]
-            mine.append(_outcome(fut))  # pieces of an input are submitted, hence settled, in order
-            if len(mine) == len(pieces[piece.item]):  # assemble now: the input's samples can be freed
-                results[piece.item] = self._assemble(pieces.pop(piece.item), mine, warn=not ignore_eos)
-            if progress is not None:
-                progress(1)
-
-        try:
-            for i in range(len(call.items)):
-                try:
-                    pieces[i] = self._prepare_item(call, i)
-                except AudioError as exc:
-                    results[i] = _failed(call.items[i], str(exc))
-                    continue
-                outcomes[i] = []
-                # submit right away: the engine works on this input while the next one is decoded
-                pending.extend((piece, self._submit(piece, ignore_eos)) for piece in pieces[i])
-                while len(pending) > self.max_pending:
-                    settle_oldest()
-            while pending:
-                settle_oldest()
-        except BaseException:  # KeyboardInterrupt while waiting: stop our requests, free their KV
-            for _, fut in pending:
-                fut.cancel()
-            raise
+        results: list[Transcription | None] = [None] * len(_as_list(audio))
+        for i, result in self.transcribe_iter(audio, language=language, context=context, sample_rate=sample_rate,
+                                              max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                              progress=progress, segmentation=segmentation,
+                                              max_segment_s=max_segment_s, vad=vad):
+            results[i] = result
         return results  # type: ignore[return-value]
+
+    def transcribe_iter(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
+                        context: str | Sequence[str] = "", sample_rate: int | None = None,
+                        max_new_tokens: int | None = None, ignore_eos: bool = False,
+                        progress: Callable[[float], None] | None = None, segmentation: str = "auto",
+                        max_segment_s: float = 30.0,
+                        vad: VadConfig | None = None) -> Iterator[tuple[int, Transcription]]:
+        """``transcribe``, yielding ``(input index, Transcription)`` as each input completes.
+
+        Arguments are those of ``transcribe``. Inputs are decoded one after another on a background
+        thread while the engine works; results come in completion order. Closing the iterator early (or
+        Ctrl-C while it waits) cancels the unfinished requests and frees their KV cache.
+        """
+        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
+        warn = not ignore_eos
+
+        def finish(i: int, pieces: list[Piece], futures: list[Future], duration: float) -> Transcription:
+            return self._assemble(pieces, [_outcome(f) for f in futures], warn=warn, duration=duration,
+                                  source=_name(call.items, i))
+
+        def fail(i: int, message: str) -> Transcription:
+            return _failed(_name(call.items, i), message)
+
+        results = stream_results(len(call.items), pieces_of=lambda i: self._pieces_of(call, i),
+                                 submit=lambda piece: self._submit(piece, ignore_eos),
+                                 finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
+                                 progress=progress)
+        yield from results  # type: ignore[misc]
 
     async def transcribe_async(self, audio: AudioInput | Sequence[AudioInput],
                                language: str | None | Sequence = None, context: str | Sequence[str] = "",
                                sample_rate: int | None = None, max_new_tokens: int | None = None,
-                               ignore_eos: bool = False,
-                               progress: Callable[[int], None] | None = None) -> list[Transcription]:
+                               ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
+                               segmentation: str = "auto", max_segment_s: float = 30.0,
+                               vad: VadConfig | None = None) -> list[Transcription]:
         """``transcribe`` for asyncio: same arguments, same results, the event loop never blocks.
 
-        Audio is decoded in worker threads; at most ``max_pending`` inputs are in flight at once.
-        Cancelling the awaiting task cancels its engine requests. ``progress`` runs on the event loop.
+        Audio is decoded and segmented in worker threads; at most ``max_pending`` inputs are in flight at
+        once. Cancelling the awaiting task cancels its engine requests. ``progress`` runs on the event loop.
         """
-        call = self._call(audio, language, context, sample_rate, max_new_tokens)
+        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
         slots = asyncio.Semaphore(self.max_pending)
+
+        def decode(i: int) -> tuple[list[Piece], float]:
+            source = self._pieces_of(call, i)
+            pieces = list(source)
+            return pieces, source.duration
 
         async def one(i: int) -> Transcription:
             async with slots:
                 try:
-                    pieces = await asyncio.to_thread(self._prepare_item, call, i)
+                    pieces, duration = await asyncio.to_thread(decode, i)
                 except AudioError as exc:
-                    return _failed(call.items[i], str(exc))
+                    return _failed(_name(call.items, i), str(exc))
                 futures = [self._submit(piece, ignore_eos) for piece in pieces]
                 waiters = [asyncio.wrap_future(fut) for fut in futures]
                 if progress is not None:
-                    for waiter in waiters:
-                        waiter.add_done_callback(lambda _: progress(1))
+                    for piece, waiter in zip(pieces, waiters, strict=True):
+                        waiter.add_done_callback(lambda _, s=piece.duration: progress(s))
                 try:
                     # wait() rather than gather(): a piece's error or cancellation is an outcome, and only
                     # our own cancellation raises here
-                    await asyncio.wait(waiters)
+                    if waiters:
+                        await asyncio.wait(waiters)
                 finally:
                     for fut in futures:  # no-op for finished requests; stops the rest when we are cancelled
                         fut.cancel()
-                return self._assemble(pieces, [_outcome(w) for w in waiters], warn=not ignore_eos)
+                return self._assemble(pieces, [_outcome(w) for w in waiters], warn=not ignore_eos,
+                                      duration=duration, source=_name(call.items, i))
 
         return list(await asyncio.gather(*(one(i) for i in range(len(call.items)))))
 
@@ -208,19 +299,23 @@ class ASR:
         """One input's Transcription from its pieces (as ``prepare`` gave them) and their engine results.
 
         ``results[k]`` is piece k's GenerationResult, or the exception its request ended with (which
-        makes the whole input fail, as in ``transcribe``).
+        makes the whole input fail, as in ``transcribe``). The duration is taken as the end of the last
+        piece (``transcribe`` knows the input's own, which can be longer when it ends in silence).
         """
         return self._assemble(list(pieces), list(results), warn=True)
 
-    def _assemble(self, pieces: list[Piece], outcomes: list[Outcome], warn: bool) -> Transcription:
-        if len(pieces) != len(outcomes) or not pieces:
+    def _assemble(self, pieces: list[Piece], outcomes: list[Outcome], warn: bool, duration: float | None = None,
+                  source: str | None = None) -> Transcription:
+        if len(pieces) != len(outcomes) or not (pieces or source is not None):
             raise ValueError(f"need one result per piece, got {len(outcomes)} for {len(pieces)} pieces")
         if len({(p.item, p.source) for p in pieces}) > 1:
             raise ValueError("these pieces come from several inputs; assemble one input's pieces at a time")
-        source = pieces[0].source
-        duration = max(p.offset + p.duration for p in pieces)
+        source = pieces[0].source if pieces else source
+        assert source is not None
+        if duration is None:
+            duration = max(p.offset + p.duration for p in pieces)
         tok = self.checkpoint.tokenizer
-        texts, langs, raws, ids, segments = [], [], [], [], []
+        langs, raws, ids, segments = [], [], [], []
         for piece, out in sorted(zip(pieces, outcomes, strict=True), key=lambda po: po[0].offset):
             if not isinstance(out, GenerationResult):
                 why = "request cancelled" if isinstance(out, (CancelledError, asyncio.CancelledError)) else str(out)
@@ -228,19 +323,52 @@ class ASR:
             raw = tok.decode(out.token_ids, skip_special_tokens=True)
             lang, text = parse_asr_output(raw, piece.language)
             reason = _FINISH.get(out.finish_reason, out.finish_reason)
+            if piece.language is None and raw.strip() and ASR_TEXT_TAG not in raw:
+                # no `language X<asr_text>` preamble: whatever came out is not a transcript
+                text = ""
+                if reason != "length":
+                    reason = "malformed"
+                    if warn:
+                        log.warning("%s: the piece at %.1f s gave no transcript: the model's output %r lacks "
+                                    "the %s tag", source, piece.offset, raw[:60], ASR_TEXT_TAG)
             if reason == "length" and warn:
                 log.warning("%s: the piece at %.1f s was cut at max_new_tokens=%d; its text may be incomplete",
                             source, piece.offset, piece.max_new_tokens)
-            texts.append(text)
             langs.append(lang)
             raws.append(raw)
             ids += out.token_ids
             segments.append(Segment(round(piece.offset, 3), round(piece.offset + piece.duration, 3), text,
                                     finish_reason=reason))
-        worst = max((s.finish_reason for s in segments), key=lambda r: _SEVERITY.get(r, len(_SEVERITY)))
-        return Transcription(text="".join(texts), language=merge_languages(langs), duration=duration,
-                             raw="".join(raws), token_ids=tuple(ids), segments=tuple(segments), source=source,
-                             finish_reason=worst)
+        worst = max((s.finish_reason for s in segments), key=lambda r: _SEVERITY.get(r, len(_SEVERITY)),
+                    default="stop")
+        return Transcription(text=join_segment_texts(s.text for s in segments), language=merge_languages(langs),
+                             duration=round(duration, 3), raw="".join(raws), token_ids=tuple(ids),
+                             segments=tuple(segments), source=source, finish_reason=worst)
+
+
+def _segment_stream(item: object, sample_rate: int | None, mode: str, call: _Call):  # noqa: ANN202
+    """The segment stream of one input (imported here: the VAD's runtime loads only when segmenting)."""
+    from qasr.audio.stream import iter_segments
+
+    extra = {} if call.vad is None else {"vad": call.vad}
+    return iter_segments(item, sample_rate=sample_rate, mode=mode, max_segment_s=call.max_segment_s, **extra)
+
+
+def _checked(segments: Iterator, name: str) -> Iterator:
+    """Re-raise a decode error met halfway through a stream under the input's own name."""
+    try:
+        yield from segments
+    except ValueError as exc:
+        raise _named(exc, name) from exc
+
+
+def _named(exc: ValueError, name: str) -> AudioError:
+    """An AudioError whose message starts with ``name`` (decoders name bytes and arrays generically)."""
+    msg = str(exc)
+    for generic in ("bytes input", "array input"):
+        if name.startswith(generic) and msg.startswith(generic) and not msg.startswith(name):
+            msg = name + msg[len(generic):]
+    return AudioError(msg if msg.startswith(name) else f"{name}: {msg}")
 
 
 def _outcome(fut: Future | asyncio.Future) -> Outcome:
@@ -251,8 +379,8 @@ def _outcome(fut: Future | asyncio.Future) -> Outcome:
         return exc
 
 
-def _failed(item: AudioInput, error: str) -> Transcription:
-    return Transcription("", "", 0.0, error=error, source=_name(item))
+def _failed(source: str, error: str) -> Transcription:
+    return Transcription("", "", 0.0, error=error, source=source)
 
 
 def _as_list(audio: AudioInput | Sequence[AudioInput]) -> list[AudioInput]:
@@ -270,9 +398,10 @@ def _broadcast(value: object, n: int, what: str) -> list:
     return values
 
 
-def _name(item: AudioInput) -> str:
+def _name(items: Sequence[AudioInput], i: int) -> str:
+    """How messages and results name input ``i``: its path, or "bytes input #k" / "array input #k"."""
+    item = items[i]
     if isinstance(item, (str, os.PathLike)):
         return str(Path(item))
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return "bytes input"
-    return "array input"
+    kind = "bytes input" if isinstance(item, (bytes, bytearray, memoryview)) else "array input"
+    return kind if len(items) == 1 else f"{kind} #{i + 1}"

@@ -1,34 +1,63 @@
-"""Command line: ``qasr transcribe PATH... [-m MODEL] [--language L] [--context TEXT] [-f FMT] [-o DIR]``."""
+"""Command line: ``qasr transcribe INPUTS... [-o OUT] [-f txt,json,srt,vtt,tsv] [--recursive] ...``.
+
+Only argparse and the standard library load at import time: ``qasr --help``, ``--version`` and usage
+errors answer at once, and torch loads when there is work to do.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
 from qasr import __version__
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
+FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.FORMATS (a test checks)
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qasr", description="Fast, exact Qwen3-ASR speech recognition.")
     parser.add_argument("--version", action="version", version=f"qasr {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("transcribe", help="transcribe audio files",
-                       description="Transcribe audio files (wav, flac, mp3, ogg/opus, m4a, webm, ...).")
-    t.add_argument("paths", nargs="+", metavar="PATH", help="audio files")
+    t = sub.add_parser(
+        "transcribe", help="transcribe audio and video files or folders of them",
+        description="Transcribe audio and video files (wav, flac, mp3, ogg/opus, m4a, webm, mp4, ...) or "
+                    "folders of them. With -o, outputs mirror the inputs' relative paths under OUT, each written "
+                    "atomically; inputs whose outputs all exist are skipped, so rerunning the same command after "
+                    "an interruption redoes only the unfinished ones. Failures are listed in OUT/failed.tsv and "
+                    "make the exit status 1.")
+    t.add_argument("paths", nargs="+", metavar="INPUT", help="audio/video files or folders")
     t.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
-    t.add_argument("--language", default=None, help="force the language (name or ISO code); default: detect")
+    t.add_argument("--language", default=None,
+                   help="force the language (name or ISO code the model lists); default: detect")
     t.add_argument("--context", default="", help="background text / hotwords for the system turn")
-    t.add_argument("-f", "--format", default="txt", choices=["txt", "json"], help="output format (default txt)")
-    t.add_argument("-o", "--output-dir", type=Path, default=None,
-                   help="write one file per input here instead of printing to stdout")
+    t.add_argument("-f", "--format", default="txt", type=_formats, metavar="FMT[,FMT...]",
+                   help=f"output formats, comma-separated, from {', '.join(FORMATS)} (default txt); "
+                        "to stdout: one format, and json becomes JSON Lines")
+    t.add_argument("-o", "--output-dir", type=Path, default=None, metavar="OUT",
+                   help="write outputs under this folder instead of printing to stdout")
+    t.add_argument("-r", "--recursive", action="store_true", help="look for media files in subfolders too")
+    t.add_argument("--segmentation", default="auto", choices=("auto", "vad", "fixed", "none"),
+                   help="how long inputs are cut: vad = speech regions merged into segments cut at the longest "
+                        "pauses (silence skipped); fixed = consecutive windows; none = whole (cut only past "
+                        "20 minutes); auto (default) = none up to --max-segment-s, vad beyond")
+    t.add_argument("--max-segment-s", type=_positive_float, default=30.0, metavar="S",
+                   help="longest segment in seconds (default 30)")
+    t.add_argument("--vad-backend", default="auto", choices=("auto", "silero", "energy"),
+                   help="speech detector: silero (needs the vad extra), energy, or auto (silero when installed)")
+    t.add_argument("--vad-threshold", type=_probability, default=None, metavar="P",
+                   help="speech probability threshold of the detector (default: its own)")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar (default: when stderr is a terminal)")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    t.add_argument("--max-running", type=int, default=64,
+    t.add_argument("--max-running", type=_positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
     t.add_argument("--max-new-tokens", type=_positive_int, default=None,
                    help="cap on generated tokens per piece (default: ceil(15 x seconds) + 24 for each piece; "
@@ -46,45 +75,79 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    formats = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",") if f.strip()))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"unknown format {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(FORMATS)}")
+    return formats
+
+
+def _usage_problem(args: argparse.Namespace, inputs: list[str]) -> str | None:
+    """What makes this command unrunnable, found before any model is loaded."""
+    out = args.output_dir
+    if out is not None and out.exists() and not out.is_dir():
+        return f"-o {out}: exists and is not a folder"
+    if not inputs:
+        return "no audio or video files found in " + ", ".join(args.paths)
+    if out is None and len(args.format) > 1:
+        return "several formats need -o OUT (stdout takes one)"
+    if out is None and len(inputs) > 1 and args.format[0] in ("srt", "vtt", "tsv"):
+        return f"{args.format[0]} for several inputs needs -o OUT (one file per input)"
+    return None
+
+
 def transcribe_command(args: argparse.Namespace) -> int:
+    from qasr.folder import find_inputs, plan_jobs, update_failed_list
+
+    from qasr.model.prompt import normalize_language
+
+    inputs = find_inputs(args.paths, args.recursive)
+    problem = _usage_problem(args, inputs)
+    try:
+        normalize_language(args.language)  # names no Qwen3-ASR model knows fail before the model loads
+    except ValueError as exc:
+        problem = problem or str(exc)
+    if problem is not None:
+        print(f"qasr: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    jobs = plan_jobs(inputs, args.output_dir)
+    todo = [job for job in jobs if not job.done(args.format)]
+    if len(todo) < len(jobs):
+        print(f"qasr: {len(jobs) - len(todo)} of {len(jobs)} inputs already have their outputs; skipping them",
+              file=sys.stderr)
+    if not todo:
+        update_failed_list(args.output_dir, [])
+        return 0
+
     from qasr.api import ASR
     from qasr.engine.engine import EngineConfig
-    from qasr.model.prompt import normalize_language
-    from qasr.outputs import output_path, render, write_atomic
 
     try:
-        normalize_language(args.language)
-        engine = EngineConfig(max_running=args.max_running)
-        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, engine=engine)
+        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                  engine=EngineConfig(max_running=args.max_running))
+        asr.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:
         print(f"qasr: error: {exc}", file=sys.stderr)
-        return 2
-    progress = _progress_bar(len(args.paths))
-    results = asr.transcribe(args.paths, language=args.language, context=args.context,
-                             max_new_tokens=args.max_new_tokens, progress=progress)
-    failed = 0
-    for result in results:
-        if result.error is not None:
-            failed += 1
-            print(f"qasr: error: {result.error}", file=sys.stderr)
-            continue
-        text = render(result, args.format)
-        if args.output_dir is None:
-            sys.stdout.write(text)
-        else:
-            write_atomic(output_path(args.output_dir, result.source, args.format), text)
-    sys.stdout.flush()
-    return 1 if failed else 0
+        return EXIT_USAGE
+    from qasr.job_runner import run_jobs
 
-
-def _progress_bar(total: int):  # noqa: ANN202 - returns a callback or None
-    if total < 2 or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    # counted in pieces: a long input split at max_chunk_sec counts once per piece
-    bar = tqdm(unit="piece", file=sys.stderr, desc=f"{total} inputs")
-    return bar.update
+    return run_jobs(asr, todo, args, total_inputs=len(jobs))
 
 
 class _CliFormatter(logging.Formatter):
@@ -114,9 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     _log_to_stderr()
-    if args.command == "transcribe":
+    if args.command != "transcribe":
+        return EXIT_USAGE
+    # SIGTERM (a scheduler or `kill`) stops like Ctrl-C: cancel the work, keep only complete outputs
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
         return transcribe_command(args)
-    return 2
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

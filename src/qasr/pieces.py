@@ -50,25 +50,36 @@ def default_token_cap(duration: float, tokens_per_second: float) -> int:
     return math.ceil(round(duration * tokens_per_second, 6)) + CAP_HEADROOM
 
 
+def make_piece(checkpoint: Checkpoint, samples: np.ndarray, *, source: str, item: int, offset: float,
+               duration: float, context: str, language: str | None, max_new_tokens: int | None,
+               tokens_per_second: float) -> Piece:
+    """One piece from its 16 kHz samples: the prompt with its audio placeholders, and its token cap.
+
+    Raises AudioError when the samples are too short to give the encoder a single frame.
+    """
+    hop = checkpoint.features.hop_length
+    frames = len(samples) // hop
+    if frames == 0:
+        raise AudioError(f"{source}: audio too short ({len(samples)} samples, need at least {hop})")
+    prompt = build_prompt(checkpoint.tokenizer, checkpoint.special,
+                          audio_token_count(frames, checkpoint.config.encoder.chunk_frames), context, language)
+    cap = max_new_tokens if max_new_tokens is not None else default_token_cap(duration, tokens_per_second)
+    return Piece(source, item, offset, duration, samples, tuple(prompt), language, cap)
+
+
 def make_pieces(checkpoint: Checkpoint, wave: np.ndarray, *, source: str, item: int, context: str,
                 language: str | None, max_new_tokens: int | None, max_chunk_sec: float,
                 tokens_per_second: float) -> list[Piece]:
-    """Split a decoded 16 kHz waveform at ``max_chunk_sec`` and build each piece's prompt and cap.
+    """Split a decoded 16 kHz waveform at ``max_chunk_sec`` (the official long-audio rule: cuts at the
+    quietest spot near each limit) and build each piece's prompt and cap.
 
     Raises AudioError when a piece is too short to give the encoder a single frame.
     """
-    hop = checkpoint.features.hop_length
-    chunk_frames = checkpoint.config.encoder.chunk_frames
     pieces = []
     for part in split_long_audio(wave, max_chunk_sec):
-        frames = len(part.samples) // hop
-        if frames == 0:
-            raise AudioError(f"{source}: audio too short ({len(part.samples)} samples, need at least {hop})")
-        prompt = build_prompt(checkpoint.tokenizer, checkpoint.special, audio_token_count(frames, chunk_frames),
-                              context, language)
         # padding never counts as audio: the piece ends where the input does
         real = min(len(part.samples), len(wave) - round(part.offset_sec * SAMPLE_RATE))
-        duration = real / SAMPLE_RATE
-        cap = max_new_tokens if max_new_tokens is not None else default_token_cap(duration, tokens_per_second)
-        pieces.append(Piece(source, item, part.offset_sec, duration, part.samples, tuple(prompt), language, cap))
+        pieces.append(make_piece(checkpoint, part.samples, source=source, item=item, offset=part.offset_sec,
+                                 duration=real / SAMPLE_RATE, context=context, language=language,
+                                 max_new_tokens=max_new_tokens, tokens_per_second=tokens_per_second))
     return pieces

@@ -1,0 +1,173 @@
+"""Inputs to results: one thread decodes and segments while the engine works; results come back per input.
+
+The calling thread only waits for events and assembles; a decode thread walks the inputs in order, cuts
+each into pieces and submits every piece as soon as it exists, so the engine batches the segments of a
+long file together and the next file is decoded while the previous one is transcribed. The audio of
+submitted-but-unfinished pieces is bounded (``max_in_flight_s``), so a 2-hour file or a folder of
+thousands never sits in memory at once. Each input's result is handed back as soon as all of its
+pieces are done, in completion order, so a caller can write it out before the next one finishes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+from qasr.audio.io import AudioError
+from qasr.pieces import Piece
+
+_NO_SAMPLES = np.zeros(0, dtype=np.float32)
+_POLL_S = 0.25  # the consumer wakes this often, so Ctrl-C is seen even while the engine is busy
+
+
+class PieceSource(Protocol):
+    """What ``pieces_of(i)`` returns: the input's pieces in order; ``duration`` is valid once exhausted."""
+
+    duration: float
+
+    def __iter__(self) -> Iterator[Piece]: ...
+
+
+@dataclass
+class _Input:
+    pieces: list[Piece] = field(default_factory=list)  # without their samples (the engine has them)
+    futures: list[Future] = field(default_factory=list)
+    settled: int = 0
+    total: int | None = None  # pieces, known once the input is fully segmented
+    duration: float = 0.0
+    error: str | None = None
+
+
+class _AudioBudget:
+    """Seconds of audio submitted and not yet finished; the decode thread waits while it is full."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.used_s = 0.0
+        self.cond = threading.Condition()
+
+    def acquire(self, seconds: float, stop: threading.Event) -> bool:
+        with self.cond:
+            # one piece always fits into an empty budget, however long it is
+            while self.used_s > 0 and self.used_s + seconds > self.limit_s and not stop.is_set():
+                self.cond.wait()
+            if stop.is_set():
+                return False
+            self.used_s += seconds
+            return True
+
+    def release(self, seconds: float) -> None:
+        with self.cond:
+            self.used_s -= seconds
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submit: Callable[[Piece], Future],
+                   finish: Callable[[int, list[Piece], list[Future], float], object],
+                   fail: Callable[[int, str], object], max_in_flight_s: float,
+                   progress: Callable[[float], None] | None = None) -> Iterator[tuple[int, object]]:
+    """Yield ``(i, result)`` for inputs ``0..count-1`` as each one completes.
+
+    ``pieces_of(i)`` segments input i (raising AudioError for a bad input); ``finish(i, pieces, futures,
+    duration)`` assembles a finished input, ``fail(i, message)`` a failed one. ``progress`` receives the
+    audio seconds of every piece as it finishes. Closing the generator early (or an exception in the
+    caller, Ctrl-C included) cancels every unfinished request and stops the decode thread.
+    """
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    budget = _AudioBudget(max_in_flight_s)
+    stop = threading.Event()
+    handover = threading.Lock()
+
+    def settled(i: int, seconds: float) -> Callable[[Future], None]:
+        def callback(_: Future) -> None:  # runs on the engine thread: keep it short
+            budget.release(seconds)
+            events.put(("settled", i, seconds))
+        return callback
+
+    def produce() -> None:
+        try:
+            for i in range(count):
+                if stop.is_set():
+                    return
+                n = 0
+                try:
+                    source = pieces_of(i)
+                    for piece in source:
+                        if not budget.acquire(piece.duration, stop):
+                            return
+                        fut = submit(piece)
+                        with handover:  # the consumer either sees this request or we cancel it here
+                            if stop.is_set():
+                                fut.cancel()
+                                return
+                            events.put(("submitted", i, replace(piece, samples=_NO_SAMPLES), fut))
+                        fut.add_done_callback(settled(i, piece.duration))
+                        n += 1
+                    events.put(("end", i, n, source.duration))
+                except AudioError as exc:
+                    events.put(("failed", i, str(exc)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            events.put(("crashed", exc))
+
+    thread = threading.Thread(target=produce, name="qasr-decode", daemon=True)
+    states: dict[int, _Input] = {}
+    finished: set[int] = set()
+    thread.start()
+    try:
+        while len(finished) < count:
+            try:
+                event = events.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            kind = event[0]
+            if kind == "crashed":
+                raise event[1]
+            i = event[1]
+            if i in finished:
+                continue  # a late settlement of a failed input's cancelled piece
+            st = states.setdefault(i, _Input())
+            if kind == "submitted":
+                st.pieces.append(event[2])
+                st.futures.append(event[3])
+            elif kind == "settled":
+                st.settled += 1
+                if progress is not None:
+                    progress(event[2])
+            elif kind == "end":
+                st.total, st.duration = event[2], event[3]
+            elif kind == "failed":
+                st.error = event[2]
+                for fut in st.futures:
+                    fut.cancel()
+            if st.error is None and (st.total is None or st.settled < st.total):
+                continue
+            finished.add(i)
+            del states[i]
+            if st.error is not None:
+                yield i, fail(i, st.error)
+            else:
+                yield i, finish(i, st.pieces, st.futures, st.duration)
+    finally:
+        with handover:
+            stop.set()
+        budget.wake()
+        for st in states.values():
+            for fut in st.futures:
+                fut.cancel()
+        while True:  # requests submitted after the last event we read
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                break
+            if event[0] == "submitted":
+                event[3].cancel()
