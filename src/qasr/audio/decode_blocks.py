@@ -1,0 +1,156 @@
+"""Block-wise decoding of an encoded input (path or bytes) to mono float32 at its own sample rate.
+
+The streaming counterpart of :func:`qasr.audio.io.load_audio`'s decoding half, with the same decoder
+choice: libsndfile first, PyAV (FFmpeg) when libsndfile cannot open the input or reports zero frames.
+Channels are averaged per sample exactly as load_audio averages them, so concatenating the blocks gives
+the very array load_audio resamples. Each call to :meth:`BlockDecoder.blocks` is a fresh pass over the
+input, which lets a caller make a first pass for the peak and a second for the samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import av
+import numpy as np
+import soundfile as sf
+
+from qasr.audio.io import AudioError, _short
+
+# libsndfile subtypes whose decoded samples lie in [-1, 1] by construction (integer PCM and the log
+# companders); any other (FLOAT, DOUBLE, MPEG, VORBIS, OPUS, ...) may decode above full scale.
+_BOUNDED_SUBTYPES = ("PCM_", "ULAW", "ALAW")
+# Subtypes libsndfile decodes identically whether read whole or in blocks. Its compressed codecs are not
+# among them: reading MPEG in blocks gave samples off by up to 0.13 against a whole-file read (which
+# agrees with FFmpeg to 3e-6), so those are read whole when short and decoded by PyAV when long.
+_BLOCKWISE_SUBTYPES = ("PCM_", "ULAW", "ALAW", "FLOAT", "DOUBLE")
+# Up to this duration, a compressed input libsndfile reads is decoded in one call, exactly as load_audio
+# decodes it (costing its native-rate waveform in memory, ~210 MB for 10 min of 44.1 kHz stereo).
+ONE_SHOT_MAX_S = 600.0
+
+
+class BlockDecoder:
+    """Probe an encoded input on construction; then iterate its decoded blocks, as often as needed.
+
+    ``opener()`` must return a fresh path or file object each call. Attributes after construction:
+    ``rate`` (the decoded sample rate), ``duration`` (seconds, from the container; None if it does not
+    say), ``bounded`` (True when decoded samples cannot exceed 1 in magnitude), ``method``: "soundfile"
+    (libsndfile, block by block), "soundfile-whole" (libsndfile, one read: compressed codecs up to
+    ONE_SHOT_MAX_S, bit-exact with load_audio), "pyav" (FFmpeg, frame by frame).
+    ``block_s``: seconds of audio per decoded block. Raises AudioError naming the input when neither
+    decoder can open it.
+    """
+
+    def __init__(self, opener: Callable[[], Any], name: str, block_s: float) -> None:
+        self._opener = opener
+        self.name = name
+        self._block_s = block_s
+        self._empty = False
+        self.duration: float | None = None
+        try:
+            with sf.SoundFile(opener()) as f:
+                self.rate, frames, subtype = int(f.samplerate), int(f.frames), str(f.subtype)
+            sf_error: BaseException | None = None
+        except Exception as exc:
+            frames, sf_error = 0, exc
+        self.bounded = False
+        if frames > 0:
+            self.duration = frames / self.rate
+            self.bounded = subtype.startswith(_BOUNDED_SUBTYPES)
+            if subtype.startswith(_BLOCKWISE_SUBTYPES):
+                self.method = "soundfile"
+                return
+            self.method = "soundfile-whole"
+            if self.duration <= ONE_SHOT_MAX_S:
+                return
+            try:  # too long to hold whole: stream through FFmpeg instead (not bit-exact, see above)
+                self.rate, self.duration = _probe_av(opener())
+                self.method = "pyav"
+            except Exception:
+                pass
+            return
+        self.method = "pyav"
+        try:
+            self.rate, self.duration = _probe_av(opener())
+        except Exception as av_exc:
+            if sf_error is None:  # libsndfile opened it with zero frames: an empty input, not a bad one
+                self.rate, self.duration = 16000, 0.0
+                self._empty = True
+                return
+            raise AudioError(
+                f"{name}: cannot be decoded as audio (soundfile: {_short(sf_error)}; pyav: {_short(av_exc)})"
+            ) from av_exc
+
+    @property
+    def _block(self) -> int:
+        return max(1, int(self._block_s * self.rate))
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        """Mono float32 blocks at ``rate``; decoding errors surface as AudioError naming the input."""
+        try:
+            if self.method == "soundfile":
+                yield from self._sf_blocks()
+            elif self.method == "soundfile-whole":
+                yield from self._sf_whole()
+            elif not self._empty:
+                yield from self._av_blocks()
+        except AudioError:
+            raise
+        except Exception as exc:
+            raise AudioError(f"{self.name}: decoding failed: {_short(exc)}") from exc
+
+    def _sf_blocks(self) -> Iterator[np.ndarray]:
+        with sf.SoundFile(self._opener()) as f:
+            while True:
+                data = f.read(frames=self._block, dtype="float32", always_2d=True)
+                if data.shape[0] == 0:
+                    return
+                yield data.mean(axis=1, dtype=np.float32)
+
+    def _sf_whole(self) -> Iterator[np.ndarray]:
+        data, _ = sf.read(self._opener(), dtype="float32", always_2d=True)
+        mono = data.mean(axis=1, dtype=np.float32)
+        del data
+        for i in range(0, mono.size, self._block):
+            yield mono[i : i + self._block]
+
+    def _av_blocks(self) -> Iterator[np.ndarray]:
+        with av.open(self._opener(), mode="r") as container:
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp")  # sample format only, as load_audio does
+            parts: list[np.ndarray] = []
+            size = 0
+
+            def frames_out(frame: Any) -> Iterator[np.ndarray]:
+                for out in resampler.resample(frame):
+                    if out.sample_rate != self.rate:
+                        raise ValueError(f"sample rate changes mid-stream ({self.rate} -> {out.sample_rate})")
+                    yield out.to_ndarray().mean(axis=0, dtype=np.float32)
+
+            for frame in container.decode(stream):
+                for mono in frames_out(frame):
+                    parts.append(mono)
+                    size += mono.size
+                if size >= self._block:  # hand out blocks, not FFmpeg's ~1000-sample frames
+                    yield np.concatenate(parts)
+                    parts, size = [], 0
+            parts.extend(frames_out(None))
+            if parts:
+                yield np.concatenate(parts)
+
+
+def _probe_av(handle: Any) -> tuple[int, float | None]:
+    """The first audio stream's rate and, when the container states it, its duration in seconds."""
+    with av.open(handle, mode="r") as container:
+        if not container.streams.audio:
+            raise ValueError("no audio stream found")
+        stream = container.streams.audio[0]
+        rate = int(stream.rate or stream.codec_context.sample_rate or 0)
+        if rate <= 0:
+            raise ValueError("the audio stream has no sample rate")
+        if stream.duration is not None and stream.time_base is not None:
+            return rate, float(stream.duration * stream.time_base)
+        if container.duration is not None:
+            return rate, container.duration / av.time_base
+        return rate, None
