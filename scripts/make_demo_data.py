@@ -4,17 +4,22 @@ The demo model must really recognise speech, yet no recordings can be downloaded
 made here: sentences from a closed but useful grammar (commands, numbers, dates, times, spelled
 codes, short everyday sentences) spoken by espeak-ng accents x voice variants at random speeds and
 pitches, padded with silence, scaled, and mixed with white/pink/brown noise or mains hum at 15-40 dB
-SNR. A few clips hold no speech at all (their target text is empty).
+SNR. Besides single sentences the mix holds the kinds of input a 30 s segment of real audio brings:
+several sentences in a row with natural pauses (up to 30 s), random orders of the grammar's own words
+(number-word runs, letter/digit codes, any words; 1-30 s) so the decoder cannot lean on memorised
+sentences, and long stretches without speech (silence, noise, hum; 1-40 s) whose target text is empty.
 
 The split is by sentence AND by voice: validation sentences never occur in training, and half of
 the validation clips use voices (accent + variant combinations, from accents and variants that are
-never trained on) so the measured WER says something about unseen speakers. The sentences that
+never trained on) so the measured WER says something about unseen speakers. Validation word runs use
+held-out voices AND speeds outside the training range only. Multi-sentence clips are built from their
+split's sentences. The sentences that
 tests/test_demo_model.py speaks are excluded from both sets.
 
-    .venv/bin/python scripts/make_demo_data.py --out data/demo --train 12000 --val 400 --jobs 2
+    .venv/bin/python scripts/make_demo_data.py --out data/demo --jobs 2
 
 Writes 16 kHz mono FLAC files and ``train.jsonl`` / ``val.jsonl`` (path relative to the manifest,
-text, voice, speed, pitch, snr, noise, duration, and the phonemes espeak-ng spoke with their times in
+kind, text, voice, speed, pitch, snr, noise, duration, and the phonemes espeak-ng spoke with their times in
 the clip). espeak-ng runs through its C library (the CLI cannot report phoneme times). Same seed, same data.
 """
 
@@ -42,6 +47,9 @@ SAMPLE_RATE = 16000
 TRAIN_ACCENTS = ("en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan")
 TRAIN_VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "f1", "f2", "f3", "f4", "klatt", "adam", "linda", "steph")
 HELD_OUT_VOICES = ("en-us-nyc+f5", "en-gb-x-gbcwmd+m7", "en-us-nyc+m7", "en-gb-x-gbcwmd+f5")
+TRAIN_SPEEDS = (130, 190)  # words per minute; held-out speeds lie outside, e.g. 115-128 and 192-205
+HELD_OUT_SPEEDS = tuple(range(115, 129)) + tuple(range(192, 206))
+MAX_SPEECH_SECONDS = 30.0  # the application cuts long audio into segments of at most 30 s
 
 # Spoken by tests/test_demo_model.py: grammar-conforming, never in the training or validation data.
 TEST_SENTENCES = (
@@ -216,13 +224,19 @@ def sentence(r: random.Random) -> str:
 @dataclass(frozen=True)
 class Clip:
     path: str  # relative to the manifest
-    text: str
+    kind: str  # "sentence", "multi" (sentences with pauses), "words" (random word runs) or "nonspeech"
+    parts: tuple[str, ...]  # spoken one by one with a pause between; the text is their concatenation
+    seconds: float  # length of a nonspeech clip's body; a speech clip is as long as its speech
     voice: str
     speed: int
     pitch: int
     snr: float | None  # dB of speech over noise; None for clean and for noise-only clips
     noise: str
     seed: int
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.parts)
 
 
 class _Event(ctypes.Structure):
@@ -311,12 +325,32 @@ def make_noise(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return (x / (np.sqrt(np.mean(x**2)) + 1e-12)).astype(np.float32)
 
 
-def render(clip: Clip, root: Path) -> tuple[float, list[list]]:
-    """Write one clip; return its duration in seconds and its phonemes timed in the clip."""
+def speech_with_pauses(clip: Clip, rng: np.random.Generator) -> tuple[np.ndarray, list[list], str]:
+    """Speak each part, joined by pauses of 0.15-1.2 s; parts past MAX_SPEECH_SECONDS are dropped.
+
+    Returns the speech, its phonemes timed in it, and the text of the parts actually spoken (the plan
+    only estimates durations, so the longest clips may lose their last part here).
+    """
+    pieces, phones, spoken, t = [], [], [], 0.0
+    for i, part in enumerate(clip.parts):
+        wave, ph = espeak(part, clip.voice, clip.speed, clip.pitch)
+        pause = np.zeros(int(rng.uniform(0.15, 1.2) * SAMPLE_RATE) if i else 0, np.float32)
+        if spoken and t + (len(pause) + len(wave)) / SAMPLE_RATE > MAX_SPEECH_SECONDS - 1.6:
+            break  # leave room for the lead and tail silence
+        t += len(pause) / SAMPLE_RATE
+        phones += [[p, round(a + t, 4), round(b + t, 4)] for p, a, b in ph]
+        t += len(wave) / SAMPLE_RATE
+        pieces += [pause, wave]
+        spoken.append(part)
+    return np.concatenate(pieces), phones, " ".join(spoken)
+
+
+def render(clip: Clip, root: Path) -> tuple[float, list[list], str]:
+    """Write one clip; return its duration in seconds, its phonemes timed in the clip and its text."""
     rng = np.random.default_rng(clip.seed)
-    speech, phones = espeak(clip.text, clip.voice, clip.speed, clip.pitch) if clip.text else (None, [])
+    speech, phones, text = speech_with_pauses(clip, rng) if clip.parts else (None, [], "")
     lead, tail = (int(rng.uniform(0.05, 0.8) * SAMPLE_RATE) for _ in range(2))
-    body = speech if speech is not None else np.zeros(int(rng.uniform(0.5, 4.0) * SAMPLE_RATE), np.float32)
+    body = speech if speech is not None else np.zeros(int(clip.seconds * SAMPLE_RATE), np.float32)
     wave = np.concatenate([np.zeros(lead, np.float32), body, np.zeros(tail, np.float32)])
     peak = 10 ** (rng.uniform(-20, -1) / 20)
     if speech is not None:
@@ -325,17 +359,20 @@ def render(clip: Clip, root: Path) -> tuple[float, list[list]]:
             rms = np.sqrt(np.mean(speech**2)) * peak / (np.abs(speech).max() + 1e-9)
             wave += make_noise(clip.noise, len(wave), rng) * rms / 10 ** (clip.snr / 20)
     elif clip.noise != "silence":
-        wave += make_noise(clip.noise, len(wave), rng) * peak * 10 ** (rng.uniform(-35, -10) / 20)
+        # Long non-speech spans every level a recording may hold, loud hiss included: the model must
+        # answer "no speech" rather than invent words from it.
+        level = rng.uniform(-60, -8) if clip.kind == "nonspeech" else rng.uniform(-35, -10) + 20 * np.log10(peak)
+        wave += make_noise(clip.noise, len(wave), rng) * 10 ** (level / 20)
     wave += rng.standard_normal(len(wave)).astype(np.float32) * 1e-5  # a recording is never digital zero
     wave = np.clip(wave, -1.0, 1.0)
     out = root / clip.path
     out.parent.mkdir(parents=True, exist_ok=True)
     sf.write(out, wave, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
     shift = lead / SAMPLE_RATE
-    return len(wave) / SAMPLE_RATE, [[p, round(a + shift, 3), round(b + shift, 3)] for p, a, b in phones]
+    return len(wave) / SAMPLE_RATE, [[p, round(a + shift, 3), round(b + shift, 3)] for p, a, b in phones], text
 
 
-def render_many(clips: list[Clip], root: Path) -> list[tuple[float, list[list]]]:
+def render_many(clips: list[Clip], root: Path) -> list[tuple[float, list[list], str]]:
     return [render(c, root) for c in clips]
 
 
@@ -355,26 +392,105 @@ def unique_sentences(r: random.Random, n: int, exclude: set[str]) -> list[str]:
     return list(seen)
 
 
+def words_of(texts: list[str]) -> list[str]:
+    """The distinct words of some sentences, in first-seen order (deterministic)."""
+    return list(dict.fromkeys(w for t in texts for w in t.split()))
+
+
+def spoken_seconds(text: str, speed: int, per_word: float) -> float:
+    """Rough espeak-ng duration, to plan clip lengths (render drops parts that overshoot).
+
+    ``per_word`` is measured: about 0.8 word-times for sentences, 1.1 for word runs (letters are slow).
+    """
+    return 0.3 + len(text.split()) * per_word * 60 / speed
+
+
+def word_run(r: random.Random, vocab: list[str], n: int) -> str:
+    """n random words: number words, a letter/digit code, or any of the grammar's words.
+
+    Random orders teach the decoder to write what it hears instead of the likeliest sentence.
+    """
+    kind = r.random()
+    if kind < 0.4:
+        numbers = ONES + TENS[2:] + ["hundred"]
+        return " ".join(r.choice(numbers) if r.random() < 0.8 else ONES[r.randint(0, 9)] for _ in range(n))
+    if kind < 0.65:
+        return " ".join(r.choice(LETTERS) if r.random() < 0.55 else ONES[r.randint(0, 9)] for _ in range(n))
+    return " ".join(r.choice(vocab) for _ in range(n))
+
+
+def plan_parts(kind: str, r: random.Random, pool: list[str], vocab: list[str], speed: int,
+               seconds: tuple[float, float]) -> tuple[str, ...]:
+    """The parts of a multi-sentence or word-run clip of about ``seconds`` (uniform in the range) of speech."""
+    goal = r.uniform(*seconds)
+    parts: list[str] = []
+    total = 0.0
+    while not parts or total < goal:
+        part = r.choice(pool) if kind == "multi" else word_run(r, vocab, r.randint(1, 12))
+        parts.append(part)
+        total += spoken_seconds(part, speed, 0.8 if kind == "multi" else 1.1) + 0.7
+    return tuple(parts)
+
+
+def clip(split: str, i: int, kind: str, parts: tuple[str, ...], voice: str, speed: int, r: random.Random,
+         seconds: float = 0.0) -> Clip:
+    """One clip's recipe: noise kind and SNR drawn here (10% of speech clean; 20% of non-speech is silence)."""
+    speech = bool(parts)
+    clean = r.random() < 0.1
+    noise = r.choice(("white", "pink", "brown", "hum")) if speech or r.random() < 0.8 else "silence"
+    noise = "none" if speech and clean else noise
+    snr = None if clean or not speech else round(r.uniform(15, 40), 1)
+    return Clip(path=f"{split}/{i // 1000:02d}/{split}_{i:05d}.flac", kind=kind if speech else "nonspeech",
+                parts=parts, seconds=round(seconds, 2), voice=voice if speech else "", speed=speed,
+                pitch=r.randint(25, 75), snr=snr, noise=noise, seed=r.getrandbits(63))
+
+
 def plan(split: str, texts: list[str], voices: list[str], silent: int, r: random.Random) -> list[Clip]:
+    """Single-sentence clips plus short noise-only ones: the original mix, drawn in the original order."""
     clips = []
     for i, text in enumerate(texts + [""] * silent):
-        clean = r.random() < 0.1
-        noise = r.choice(("white", "pink", "brown", "hum")) if text or r.random() < 0.8 else "silence"
-        noise = "none" if text and clean else noise
-        snr = None if clean or not text else round(r.uniform(15, 40), 1)
-        clips.append(Clip(path=f"{split}/{i // 1000:02d}/{split}_{i:05d}.flac", text=text,
-                          voice=voices[i % len(voices)] if text else "", speed=r.randint(130, 190),
-                          pitch=r.randint(25, 75), snr=snr, noise=noise,
-                          seed=r.getrandbits(63)))
+        clips.append(clip(split, i, "sentence", (text,) if text else (), voices[i % len(voices)] if text else "",
+                          r.randint(*TRAIN_SPEEDS), r, seconds=0.0 if text else r.uniform(0.5, 4.0)))
+    return clips
+
+
+def plan_long(split: str, start: int, counts: dict[str, int], pool: list[str], vocab: list[str],
+              voices: list[str], held_out: bool, r: random.Random) -> list[Clip]:
+    """Multi-sentence, word-run and long non-speech clips, numbered from ``start``.
+
+    Validation multi-sentence clips are long (20-30 s, the case that matters: a whole segment) and
+    half use held-out voices; validation word runs use held-out voices and held-out speeds only.
+    """
+    clips = []
+    for kind, n in counts.items():
+        for j in range(n):
+            i = start + len(clips)
+            if kind == "nonspeech":
+                clips.append(clip(split, i, kind, (), "", 0, r, seconds=r.uniform(1.0, 40.0)))
+                continue
+            unseen = held_out and (kind == "words" or j % 2 == 0)
+            voice = HELD_OUT_VOICES[j % len(HELD_OUT_VOICES)] if unseen else r.choice(voices)
+            speed = r.choice(HELD_OUT_SPEEDS) if held_out and kind == "words" else r.randint(*TRAIN_SPEEDS)
+            lo = 24.0 if held_out and kind == "multi" else (1.0 if kind == "words" else 3.0)
+            # Half the training word runs are short (1-8 s), so short number strings are not rare.
+            hi = 8.0 if kind == "words" and r.random() < 0.5 and not held_out else MAX_SPEECH_SECONDS - 2
+            clips.append(clip(split, i, kind, plan_parts(kind, r, pool, vocab, speed, (lo, hi)), voice, speed, r))
     return clips
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("data/demo"))
-    ap.add_argument("--train", type=int, default=12000, help="training sentences (one clip each)")
+    # --train/--val/--seed fix the sentence split; the released model was trained on this split, so
+    # changing them would put its training sentences into validation.
+    ap.add_argument("--train", type=int, default=16000, help="training sentences")
     ap.add_argument("--val", type=int, default=400, help="validation sentences (one clip each)")
-    ap.add_argument("--silent", type=float, default=0.03, help="extra noise-only clips, as a fraction")
+    ap.add_argument("--single", type=int, default=None, help="training sentences spoken alone (default: all)")
+    ap.add_argument("--silent", type=float, default=0.03, help="extra short noise-only clips, as a fraction")
+    ap.add_argument("--multi", type=int, default=1500, help="training clips of several sentences (3-28 s)")
+    ap.add_argument("--words", type=int, default=2500, help="training clips of random word runs (1-28 s)")
+    ap.add_argument("--nonspeech", type=int, default=400, help="training clips without speech (1-40 s)")
+    ap.add_argument("--val-long", type=int, default=40, help="validation clips of each new kind")
     ap.add_argument("--jobs", type=int, default=2, help="espeak worker processes (keep it small)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
@@ -386,8 +502,15 @@ def main() -> None:
     tv = [r.choice(train_voices) for _ in train_texts]
     vv = [r.choice(train_voices) if i % 2 else HELD_OUT_VOICES[(i // 2) % len(HELD_OUT_VOICES)]
           for i in range(len(val_texts))]
-    splits = {"train": plan("train", train_texts, tv, int(args.silent * len(train_texts)), r),
+    single = train_texts[:args.single]
+    splits = {"train": plan("train", single, tv, int(args.silent * len(single)), r),
               "val": plan("val", val_texts, vv, max(8, int(args.silent * len(val_texts))), r)}
+    # The new kinds are drawn after the original ones, so the sentence split above stays as it was.
+    vocab = words_of(train_texts)
+    splits["train"] += plan_long("train", len(splits["train"]), dict(multi=args.multi, words=args.words,
+                                 nonspeech=args.nonspeech), train_texts, vocab, train_voices, False, r)
+    splits["val"] += plan_long("val", len(splits["val"]), dict(multi=args.val_long, words=args.val_long,
+                               nonspeech=args.val_long), val_texts, vocab, train_voices, True, r)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     for name, clips in splits.items():
@@ -398,9 +521,11 @@ def main() -> None:
                             strict=True))
         with open(args.out / f"{name}.jsonl", "w") as f:
             for c in clips:
-                duration, phones = done[c.path]
-                f.write(json.dumps(dict(asdict(c), duration=round(duration, 3), phones=phones)) + "\n")
-        hours = sum(d for d, _ in done.values()) / 3600
+                duration, phones, text = done[c.path]
+                row = {k: v for k, v in asdict(c).items() if k not in ("parts", "seconds")}
+                row.update(text=text, duration=round(duration, 3), phones=phones)
+                f.write(json.dumps(row) + "\n")
+        hours = sum(d for d, _, _ in done.values()) / 3600
         print(f"{name}: {len(clips)} clips, {hours:.2f} h of audio ({time.time() - start:.0f} s so far)")
 
 
