@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	  else $(PY) -m pip install -q $(TORCH_CPU); fi; }
 	$(PY) -m pip install -q -e ".[test]"
+	@# the VAD model files; --no-deps: its torchaudio requirement would replace the torch installed above
+	$(PY) -m pip install -q --no-deps "silero-vad>=6"
 	@touch $(STAMP)
 
 demo: $(STAMP)

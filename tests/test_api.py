@@ -249,7 +249,7 @@ def test_finish_reason_and_the_cut_warning(demo_asr, caplog) -> None:
 
 
 def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
-    pieces = split_asr.prepare((noise(25.0, seed=3), 16000))
+    pieces = split_asr.prepare((noise(25.0, seed=3), 16000), language="en")
     ends = [GenerationResult([5, 6], "eos", 0.0, 0.0), GenerationResult([7], "length", 0.0, 0.0),
             GenerationResult([8], "eos", 0.0, 0.0)]
     r = split_asr.assemble(pieces, ends)
@@ -257,6 +257,14 @@ def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
     assert r.finish_reason == "length" and r.token_ids == (5, 6, 7, 8)
     failed = split_asr.assemble(pieces, [ends[0], ValueError("boom"), ends[2]])
     assert failed.error == "array input: boom" and failed.finish_reason is None
+    auto = split_asr.prepare((noise(25.0, seed=3), 16000))  # detect the language: the tag must come out
+    tok = split_asr.checkpoint.tokenizer
+    tagged = GenerationResult(tok.encode("language English<asr_text>hello there"), "eos", 0.0, 0.0)
+    fragment = GenerationResult(tok.encode("langu"), "eos", 0.0, 0.0)
+    r = split_asr.assemble(auto, [tagged, fragment, tagged])
+    assert [s.finish_reason for s in r.segments] == ["stop", "malformed", "stop"]
+    assert [s.text for s in r.segments] == ["hello there", "", "hello there"]
+    assert r.text == "hello there hello there" and r.finish_reason == "malformed" and r.language == "English"
     several = split_asr.transcribe([(noise(1.0), 16000), (np.zeros(0, np.float32), 16000)])
     assert several[1].error == "array input #2: contains no audio samples" and several[1].source == "array input #2"
 
@@ -337,8 +345,9 @@ def test_a_request_too_big_for_the_kv_cache_fails_alone(tiny_original) -> None:
     asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32",
                               engine=EngineConfig(kv_cache_bytes=1))  # the smallest cache the engine makes
     try:
+        # whole (segmentation "none"): VAD would find no speech in noise and send nothing
         results = asr.transcribe([(noise(1.0), 16000), (noise(60.0), 16000), (noise(1.0), 16000)],
-                                 max_new_tokens=4)
+                                 max_new_tokens=4, segmentation="none")
     finally:
         asr.close()
     assert results[0].ok and results[2].ok and results[0].token_ids == results[2].token_ids

@@ -39,9 +39,9 @@ def folder(tmp_path_factory) -> Path:
     (root / "a").mkdir(parents=True)
     (root / "b").mkdir()
     (root / "deeper" / "x").mkdir(parents=True)
-    speak("turn on the kitchen lights", root / "a" / "clip.wav")
+    speak("set an alarm for six forty five", root / "a" / "clip.wav")
     convert(speak("set a timer for ten minutes", root / "tmp.wav"), root / "a" / "clip.flac")
-    speak("what time is it", root / "b" / "clip.wav")
+    speak("call anna on the ninth of july", root / "b" / "clip.wav")
     for k in range(18):
         speak(SENTENCES[k % len(SENTENCES)], root / "b" / f"many{k:02d}.wav", speed=140 + 3 * k)
     parts = []
@@ -110,7 +110,7 @@ def test_same_stems_never_overwrite_each_other(folder, tmp_path) -> None:
     got = _outputs(tmp_path)
     assert set(got) == {"a/clip.wav.txt", "a/clip.flac.txt", "b/clip.txt"}
     assert len(set(got.values())) == 3
-    assert got["a/clip.wav.txt"] == "turn on the kitchen lights\n"
+    assert got["a/clip.wav.txt"] == "set an alarm for six forty five\n"
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "b" / "clip.txt").stat().st_mode & 0o777 == 0o666 & ~umask
@@ -122,11 +122,12 @@ def test_stdout_json_lines_and_prefixed_text(folder) -> None:
     assert out.returncode == 1
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [d["source"] for d in lines] == inputs  # input order, one line each, errors included
-    assert lines[0]["text"] == "turn on the kitchen lights" and lines[1]["error"]
+    assert lines[0]["text"] == "set an alarm for six forty five" and lines[1]["error"]
     out = qasr("transcribe", inputs[0], inputs[2], *DEMO)
-    assert out.stdout.splitlines() == [f"{inputs[0]}: turn on the kitchen lights", f"{inputs[2]}: what time is it"]
+    assert out.stdout.splitlines() == [f"{inputs[0]}: set an alarm for six forty five",
+                                       f"{inputs[2]}: call anna on the ninth of july"]
     single = qasr("transcribe", inputs[0], "-f", "srt", *DEMO)
-    assert single.stdout.startswith("1\n00:00:00,000 --> ") and "kitchen lights" in single.stdout
+    assert single.stdout.startswith("1\n00:00:00,000 --> ") and "six forty five" in single.stdout
 
 
 def test_usage_errors_come_before_any_work(folder, tmp_path) -> None:

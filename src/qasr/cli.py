@@ -147,7 +147,11 @@ def transcribe_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from qasr.job_runner import run_jobs
 
-    return run_jobs(asr, todo, args, total_inputs=len(jobs))
+    try:
+        return run_jobs(asr, todo, args, total_inputs=len(jobs))
+    finally:
+        # stop the engine thread before the interpreter exits: one left inside a native kernel aborts it
+        asr.engine.close(drain=False, timeout=30)
 
 
 class _CliFormatter(logging.Formatter):

@@ -24,6 +24,7 @@ from qasr.pieces import Piece
 
 _NO_SAMPLES = np.zeros(0, dtype=np.float32)
 _POLL_S = 0.25  # the consumer wakes this often, so Ctrl-C is seen even while the engine is busy
+_JOIN_S = 30.0  # how long an early exit waits for the decode thread to notice (it checks between segments)
 
 
 class PieceSource(Protocol):
@@ -171,3 +172,6 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                 break
             if event[0] == "submitted":
                 event[3].cancel()
+        # a thread left inside native code (ONNX Runtime, FFmpeg) while the interpreter exits aborts the
+        # process; the decode thread stops at its next segment
+        thread.join(_JOIN_S)
