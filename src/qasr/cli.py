@@ -114,7 +114,6 @@ def _usage_problem(args: argparse.Namespace, inputs: list[str]) -> str | None:
 
 def transcribe_command(args: argparse.Namespace) -> int:
     from qasr.folder import find_inputs, plan_jobs, update_failed_list
-
     from qasr.model.prompt import normalize_language
 
     inputs = find_inputs(args.paths, args.recursive)
