@@ -168,3 +168,13 @@ def test_help_answers_without_importing_torch() -> None:
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_progress_bar_counts_audio_files_and_speed(folder, tmp_path) -> None:
+    args = [a for a in DEMO if a != "--no-progress"]
+    out = qasr("transcribe", str(folder / "a"), str(folder / "b" / "clip.wav"), "-o", str(tmp_path), "--progress",
+               *args)
+    assert out.returncode == 1  # a/corrupt.mp3
+    last = out.stderr.replace("\r", "\n").splitlines()
+    bars = [line for line in last if "s of audio" in line]
+    assert bars and "100%" in bars[-1] and "4/4 files" in bars[-1] and "RTFx" in bars[-1], out.stderr
