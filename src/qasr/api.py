@@ -183,6 +183,8 @@ class ASR:
             return _Pieces(pieces, stream=stream)
         except ValueError as exc:  # AudioError included
             raise _named(exc, name) from exc
+        except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
+            raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
     def _submit(self, piece: Piece, ignore_eos: bool) -> Future:
         try:
@@ -360,6 +362,8 @@ def _checked(segments: Iterator, name: str) -> Iterator:
         yield from segments
     except ValueError as exc:
         raise _named(exc, name) from exc
+    except (OSError, RuntimeError) as exc:  # a decoder or the detector failing halfway through this input
+        raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
 
 def _named(exc: ValueError, name: str) -> AudioError:
