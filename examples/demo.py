@@ -1,9 +1,11 @@
-"""`make demo`: transcribe the bundled example clips offline.
+"""`make demo`: transcribe the bundled example clips with the bundled demo model.
 
-Until a trained demo checkpoint is bundled under models/, this builds a tiny checkpoint with RANDOM
-weights on the fly: the pipeline (decode, features, encoder, decoder, parser) runs for real, but the
-text it prints is meaningless. Pass a real checkpoint directory to hear real words:
+The three short clips go to the model whole; `briefing.flac` (43 s, made by scripts/make_example_long.py)
+is cut into speech segments by voice activity, its segments are printed with their times and its
+subtitles are written to out/demo/briefing.srt. Pass another checkpoint directory to use it instead:
     .venv/bin/python examples/demo.py /path/to/Qwen3-ASR-0.6B
+Without the bundled model (a bare source tree), a tiny checkpoint with RANDOM weights is made on the fly:
+the pipeline runs for real, but its text is noise.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 from qasr import ASR
+from qasr.outputs import render, write_atomic
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "models" / "qasr-demo-en"
@@ -35,9 +38,16 @@ def main() -> int:
     start = time.perf_counter()
     results = asr.transcribe(clips)
     elapsed = time.perf_counter() - start
+    out_dir = HERE.parent / "out" / "demo"
     for clip, r in zip(clips, results, strict=True):
         shown = r.text if r.error is None else f"ERROR {r.error}"
         print(f"{clip.name} ({r.duration:.1f} s) [{r.language or '?'}]: {shown}")
+        if r.error is None and len(r.segments) > 1:
+            for seg in r.segments:
+                print(f"    {seg.start:6.2f} - {seg.end:6.2f} s  {seg.text}")
+            srt = out_dir / f"{clip.stem}.srt"
+            write_atomic(srt, render(r, "srt"))
+            print(f"    subtitles: {srt.relative_to(HERE.parent)}")
     audio = sum(r.duration for r in results)
     print(f"{audio:.1f} s of audio in {elapsed:.2f} s on {asr.checkpoint.device} ({asr.checkpoint.dtype})")
     return 0 if all(r.error is None for r in results) else 1
