@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="throughput benchmark against transformers (needs the test extras)",
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see qasr bench -h)")
+    from qasr.serve_cli import add_serve_parser  # argparse only: nothing heavy loads
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -179,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from qasr.serve_cli import serve_command
+
+        return serve_command(args)
     _log_to_stderr()
     if args.command != "transcribe":
         return EXIT_USAGE

@@ -1,0 +1,111 @@
+"""``qasr serve``: its arguments, and running the server until SIGTERM/SIGINT (docs/server.md).
+
+Only argparse loads here at import time; FastAPI, uvicorn and torch load when the server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    s = subparsers.add_parser(
+        "serve", help="serve an OpenAI-compatible transcription API (needs the server extra)",
+        description="Serve POST /v1/audio/transcriptions (OpenAI-compatible), /v1/models, /health, /metrics and "
+                    "a web page at /. One model is loaded and shared by every request. SIGTERM or Ctrl-C: new "
+                    "requests get 503 while the accepted ones finish, then the server exits 0.")
+    s.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but / and /health "
+                        "(default: the QASR_API_KEY environment variable; none: no authentication)")
+    s.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a model id for /v1/models (repeatable; default: the -m value and its last path part); "
+                        "requests may name any model")
+    s.add_argument("--max-queue-audio-s", type=_positive_float, default=3600.0, metavar="S",
+                   help="audio seconds admitted and not yet transcribed beyond which requests get 429 (default 3600)")
+    s.add_argument("--max-upload-mb", type=_positive_float, default=100.0, metavar="MB",
+                   help="largest upload in MiB; larger ones get 413 (default 100)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    s.add_argument("--max-running", type=_positive_int, default=64,
+                   help="sequences decoded together by the engine (default 64)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return s
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.served_model_name:
+        return tuple(dict.fromkeys(args.served_model_name))
+    return tuple(dict.fromkeys([args.model, Path(args.model.rstrip("/")).name]))
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from qasr.server.app import create_app
+        from qasr.server.config import ServerConfig
+    except ImportError as exc:
+        print(f"qasr: error: the server needs its extra: pip install 'qasr[server]' ({exc})", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    config = ServerConfig(model=args.model, served_names=_served_names(args),
+                          api_key=args.api_key or os.environ.get("QASR_API_KEY") or None,
+                          max_queue_audio_s=args.max_queue_audio_s,
+                          max_upload_bytes=int(args.max_upload_mb * 2**20))
+
+    def load():  # noqa: ANN202 - runs in a worker thread once the server listens
+        from qasr.api import ASR
+        from qasr.engine.engine import EngineConfig
+
+        return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                   engine=EngineConfig(max_running=args.max_running))
+
+    app = create_app(config, load)
+    # uvicorn's own access log would print query strings; qasr's (logger qasr.server.access) prints no more
+    # than method, path, status and time
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                                           log_level=args.log_level, timeout_graceful_shutdown=30))
+    state = app.state.qasr
+    state.on_drained = lambda: setattr(server, "should_exit", True)
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        """First signal: drain (new requests 503, accepted ones finish, then exit 0). Second: stop now."""
+        if state.draining:
+            server.should_exit = True
+            server.force_exit = True
+            return
+        logging.getLogger("qasr.server").info("%s: finishing %d accepted requests, refusing new ones",
+                                              signal.Signals(sig).name, state.in_flight)
+        state.draining = True
+
+    # uvicorn installs server.handle_exit for SIGINT/SIGTERM; ours drains first and, unlike uvicorn's, does
+    # not re-raise the signal after shutdown, so a drained server exits 0
+    server.handle_exit = on_signal  # type: ignore[method-assign]
+    server.run()
+    return 0

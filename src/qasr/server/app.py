@@ -1,0 +1,96 @@
+"""The app factory: routes, middleware, and the model loaded (and warmed up) after the server is up.
+
+The model loads in a worker thread once the server listens, so /health can answer 503 while it loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import TYPE_CHECKING
+
+import numpy as np
+from fastapi import FastAPI
+
+from qasr.server.auth import ApiKeyAuth
+from qasr.server.config import ServerConfig
+from qasr.server.errors import install_handlers
+from qasr.server.lifecycle import DrainGate
+from qasr.server.metrics import Metrics, ObserveRequests
+from qasr.server.routes import router
+from qasr.server.state import ServerState
+from qasr.server.upload import UploadLimit
+
+if TYPE_CHECKING:
+    from qasr.api import ASR
+
+log = logging.getLogger("qasr.server")
+WARMUP_SECONDS = 1.0
+
+
+def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
+    """``load`` builds the ASR (called once, in a worker thread, after start-up)."""
+    metrics = Metrics()
+    state = ServerState(config, metrics)
+    metrics.watch_engine(lambda: state.asr.engine.stats() if state.asr is not None else None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(state, load))
+        watcher = asyncio.create_task(_stop_when_drained(state))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            watcher.cancel()
+            if state.asr is not None:  # finish whatever the engine still holds, then stop its thread
+                await asyncio.to_thread(state.asr.engine.close, True, 60)
+
+    # no /docs or /openapi.json: the transcription route reads its form by hand, so the schema says little
+    app = FastAPI(title="qasr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.qasr = state
+    app.state.page = _page()
+    install_handlers(app)
+    app.include_router(router)
+    # added innermost first: requests pass ObserveRequests, DrainGate, ApiKeyAuth, UploadLimit, then the routes
+    app.add_middleware(UploadLimit, max_bytes=config.max_upload_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+    app.add_middleware(DrainGate, state=state)
+    app.add_middleware(ObserveRequests, metrics=metrics)
+    return app
+
+
+async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
+    started = time.perf_counter()
+    try:
+        asr = await asyncio.to_thread(load)
+        if state.config.warmup:  # the first request pays for lazy set-up (kernels, allocator): not a client's
+            noise = (np.random.default_rng(0).standard_normal(int(16000 * WARMUP_SECONDS)) * 0.01).astype(np.float32)
+            await asr.transcribe_async((noise, 16000))
+    except Exception as exc:  # noqa: BLE001 - reported by /health and every request
+        log.exception("the model failed to load")
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    state.asr = asr
+    state.ready = True
+    log.info("model %s ready in %.1f s", state.config.model, time.perf_counter() - started)
+
+
+async def _stop_when_drained(state: ServerState) -> None:
+    while not (state.draining and state.in_flight == 0):
+        await asyncio.sleep(0.05)
+    if state.on_drained is not None:
+        state.on_drained()
+
+
+def _page() -> str:
+    """index.html with app.js inlined: the page is one open route, and needs no second request."""
+    static = resources.files("qasr.server") / "static"
+    html = (static / "index.html").read_text(encoding="utf-8")
+    script = (static / "app.js").read_text(encoding="utf-8")
+    return html.replace('<script src="app.js"></script>', f"<script>\n{script}</script>")

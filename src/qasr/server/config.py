@@ -1,0 +1,16 @@
+"""The server's settings, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str  # what -m named: a directory or a hub id
+    served_names: tuple[str, ...]  # the ids /v1/models lists (any model string is accepted anyway)
+    api_key: str | None = None  # None: no authentication
+    max_queue_audio_s: float = 3600.0  # audio admitted and not yet transcribed, beyond which requests get 429
+    max_upload_bytes: int = 100 * 2**20
+    aligner: str | None = None  # word timestamps need a forced aligner; none exists yet
+    warmup: bool = True  # one short request before /health says ready

@@ -1,0 +1,98 @@
+"""Prometheus metrics (GET /metrics) and the access log, both fed by one ASGI middleware.
+
+Each app owns its registry, so several apps in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from qasr.engine.engine import EngineStats
+
+access_log = logging.getLogger("qasr.server.access")
+
+# Known paths are labelled as themselves; anything else is "other", so scanners cannot grow the label set
+ROUTES = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/audio/transcriptions", "/v1/audio/translations"})
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("qasr_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.latency = Histogram("qasr_http_request_duration_seconds", "Time from request to last byte, by route",
+                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("qasr_time_to_first_token_seconds",
+                              "Engine time from submit to the first generated token of a transcription",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.audio_seconds = Counter("qasr_audio_seconds", "Seconds of audio transcribed", registry=r)
+        self.queued_audio = Gauge("qasr_queued_audio_seconds", "Audio admitted and not yet transcribed", registry=r)
+        self.running = Gauge("qasr_requests_in_flight", "HTTP requests being served", registry=r)
+
+    def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
+        """Export the engine's own counters, read at scrape time."""
+        self.registry.register(_EngineCollector(stats))
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._stats()
+        if s is None:  # the model is still loading
+            return
+        yield GaugeMetricFamily("qasr_engine_waiting_requests", "Engine requests queued for a KV region",
+                                value=s.waiting)
+        yield GaugeMetricFamily("qasr_engine_running_requests", "Engine requests holding a KV region",
+                                value=s.running)
+        yield GaugeMetricFamily("qasr_engine_kv_tokens_used", "KV-cache tokens in use", value=s.kv_tokens_used)
+        yield GaugeMetricFamily("qasr_engine_kv_tokens_total", "KV-cache capacity in tokens",
+                                value=s.kv_tokens_total)
+        yield GaugeMetricFamily("qasr_engine_tokens_per_second", "Generated tokens per second, recent",
+                                value=s.tokens_per_s)
+
+
+class ObserveRequests:
+    """Counts, times and logs every HTTP request: method, path, status, seconds, client; never bodies,
+    query strings or headers (the API key travels in one)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 500  # what a response that never started counts as
+        started = time.perf_counter()
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.running.inc()
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            took = time.perf_counter() - started
+            self.metrics.running.dec()
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(took)
+            client = scope.get("client") or ("-", 0)
+            access_log.info('%s "%s %s" %d %.3fs', client[0], scope["method"], scope["path"], status, took)

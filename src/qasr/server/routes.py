@@ -1,0 +1,202 @@
+"""The HTTP routes: transcriptions (plain and streamed), translations (refused), models, health, metrics,
+and the web page."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect
+
+from qasr.audio.io import AudioError
+from qasr.server import sse
+from qasr.server.errors import ApiError, error_body
+from qasr.server.limits import Ticket
+from qasr.server.params import parse_params
+from qasr.server.responses import render_response, token_usage
+from qasr.server.state import ServerState
+from qasr.server.upload import UploadTooLarge
+from qasr.server.work import EngineRun, Finished, prepare_upload
+
+router = APIRouter()
+T = TypeVar("T")
+CLIENT_GONE = 499  # nginx's "client closed request": what a request whose client left counts as in metrics
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.qasr
+
+
+@router.post("/v1/audio/transcriptions")
+async def transcriptions(request: Request) -> Response:
+    state = _state(request)
+    asr = state.require_asr()
+    try:
+        form = await _read_form(request)
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
+    try:
+        params = parse_params(form, asr, state.config.aligner is not None)
+        data = await params.file.read()  # spooled to disk past 1 MB while parsing; size capped by UploadLimit
+        if not data:
+            raise ApiError(400, f"{params.filename}: the file is empty (0 bytes)", param="file", code="invalid_audio")
+        try:  # decoding and segmenting take real CPU time: off the event loop
+            upload = await asyncio.to_thread(prepare_upload, asr, data, params.filename, params.language,
+                                             params.context, params.segmentation, params.vad)
+        except AudioError as exc:
+            raise ApiError(400, str(exc), param="file", code="invalid_audio") from exc
+        del data
+    finally:
+        await form.close()
+    ticket = state.budget.admit(upload.duration)
+    state.metrics.queued_audio.set(state.budget.queued_s)
+    try:
+        run = EngineRun(asr, upload, stream=params.stream)
+    except BaseException:
+        _release(state, ticket, None)
+        raise
+    if params.stream:
+        return StreamingResponse(_events(state, run, ticket), media_type=sse.MEDIA_TYPE,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(_abandon, state, run, ticket))
+    done = None
+    try:
+        done = await _unless_disconnected(request, run.finish())
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
+    finally:
+        _release(state, ticket, done)
+    return render_response(done, params.response_format, params.words)
+
+
+async def _events(state: ServerState, run: EngineRun, ticket: Ticket) -> AsyncIterator[bytes]:
+    """The SSE body. A client that leaves cancels this generator (Starlette listens for the disconnect),
+    and ``finally`` cancels the engine requests."""
+    done = None
+    try:
+        async for delta in run.deltas():
+            yield sse.delta_event(delta)
+        try:
+            done = await run.finish()
+        except ApiError as exc:
+            yield sse.error_event(error_body(exc.status, exc.message, exc.param, exc.code))
+            return
+        yield sse.done_event(done.transcription.text, token_usage(done))
+    finally:
+        run.cancel()
+        _release(state, ticket, done)
+
+
+async def _abandon(state: ServerState, run: EngineRun, ticket: Ticket) -> None:
+    """After a stream's response, however it ended (a client can leave before the body starts)."""
+    run.cancel()
+    _release(state, ticket, None)
+
+
+def _release(state: ServerState, ticket: Ticket, done: Finished | None) -> None:
+    if done is not None:
+        state.metrics.audio_seconds.inc(done.transcription.duration)
+        if done.ttft_s is not None:
+            state.metrics.ttft.observe(done.ttft_s)
+    ticket.release(transcribed=done is not None)
+    state.metrics.queued_audio.set(state.budget.queued_s)
+
+
+async def _read_form(request: Request) -> FormData:
+    ctype = request.headers.get("content-type", "").lower()
+    if not ctype.startswith("multipart/form-data"):
+        raise ApiError(400, "send the audio as multipart/form-data with the file in the field 'file'",
+                       param="file")
+    try:
+        return await request.form(max_files=4, max_fields=64)
+    except UploadTooLarge as exc:
+        raise ApiError(413, str(exc), param="file", code="file_too_large") from exc
+    except (HTTPException, MultiPartException) as exc:
+        detail = getattr(exc, "detail", None) or getattr(exc, "message", str(exc))
+        raise ApiError(400, f"malformed multipart body: {detail}") from exc
+    except ClientDisconnect as exc:
+        raise ClientGone() from exc
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (freeing its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # the body is consumed: the next message the server gives us is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@router.post("/v1/audio/translations")
+async def translations() -> Response:
+    raise ApiError(400, "translation is not available: Qwen3-ASR transcribes speech in the language spoken and "
+                        "does not translate; use /v1/audio/transcriptions", code="unsupported_endpoint")
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse({"object": "list", "data": [_model(state, name) for name in state.config.served_names]})
+
+
+@router.get("/v1/models/{name:path}")
+async def model(request: Request, name: str) -> JSONResponse:
+    state = _state(request)
+    if name not in state.config.served_names:
+        raise ApiError(404, f"model {name!r} is not served here; served: {', '.join(state.config.served_names)}",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model(state, name))
+
+
+def _model(state: ServerState, name: str) -> dict:
+    d = {"id": name, "object": "model", "created": state.started, "owned_by": "qasr"}
+    if state.asr is not None:  # beyond OpenAI's fields: what `language` accepts (the page's menu)
+        d["languages"] = list(state.asr.supported_languages)
+    return d
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = _state(request)
+    if state.load_error is not None:
+        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+    if not state.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.config.model})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    state.metrics.queued_audio.set(state.budget.queued_s)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", response_class=HTMLResponse)
+async def page(request: Request) -> HTMLResponse:
+    return HTMLResponse(request.app.state.page, headers={"Cache-Control": "no-cache"})
+

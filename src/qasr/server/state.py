@@ -1,0 +1,37 @@
+"""What the routes share: the loaded ASR (once ready), the backlog, the draining flag, requests in flight."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from qasr.server.config import ServerConfig
+from qasr.server.errors import ApiError
+from qasr.server.limits import AudioBudget
+from qasr.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from qasr.api import ASR
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.budget = AudioBudget(config.max_queue_audio_s)
+        self.asr: ASR | None = None
+        self.ready = False  # loaded and warmed up
+        self.load_error: str | None = None
+        self.draining = False  # SIGTERM/SIGINT: refuse new requests, finish the accepted ones
+        self.in_flight = 0  # requests accepted and not yet answered in full (streams included)
+        self.on_drained: Callable[[], None] | None = None  # set by the runner: stop the HTTP server
+        self.started = int(time.time())  # /v1/models' "created"
+
+    def require_asr(self) -> ASR:
+        if self.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_not_loaded")
+        if not self.ready or self.asr is None:
+            raise ApiError(503, "the model is still loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "1"})
+        return self.asr

@@ -1,0 +1,162 @@
+// The qasr page: upload or record audio, send it to /v1/audio/transcriptions, show the answer as it streams.
+// Plain browser JavaScript, no build step and nothing fetched from elsewhere.
+"use strict";
+
+const TRANSCRIBE_URL = "/v1/audio/transcriptions";
+const MODELS_URL = "/v1/models";
+const LANGUAGES = ["English", "Chinese", "Cantonese", "Arabic", "German", "French", "Spanish", "Portuguese",
+  "Indonesian", "Italian", "Korean", "Russian", "Thai", "Vietnamese", "Japanese", "Turkish", "Hindi", "Malay",
+  "Dutch", "Swedish", "Danish", "Finnish", "Polish", "Czech", "Filipino", "Persian", "Greek", "Romanian",
+  "Hungarian", "Macedonian"];
+
+const $ = (id) => document.getElementById(id);
+let recorded = null;  // a Blob from the microphone, used instead of the file input when set
+let recorder = null;
+
+function headers() {
+  const key = $("apikey").value.trim();
+  if (key) localStorage.setItem("qasr-api-key", key);
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+function setStatus(text, isError) {
+  $("status").textContent = text;
+  $("status").className = isError ? "error" : "";
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return body.error ? body.error.message : response.statusText;
+  } catch (e) {
+    return response.statusText;
+  }
+}
+
+// Server-sent events from a fetch body: split on blank lines, parse each "data:" line as JSON.
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      let name = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) name = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).trimStart());
+      }
+      if (data.length) onEvent(name, JSON.parse(data.join("\n")));
+    }
+  }
+}
+
+function audioToSend() {
+  if (recorded) return { blob: recorded, name: "recording.webm" };
+  const file = $("file").files[0];
+  return file ? { blob: file, name: file.name } : null;
+}
+
+async function transcribe() {
+  const audio = audioToSend();
+  if (!audio) { setStatus("Choose a file or record first.", true); return; }
+  const format = $("format").value;
+  const stream = format === "stream";
+  const form = new FormData();
+  form.append("file", audio.blob, audio.name);
+  form.append("model", $("model").dataset.id || "qasr");
+  if ($("language").value) form.append("language", $("language").value);
+  if ($("prompt").value) form.append("prompt", $("prompt").value);
+  form.append("response_format", stream ? "json" : format);
+  if (stream) form.append("stream", "true");
+  $("transcript").textContent = "";
+  $("go").disabled = true;
+  setStatus("Transcribing " + audio.name + " ...");
+  const started = performance.now();
+  try {
+    const response = await fetch(TRANSCRIBE_URL, { method: "POST", body: form, headers: headers() });
+    if (!response.ok) { setStatus(response.status + ": " + (await errorMessage(response)), true); return; }
+    if (stream) {
+      await readEvents(response, (name, event) => {
+        if (name === "error") setStatus(event.error.message, true);
+        else if (event.type === "transcript.text.delta") $("transcript").textContent += event.delta;
+        else if (event.type === "transcript.text.done") {
+          $("transcript").textContent = event.text;
+          setStatus("Done in " + ((performance.now() - started) / 1000).toFixed(2) + " s.");
+        }
+      });
+    } else {
+      const body = format.endsWith("json") ? JSON.stringify(await response.json(), null, 2) : await response.text();
+      $("transcript").textContent = body;
+      setStatus("Done in " + ((performance.now() - started) / 1000).toFixed(2) + " s.");
+    }
+  } catch (e) {
+    setStatus("Request failed: " + e, true);
+  } finally {
+    $("go").disabled = false;
+  }
+}
+
+async function toggleRecording() {
+  if (recorder && recorder.state === "recording") { recorder.stop(); return; }
+  let media;
+  try {
+    media = await navigator.mediaDevices.getUserMedia({ audio: true });
+  } catch (e) {
+    setStatus("No microphone: " + e, true);
+    return;
+  }
+  const chunks = [];
+  recorder = new MediaRecorder(media);
+  recorder.ondataavailable = (e) => { if (e.data.size) chunks.push(e.data); };
+  recorder.onstop = () => {
+    media.getTracks().forEach((t) => t.stop());
+    recorded = new Blob(chunks, { type: recorder.mimeType || "audio/webm" });
+    $("record").textContent = "Record";
+    $("recording").textContent = "recorded " + Math.round(recorded.size / 1024) + " KB (used instead of the file)";
+  };
+  recorder.start();
+  $("record").textContent = "Stop";
+  $("recording").textContent = "recording ...";
+}
+
+async function showModel() {
+  try {
+    const response = await fetch(MODELS_URL, { headers: headers() });
+    if (!response.ok) return;
+    const first = (await response.json()).data[0];
+    if (!first) return;
+    $("model").textContent = "Model: " + first.id;
+    $("model").dataset.id = first.id;
+    if (first.languages) fillLanguages(first.languages);
+  } catch (e) { /* the page still works without it */ }
+}
+
+function fillLanguages(names) {
+  const select = $("language");
+  while (select.options.length > 1) select.remove(1);  // keep "detect"
+  for (const name of names) {
+    const option = document.createElement("option");
+    option.value = name;
+    option.textContent = name;
+    select.appendChild(option);
+  }
+}
+
+function init() {
+  $("apikey").value = localStorage.getItem("qasr-api-key") || "";
+  fillLanguages(LANGUAGES);
+  $("file").addEventListener("change", () => { recorded = null; $("recording").textContent = ""; });
+  $("record").addEventListener("click", toggleRecording);
+  $("go").addEventListener("click", transcribe);
+  $("apikey").addEventListener("change", showModel);
+  showModel();
+}
+
+init();

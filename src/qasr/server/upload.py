@@ -1,0 +1,51 @@
+"""The upload size limit, enforced before and while the body is read, never after buffering it all.
+
+A declared ``Content-Length`` over the limit is refused before a byte is read; a body without one (chunked)
+is counted as it streams into the form parser (which spools files to disk past 1 MB), and the request fails
+the moment the count passes the limit.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qasr.server.errors import error_response
+
+
+class UploadTooLarge(Exception):
+    """Raised from ``receive`` inside the form parser once the body passes the limit."""
+
+
+def too_large_message(limit: int) -> str:
+    return f"the upload is larger than this server's limit of {limit / 2**20:g} MB (--max-upload-mb)"
+
+
+class UploadLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").strip()
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            # answered before reading: the server drops whatever the client still sends (uvicorn reads on and
+            # discards a body once its response is complete), so the client gets to read the 413
+            await error_response(413, too_large_message(self.max_bytes), param="file",
+                                 code="file_too_large")(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise UploadTooLarge(too_large_message(self.max_bytes))
+            return message
+
+        await self.app(scope, counting_receive, send)

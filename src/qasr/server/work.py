@@ -1,0 +1,160 @@
+"""One request's work: decode the upload into pieces, submit them to the shared engine, collect the result.
+
+Every piece goes to the engine at once (the segments of a long file are transcribed together), and the
+same pieces give the plain and the streamed answer, so both carry the same text. Cancelling a run cancels
+its engine requests, which stop at the next step and free their KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
+from qasr.engine.errors import EngineBroken, EngineClosed
+from qasr.engine.request import GenerationResult
+from qasr.results import Transcription
+from qasr.server.errors import ApiError
+from qasr.server.textstream import Joiner, PieceText
+
+if TYPE_CHECKING:
+    from qasr.api import ASR
+    from qasr.audio.vad import VadConfig
+    from qasr.pieces import Piece
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A decoded upload cut into pieces (offset order)."""
+
+    name: str
+    duration: float  # seconds of the whole input, silence included
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    transcription: Transcription
+    segment_tokens: tuple[tuple[int, ...], ...]  # per segment: the transcript's token ids (no preamble)
+    input_tokens: int  # prompt tokens of every piece
+    audio_tokens: int  # of which audio placeholders
+    output_tokens: int
+    ttft_s: float | None  # engine: submit -> first token of the earliest piece
+
+
+def prepare_upload(asr: ASR, data: bytes, name: str, language: str | None, context: str, segmentation: str,
+                   vad: VadConfig | None) -> Upload:
+    """Decode and segment an upload (blocking: run it in a worker thread). Raises AudioError naming it."""
+    try:
+        wave = load_audio(data)
+        # an in-memory (array, rate) input: no second decode, and the input's duration is known exactly
+        pieces = asr.prepare((wave, SAMPLE_RATE), language=language, context=context, segmentation=segmentation,
+                             vad=vad)
+    except AudioError as exc:
+        raise AudioError(_renamed(str(exc), name)) from exc
+    return Upload(name, len(wave) / SAMPLE_RATE, tuple(sorted(pieces, key=lambda p: p.offset)))
+
+
+def _renamed(message: str, name: str) -> str:
+    for generic in ("bytes input", "array input"):
+        if message.startswith(generic):
+            return name + message[len(generic):]
+    return message
+
+
+class EngineRun:
+    """The engine requests of one upload; create it on the event loop that consumes its tokens."""
+
+    def __init__(self, asr: ASR, upload: Upload, stream: bool) -> None:
+        self.asr = asr
+        self.upload = upload
+        self.futures: list[Future] = []
+        self._tokens: list[asyncio.Queue[int | None]] = []
+        loop = asyncio.get_running_loop()
+        try:
+            for piece in upload.pieces:
+                on_token = None
+                if stream:
+                    queue: asyncio.Queue[int | None] = asyncio.Queue()
+                    self._tokens.append(queue)
+                    # the engine thread calls this: hand the token to the loop, never block the engine
+                    on_token = (lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t))  # noqa: E731
+                self.futures.append(asr.engine.submit(piece.prompt, waveform=piece.samples,
+                                                      max_new_tokens=piece.max_new_tokens, on_token=on_token))
+        except BaseException as exc:
+            self.cancel()
+            raise _engine_error(exc) from exc
+
+    def cancel(self) -> None:
+        """Stop every unfinished request of this upload (no-op for finished ones)."""
+        for fut in self.futures:
+            fut.cancel()
+
+    async def finish(self) -> Finished:
+        """Wait for every piece; cancelled (e.g. the client left) -> the engine requests are cancelled."""
+        waiters = [asyncio.wrap_future(f) for f in self.futures]
+        try:
+            if waiters:
+                await asyncio.wait(waiters)
+        finally:
+            self.cancel()
+        outcomes = []
+        for w in waiters:
+            try:
+                outcomes.append(w.result())
+            except BaseException as exc:  # noqa: BLE001 - one piece's failure is the request's error
+                raise _engine_error(exc) from exc
+        return self._finished(outcomes)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Transcript text as it is generated, piece after piece (later pieces run meanwhile and their
+        tokens wait in their queues)."""
+        tok = self.asr.checkpoint.tokenizer
+        joiner = Joiner()
+        for piece, queue in zip(self.upload.pieces, self._tokens, strict=True):
+            text = PieceText(lambda ids: tok.decode(ids, skip_special_tokens=True), piece.language is not None)
+            while (token := await queue.get()) is not None:
+                first = not text.text  # nothing of this piece sent yet: it may need the joining space
+                delta = joiner.add(text.push(token), first_of_piece=first)
+                if delta:
+                    yield delta
+
+    def _finished(self, results: list[GenerationResult]) -> Finished:
+        up = self.upload
+        if up.pieces:
+            t = self.asr.assemble(up.pieces, results)
+            if t.error is not None:
+                raise ApiError(500, f"transcription failed: {_renamed(t.error, up.name)}")
+            t = replace(t, duration=round(up.duration, 3), source=up.name)
+        else:  # no speech found (VAD segmentation of silence): an empty transcript
+            t = Transcription("", "", round(up.duration, 3), source=up.name, finish_reason="stop")
+        asr_text = self.asr.checkpoint.special.asr_text
+        seg_tokens = tuple(_text_tokens(r.token_ids, asr_text, p.language is not None)
+                           for p, r in zip(up.pieces, results, strict=True))
+        audio_id = self.asr.checkpoint.config.audio_token_id
+        return Finished(t, seg_tokens, input_tokens=sum(len(p.prompt) for p in up.pieces),
+                        audio_tokens=sum(p.prompt.count(audio_id) for p in up.pieces),
+                        output_tokens=sum(len(r.token_ids) for r in results),
+                        ttft_s=min((r.ttft_s for r in results), default=None))
+
+
+def _text_tokens(ids: list[int], asr_text: int, forced: bool) -> tuple[int, ...]:
+    if forced or asr_text not in ids:
+        return tuple(ids) if forced else ()
+    return tuple(ids[ids.index(asr_text) + 1:])
+
+
+def _engine_error(exc: BaseException) -> BaseException:
+    """An engine refusal or failure as the HTTP error the client should see."""
+    if isinstance(exc, ApiError | asyncio.CancelledError):
+        return exc
+    if isinstance(exc, EngineClosed):
+        return ApiError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(exc, EngineBroken):
+        return ApiError(500, f"the inference engine failed: {exc}")
+    if isinstance(exc, ValueError):  # refused at submit, e.g. longer than the KV cache holds
+        return ApiError(400, str(exc), param="file")
+    return ApiError(500, f"transcription failed: {type(exc).__name__}: {exc}")
