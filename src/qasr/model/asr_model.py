@@ -19,7 +19,8 @@ class Qwen3ASRModel(nn.Module):
         self.cfg = cfg
         self.audio_tower = AudioEncoder(cfg.encoder)
         self.model = TextModel(cfg.decoder)
-        self.lm_head = nn.Linear(cfg.decoder.hidden_size, cfg.decoder.vocab_size, bias=False)
+        # the aligner's timestamp classifier takes the LM head's place (same checkpoint key)
+        self.lm_head = nn.Linear(cfg.decoder.hidden_size, cfg.head_size, bias=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.audio_tower.init_buffers(device)
@@ -50,7 +51,7 @@ class Qwen3ASRModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVStore, meta: AttentionMeta,
                 logits_rows: torch.Tensor | None = None, audio_embeds: torch.Tensor | None = None,
                 kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
-        """Packed decoder forward. Returns logits (len(logits_rows), vocab) in float32."""
+        """Packed decoder forward. Returns logits (len(logits_rows), head_size) in float32."""
         x = self.embed(token_ids, audio_embeds)
         h = self.model(x, positions, cache, meta, kernels)
         if logits_rows is not None:

@@ -116,9 +116,24 @@ class ModelConfig:
     audio_start_token_id: int | None
     audio_end_token_id: int | None
     support_languages: tuple[str, ...] = ()
+    # The forced aligner: its head is a timestamp classifier (class k = k * timestamp_segment_time ms)
+    # instead of the LM head; None for the ASR models.
+    classify_num: int | None = None
+    timestamp_token_id: int | None = None
+    timestamp_segment_time: float = 80.0
+
+    @property
+    def is_aligner(self) -> bool:
+        return self.classify_num is not None
+
+    @property
+    def head_size(self) -> int:
+        """Output rows of the final Linear: the classes for the aligner, else the vocabulary."""
+        return self.classify_num if self.classify_num is not None else self.decoder.vocab_size
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
+        aligner = _aligner_fields(d)
         if "thinker_config" in d:
             th = d["thinker_config"]
             tie = bool(d.get("tie_word_embeddings", th.get("tie_word_embeddings", True)))
@@ -130,6 +145,7 @@ class ModelConfig:
                 audio_start_token_id=_opt_int(th.get("audio_start_token_id")),
                 audio_end_token_id=_opt_int(th.get("audio_end_token_id")),
                 support_languages=tuple(d.get("support_languages") or ()),
+                **aligner,
             )
         if "audio_config" in d and "text_config" in d:
             tie = bool(d.get("tie_word_embeddings", True))
@@ -141,6 +157,7 @@ class ModelConfig:
                 audio_start_token_id=_opt_int(d.get("audio_start_token_id")),
                 audio_end_token_id=_opt_int(d.get("audio_end_token_id")),
                 support_languages=tuple(d.get("support_languages") or ()),
+                **aligner,
             )
         raise ValueError("config.json is neither the Qwen3-ASR release layout (thinker_config) "
                          "nor the transformers layout (audio_config + text_config)")
@@ -166,6 +183,32 @@ class GenerationDefaults:
         eos = d.get("eos_token_id", list(fallback_eos))
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])) or fallback_eos
         return cls(eos_token_ids=eos_ids, max_new_tokens=int(d.get("max_new_tokens", 512)))
+
+
+def _aligner_fields(d: dict) -> dict:
+    """classify_num / timestamp ids of a forced-aligner config; {} for an ASR config.
+
+    Release layout: ``thinker_config.model_type`` names the forced aligner and holds ``classify_num``.
+    The "-hf" layout: a token-classification architecture with ``num_labels`` (or ``id2label``); its
+    config always carries ``timestamp_token_id``, ASR or not, so that key alone decides nothing."""
+    th = d.get("thinker_config")
+    if th is not None:
+        if "forced_aligner" not in str(th.get("model_type", "")):
+            return {}
+        classes = int(th.get("classify_num", d.get("classify_num", 5000)))
+    else:
+        archs = d.get("architectures") or []
+        if not any("TokenClassification" in str(a) for a in archs):
+            return {}
+        labels = d.get("num_labels") or len(d.get("id2label") or {})
+        if not labels:
+            raise ValueError("aligner config.json names no classes (num_labels / id2label)")
+        classes = int(labels)
+    ts = d.get("timestamp_token_id", (th or {}).get("timestamp_token_id"))
+    if ts is None:
+        raise ValueError("forced-aligner config.json has no timestamp_token_id")
+    return dict(classify_num=classes, timestamp_token_id=int(ts),
+                timestamp_segment_time=float(d.get("timestamp_segment_time", 80)))
 
 
 def _opt_int(v: object) -> int | None:

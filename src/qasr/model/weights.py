@@ -1,7 +1,8 @@
 """Find a checkpoint, read its safetensors (single file or sharded) and map both key layouts.
 
 Keys are mapped onto the release layout minus its ``thinker.`` prefix:
-``audio_tower.*`` (incl. proj1/proj2), ``model.*`` (the text decoder) and ``lm_head.weight``.
+``audio_tower.*`` (incl. proj1/proj2), ``model.*`` (the text decoder) and ``lm_head.weight`` (the
+aligner's classifier too: ``thinker.lm_head`` in its release, ``score`` in the "-hf" layout; never tied).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _HF_PREFIXES = (
     ("model.audio_tower.", "audio_tower."),
     ("model.language_model.", "model."),
     ("lm_head.", "lm_head."),
+    ("score.", "lm_head."),  # the aligner's classifier (Qwen3ASRForTokenClassification)
 )
 
 
@@ -90,7 +92,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: t
                     continue
                 state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
     tie = cfg.decoder.tie_word_embeddings or "lm_head.weight" not in state
-    if tie and "model.embed_tokens.weight" in state:
+    if tie and not cfg.is_aligner and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: share the embedding tensor
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -41,8 +41,15 @@ _HF_RENAMES = (
 )
 
 
+# The forced aligner's languages (model spec section 7).
+ALIGNER_LANGUAGES: tuple[str, ...] = (
+    "Chinese", "English", "Cantonese", "French", "German", "Italian", "Japanese", "Korean", "Portuguese",
+    "Russian", "Spanish",
+)
+
+
 def _configs(dims: dict[str, int], specials: dict[str, int], vocab_size: int,
-             tied: bool) -> tuple[dict, dict]:
+             tied: bool, classify_num: int | None = None) -> tuple[dict, dict]:
     audio = dict(
         model_type="qwen3_asr_audio_encoder", num_mel_bins=128, d_model=dims["d_model"],
         encoder_layers=dims["encoder_layers"], encoder_attention_heads=dims["encoder_attention_heads"],
@@ -79,7 +86,19 @@ def _configs(dims: dict[str, int], specials: dict[str, int], vocab_size: int,
         pad_token_id=specials["<|im_end|>"], eos_token_id=[specials["<|endoftext|>"], specials["<|im_end|>"]],
         tie_word_embeddings=tied,
     )
+    if classify_num is not None:
+        _make_aligner(original, hf, specials["<timestamp>"], classify_num)
     return original, hf
+
+
+def _make_aligner(original: dict, hf: dict, timestamp_id: int, classify_num: int) -> None:
+    """Turn both ASR configs into forced-aligner configs, as the two aligner releases write them."""
+    original["support_languages"] = list(ALIGNER_LANGUAGES)
+    original["timestamp_token_id"] = timestamp_id
+    original["timestamp_segment_time"] = 80
+    original["thinker_config"].update(model_type="qwen3_forced_aligner", classify_num=classify_num)
+    hf.update(architectures=["Qwen3ASRForTokenClassification"], num_labels=classify_num,
+              token_classification_bias=False, tie_word_embeddings=False)
 
 
 def random_state_dict(cfg: ModelConfig, seed: int, std: float = 0.2, tied: bool = False) -> dict[str, torch.Tensor]:
@@ -105,8 +124,10 @@ def random_state_dict(cfg: ModelConfig, seed: int, std: float = 0.2, tied: bool 
 def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed: int = 0,
                          max_new_tokens: int = 64, extra_text: str = "", vocab_budget: int = 400,
                          shards: int = 1, dtype: torch.dtype = torch.float32, tied: bool = False,
-                         std: float = 0.2, **dims: int) -> Path:
-    """Write a loadable random checkpoint; ``dims`` override TINY_DIMS (see QWEN3_ASR_0_6B_DIMS)."""
+                         std: float = 0.2, classify_num: int | None = None, **dims: int) -> Path:
+    """Write a loadable random checkpoint; ``dims`` override TINY_DIMS (see QWEN3_ASR_0_6B_DIMS).
+    ``classify_num`` makes it a forced aligner with that many timestamp classes (see
+    make_tiny_aligner_checkpoint)."""
     if layout not in ("original", "hf"):
         raise ValueError(f"layout must be 'original' or 'hf', got {layout!r}")
     out = Path(path)
@@ -114,7 +135,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed
     all_dims = {**TINY_DIMS, **dims}
     specials = write_tiny_tokenizer(out, extra_text=extra_text, vocab_budget=vocab_budget)
     vocab_size = all_dims.pop("vocab_size", max(specials.values()) + 1)
-    original, hf = _configs(all_dims, specials, vocab_size, tied)
+    original, hf = _configs(all_dims, specials, vocab_size, tied, classify_num)
     config = original if layout == "original" else hf
     (out / "config.json").write_text(json.dumps(config, indent=2))
     eos = [specials["<|im_end|>"], specials["<|endoftext|>"]]
@@ -126,14 +147,25 @@ def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed
              hop_length=160, n_fft=400, chunk_length=30, padding_value=0.0, return_attention_mask=True,
              padding_side="right", dither=0.0), indent=2))
     state = random_state_dict(ModelConfig.from_dict(original), seed, std=std, tied=tied)
-    named = {_rename(k, layout): state.pop(k).to(dtype) for k in list(state)}
+    named = {_rename(k, layout, classify_num is not None): state.pop(k).to(dtype) for k in list(state)}
     _save(named, out, shards)
     return out
 
 
-def _rename(name: str, layout: str) -> str:
+def make_tiny_aligner_checkpoint(path: str | os.PathLike, layout: str = "original", seed: int = 0,
+                                 classify_num: int = 5000, **kwargs: object) -> Path:
+    """A random Qwen3-ForcedAligner checkpoint: the ASR network with a Linear(hidden -> classify_num)
+    timestamp classifier as its head (``thinker.lm_head`` / ``score``). transformers'
+    Qwen3ASRForTokenClassification loads the "hf" layout."""
+    return make_tiny_checkpoint(path, layout=layout, seed=seed, classify_num=classify_num,
+                                **kwargs)  # type: ignore[arg-type]
+
+
+def _rename(name: str, layout: str, aligner: bool = False) -> str:
     if layout == "original":
         return "thinker." + name
+    if aligner and name.startswith("lm_head."):
+        return "score." + name[len("lm_head."):]
     for src, dst in _HF_RENAMES:
         if name.startswith(src):
             return dst + name[len(src):]
