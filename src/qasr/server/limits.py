@@ -42,7 +42,9 @@ class AudioBudget:
     def release(self, seconds: float, transcribed: bool) -> None:
         now = time.monotonic()
         with self._lock:
-            self._queued = max(self._queued - seconds, 0.0)
+            self._queued -= seconds
+            if self._queued < 1e-6:  # float sums drift: an empty backlog reads exactly 0
+                self._queued = 0.0
             if transcribed:
                 self._done.append((now, seconds))
             while self._done and now - self._done[0][0] > WINDOW_S:

@@ -1,0 +1,82 @@
+"""Running ``qasr serve`` on the demo model in a subprocess, for the server tests (not a test module)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_MODEL = ROOT / "models" / "qasr-demo-en"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m qasr serve`` on a free port; ``health_seen`` records the /health statuses while starting."""
+
+    def __init__(self, log_path: Path, *extra: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        args = [sys.executable, "-m", "qasr", "serve", "-m", str(DEMO_MODEL), "--device", "cpu", "--dtype", "float32",
+                "--port", str(self.port), *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop(); a pipe could fill and block the server
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.health_seen: list[int] = []
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"qasr serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status = httpx.get(f"{self.url}/health", timeout=2).status_code
+                self.health_seen.append(status)
+                if status == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"qasr serve not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text, or 0.0 when absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == name if not want else key == f"{name}{{{want}}}":
+            return float(value)
+    return 0.0
