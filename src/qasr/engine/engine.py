@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -34,7 +34,7 @@ from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from qasr.engine.validate import Limits, check_request
+from qasr.engine.validate import Limits, check_positions, check_request
 from qasr.features import LogMel
 from qasr.model.checkpoint import Checkpoint
 
@@ -118,11 +118,37 @@ class Engine:
         thread, so keep it quick) receives each generated token and then None. Cancelling the future
         stops the request at the next step. Raises ValueError for a malformed request, EngineClosed
         after close(), EngineBroken after the loop failed."""
+        if self.checkpoint.config.is_aligner:
+            raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
+                             "generates no text): use submit_alignment")
         waveform, features, audio_tokens = check_request(prompt, waveform, features, max_new_tokens, self.limits)
         prompt = [int(t) for t in prompt]
         req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
                       waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
-                      audio_before=np.concatenate([[0], np.cumsum(np.asarray(prompt) == self.audio_token_id)]))
+                      audio_before=self._audio_before(prompt))
+        return self._enqueue(req)
+
+    def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,
+                         features: torch.Tensor | None = None) -> Future:
+        """Queue one forced-alignment request (the engine must run an aligner checkpoint); the future
+        resolves to a list of class ids, the head's argmax at each of ``positions`` (prompt indices,
+        answered in ascending order). The request is prefilled in chunks like any prompt, batched with
+        the other work of each step, runs the head only at its positions and ends with its prefill: it
+        generates nothing. Raises like ``submit``."""
+        if not self.checkpoint.config.is_aligner:
+            raise ValueError("alignment requests need a forced-aligner checkpoint (a timestamp classifier head)")
+        waveform, features, audio_tokens = check_request(prompt, waveform, features, 0, self.limits,
+                                                         min_new_tokens=0)
+        prompt = [int(t) for t in prompt]
+        req = Request(prompt=prompt, max_new_tokens=0, waveform=waveform, features=features,
+                      audio_tokens=audio_tokens, classify=check_positions(positions, len(prompt)),
+                      audio_before=self._audio_before(prompt))
+        return self._enqueue(req)
+
+    def _audio_before(self, prompt: list[int]) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(np.asarray(prompt) == self.audio_token_id)])
+
+    def _enqueue(self, req: Request) -> Future:
         with self._lock:  # the check and the put are one step, so close() never strands a request
             self._raise_if_unusable()
             if self._thread is None:
@@ -260,6 +286,7 @@ class Engine:
             sampled = self._rerun_alone(plan, exc, encoded)
         self.steps += 1
         self._apply(sampled)
+        self._finish_alignments(plan)
         self.timings["step_s"] += time.perf_counter() - t_step
 
     def _encode(self, slices: list[tuple[Request, int]]) -> None:
@@ -321,6 +348,13 @@ class Engine:
         self._recent.append((now, generated))
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
+
+    def _finish_alignments(self, plan: StepPlan) -> None:
+        """Alignment requests whose prefill this step completed are done: free them, hand out their ids."""
+        for req, _ in plan.prefill:
+            if req.classify is not None and req.prefill_done and req in self.scheduler.active:
+                self.scheduler.finish(req)
+                req.resolve(req.classes)
 
     def _deliver(self, req: Request, token: int) -> bool:
         """Hand a token to the request's listener; a listener that raises ends its own request only."""

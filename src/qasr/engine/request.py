@@ -34,6 +34,9 @@ class Request:
     features: torch.Tensor | None = None
     audio_tokens: int = 0  # audio placeholders in the prompt (= encoder output rows)
     on_token: Callable[[int | None], None] | None = None  # streaming: each token, then None at the end
+    # alignment requests (max_new_tokens 0): sorted prompt positions whose head argmax is the result;
+    # the request ends with its prefill
+    classify: np.ndarray | None = None
     future: Future = field(default_factory=Future)
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
@@ -45,6 +48,7 @@ class Request:
     audio_before: np.ndarray | None = None  # (len(prompt) + 1,) audio placeholders in prompt[:i]; set at submit
     prefilled: int = 0  # prompt tokens already in the cache
     output: list[int] = field(default_factory=list)
+    classes: list[int] = field(default_factory=list)  # argmax at the ``classify`` positions prefilled so far
     first_token_at: float | None = None
 
     @property
@@ -71,7 +75,7 @@ class Request:
             return len(self.prompt)
         return int(np.searchsorted(self.audio_before, encoded + 1)) - 1
 
-    def resolve(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+    def resolve(self, result: GenerationResult | list[int] | None = None, error: BaseException | None = None) -> None:
         """Settle the future once (a caller may have cancelled it meanwhile) and close the token stream."""
         try:
             if error is not None:

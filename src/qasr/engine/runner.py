@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from qasr.engine.device import PreparedModel
@@ -59,7 +60,8 @@ class Runner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
         """Run decode rows and prefill chunks together; return (request, next token) for every request
-        whose logits were computed (all decode rows, and prefill chunks that complete their prompt)."""
+        whose logits were computed (all decode rows, and prefill chunks that complete their prompt).
+        Alignment requests get the head's argmax at their classifier positions in ``req.classes``."""
         dev = self.model.device
         ids: list[int] = []
         positions: list[int] = []
@@ -67,6 +69,8 @@ class Runner:
         audio: list[torch.Tensor] = []
         sampled: list[Request] = []
         rows: list[int] = []
+        sampled_at: list[int] = []  # index in ``rows`` of each sampled request's row
+        classified: list[tuple[Request, int, int]] = []  # (alignment request, first index in ``rows``, count)
         for req in plan.decode:
             ctx = len(req.prompt) + len(req.output) - 1
             ids.append(req.output[-1])
@@ -74,6 +78,7 @@ class Runner:
             starts.append(req.start)
             qlens.append(1)
             ctxs.append(ctx)
+            sampled_at.append(len(rows))
             rows.append(len(ids) - 1)
             sampled.append(req)
         reached: dict[int, int] = {}  # a request's later chunks in this step start where its earlier ones end
@@ -88,7 +93,12 @@ class Runner:
             lo, hi = int(req.audio_before[a]), int(req.audio_before[b])
             if hi > lo:
                 audio.append(req.audio[lo:hi])
-            if b == len(req.prompt):
+            if req.classify is not None:  # alignment: the head runs only at its positions in [a, b)
+                c0, c1 = np.searchsorted(req.classify, [a, b])
+                classified.append((req, len(rows), int(c1 - c0)))
+                rows.extend((req.classify[c0:c1] + (len(ids) - b)).tolist())
+            elif b == len(req.prompt):
+                sampled_at.append(len(rows))
                 rows.append(len(ids) - 1)
                 sampled.append(req)
         meta = AttentionMeta.build(starts, qlens, ctxs, dev, num_decode=len(plan.decode))
@@ -102,4 +112,6 @@ class Runner:
             if req.prefill_done:
                 req.audio = None  # encoder output no longer needed
         tokens = logits.argmax(-1).tolist() if rows else []
-        return list(zip(sampled, tokens, strict=True))
+        for req, first, m in classified:
+            req.classes.extend(tokens[first:first + m])
+        return [(req, tokens[i]) for req, i in zip(sampled, sampled_at, strict=True)]

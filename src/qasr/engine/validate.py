@@ -24,13 +24,16 @@ class Limits:
 
 
 def check_request(prompt: list[int], waveform: np.ndarray | None, features: torch.Tensor | None,
-                  max_new_tokens: int, limits: Limits) -> tuple[np.ndarray | None, torch.Tensor | None, int]:
+                  max_new_tokens: int, limits: Limits,
+                  min_new_tokens: int = 1) -> tuple[np.ndarray | None, torch.Tensor | None, int]:
     """Validate one request; returns (waveform as float32, features as float32, audio placeholder count).
-    Raises ValueError naming what is wrong."""
+    ``min_new_tokens`` is 0 for alignment requests, which end with their prefill. Raises ValueError
+    naming what is wrong."""
     if (waveform is None) == (features is None):
         raise ValueError("pass exactly one of waveform or features")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
+            or max_new_tokens < min_new_tokens):
+        raise ValueError(f"max_new_tokens must be an integer >= {min_new_tokens}, got {max_new_tokens!r}")
     ids = np.asarray(prompt)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError("prompt must be a non-empty list of token ids")
@@ -53,6 +56,19 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
                          f"{max_new_tokens}) but the cache holds {limits.kv_tokens}; raise kv_cache_bytes or "
                          f"send shorter audio / a lower max_new_tokens")
     return waveform, features, placeholders
+
+
+def check_positions(positions: object, prompt_len: int) -> np.ndarray:
+    """Classifier positions of an alignment request: distinct prompt indices, returned sorted (int64)."""
+    pos = np.asarray(positions)
+    if pos.ndim != 1 or pos.size == 0 or not np.issubdtype(pos.dtype, np.integer):
+        raise ValueError("positions must be a non-empty list of prompt indices")
+    pos = np.sort(pos.astype(np.int64))
+    if pos[0] < 0 or pos[-1] >= prompt_len:
+        raise ValueError(f"positions must lie in [0, {prompt_len}) (the prompt's length)")
+    if (np.diff(pos) == 0).any():
+        raise ValueError("positions must be distinct")
+    return pos
 
 
 def _check_waveform(waveform: np.ndarray, hop: int) -> np.ndarray:
