@@ -9,12 +9,13 @@ __version__ = "0.1.0"
 
 # Public names load on first use (PEP 562), so `qasr --help`, `--version` and usage errors answer
 # without importing torch.
-_HOMES = {"ASR": "qasr.api", "AudioError": "qasr.audio.io", "Piece": "qasr.pieces",
+_HOMES = {"ASR": "qasr.api", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io", "Piece": "qasr.pieces",
           "Segment": "qasr.results", "Transcription": "qasr.results", "Word": "qasr.results"}
 
-__all__ = ["ASR", "AudioError", "Piece", "Segment", "Transcription", "Word", "__version__"]
+__all__ = ["ASR", "Aligner", "AudioError", "Piece", "Segment", "Transcription", "Word", "__version__"]
 
 if TYPE_CHECKING:
+    from qasr.align.aligner import Aligner
     from qasr.api import ASR
     from qasr.audio.io import AudioError
     from qasr.pieces import Piece

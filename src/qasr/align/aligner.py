@@ -1,0 +1,185 @@
+"""``qasr.Aligner``: Qwen3-ForcedAligner through qasr's engine.
+
+Each (audio, transcript) pair is one alignment request: the transcript is split into units, laid out
+after the audio with two timestamp slots per unit, and prefilled in chunks alongside the other
+requests of each engine step; the classifier head runs only at the slots. No token is generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from qasr.align.languages import ALIGNER_LANGUAGES, normalize_aligner_language
+from qasr.align.layout import AlignerPrompt, build_aligner_prompt
+from qasr.align.timestamps import words_from_classes
+from qasr.align.words import split_words
+from qasr.audio.io import AudioSource, load_audio
+from qasr.engine.engine import Engine, EngineConfig
+from qasr.model.checkpoint import Checkpoint, load_checkpoint
+from qasr.model.config import audio_token_count
+from qasr.results import Word
+
+# The official library zero-pads clips shorter than 0.5 s before the log-mel (so does transformers).
+MIN_SAMPLES = 8000
+
+
+class Aligner:
+    """Word (spaced scripts) and character (CJK) timestamps for known transcripts.
+
+    ``align`` takes audio as ``qasr.audio.io.load_audio`` accepts it; ``align_pieces`` /
+    ``submit_pieces`` take 16 kHz float32 arrays (e.g. an ASR's pieces, with their offsets)."""
+
+    def __init__(self, checkpoint: Checkpoint, engine: Engine) -> None:
+        cfg = checkpoint.config
+        if not cfg.is_aligner or cfg.timestamp_token_id is None:
+            raise ValueError(f"{checkpoint.path} is not a forced-aligner checkpoint (its head is an LM head, "
+                             f"not a timestamp classifier)")
+        self.checkpoint = checkpoint
+        self.engine = engine
+        self.sample_rate = checkpoint.features.sampling_rate
+        self.segment_ms = cfg.timestamp_segment_time
+        listed = tuple(lang for lang in cfg.support_languages if lang in ALIGNER_LANGUAGES)
+        self.supported_languages: tuple[str, ...] = listed or ALIGNER_LANGUAGES
+        # the head's classes span classify_num * 80 ms (400 s for the release): later times cannot be
+        # expressed. The model was trained on up to 300 s; the official pipeline feeds pieces <= 180 s.
+        self.max_seconds = cfg.classify_num * self.segment_ms / 1000.0  # type: ignore[operator]
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device = "auto",
+                        dtype: str | torch.dtype = "auto", engine_config: EngineConfig | None = None) -> Aligner:
+        """Load a Qwen3-ForcedAligner checkpoint (release or "-hf" layout) and start its engine lazily."""
+        checkpoint = load_checkpoint(name_or_path, device=device, dtype=dtype)
+        if not checkpoint.config.is_aligner:
+            raise ValueError(f"{name_or_path} is not a forced-aligner checkpoint (it looks like an ASR model)")
+        return cls(checkpoint, Engine(checkpoint, engine_config or EngineConfig()))
+
+    # ------------------------------------------------------------------ the official-style call
+    def align(self, audio: AudioSource | Sequence[AudioSource], text: str | Sequence[str],
+              language: str | None | Sequence[str | None], sample_rate: int | None = None) -> list[list[Word]]:
+        """Align one or several (audio, transcript) pairs; always returns one word list per input.
+        A single ``language`` applies to every input; ``sample_rate`` is needed for bare arrays."""
+        items = _as_list(audio)
+        texts = [text] * len(items) if isinstance(text, str) else list(text)
+        if len(texts) != len(items):
+            raise ValueError(f"{len(texts)} transcripts for {len(items)} audio inputs; they must match 1:1")
+        waves = [load_audio(item, sample_rate) for item in items]
+        return self.align_pieces(waves, texts, language)
+
+    # ------------------------------------------------------------------ for pipelines (an ASR's pieces)
+    def align_pieces(self, samples: Sequence[np.ndarray], texts: Sequence[str],
+                     language: str | None | Sequence[str | None],
+                     offsets: Sequence[float] | None = None) -> list[list[Word]]:
+        """Align 16 kHz mono float arrays with their transcripts, all batched in the engine. Times are
+        seconds from each array's start plus its offset (rounded to 3 decimals)."""
+        return [f.result() for f in self.submit_pieces(samples, texts, language, offsets)]
+
+    async def align_pieces_async(self, samples: Sequence[np.ndarray], texts: Sequence[str],
+                                 language: str | None | Sequence[str | None],
+                                 offsets: Sequence[float] | None = None) -> list[list[Word]]:
+        futures = self.submit_pieces(samples, texts, language, offsets)
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        finally:
+            for f in futures:
+                f.cancel()  # no-op once done; stops the rest when one failed or the caller was cancelled
+
+    def submit_pieces(self, samples: Sequence[np.ndarray], texts: Sequence[str],
+                      language: str | None | Sequence[str | None],
+                      offsets: Sequence[float] | None = None) -> list[Future]:
+        """Queue every piece and return at once: one Future per piece resolving to its words.
+        Everything is checked before anything is queued; cancelling a future cancels its request."""
+        n = len(samples)
+        if len(texts) != n:
+            raise ValueError(f"{len(texts)} transcripts for {n} audio pieces; they must match 1:1")
+        langs = [language] * n if language is None or isinstance(language, str) else list(language)
+        if len(langs) != n:
+            raise ValueError(f"{len(langs)} languages for {n} audio pieces; pass one, or one per piece")
+        offs = [0.0] * n if offsets is None else [float(o) for o in offsets]
+        if len(offs) != n:
+            raise ValueError(f"{len(offs)} offsets for {n} audio pieces")
+        prepared = [self._prepare(s, t, lang) for s, t, lang in zip(samples, texts, langs, strict=True)]
+        return [self._submit(wave, words, prompt, off) for (wave, words, prompt), off in zip(prepared, offs,
+                                                                                             strict=True)]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Aligner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _prepare(self, samples: np.ndarray, text: str,
+                 language: str | None) -> tuple[np.ndarray, list[str], AlignerPrompt | None]:
+        lang = normalize_aligner_language(language, self.supported_languages)
+        wave = np.asarray(samples)
+        if wave.ndim != 1 or not np.issubdtype(wave.dtype, np.floating):
+            raise ValueError(f"audio pieces must be 1-D float arrays at {self.sample_rate} Hz, got "
+                             f"{wave.dtype} {wave.shape}")
+        seconds = len(wave) / self.sample_rate
+        if seconds > self.max_seconds:
+            raise ValueError(f"audio of {seconds:.1f} s is longer than the aligner can time "
+                             f"({self.max_seconds:.0f} s: {self.checkpoint.config.classify_num} classes of "
+                             f"{self.segment_ms:g} ms); split it into pieces (the official pipeline aligns "
+                             f"pieces of at most 180 s)")
+        wave = np.ascontiguousarray(wave, dtype=np.float32)
+        if len(wave) < MIN_SAMPLES:
+            wave = np.pad(wave, (0, MIN_SAMPLES - len(wave)))
+        words = split_words(text, lang)
+        if not words:
+            return wave, words, None
+        ck = self.checkpoint
+        frames = len(wave) // ck.features.hop_length
+        n_audio = audio_token_count(frames, ck.config.encoder.chunk_frames)
+        prompt = build_aligner_prompt(ck.tokenizer, ck.special, ck.config.timestamp_token_id,  # type: ignore[arg-type]
+                                      n_audio, words)
+        return wave, words, prompt
+
+    def _submit(self, wave: np.ndarray, words: list[str], prompt: AlignerPrompt | None, offset: float) -> Future:
+        out: Future = Future()
+        if prompt is None:  # nothing to align (no letters or digits in the transcript)
+            out.set_result([])
+            return out
+        inner = self.engine.submit_alignment(prompt.ids, positions=prompt.slots, waveform=wave)
+
+        def finish(f: Future) -> None:  # runs on the engine thread: milliseconds of numpy
+            if f.cancelled():
+                out.cancel()
+                return
+            if f.exception() is not None:
+                _settle(out, error=f.exception())
+                return
+            try:
+                found = words_from_classes(words, f.result(), self.segment_ms)
+                if offset:
+                    found = [Word(w.text, round(w.start + offset, 3), round(w.end + offset, 3)) for w in found]
+                _settle(out, found)
+            except Exception as exc:  # noqa: BLE001 - hand it to the caller, never to the engine thread
+                _settle(out, error=exc)
+
+        out.add_done_callback(lambda o: inner.cancel() if o.cancelled() else None)
+        inner.add_done_callback(finish)
+        return out
+
+
+def _settle(fut: Future, result: object = None, error: BaseException | None = None) -> None:
+    if fut.done():  # cancelled by the caller meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+def _as_list(audio: AudioSource | Sequence[AudioSource]) -> list[AudioSource]:
+    if isinstance(audio, (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, tuple)):
+        return [audio]  # a tuple is one (array, sample_rate) input
+    return list(audio)

@@ -1,0 +1,81 @@
+"""From the head's class ids to word times: class k is k * segment_time ms; the predicted sequence is
+made non-decreasing by ``repair_monotonic`` (the official aligner's rules), then paired up per word."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from qasr.results import Word
+
+
+def repair_monotonic(values: Sequence[float]) -> list[int]:
+    """Make ``values`` (ms) non-decreasing, the way the official aligner does, then truncate to int.
+
+    The longest non-decreasing subsequence (the O(n^2) DP; on ties the earliest predecessor and the
+    earliest end win) is kept. Every maximal run of other values is replaced: a run of at most two
+    takes, element by element, the nearer kept neighbour (the left one on a tie, the only one at an
+    end); a longer run is interpolated linearly between its kept neighbours (copied from the only one
+    at an end)."""
+    data = [float(v) for v in values]
+    n = len(data)
+    if n == 0:
+        return []
+    keep = _lnds_mask(np.asarray(data, dtype=np.float64))
+    out = list(data)
+    i = 0
+    while i < n:
+        if keep[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and not keep[j]:
+            j += 1
+        # neighbours are kept values, never replaced ones: the run is [i, j)
+        left = out[i - 1] if i > 0 else None
+        right = out[j] if j < n else None
+        run = j - i
+        for k in range(i, j):
+            if left is None or right is None:
+                out[k] = right if left is None else left  # type: ignore[assignment]
+            elif run <= 2:
+                out[k] = left if (k - (i - 1)) <= (j - k) else right
+            else:
+                out[k] = left + (right - left) / (run + 1) * (k - i + 1)
+        i = j
+    return [int(v) for v in out]
+
+
+def _lnds_mask(x: np.ndarray) -> np.ndarray:
+    """Membership mask of the longest non-decreasing subsequence, ties as in the reference DP: each
+    element extends the first earlier element with the longest chain it may follow. Each row of the
+    DP is one vectorised step, so a few thousand values take milliseconds."""
+    n = len(x)
+    dp = np.ones(n, dtype=np.int64)
+    parent = np.full(n, -1, dtype=np.int64)
+    for cur in range(1, n):
+        ok = x[:cur] <= x[cur]
+        if ok.any():
+            cand = np.where(ok, dp[:cur], 0)
+            best = int(cand.argmax())  # first index of the maximum
+            dp[cur] = cand[best] + 1
+            parent[cur] = best
+    keep = np.zeros(n, dtype=bool)
+    idx = int(dp.argmax())
+    while idx != -1:
+        keep[idx] = True
+        idx = int(parent[idx])
+    return keep
+
+
+def words_from_classes(words: Sequence[str], classes: Sequence[int], segment_ms: float) -> list[Word]:
+    """Pair the repaired times with their words: word i spans slots 2i (start) and 2i + 1 (end);
+    seconds rounded to 3 decimals."""
+    if len(classes) != 2 * len(words):
+        raise ValueError(f"{len(words)} words need {2 * len(words)} timestamps, got {len(classes)}")
+    # float32 like the reference, which scales the ids on the device before the repair
+    ms = (np.asarray(classes, dtype=np.float32) * np.float32(segment_ms)).tolist()
+    fixed = repair_monotonic(ms)
+    return [Word(w, round(fixed[2 * i] / 1000.0, 3), round(fixed[2 * i + 1] / 1000.0, 3))
+            for i, w in enumerate(words)]

@@ -1,0 +1,72 @@
+"""Splitting a transcript into the units the aligner times: words for spaced scripts, single
+characters for CJK ideographs, morphemes from a tokenizer for Japanese and Korean.
+
+Only letters, numbers and apostrophes survive; punctuation and symbols are dropped before the model
+sees the text (it was trained on such cleaned units)."""
+
+from __future__ import annotations
+
+import importlib
+import unicodedata
+from types import ModuleType
+
+# CJK ideograph blocks that become one unit per character: URO, Ext A, Ext B, Ext C, Ext D, Ext E-F,
+# Compatibility Ideographs (the official aligner's list).
+_CJK_RANGES: tuple[tuple[int, int], ...] = (
+    (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+    (0x2B820, 0x2CEAF), (0xF900, 0xFAFF),
+)  # fmt: skip
+
+
+def is_cjk(char: str) -> bool:
+    cp = ord(char)
+    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
+
+
+def is_kept(char: str) -> bool:
+    """Letters (L*), numbers (N*) and the apostrophe, which joins contractions like "it's"."""
+    return char == "'" or unicodedata.category(char)[0] in "LN"
+
+
+def clean(token: str) -> str:
+    return "".join(c for c in token if is_kept(c))
+
+
+def split_words(text: str, language: str | None = None) -> list[str]:
+    """The alignment units of ``text``; ``language`` is a canonical name (see languages.py) or None.
+
+    Japanese needs the optional ``nagisa`` package and Korean ``soynlp``: ImportError names them."""
+    text = text.strip()
+    if language == "Japanese":
+        nagisa = _optional("nagisa", "Japanese")
+        return _cleaned(nagisa.tagging(text).words)
+    if language == "Korean":
+        tokenizer = _optional("soynlp.tokenizer", "Korean", package="soynlp")
+        return _cleaned(tokenizer.LTokenizer().tokenize(text))
+    units: list[str] = []
+    for chunk in text.split():
+        word = []
+        for c in clean(chunk):
+            if is_cjk(c):  # an ideograph is a unit of its own and ends the word before it
+                if word:
+                    units.append("".join(word))
+                    word = []
+                units.append(c)
+            else:
+                word.append(c)
+        if word:
+            units.append("".join(word))
+    return units
+
+
+def _cleaned(tokens: list[str]) -> list[str]:
+    return [w for w in (clean(t) for t in tokens) if w]
+
+
+def _optional(module: str, language: str, package: str | None = None) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        name = package or module
+        raise ImportError(f"aligning {language} text needs the optional package {name!r}, which splits "
+                          f"{language} into words: pip install {name}") from exc
