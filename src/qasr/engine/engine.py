@@ -4,7 +4,8 @@
 asyncio, ``stream`` / ``stream_async`` yield each token as it is sampled. One background thread drives
 the device: each step admits waiting requests into KV regions, encodes a few audio windows in one
 packed call, and runs one packed decoder forward that mixes the decode rows of running requests with
-chunked prefill of new ones.
+chunked prefill of new ones. On a forced-aligner checkpoint, ``submit_alignment`` requests ride the same
+steps and end with their prefill (the head's argmax at given positions is their result).
 
 No request harms another: a malformed request is refused at submit; a step that raises is rerun one
 request at a time so only the culprit fails; a cancelled future stops its request at the next step and
