@@ -1,0 +1,194 @@
+"""qasr serve under load: N concurrent HTTP clients against the same workload through the Python API.
+
+Both sides run in this one invocation on the same model and the same clips (espeak-ng sentences):
+
+* ``http``: ``qasr serve`` in a subprocess; ``--clients`` threads each send requests (multipart upload,
+  response_format json, or streamed with ``--stream``) until ``--requests`` are done;
+* ``api``: ``ASR.transcribe`` on the same files in one call, in this process (no HTTP, no upload).
+
+The ratio of their throughputs is what HTTP, multipart parsing and per-request decoding cost. Latency
+percentiles are per HTTP request (upload to last byte); with ``--stream`` the time to the first delta too.
+
+    .venv/bin/python benchmarks/server_load.py [--clients 16] [--requests 128] [--model models/qasr-demo-en]
+    .venv/bin/python benchmarks/server_load.py --clients 2 --requests 8    # a smoke run
+
+Prints a table, writes JSON and a PNG to --out (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import soundfile as sf
+
+from qasr.testing.speech import speak
+
+ROOT = Path(__file__).resolve().parent.parent
+SENTENCES = ("set an alarm for six forty five", "call anna on the ninth of july", "turn off the lights",
+             "what is the weather", "play some music", "remind me at nine", "how much is twelve plus nine",
+             "the meeting is on the fourth of march at three")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(ROOT / "models" / "qasr-demo-en"))
+    p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients (default 16)")
+    p.add_argument("--requests", type=int, default=128, help="HTTP requests in all (default 128)")
+    p.add_argument("--stream", action="store_true", help="stream=true requests (adds time to first delta)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    return p.parse_args(argv)
+
+
+def make_clips(folder: Path, n: int) -> list[Path]:
+    return [speak(SENTENCES[k % len(SENTENCES)], folder / f"clip{k:03d}.wav", speed=140 + 5 * (k % 9))
+            for k in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "qasr", "serve", "-m", args.model, "--device", args.device, "--dtype", args.dtype,
+           "--port", str(port), "--log-level", "warning", "--max-queue-audio-s", "1e9"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"qasr serve exited: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.terminate()
+    raise TimeoutError("qasr serve did not become ready")
+
+
+def one_request(url: str, path: Path, stream: bool) -> dict:
+    started = time.perf_counter()
+    first = None
+    with httpx.Client(timeout=600) as client:
+        if stream:
+            with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
+                               data={"stream": "true"}) as r:
+                r.raise_for_status()
+                text = ""
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if first is None:
+                            first = time.perf_counter() - started
+                        if event["type"] == "transcript.text.done":
+                            text = event["text"]
+        else:
+            r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")})
+            r.raise_for_status()
+            text = r.json()["text"]
+    return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": text}
+
+
+def run_http(url: str, clips: list[Path], args: argparse.Namespace) -> dict:
+    paths = [clips[k % len(clips)] for k in range(args.requests)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        results = list(pool.map(lambda p: one_request(url, p, args.stream), paths))
+    wall = time.perf_counter() - started
+    audio = sum(sf.info(p).duration for p in paths)
+    lat = np.array([r["latency_s"] for r in results])
+    out = {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall,
+           "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
+           "latencies_s": lat.tolist(), "texts": [r["text"] for r in results]}
+    if args.stream:
+        out["first_delta_p50_s"] = float(np.median([r["first_delta_s"] for r in results]))
+    return out
+
+
+def run_api(clips: list[Path], args: argparse.Namespace) -> dict:
+    from qasr import ASR
+
+    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    try:
+        asr.transcribe(str(clips[0]))  # warm-up, as the server does before it reports ready
+        paths = [str(clips[k % len(clips)]) for k in range(args.requests)]
+        started = time.perf_counter()
+        results = asr.transcribe(paths)
+        wall = time.perf_counter() - started
+    finally:
+        asr.engine.close(drain=False, timeout=30)
+    audio = sum(r.duration for r in results)
+    return {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall,
+            "texts": [r.text for r in results]}
+
+
+def report(http: dict, api: dict, args: argparse.Namespace) -> None:
+    print(f"{'mode':<6} {'requests':>8} {'audio s':>9} {'wall s':>8} {'RTFx':>8} {'p50 s':>7} {'p95 s':>7}")
+    print(f"{'http':<6} {http['requests']:>8} {http['audio_s']:>9.1f} {http['wall_s']:>8.2f} {http['rtfx']:>8.1f} "
+          f"{http['p50_s']:>7.3f} {http['p95_s']:>7.3f}")
+    print(f"{'api':<6} {api['requests']:>8} {api['audio_s']:>9.1f} {api['wall_s']:>8.2f} {api['rtfx']:>8.1f} "
+          f"{'-':>7} {'-':>7}")
+    same = http["texts"] == api["texts"]
+    print(f"clients={args.clients} http/api throughput={http['rtfx'] / api['rtfx']:.2f} same_texts={same}")
+    if "first_delta_p50_s" in http:
+        print(f"first delta p50: {http['first_delta_p50_s']:.3f} s")
+
+
+def plot(http: dict, api: dict, args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(["http", "api"], [http["rtfx"], api["rtfx"]], color=["tab:blue", "tab:gray"])
+    a.set_ylabel("audio seconds per wall second (RTFx)")
+    a.set_title(f"{args.clients} HTTP clients vs the Python API")
+    b.hist(http["latencies_s"], bins=30, color="tab:blue")
+    b.set_xlabel("HTTP request latency (s)")
+    b.set_ylabel("requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        clips = make_clips(Path(tmp), min(args.requests, 24))
+        proc, url = start_server(args, Path(tmp) / "serve.log")
+        try:
+            http = run_http(url, clips, args)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        api = run_api(clips, args)
+    report(http, api, args)
+    stem = args.out / f"server_load_c{args.clients}"
+    meta = {"model": args.model, "clients": args.clients, "stream": args.stream, "device": args.device,
+            "dtype": args.dtype, "machine": platform.platform(), "python": platform.python_version()}
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "http": http, "api": api}, indent=2) + "\n")
+    plot(http, api, args, stem.with_suffix(".png"))
+    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
