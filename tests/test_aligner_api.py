@@ -93,3 +93,8 @@ def test_asr_checkpoint_is_refused(tiny_original) -> None:
     with pytest.raises(ValueError, match="need a forced-aligner checkpoint"):
         engine.submit_alignment([1, 2], positions=[1], waveform=noise(1.0))
     engine.close()
+
+
+def test_transcripts_are_not_broadcast(aligner: Aligner) -> None:
+    with pytest.raises(ValueError, match="1 transcripts for 2 audio inputs"):
+        aligner.align([noise(1.0), noise(1.0)], "hi", "English", sample_rate=16000)

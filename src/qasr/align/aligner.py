@@ -65,7 +65,7 @@ class Aligner:
         """Align one or several (audio, transcript) pairs; always returns one word list per input.
         A single ``language`` applies to every input; ``sample_rate`` is needed for bare arrays."""
         items = _as_list(audio)
-        texts = [text] * len(items) if isinstance(text, str) else list(text)
+        texts = [text] if isinstance(text, str) else list(text)  # only the language is broadcast
         if len(texts) != len(items):
             raise ValueError(f"{len(texts)} transcripts for {len(items)} audio inputs; they must match 1:1")
         waves = [load_audio(item, sample_rate) for item in items]
