@@ -78,7 +78,8 @@ def test_tsv_parses_back_one_row_per_cue() -> None:
 def test_json_fields_and_compact_form() -> None:
     text = render(RESULT, "json")
     data = json.loads(text)
-    assert list(data) == ["text", "language", "duration", "finish_reason", "source", "error", "segments"]
+    assert list(data) == ["text", "language", "duration", "finish_reason", "source", "error", "timestamps",
+                          "segments"]
     assert (data["language"], data["duration"], data["finish_reason"], data["source"], data["error"]) == (
         "English", 3650.0, "length", "talk.wav", None)
     assert [s["text"] for s in data["segments"]] == [s.text for s in SEGMENTS]

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,21 +25,24 @@ from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
-from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language, parse_asr_output
-from qasr.pieces import Piece, make_piece, make_pieces
+from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language
+from qasr.pieces import Piece, make_piece, make_pieces, read_output
 from qasr.pipeline import stream_results
-from qasr.results import Segment, Transcription
+from qasr.results import Segment, Transcription, Word
 from qasr.stitch import join_segment_texts
+from qasr.word_timing import Aligned
 
 if TYPE_CHECKING:
+    from qasr.align.aligner import Aligner
     from qasr.audio.vad import VadConfig
 
 log = logging.getLogger(__name__)
 
 AudioInput = str | os.PathLike | bytes | np.ndarray | tuple
-Outcome = GenerationResult | BaseException  # what became of one piece's request
+Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request (Aligned: with words)
 
 SEGMENTATIONS = ("auto", "vad", "fixed", "none")
+TIMESTAMPS = ("segment", "word")
 _FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
 # a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
 _SEVERITY = {"stop": 0, "length": 1, "malformed": 2}
@@ -58,6 +61,7 @@ class _Call:
     segmentation: str
     max_segment_s: float
     vad: VadConfig | None  # None: the detector's defaults
+    words: bool  # word timestamps requested and an aligner loaded
 
 
 class _Pieces:
@@ -82,25 +86,36 @@ class _Pieces:
 class ASR:
     def __init__(self, checkpoint: Checkpoint, max_chunk_sec: float = 1200.0,
                  engine: EngineConfig | None = None, max_pending: int = 256,
-                 max_tokens_per_second: float = 15.0, max_in_flight_s: float = 1800.0) -> None:
+                 max_tokens_per_second: float = 15.0, max_in_flight_s: float = 1800.0,
+                 aligner: Aligner | None = None) -> None:
         """``max_chunk_sec``: the longest piece of an unsegmented input (``segmentation="none"``), cut
         at the quietest spot near each limit as the official package does. ``max_pending`` bounds the
         inputs decoded at once by ``transcribe_async``; ``max_in_flight_s`` bounds the audio submitted
         and not yet transcribed by ``transcribe`` (memory for huge inputs and folders).
         ``max_tokens_per_second`` sets each piece's default generation cap from its duration (see
-        ``prepare``), so a repetition loop stops early instead of running on."""
+        ``prepare``), so a repetition loop stops early instead of running on. ``aligner`` (a
+        ``qasr.Aligner``) gives ``transcribe(..., timestamps="word")`` its word times."""
         self.checkpoint = checkpoint
         self.max_chunk_sec = max_chunk_sec
         self.max_pending = max_pending
         self.max_in_flight_s = max_in_flight_s
         self.max_tokens_per_second = max_tokens_per_second
         self.engine = Engine(checkpoint, engine or EngineConfig())
+        self.aligner = aligner
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "Qwen/Qwen3-ASR-0.6B", device: str = "auto",
-                        dtype: str | torch.dtype = "auto", **kwargs: object) -> ASR:
-        """Load from a local directory or a hub id (local cache first); see ``ASR.__init__`` for kwargs."""
-        return cls(load_checkpoint(model, device=device, dtype=dtype), **kwargs)  # type: ignore[arg-type]
+                        dtype: str | torch.dtype = "auto", aligner: str | os.PathLike | Aligner | None = None,
+                        **kwargs: object) -> ASR:
+        """Load from a local directory or a hub id (local cache first); see ``ASR.__init__`` for kwargs.
+        ``aligner``: a Qwen3-ForcedAligner directory or hub id (loaded with the same device and dtype), or
+        a loaded ``qasr.Aligner``."""
+        if aligner is not None and not hasattr(aligner, "submit_pieces"):
+            from qasr.align.aligner import Aligner
+
+            aligner = Aligner.from_pretrained(aligner, device=device, dtype=dtype)  # type: ignore[arg-type]
+        return cls(load_checkpoint(model, device=device, dtype=dtype), aligner=aligner,  # type: ignore[arg-type]
+                   **kwargs)
 
     @property
     def supported_languages(self) -> tuple[str, ...]:
@@ -109,6 +124,8 @@ class ASR:
 
     def close(self) -> None:
         self.engine.close()
+        if self.aligner is not None:
+            self.aligner.close()
 
     # ------------------------------------------------------------------ preparing requests
     def prepare(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
@@ -128,7 +145,7 @@ class ASR:
 
     def _call(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence,
               context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None,
-              segmentation: str, max_segment_s: float, vad: VadConfig | None) -> _Call:
+              segmentation: str, max_segment_s: float, vad: VadConfig | None, timestamps: str = "segment") -> _Call:
         items = _as_list(audio)
         languages = [self.canonical_language(lang) for lang in _broadcast(language, len(items), "language")]
         contexts = [c or "" for c in _broadcast(context, len(items), "context")]
@@ -138,8 +155,15 @@ class ASR:
             raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
         if not max_segment_s > 0:
             raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
+        if timestamps not in TIMESTAMPS:
+            raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
+        words = timestamps == "word"
+        if words and self.aligner is None:
+            log.warning("word timestamps need a forced aligner (ASR.from_pretrained(..., aligner=PATH), or "
+                        "--aligner PATH): giving segment times instead")
+            words = False
         return _Call(items, languages, contexts, sample_rate, max_new_tokens, segmentation, float(max_segment_s),
-                     vad)
+                     vad, words)
 
     def canonical_language(self, lang: str | None) -> str | None:
         """The canonical name of a language name or ISO code (None for None or blank: detect).
@@ -186,21 +210,27 @@ class ASR:
         except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
             raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
-    def _submit(self, piece: Piece, ignore_eos: bool) -> Future:
+    def _submit(self, piece: Piece, ignore_eos: bool, words: bool = False) -> Future:
         try:
-            return self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
-                                      ignore_eos=ignore_eos)
+            fut = self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
+                                     ignore_eos=ignore_eos)
         except Exception as exc:  # noqa: BLE001 - a refusal at submit is this input's error, like one later
             refused: Future = Future()
             refused.set_exception(exc)
             return refused
+        if words and self.aligner is not None:
+            from qasr.word_timing import with_words
+
+            return with_words(piece, fut, self.aligner, self.checkpoint.tokenizer)
+        return fut
 
     # ------------------------------------------------------------------ transcribing
     def transcribe(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
                    context: str | Sequence[str] = "", sample_rate: int | None = None,
                    max_new_tokens: int | None = None, ignore_eos: bool = False,
                    progress: Callable[[float], None] | None = None, segmentation: str = "auto",
-                   max_segment_s: float = 30.0, vad: VadConfig | None = None) -> list[Transcription]:
+                   max_segment_s: float = 30.0, vad: VadConfig | None = None,
+                   timestamps: str = "segment") -> list[Transcription]:
         """Transcribe one input or a list; always returns one Transcription per input, in order.
 
         ``language`` forces the output language (a name or ISO code the checkpoint lists; None detects
@@ -216,12 +246,16 @@ class ASR:
         "none" for inputs up to ``max_segment_s`` and "vad" for longer ones. ``progress`` is called
         with the audio seconds of each piece as it finishes. ``vad`` tunes the speech detector
         (``qasr.audio.vad.VadConfig``: backend, threshold, minimum speech and silence, padding).
+
+        ``timestamps="word"`` fills each ``Segment.words`` from the forced aligner (see ``ASR.__init__``),
+        spelled as in the text; without an aligner, or for a language it does not cover, a warning says
+        so and segments keep their own times only. ``Transcription.timestamps`` records what was given.
         """
         results: list[Transcription | None] = [None] * len(_as_list(audio))
         for i, result in self.transcribe_iter(audio, language=language, context=context, sample_rate=sample_rate,
                                               max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                                               progress=progress, segmentation=segmentation,
-                                              max_segment_s=max_segment_s, vad=vad):
+                                              max_segment_s=max_segment_s, vad=vad, timestamps=timestamps):
             results[i] = result
         return results  # type: ignore[return-value]
 
@@ -230,25 +264,27 @@ class ASR:
                         max_new_tokens: int | None = None, ignore_eos: bool = False,
                         progress: Callable[[float], None] | None = None, segmentation: str = "auto",
                         max_segment_s: float = 30.0,
-                        vad: VadConfig | None = None) -> Iterator[tuple[int, Transcription]]:
+                        vad: VadConfig | None = None,
+                        timestamps: str = "segment") -> Iterator[tuple[int, Transcription]]:
         """``transcribe``, yielding ``(input index, Transcription)`` as each input completes.
 
         Arguments are those of ``transcribe``. Inputs are decoded one after another on a background
         thread while the engine works; results come in completion order. Closing the iterator early (or
         Ctrl-C while it waits) cancels the unfinished requests and frees their KV cache.
         """
-        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
+        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
+                          timestamps)
         warn = not ignore_eos
 
         def finish(i: int, pieces: list[Piece], futures: list[Future], duration: float) -> Transcription:
             return self._assemble(pieces, [_outcome(f) for f in futures], warn=warn, duration=duration,
-                                  source=_name(call.items, i))
+                                  source=_name(call.items, i), words=call.words)
 
         def fail(i: int, message: str) -> Transcription:
             return _failed(_name(call.items, i), message)
 
         results = stream_results(len(call.items), pieces_of=lambda i: self._pieces_of(call, i),
-                                 submit=lambda piece: self._submit(piece, ignore_eos),
+                                 submit=lambda piece: self._submit(piece, ignore_eos, call.words),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
                                  progress=progress)
         yield from results  # type: ignore[misc]
@@ -258,13 +294,14 @@ class ASR:
                                sample_rate: int | None = None, max_new_tokens: int | None = None,
                                ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
                                segmentation: str = "auto", max_segment_s: float = 30.0,
-                               vad: VadConfig | None = None) -> list[Transcription]:
+                               vad: VadConfig | None = None, timestamps: str = "segment") -> list[Transcription]:
         """``transcribe`` for asyncio: same arguments, same results, the event loop never blocks.
 
         Audio is decoded and segmented in worker threads; at most ``max_pending`` inputs are in flight at
         once. Cancelling the awaiting task cancels its engine requests. ``progress`` runs on the event loop.
         """
-        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
+        call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
+                          timestamps)
         slots = asyncio.Semaphore(self.max_pending)
 
         def decode(i: int) -> tuple[list[Piece], float]:
@@ -278,7 +315,7 @@ class ASR:
                     pieces, duration = await asyncio.to_thread(decode, i)
                 except AudioError as exc:
                     return _failed(_name(call.items, i), str(exc))
-                futures = [self._submit(piece, ignore_eos) for piece in pieces]
+                futures = [self._submit(piece, ignore_eos, call.words) for piece in pieces]
                 waiters = [asyncio.wrap_future(fut) for fut in futures]
                 if progress is not None:
                     for piece, waiter in zip(pieces, waiters, strict=True):
@@ -292,7 +329,7 @@ class ASR:
                     for fut in futures:  # no-op for finished requests; stops the rest when we are cancelled
                         fut.cancel()
                 return self._assemble(pieces, [_outcome(w) for w in waiters], warn=not ignore_eos,
-                                      duration=duration, source=_name(call.items, i))
+                                      duration=duration, source=_name(call.items, i), words=call.words)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(call.items)))))
 
@@ -307,7 +344,7 @@ class ASR:
         return self._assemble(list(pieces), list(results), warn=True)
 
     def _assemble(self, pieces: list[Piece], outcomes: list[Outcome], warn: bool, duration: float | None = None,
-                  source: str | None = None) -> Transcription:
+                  source: str | None = None, words: bool = False) -> Transcription:
         if len(pieces) != len(outcomes) or not (pieces or source is not None):
             raise ValueError(f"need one result per piece, got {len(outcomes)} for {len(pieces)} pieces")
         if len({(p.item, p.source) for p in pieces}) > 1:
@@ -317,22 +354,25 @@ class ASR:
         if duration is None:
             duration = max(p.offset + p.duration for p in pieces)
         tok = self.checkpoint.tokenizer
-        langs, raws, ids, segments = [], [], [], []
+        langs, raws, ids, segments, notes = [], [], [], [], []
         for piece, out in sorted(zip(pieces, outcomes, strict=True), key=lambda po: po[0].offset):
+            timed: tuple[Word, ...] = ()
+            if isinstance(out, Aligned):
+                timed = out.words
+                if out.note:
+                    notes.append(f"{piece.offset:.1f} s: {out.note}")
+                out = out.result
             if not isinstance(out, GenerationResult):
                 why = "request cancelled" if isinstance(out, (CancelledError, asyncio.CancelledError)) else str(out)
                 return Transcription("", "", duration, error=f"{source}: {why}", source=source)
             raw = tok.decode(out.token_ids, skip_special_tokens=True)
-            lang, text = parse_asr_output(raw, piece.language)
+            lang, text, malformed = read_output(raw, piece)
             reason = _FINISH.get(out.finish_reason, out.finish_reason)
-            if piece.language is None and raw.strip() and ASR_TEXT_TAG not in raw:
-                # no `language X<asr_text>` preamble: whatever came out is not a transcript
-                text = ""
-                if reason != "length":
-                    reason = "malformed"
-                    if warn:
-                        log.warning("%s: the piece at %.1f s gave no transcript: the model's output %r lacks "
-                                    "the %s tag", source, piece.offset, raw[:60], ASR_TEXT_TAG)
+            if malformed and reason != "length":
+                reason = "malformed"
+                if warn:
+                    log.warning("%s: the piece at %.1f s gave no transcript: the model's output %r lacks "
+                                "the %s tag", source, piece.offset, raw[:60], ASR_TEXT_TAG)
             if reason == "length" and warn:
                 log.warning("%s: the piece at %.1f s was cut at max_new_tokens=%d; its text may be incomplete",
                             source, piece.offset, piece.max_new_tokens)
@@ -340,12 +380,20 @@ class ASR:
             raws.append(raw)
             ids += out.token_ids
             segments.append(Segment(round(piece.offset, 3), round(piece.offset + piece.duration, 3), text,
-                                    finish_reason=reason))
+                                    words=timed, finish_reason=reason))
         worst = max((s.finish_reason for s in segments), key=lambda r: _SEVERITY.get(r, len(_SEVERITY)),
                     default="stop")
+        # word times only when every segment with text has them: a mix would mislead a subtitle writer
+        all_timed = words and all(s.words for s in segments if s.text)
+        if words and not all_timed and warn:
+            log.warning("%s: word timestamps unavailable, giving segment times (%s)", source,
+                        "; ".join(notes) or "the aligner returned no words")
+        if words and not all_timed:
+            segments = [replace(s, words=()) for s in segments]
         return Transcription(text=join_segment_texts(s.text for s in segments), language=merge_languages(langs),
                              duration=round(duration, 3), raw="".join(raws), token_ids=tuple(ids),
-                             segments=tuple(segments), source=source, finish_reason=worst)
+                             segments=tuple(segments), source=source, finish_reason=worst,
+                             timestamps="word" if all_timed else "segment")
 
 
 def _segment_stream(item: object, sample_rate: int | None, mode: str, call: _Call):  # noqa: ANN202

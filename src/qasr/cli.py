@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speech detector: silero (needs the vad extra), energy, or auto (silero when installed)")
     t.add_argument("--vad-threshold", type=_probability, default=None, metavar="P",
                    help="speech probability threshold of the detector (default: its own)")
+    t.add_argument("--aligner", default=None, metavar="PATH",
+                   help="a Qwen3-ForcedAligner checkpoint (directory or hub id) for word timestamps")
+    t.add_argument("--timestamps", default="segment", choices=("segment", "word"),
+                   help="segment (default) or word: word times from --aligner fill json's words and make "
+                        "srt/vtt/tsv cues break at word boundaries (without an aligner: a warning, segment times)")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -141,7 +146,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
     from qasr.engine.engine import EngineConfig
 
     try:
-        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
                                   engine=EngineConfig(max_running=args.max_running))
         asr.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:
@@ -152,8 +157,10 @@ def transcribe_command(args: argparse.Namespace) -> int:
     try:
         return run_jobs(asr, todo, args, total_inputs=len(jobs))
     finally:
-        # stop the engine thread before the interpreter exits: one left inside a native kernel aborts it
+        # stop the engine threads before the interpreter exits: one left inside a native kernel aborts it
         asr.engine.close(drain=False, timeout=30)
+        if asr.aligner is not None:
+            asr.aligner.engine.close(drain=False, timeout=30)
 
 
 class _CliFormatter(logging.Formatter):

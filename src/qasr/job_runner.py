@@ -71,7 +71,7 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
         results = asr.transcribe_iter([j.source for j in jobs], language=args.language, context=args.context,
                                       max_new_tokens=args.max_new_tokens, progress=progress.audio,
                                       segmentation=args.segmentation, max_segment_s=args.max_segment_s,
-                                      **vad)
+                                      timestamps=args.timestamps, **vad)
         try:
             for i, result in results:
                 if result.error is not None:

@@ -36,6 +36,7 @@ def _json(result: Transcription, compact: bool) -> str:
         "finish_reason": result.finish_reason,
         "source": result.source,
         "error": result.error,
+        "timestamps": result.timestamps,
         "segments": [_segment_dict(s) for s in result.segments],
     }
     # compact: one line per result, for JSON Lines on stdout

@@ -16,7 +16,7 @@ from qasr.audio.io import SAMPLE_RATE, AudioError
 from qasr.audio.split import split_long_audio
 from qasr.model.checkpoint import Checkpoint
 from qasr.model.config import audio_token_count
-from qasr.model.prompt import build_prompt
+from qasr.model.prompt import ASR_TEXT_TAG, build_prompt, parse_asr_output
 
 # Tokens every piece may spend beyond its per-second budget: the `language X<asr_text>` preamble,
 # EOS, and room for a short clip's words.
@@ -83,3 +83,14 @@ def make_pieces(checkpoint: Checkpoint, wave: np.ndarray, *, source: str, item: 
                                  duration=real / SAMPLE_RATE, context=context, language=language,
                                  max_new_tokens=max_new_tokens, tokens_per_second=tokens_per_second))
     return pieces
+
+
+def read_output(raw: str, piece: Piece) -> tuple[str, str, bool]:
+    """``(language, text, malformed)`` of a piece's decoded output.
+
+    Malformed: the language was left to the model and its output lacks the ``<asr_text>`` tag, so
+    whatever came out (e.g. "langu") is a prompt fragment, not a transcript; its text is then empty."""
+    language, text = parse_asr_output(raw, piece.language)
+    if piece.language is None and raw.strip() and ASR_TEXT_TAG not in raw:
+        return language, "", True
+    return language, text, False

@@ -36,6 +36,8 @@ class Transcription:
     # the worst of the segments' reasons ("length" beats "stop"): "length" means text may be missing;
     # None when the input failed
     finish_reason: str | None = None
+    # "word" when every segment with text carries word times from the forced aligner, else "segment"
+    timestamps: str = "segment"
 
     @property
     def ok(self) -> bool:

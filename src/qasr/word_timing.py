@@ -1,0 +1,103 @@
+"""Word timestamps for a transcribed piece: the ASR request, then an alignment request on its text.
+
+``with_words`` chains the two on the engines' own threads, so a piece's alignment starts the moment its
+transcript exists, batched with the other pieces' work, and the caller waits on one future. When words
+cannot be had (no text, a language the aligner does not cover, a piece longer than it can time, an
+alignment error) the piece keeps its segment times and ``Aligned.note`` says why. Word times are
+clamped to the piece's audio.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, InvalidStateError
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qasr.align.languages import normalize_aligner_language
+from qasr.engine.request import GenerationResult
+from qasr.pieces import Piece, read_output
+from qasr.results import Word
+from qasr.word_text import display_words
+
+if TYPE_CHECKING:
+    from qasr.align.aligner import Aligner
+    from qasr.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """A piece's ASR result with the words the aligner gave its text (empty with ``note`` saying why)."""
+
+    result: GenerationResult
+    words: tuple[Word, ...] = ()
+    note: str | None = None
+
+
+def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer) -> Future:
+    """A future resolving to ``Aligned`` once the piece is transcribed and its text aligned.
+
+    Cancelling it cancels whichever request is still running; an ASR failure is its failure."""
+    out: Future = Future()
+    lock = threading.Lock()
+    inner: list[Future] = [asr]
+
+    def settle(value: Aligned | None = None, error: BaseException | None = None) -> None:
+        try:
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(value)
+        except InvalidStateError:  # cancelled meanwhile
+            pass
+
+    def aligned(result: GenerationResult, text: str) -> Callable:
+        def done(fut: Future) -> None:
+            try:
+                settle(Aligned(result, _inside(display_words(text, fut.result()), piece)))
+            except CancelledError:
+                settle(error=CancelledError())
+            except Exception as exc:  # noqa: BLE001 - the transcript stands; only its word times are lost
+                settle(Aligned(result, (), f"alignment failed: {exc}"))
+        return done
+
+    def transcribed(fut: Future) -> None:
+        try:
+            result = fut.result()
+        except BaseException as exc:  # noqa: BLE001 - the piece's own failure, cancellation included
+            settle(error=exc)
+            return
+        detected, text, _ = read_output(tokenizer.decode(result.token_ids, skip_special_tokens=True), piece)
+        language = piece.language or detected or None
+        if not text.strip():
+            settle(Aligned(result))
+            return
+        try:
+            normalize_aligner_language(language, aligner.supported_languages)
+            with lock:
+                if out.cancelled():
+                    return
+                [job] = aligner.submit_pieces([piece.samples], [text], language, offsets=[piece.offset])
+                inner.append(job)
+        except (ValueError, ImportError) as exc:  # an uncovered language, a piece too long, a missing extra
+            settle(Aligned(result, (), str(exc)))
+            return
+        job.add_done_callback(aligned(result, text))
+
+    def cancelled(_: Future) -> None:
+        if out.cancelled():
+            with lock:
+                for f in inner:
+                    f.cancel()
+
+    out.add_done_callback(cancelled)
+    asr.add_done_callback(transcribed)
+    return out
+
+
+def _inside(words: tuple[Word, ...], piece: Piece) -> tuple[Word, ...]:
+    """Clamp times to the piece's audio: the head can name a class past the audio's end (its classes
+    span 400 s), and a word cannot be spoken outside the audio it was heard in."""
+    lo, hi = round(piece.offset, 3), round(piece.offset + piece.duration, 3)
+    return tuple(Word(w.text, min(max(w.start, lo), hi), min(max(w.end, lo), hi)) for w in words)
