@@ -1,0 +1,68 @@
+"""The web page in a real headless browser (Debian chromium + chromedriver, Selenium): upload a clip, watch
+the streamed transcript arrive. Skipped where no browser is installed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from server_proc import ServerProcess
+
+from qasr.testing.speech import speak
+
+webdriver = pytest.importorskip("selenium.webdriver")
+if not (shutil.which("chromium") and shutil.which("chromedriver")):
+    pytest.skip("needs chromium and chromedriver (apt-get install chromium chromium-driver)", allow_module_level=True)
+
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.select import Select  # noqa: E402
+from selenium.webdriver.support.wait import WebDriverWait  # noqa: E402
+
+KEY = "page-key"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(shutil.which("chromedriver")), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("page") / "serve.log", api_key=KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fmt", ["stream", "verbose_json"])
+def test_page_uploads_and_shows_the_transcript(tmp_path, browser, srv, fmt) -> None:
+    clip = speak("call anna on the ninth of july", tmp_path / "clip.wav")
+    browser.get(srv.url + "/")
+    key = browser.find_element(By.ID, "apikey")
+    key.clear()  # the page remembers the last key (localStorage)
+    key.send_keys(KEY)
+    browser.find_element(By.ID, "file").send_keys(str(clip))
+    Select(browser.find_element(By.ID, "format")).select_by_value(fmt)
+    # the language menu is refilled from /v1/models (which needs the key): only English for the demo model
+    browser.execute_script("showModel()")
+    wait = WebDriverWait(browser, 30)
+    wait.until(lambda d: len(Select(d.find_element(By.ID, "language")).options) == 2)
+    Select(browser.find_element(By.ID, "language")).select_by_value("English")
+    browser.find_element(By.ID, "go").click()
+    wait.until(lambda d: d.find_element(By.ID, "status").text.startswith(("Done", "4", "5", "Request")))
+    assert browser.find_element(By.ID, "status").text.startswith("Done"), browser.find_element(By.ID, "status").text
+    shown = browser.find_element(By.ID, "transcript").text
+    if fmt == "stream":
+        assert shown == "call anna on the ninth of july"
+    else:
+        assert '"text": "call anna on the ninth of july"' in shown and '"segments"' in shown
