@@ -265,7 +265,8 @@ def plan(split: str, counts: dict[str, int], pool: list[str], vocab: list[str], 
             if kind == "sentence":
                 parts: tuple[str, ...] = (r.choice(pool),)
             else:
-                goal, total, chosen = r.uniform(3.0 if kind == "multi" else 1.0, 27.0), 0.0, []
+                # goals past 30 s are cut by render at the last part that fits: many clips near 30 s
+                goal, total, chosen = r.uniform(3.0 if kind == "multi" else 1.0, 36.0), 0.0, []
                 while not chosen or total < goal:
                     part = r.choice(pool) if kind == "multi" else word_run(r, vocab, r.randint(1, 12))
                     chosen.append(part)
@@ -288,9 +289,9 @@ def sentence_split(seed: int, n_train: int, n_val: int) -> tuple[list[str], list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("data/aligner"))
-    ap.add_argument("--sentences", type=int, default=3000, help="training clips of one sentence")
-    ap.add_argument("--multi", type=int, default=900, help="training clips of several sentences (3-30 s)")
-    ap.add_argument("--words", type=int, default=600, help="training clips of random word runs (1-30 s)")
+    ap.add_argument("--sentences", type=int, default=2500, help="training clips of one sentence")
+    ap.add_argument("--multi", type=int, default=800, help="training clips of several sentences (3-30 s)")
+    ap.add_argument("--words", type=int, default=500, help="training clips of random word runs (1-30 s)")
     ap.add_argument("--val", type=int, default=200, help="validation clips of one sentence")
     ap.add_argument("--val-long", type=int, default=40, help="validation clips of each long kind")
     ap.add_argument("--seed", type=int, default=7)

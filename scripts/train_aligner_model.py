@@ -300,7 +300,11 @@ def main() -> None:
     minutes = (time.time() - t0) / 60
     hours = sum(len(u.wave) for u in train) / SR / 3600
     early = ", stopped by --max-minutes" if stopped_early else ""
-    source = f"git {args.init_commit}:{INIT_DIR}" if args.init_commit else str(args.init)
+    source = str(args.init)
+    if args.init_commit:
+        commit = subprocess.run(["git", "rev-parse", "--short", args.init_commit], check=True, capture_output=True,
+                                text=True).stdout.strip()
+        source = f"{INIT_DIR} as of commit {commit}"
     command = " ".join(["scripts/train_aligner_model.py", *_cli(args, ap)])
     run = (f"Encoder and decoder from the ASR demo model ({source}); {step} steps ({seen / 3600:.1f} h of audio "
            f"seen, {seen / 3600 / hours:.1f} passes over the data) in {minutes:.1f} min on {args.threads} CPU "
@@ -368,8 +372,8 @@ Voices: 6 espeak-ng English accents x 15 variants, speed 130-190 wpm, pitch 25-7
 
 Word times are espeak-ng's own: its synthesis callback reports the sample where each word starts; a
 word spans from there to the next word's start, trimmed to its audible part (5 ms frames of the clean
-speech more than 40 dB below the loudest frame are cut from both edges, so pauses and a stop's silent
-closure belong to no word). espeak-ng speaks "on the" / "in the" as one word; those are split at the
+speech more than 40 dB below the loudest frame are cut from both edges, so pauses, and a stop's closure
+when it is silent, belong to no word). espeak-ng speaks "on the" / "in the" as one word; those are split at the
 phoneme events, by each word's phoneme count. The held-out split: validation sentences are the ASR
 demo data's validation sentences (heard by neither model), half of the validation sentence and
 multi-sentence clips and all validation word runs use voices from accents and variants never trained on
@@ -396,8 +400,9 @@ warm-up then cosine decay, the fresh classifier at a higher learning rate; speed
 - Times are multiples of {SEGMENT_MS} ms (one class): even a perfect model is off by up to 40 ms.
 - At most {classes * SEGMENT_MS / 1000:.0f} s per clip (`Aligner.max_seconds`); the training clips last at
   most 30 s. Cut longer audio into pieces and pass their offsets.
-- The truth it learned is espeak-ng's word boundaries trimmed to sound: a word starts at its first audible
-  frame (a stop's burst, not its closure).
+- The truth it learned is espeak-ng's word boundaries trimmed to sound: inside continuous speech a word
+  starts where espeak-ng starts it (a stop's closure included); after a pause, at its first audible frame
+  (a stop's burst).
 - The transcript must be right: it times the words it is given, whatever the audio says.
 """)
 
