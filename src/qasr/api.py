@@ -210,19 +210,29 @@ class ASR:
         except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
             raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
-    def _submit(self, piece: Piece, ignore_eos: bool, words: bool = False) -> Future:
-        try:
-            fut = self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
-                                     ignore_eos=ignore_eos)
-        except Exception as exc:  # noqa: BLE001 - a refusal at submit is this input's error, like one later
-            refused: Future = Future()
-            refused.set_exception(exc)
-            return refused
+    def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
+               on_token: Callable[[int | None], None] | None = None) -> Future:
+        """Queue one piece (from ``prepare``); the future's outcome is what ``assemble`` takes for it.
+
+        ``words`` (with an aligner loaded) chains the piece's alignment onto its transcription: the future
+        then resolves to an ``Aligned``. ``on_token`` is the engine's (each token, then None). Raises
+        what ``engine.submit`` raises (ValueError for a piece the engine refuses); cancelling the future
+        cancels the piece's requests."""
+        fut = self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
+                                 ignore_eos=ignore_eos, on_token=on_token)
         if words and self.aligner is not None:
             from qasr.word_timing import with_words
 
             return with_words(piece, fut, self.aligner, self.checkpoint.tokenizer)
         return fut
+
+    def _submit(self, piece: Piece, ignore_eos: bool, words: bool = False) -> Future:
+        try:
+            return self.submit(piece, words=words, ignore_eos=ignore_eos)
+        except Exception as exc:  # noqa: BLE001 - a refusal at submit is this input's error, like one later
+            refused: Future = Future()
+            refused.set_exception(exc)
+            return refused
 
     # ------------------------------------------------------------------ transcribing
     def transcribe(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
@@ -340,8 +350,10 @@ class ASR:
         ``results[k]`` is piece k's GenerationResult, or the exception its request ended with (which
         makes the whole input fail, as in ``transcribe``). The duration is taken as the end of the last
         piece (``transcribe`` knows the input's own, which can be longer when it ends in silence).
+        Outcomes from ``submit(..., words=True)`` (``Aligned``) give word timestamps, as in ``transcribe``.
         """
-        return self._assemble(list(pieces), list(results), warn=True)
+        words = any(isinstance(r, Aligned) for r in results)  # words were asked for these pieces
+        return self._assemble(list(pieces), list(results), warn=True, words=words)
 
     def _assemble(self, pieces: list[Piece], outcomes: list[Outcome], warn: bool, duration: float | None = None,
                   source: str | None = None, words: bool = False) -> Transcription:

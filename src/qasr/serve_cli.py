@@ -36,6 +36,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="audio seconds admitted and not yet transcribed beyond which requests get 429 (default 3600)")
     s.add_argument("--max-upload-mb", type=_positive_float, default=100.0, metavar="MB",
                    help="largest upload in MiB; larger ones get 413 (default 100)")
+    s.add_argument("--aligner", default=None, metavar="PATH",
+                   help="a Qwen3-ForcedAligner directory or hub id, loaded beside the model: enables "
+                        "timestamp_granularities[]=word (default: none; word timestamps are refused)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     s.add_argument("--max-running", type=_positive_int, default=64,
@@ -77,13 +80,13 @@ def serve_command(args: argparse.Namespace) -> int:
     config = ServerConfig(model=args.model, served_names=_served_names(args),
                           api_key=args.api_key or os.environ.get("QASR_API_KEY") or None,
                           max_queue_audio_s=args.max_queue_audio_s,
-                          max_upload_bytes=int(args.max_upload_mb * 2**20))
+                          max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner)
 
     def load():  # noqa: ANN202 - runs in a worker thread once the server listens
         from qasr.api import ASR
         from qasr.engine.engine import EngineConfig
 
-        return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+        return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
                                    engine=EngineConfig(max_running=args.max_running))
 
     app = create_app(config, load)

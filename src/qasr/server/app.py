@@ -47,8 +47,10 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
         finally:
             loader.cancel()
             watcher.cancel()
-            if state.asr is not None:  # finish whatever the engine still holds, then stop its thread
+            if state.asr is not None:  # finish whatever the engines still hold, then stop their threads
                 await asyncio.to_thread(state.asr.engine.close, True, 60)
+                if state.asr.aligner is not None:
+                    await asyncio.to_thread(state.asr.aligner.engine.close, True, 60)
 
     # no /docs or /openapi.json: the transcription route reads its form by hand, so the schema says little
     app = FastAPI(title="qasr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -71,7 +73,8 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
         asr = await asyncio.to_thread(load)
         if state.config.warmup:  # the first request pays for lazy set-up (kernels, allocator): not a client's
             noise = (np.random.default_rng(0).standard_normal(int(16000 * WARMUP_SECONDS)) * 0.01).astype(np.float32)
-            await asr.transcribe_async((noise, 16000))
+            # word times too when an aligner is loaded: its engine warms up on whatever text the noise gives
+            await asr.transcribe_async((noise, 16000), timestamps="word" if asr.aligner is not None else "segment")
     except Exception as exc:  # noqa: BLE001 - reported by /health and every request
         log.exception("the model failed to load")
         state.load_error = f"{type(exc).__name__}: {exc}"

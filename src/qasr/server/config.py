@@ -12,5 +12,5 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_queue_audio_s: float = 3600.0  # audio admitted and not yet transcribed, beyond which requests get 429
     max_upload_bytes: int = 100 * 2**20
-    aligner: str | None = None  # word timestamps need a forced aligner; none exists yet
+    aligner: str | None = None  # --aligner: a forced-aligner checkpoint, for word timestamps
     warmup: bool = True  # one short request before /health says ready

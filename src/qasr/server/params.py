@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from starlette.datastructures import FormData, UploadFile
 
+from qasr.align.languages import normalize_aligner_language
 from qasr.server.errors import ApiError
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 STREAM_FORMATS = ("json", "text")  # a stream is transcript events whatever the format; these two make sense
 GRANULARITIES = ("segment", "word")
+TIMED_FORMATS = ("verbose_json", "srt", "vtt")  # the formats word times show in; others skip the alignment
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class TranscriptionParams:
     stream: bool
     segmentation: str  # ASR.transcribe's: "auto" (default) or "vad" (chunking_strategy given)
     vad: VadConfig | None
-    words: bool  # timestamp_granularities[] has "word"
+    words: bool  # timestamp_granularities[] has "word" and the format shows word times
+    segments: bool  # verbose_json lists segments: "segment" asked for, or nothing (OpenAI's default)
 
 
 def _text(form: FormData, name: str) -> str | None:
@@ -58,7 +61,7 @@ def _list(form: FormData, name: str) -> list[str]:
     return [part.strip() for v in values for part in v.split(",") if part.strip()]
 
 
-def parse_params(form: FormData, asr: ASR, has_aligner: bool) -> TranscriptionParams:
+def parse_params(form: FormData, asr: ASR) -> TranscriptionParams:
     upload = form.get("file")
     if upload is None:
         raise ApiError(400, "the audio file is missing: send it as the multipart field 'file'", param="file")
@@ -84,14 +87,22 @@ def parse_params(form: FormData, asr: ASR, has_aligner: bool) -> TranscriptionPa
         raise ApiError(400, f"timestamp_granularities: unknown {', '.join(unknown)}; choose segment and/or word",
                        param="timestamp_granularities")
     words = "word" in granularities
-    if words and not has_aligner:
+    if words and asr.aligner is None:
         raise ApiError(400, "word timestamps need an aligner (--aligner); this server has none, so only "
                             "segment timestamps are available", param="timestamp_granularities")
+    words_shown = words and fmt in TIMED_FORMATS
+    if words_shown and language is not None:  # known now: refuse before any work, not answer without words
+        try:
+            normalize_aligner_language(language, asr.aligner.supported_languages)
+        except ValueError as exc:
+            raise ApiError(400, f"word timestamps: {exc}", param="language", code="unsupported_language") from exc
     if "logprobs" in _list(form, "include"):
         raise ApiError(400, "logprobs are not available from this server", param="include")
     segmentation, vad = _chunking(form)
     return TranscriptionParams(upload, upload.filename or "upload", _text(form, "model") or "", language,
-                               _text(form, "prompt") or "", fmt, stream, segmentation, vad, words)
+                               _text(form, "prompt") or "", fmt, stream, segmentation, vad,
+                               words=words_shown,
+                               segments="segment" in granularities or not granularities)
 
 
 def _check_temperature(value: str | None) -> None:

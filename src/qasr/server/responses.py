@@ -32,33 +32,36 @@ def compression_ratio(text: str) -> float:
     return round(len(data) / len(zlib.compress(data)), 4) if data else 0.0
 
 
-def _segment(i: int, seg: Segment, tokens: tuple[int, ...], words: bool) -> dict:
-    d = {"id": i, "seek": round(seg.start * 100),  # in 10 ms frames from the start, as Whisper counts
-         "start": seg.start, "end": seg.end, "text": seg.text, "tokens": list(tokens),
-         "temperature": 0.0,  # decoding is greedy
-         "avg_logprob": None,  # the engine returns no log probabilities
-         "compression_ratio": compression_ratio(seg.text),
-         "no_speech_prob": None}  # the model has no such output; silence gives an empty text instead
-    if words:
-        d["words"] = [{"word": w.text, "start": w.start, "end": w.end} for w in seg.words]
-    return d
+def _segment(i: int, seg: Segment, tokens: tuple[int, ...]) -> dict:
+    return {"id": i, "seek": round(seg.start * 100),  # in 10 ms frames from the start, as Whisper counts
+            "start": seg.start, "end": seg.end, "text": seg.text, "tokens": list(tokens),
+            "temperature": 0.0,  # decoding is greedy
+            "avg_logprob": None,  # the engine returns no log probabilities
+            "compression_ratio": compression_ratio(seg.text),
+            "no_speech_prob": None}  # the model has no such output; silence gives an empty text instead
 
 
-def verbose_json(done: Finished, words: bool) -> dict:
+def verbose_json(done: Finished, words: bool = False, segments: bool = True) -> dict:
+    """OpenAI's verbose_json: ``segments`` when asked for (OpenAI's default), ``words`` (top level, as OpenAI
+    puts them) when asked for and every segment could be timed. Without word times the segments come
+    instead, whatever was asked, so the answer still carries times."""
     t = done.transcription
-    body = {"task": "transcribe", "language": t.language, "duration": t.duration, "text": t.text,
-            "segments": [_segment(i, s, toks, words)
-                         for i, (s, toks) in enumerate(zip(t.segments, done.segment_tokens, strict=True))],
-            "usage": duration_usage(t.duration)}
-    if words:
+    timed = words and t.timestamps == "word"
+    body = {"task": "transcribe", "language": t.language, "duration": t.duration, "text": t.text}
+    if timed:
         body["words"] = [{"word": w.text, "start": w.start, "end": w.end} for s in t.segments for w in s.words]
+    if segments or not timed:
+        body["segments"] = [_segment(i, s, toks)
+                            for i, (s, toks) in enumerate(zip(t.segments, done.segment_tokens, strict=True))]
+    body["usage"] = duration_usage(t.duration)
     return body
 
 
-def render_response(done: Finished, fmt: str, words: bool = False) -> Response:
+def render_response(done: Finished, fmt: str, words: bool = False, segments: bool = True) -> Response:
     t = done.transcription
     if fmt == "json":
         return JSONResponse({"text": t.text, "usage": duration_usage(t.duration), "language": t.language})
     if fmt == "verbose_json":
-        return JSONResponse(verbose_json(done, words))
+        return JSONResponse(verbose_json(done, words, segments))
+    # srt and vtt: cues break at word times when the transcription has them (see qasr.outputs)
     return PlainTextResponse(render(t, {"text": "txt"}.get(fmt, fmt)), media_type=_MEDIA[fmt])

@@ -48,7 +48,7 @@ async def transcriptions(request: Request) -> Response:
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
     try:
-        params = parse_params(form, asr, state.config.aligner is not None)
+        params = parse_params(form, asr)
         data = await params.file.read()  # spooled to disk past 1 MB while parsing; size capped by UploadLimit
         if not data:
             raise ApiError(400, f"{params.filename}: the file is empty (0 bytes)", param="file", code="invalid_audio")
@@ -63,7 +63,7 @@ async def transcriptions(request: Request) -> Response:
     ticket = state.budget.admit(upload.duration)
     state.metrics.queued_audio.set(state.budget.queued_s)
     try:
-        run = EngineRun(asr, upload, stream=params.stream)
+        run = EngineRun(asr, upload, stream=params.stream, words=params.words)
     except BaseException:
         _release(state, ticket, None)
         raise
@@ -78,7 +78,7 @@ async def transcriptions(request: Request) -> Response:
         return Response(status_code=CLIENT_GONE)
     finally:
         _release(state, ticket, done)
-    return render_response(done, params.response_format, params.words)
+    return render_response(done, params.response_format, params.words, params.segments)
 
 
 async def _events(state: ServerState, run: EngineRun, ticket: Ticket) -> AsyncIterator[bytes]:
@@ -174,8 +174,12 @@ async def model(request: Request, name: str) -> JSONResponse:
 
 def _model(state: ServerState, name: str) -> dict:
     d = {"id": name, "object": "model", "created": state.started, "owned_by": "qasr"}
-    if state.asr is not None:  # beyond OpenAI's fields: what `language` accepts (the page's menu)
-        d["languages"] = list(state.asr.supported_languages)
+    if state.asr is not None:  # beyond OpenAI's fields: what `language` accepts (the page's menu), and
+        d["languages"] = list(state.asr.supported_languages)  # whether (and for which) words can be timed
+        aligner = state.asr.aligner
+        d["word_timestamps"] = aligner is not None
+        if aligner is not None:
+            d["word_timestamp_languages"] = list(aligner.supported_languages)
     return d
 
 

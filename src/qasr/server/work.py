@@ -19,6 +19,7 @@ from qasr.engine.request import GenerationResult
 from qasr.results import Transcription
 from qasr.server.errors import ApiError
 from qasr.server.textstream import Joiner, PieceText
+from qasr.word_timing import Aligned
 
 if TYPE_CHECKING:
     from qasr.api import ASR
@@ -68,9 +69,11 @@ def _renamed(message: str, name: str) -> str:
 class EngineRun:
     """The engine requests of one upload; create it on the event loop that consumes its tokens."""
 
-    def __init__(self, asr: ASR, upload: Upload, stream: bool) -> None:
+    def __init__(self, asr: ASR, upload: Upload, stream: bool, words: bool = False) -> None:
+        """``words``: align each piece's text once it is transcribed (the ASR must have an aligner)."""
         self.asr = asr
         self.upload = upload
+        self.words = words
         self.futures: list[Future] = []
         self._tokens: list[asyncio.Queue[int | None]] = []
         loop = asyncio.get_running_loop()
@@ -82,8 +85,7 @@ class EngineRun:
                     self._tokens.append(queue)
                     # the engine thread calls this: hand the token to the loop, never block the engine
                     on_token = (lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t))  # noqa: E731
-                self.futures.append(asr.engine.submit(piece.prompt, waveform=piece.samples,
-                                                      max_new_tokens=piece.max_new_tokens, on_token=on_token))
+                self.futures.append(asr.submit(piece, words=words, on_token=on_token))
         except BaseException as exc:
             self.cancel()
             raise _engine_error(exc) from exc
@@ -122,15 +124,17 @@ class EngineRun:
                 if delta:
                     yield delta
 
-    def _finished(self, results: list[GenerationResult]) -> Finished:
+    def _finished(self, outcomes: list[GenerationResult | Aligned]) -> Finished:
         up = self.upload
         if up.pieces:
-            t = self.asr.assemble(up.pieces, results)
+            t = self.asr.assemble(up.pieces, outcomes)
             if t.error is not None:
                 raise ApiError(500, f"transcription failed: {_renamed(t.error, up.name)}")
             t = replace(t, duration=round(up.duration, 3), source=up.name)
         else:  # no speech found (VAD segmentation of silence): an empty transcript
-            t = Transcription("", "", round(up.duration, 3), source=up.name, finish_reason="stop")
+            t = Transcription("", "", round(up.duration, 3), source=up.name, finish_reason="stop",
+                              timestamps="word" if self.words else "segment")  # no words to time: none missing
+        results = [o.result if isinstance(o, Aligned) else o for o in outcomes]
         asr_text = self.asr.checkpoint.special.asr_text
         seg_tokens = tuple(_text_tokens(r.token_ids, asr_text, p.language is not None)
                            for p, r in zip(up.pieces, results, strict=True))

@@ -12,6 +12,8 @@ const LANGUAGES = ["English", "Chinese", "Cantonese", "Arabic", "German", "Frenc
 const $ = (id) => document.getElementById(id);
 let recorded = null;  // a Blob from the microphone, used instead of the file input when set
 let recorder = null;
+let canTimeWords = false;  // the server has a forced aligner (/v1/models says word_timestamps)
+const TIMED_FORMATS = ["verbose_json", "srt", "vtt"];  // the formats that carry word times
 
 function headers() {
   const key = $("apikey").value.trim();
@@ -75,6 +77,8 @@ async function transcribe() {
   if ($("prompt").value) form.append("prompt", $("prompt").value);
   form.append("response_format", stream ? "json" : format);
   if (stream) form.append("stream", "true");
+  const words = !$("words").disabled && $("words").checked;
+  if (words) for (const g of ["word", "segment"]) form.append("timestamp_granularities[]", g);
   $("transcript").textContent = "";
   $("go").disabled = true;
   setStatus("Transcribing " + audio.name + " ...");
@@ -92,7 +96,13 @@ async function transcribe() {
         }
       });
     } else {
-      const body = format.endsWith("json") ? JSON.stringify(await response.json(), null, 2) : await response.text();
+      let body;
+      if (format.endsWith("json")) {
+        const answer = await response.json();
+        body = (answer.words ? wordLines(answer.words) + "\n\n" : "") + JSON.stringify(answer, null, 2);
+      } else {
+        body = await response.text();
+      }
       $("transcript").textContent = body;
       setStatus("Done in " + ((performance.now() - started) / 1000).toFixed(2) + " s.");
     }
@@ -101,6 +111,17 @@ async function transcribe() {
   } finally {
     $("go").disabled = false;
   }
+}
+
+// One line per word: its start and end in seconds, then the word.
+function wordLines(words) {
+  return words.map((w) => w.start.toFixed(2).padStart(7) + " " + w.end.toFixed(2).padStart(7) + "  " + w.word)
+    .join("\n");
+}
+
+// The checkbox works only where word times exist: an aligner on the server and a format that shows them.
+function updateWordsBox() {
+  $("words").disabled = !(canTimeWords && TIMED_FORMATS.includes($("format").value));
 }
 
 async function toggleRecording() {
@@ -135,6 +156,8 @@ async function showModel() {
     $("model").textContent = "Model: " + first.id;
     $("model").dataset.id = first.id;
     if (first.languages) fillLanguages(first.languages);
+    canTimeWords = first.word_timestamps === true;
+    updateWordsBox();
   } catch (e) { /* the page still works without it */ }
 }
 
@@ -155,6 +178,7 @@ function init() {
   $("file").addEventListener("change", () => { recorded = null; $("recording").textContent = ""; });
   $("record").addEventListener("click", toggleRecording);
   $("go").addEventListener("click", transcribe);
+  $("format").addEventListener("change", updateWordsBox);
   $("apikey").addEventListener("change", showModel);
   showModel();
 }
