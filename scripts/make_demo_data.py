@@ -488,7 +488,7 @@ def main() -> None:
     ap.add_argument("--single", type=int, default=None, help="training sentences spoken alone (default: all)")
     ap.add_argument("--silent", type=float, default=0.03, help="extra short noise-only clips, as a fraction")
     ap.add_argument("--multi", type=int, default=1500, help="training clips of several sentences (3-28 s)")
-    ap.add_argument("--words", type=int, default=2500, help="training clips of random word runs (1-28 s)")
+    ap.add_argument("--words", type=int, default=3000, help="training clips of random word runs (1-28 s)")
     ap.add_argument("--nonspeech", type=int, default=400, help="training clips without speech (1-40 s)")
     ap.add_argument("--val-long", type=int, default=40, help="validation clips of each new kind")
     ap.add_argument("--jobs", type=int, default=2, help="espeak worker processes (keep it small)")

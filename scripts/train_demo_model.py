@@ -16,6 +16,13 @@ Augmentation: speed perturbation, random gain, SpecAugment-style masks.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_demo_model.py --data data/demo --out models/qasr-demo-en
 
+``--init DIR`` fine-tunes a saved demo model instead of starting from scratch: its weights, dimensions
+and tokenizer files are kept (the auxiliary heads start afresh), so new kinds of data (long multi-sentence
+clips, random word runs, long non-speech) can be taught in an hour without relearning to hear:
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_demo_model.py --init models/qasr-demo-en \
+        --out /tmp/demo-new --steps 3000 --lr 4e-4 --warmup 150 --batch-seconds 40
+
 Deterministic for a given seed and thread count (one thread by default: the budget is 45 min on one core).
 """
 
@@ -25,7 +32,9 @@ import argparse
 import json
 import math
 import random
+import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +50,7 @@ from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import ModelConfig, post_conv_length
 from qasr.model.prompt import SpecialTokens, build_prompt
 from qasr.model.tokenizer import Tokenizer
+from qasr.model.weights import load_model
 from qasr.testing.checkpoint import _configs, _rename, _save
 from qasr.testing.tokenizer_files import write_tiny_tokenizer
 
@@ -58,6 +68,7 @@ class Utt:
     text: str
     voice: str
     phones: list[tuple[str, float, float]]  # (espeak phoneme, start s, end s) in the clip
+    kind: str  # sentence, multi, words or nonspeech (see make_demo_data.py)
 
 
 def load_split(manifest: Path, limit: int | None = None) -> list[Utt]:
@@ -66,7 +77,8 @@ def load_split(manifest: Path, limit: int | None = None) -> list[Utt]:
     for row in rows:
         wave, sr = sf.read(manifest.parent / row["path"], dtype="int16")
         assert sr == SR, f"{row['path']}: {sr} Hz"
-        out.append(Utt(wave, row["text"], row["voice"], [tuple(p) for p in row.get("phones", [])]))
+        kind = row.get("kind", "sentence" if row["text"] else "nonspeech")  # manifests before the kinds
+        out.append(Utt(wave, row["text"], row["voice"], [tuple(p) for p in row.get("phones", [])], kind))
     return out
 
 
@@ -203,7 +215,7 @@ class Trainer:
         return loss / max(1, sum(len(t) + 1 for t in targets))
 
     @torch.no_grad()
-    def greedy(self, utts: list[Utt], max_new: int = 48) -> list[str]:
+    def greedy(self, utts: list[Utt], max_new: int = 160) -> list[str]:
         """Greedy decoding without a KV cache (recomputes each step; fine for a quick progress check)."""
         self.model.eval()
         audio = self.model.audio_tower(self.features(utts, None))
@@ -286,10 +298,11 @@ def save(model: Qwen3ASRModel, dims: dict[str, int], specials: dict[str, int], o
     _save(state, out, shards=1)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: int, time_share: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to 3% of the peak over the steps (or ``time_share`` of the time budget)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = max((step - warmup) / max(1, total - warmup), time_share)
     return peak * (0.03 + 0.97 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -316,10 +329,39 @@ def init_weights(model: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def warm_start(init: Path, out: Path) -> tuple[Qwen3ASRModel, dict[str, int], dict[str, int]]:
+    """Load a saved demo model in float32 for training; copy its tokenizer files to ``out``.
+
+    Returns the model, its dimensions (as in DIMS) and the added-token ids, so that ``save`` writes the
+    same layout and ids back: the fine-tuned model stays a drop-in replacement.
+    """
+    for name in TOKENIZER_FILES:
+        if init.resolve() != out.resolve():
+            shutil.copy(init / name, out / name)
+    original = json.loads((init / "config.json").read_text())["thinker_config"]
+    sections = (original["audio_config"], original["text_config"])
+    dims = {k: int(next(sec[k] for sec in sections if k in sec)) for k in DIMS}
+    added = json.loads((init / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    specials = {v["content"]: int(k) for k, v in added.items()}
+    cfg = ModelConfig.from_file(init / "config.json")
+    model = load_model(init, cfg, torch.device("cpu"), torch.float32).requires_grad_(True)
+    return model, dims, specials
+
+
+def monitor_set(val: list[Utt]) -> list[Utt]:
+    """A fixed slice of validation for progress lines: sentences first, then a few of each other kind."""
+    first = {"sentence": 96, "multi": 6, "words": 10, "nonspeech": 8}
+    return [u for kind, n in first.items() for u in [u for u in val if u.kind == kind][:n]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=Path("data/demo"))
     ap.add_argument("--out", type=Path, default=Path("models/qasr-demo-en"))
+    ap.add_argument("--init", type=Path, default=None, help="fine-tune this saved model, e.g. models/qasr-demo-en")
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch-seconds", type=float, default=24.0)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -332,6 +374,9 @@ def main() -> None:
     ap.add_argument("--train-limit", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--max-minutes", type=float, default=44.0, help="stop early (and save) past this wall time")
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="decay the learning rate over --max-minutes when that ends first (on a shared CPU the "
+                         "step rate is unknown in advance; the run then depends on the machine's speed)")
     ap.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -345,18 +390,22 @@ def main() -> None:
 
     train = load_split(args.data / "train.jsonl", args.train_limit)
     val = load_split(args.data / "val.jsonl")
-    monitor = [u for u in val if u.text][:96] + [u for u in val if not u.text][:4]
+    monitor = monitor_set(val)
     print(f"loaded {len(train)} train / {len(val)} val clips in {time.time() - t0:.0f} s", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    corpus = "\n".join(sorted({u.text for u in train if u.text}))
-    specials = write_tiny_tokenizer(args.out, extra_text=corpus, vocab_budget=args.vocab_budget)
+    if args.init is not None:
+        model, dims, specials = warm_start(args.init, args.out)
+        cfg = model.cfg
+    else:
+        corpus = "\n".join(sorted({u.text for u in train if u.text}))
+        specials = write_tiny_tokenizer(args.out, extra_text=corpus, vocab_budget=args.vocab_budget)
+        original, _ = _configs(dims, specials, max(specials.values()) + 1, tied=False)
+        cfg = ModelConfig.from_dict(original)
+        model = Qwen3ASRModel(cfg)
+        init_weights(model)
+        model.init_buffers("cpu")
     tok = Tokenizer.from_dir(args.out)
-    original, _ = _configs(dims, specials, max(specials.values()) + 1, tied=False)
-    cfg = ModelConfig.from_dict(original)
-    model = Qwen3ASRModel(cfg)
-    init_weights(model)
-    model.init_buffers("cpu")
     special = SpecialTokens.resolve(tok, cfg.audio_token_id, cfg.audio_start_token_id, cfg.audio_end_token_id)
     trainer = Trainer(model, tok, special, args, phone_inventory(train))
     heads = nn.ModuleList(trainer.heads())
@@ -380,7 +429,8 @@ def main() -> None:
             epoch += 1
         batch = pending.pop()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            share = (time.time() - t0) / 60 / args.max_minutes if args.time_schedule else 0.0
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup, share)
         loss, *parts = trainer.loss(batch, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -396,10 +446,7 @@ def main() -> None:
                   flush=True)
             logs[:] = 0
         if step % args.eval_every == 0 or step == args.steps:
-            hyps = [h for i in range(0, len(monitor), 25) for h in trainer.greedy(monitor[i:i + 25])]
-            silent_ok = sum(not h for u, h in zip(monitor, hyps, strict=True) if not u.text)
-            print(f"  val WER {100 * wer([u.text for u in monitor], hyps):.2f}% on {len(monitor) - 4} clips, "
-                  f"silence empty {silent_ok}/4; e.g. {monitor[0].text!r} -> {hyps[0]!r}", flush=True)
+            report(trainer, monitor)
         if (time.time() - t0) / 60 > args.max_minutes:
             print(f"stopping early at step {step}: past {args.max_minutes} min", flush=True)
             stopped_early = True
@@ -409,11 +456,25 @@ def main() -> None:
     minutes = (time.time() - t0) / 60
     hours = sum(len(u.wave) for u in train) / SR / 3600
     early = ", stopped early by --max-minutes" if stopped_early else ""
-    run = (f"{step} steps ({seen / 3600:.1f} h of audio seen, {seen / 3600 / hours:.1f} passes over the data) in "
-           f"{minutes:.1f} min on {args.threads} CPU thread(s){early}; seed {args.seed}; "
+    start = f"fine-tuned from the previous release ({args.init.name}); " if args.init is not None else ""
+    run = (f"{start}{step} steps ({seen / 3600:.1f} h of audio seen, {seen / 3600 / hours:.1f} passes over the data) "
+           f"in {minutes:.1f} min on {args.threads} CPU thread(s){early}; seed {args.seed}; "
            f"command: `{' '.join(['scripts/train_demo_model.py', *_cli(args, ap)])}`")
-    write_card(args.out, dims, n_params, cfg.decoder.vocab_size, len(train), hours, run, args.save_dtype)
+    write_card(args.out, dims, n_params, cfg.decoder.vocab_size, train, hours, run, args.save_dtype)
     print(f"saved {args.out} after {minutes:.1f} min", flush=True)
+
+
+def report(trainer: Trainer, monitor: list[Utt]) -> None:
+    """One progress line per kind of clip: WER for speech, how many came back empty for non-speech."""
+    hyps = [h for i in range(0, len(monitor), 16) for h in trainer.greedy(monitor[i:i + 16])]
+    for kind in dict.fromkeys(u.kind for u in monitor):
+        pairs = [(u, h) for u, h in zip(monitor, hyps, strict=True) if u.kind == kind]
+        if kind == "nonspeech":
+            print(f"  val {kind}: empty {sum(not h for _, h in pairs)}/{len(pairs)}", flush=True)
+        else:
+            u, h = pairs[0]
+            print(f"  val {kind} WER {100 * wer([u.text for u, _ in pairs], [h for _, h in pairs]):.2f}% on "
+                  f"{len(pairs)} clips; e.g. {u.text[:60]!r} -> {h[:60]!r}", flush=True)
 
 
 def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -421,10 +482,17 @@ def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]
     return [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != parser.get_default(k)]
 
 
-def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, clips: int, hours: float, run: str,
-               dtype: str) -> None:
+def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, train: list[Utt], hours: float,
+               run: str, dtype: str) -> None:
     """The model card: what the model is, how it was made, and what it cannot do."""
     card = out / "README.md"
+    kinds = Counter(u.kind for u in train)
+    seconds = Counter()
+    for u in train:
+        seconds[u.kind] += len(u.wave) / SR
+    mix = ", ".join(f"{kinds[k]} {label} ({seconds[k] / 3600:.1f} h)" for k, label in (
+        ("sentence", "single sentences"), ("multi", "runs of several sentences"),
+        ("words", "random word runs"), ("nonspeech", "clips without speech")) if kinds[k])
     evaluation = "Not measured yet: run `scripts/eval_demo_model.py --update-card`."
     if card.exists() and "<!-- eval:start -->" in card.read_text():
         evaluation = card.read_text().split("<!-- eval:start -->")[1].split("<!-- eval:end -->")[0].strip()
@@ -435,7 +503,7 @@ def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, clips
     card.write_text(f"""# qasr-demo-en
 
 A toy English speech recogniser with the exact Qwen3-ASR architecture ({n_params / 1e6:.1f} M parameters),
-trained from scratch with qasr's own model code so that `make demo` and the end-to-end tests recognise
+trained with qasr's own model code so that `make demo` and the end-to-end tests recognise
 real words offline. It is **not** Qwen3-ASR: it knows only the small grammar below and only synthetic voices.
 
 ```python
@@ -455,15 +523,20 @@ ids including the Qwen control tokens), and `model.safetensors` with `thinker.*`
 
 ## Training data
 
-`scripts/make_demo_data.py`: {clips} clips ({hours:.1f} h) of espeak-ng speech, one sentence each, from a
-closed grammar of about 400 words: voice-assistant commands (alarms, timers, reminders, calls, messages,
-smart-home, weather, shopping, navigation), numbers up to 999 as words, dates, clock times, spelled codes
-of letters and digits, and short everyday sentences. Voices: 6 espeak-ng English accents x 15 voice
-variants; speed 130-190 wpm, pitch 25-75; 0.05-0.8 s of silence on both sides; random level; white, pink,
-brown noise or mains hum at 15-40 dB SNR (10% clean); 3% of the clips hold no speech (target: empty).
-Text is lowercase, without punctuation, numbers spelled out. Validation sentences never occur in training,
-and half the validation clips use voices never heard in training (accents en-us-nyc and en-gb-x-gbcwmd,
-variants f5 and m7, none of them in the training data).
+`scripts/make_demo_data.py`: {len(train)} clips ({hours:.1f} h) of espeak-ng speech: {mix}. The
+sentences come from a closed grammar of about 400 words: voice-assistant commands (alarms, timers,
+reminders, calls, messages, smart-home, weather, shopping, navigation), numbers up to 999 as words, dates,
+clock times, spelled codes of letters and digits, and short everyday sentences. Single sentences last
+0.5-8 s; runs of several sentences (one voice, 0.15-1.2 s pauses between them) 3-30 s; random word runs
+(number words, letter/digit codes, or any of the grammar's words, in groups of 1-12 separated by pauses)
+1-30 s, so that the decoder writes what it hears rather than a likely sentence; clips without speech
+(silence, white, pink or brown noise, mains hum, at -60 to -8 dBFS) 1-40 s, target text empty.
+Voices: 6 espeak-ng English accents x 15 voice variants; speed 130-190 wpm, pitch 25-75; 0.05-0.8 s of
+silence on both sides; random level; white, pink, brown noise or mains hum at 15-40 dB SNR (10% clean).
+Text is lowercase, without punctuation, numbers spelled out. Validation sentences never occur in training
+(multi-sentence validation clips are made of them), half the validation sentence clips use voices never
+heard in training (accents en-us-nyc and en-gb-x-gbcwmd, variants f5 and m7, none of them in the training
+data), and validation word runs use only those voices at speeds outside 130-190 wpm.
 
 ## Training
 
@@ -485,7 +558,8 @@ SpecAugment masks. {run}.
 - English only, and only the grammar's vocabulary: any other word comes out as the nearest word it knows.
 - Trained and tested on espeak-ng voices only; real human speech will mostly fail.
 - Output is lowercase without punctuation; numbers come out as words.
-- Clips of about 0.5-8 s; longer speech was never seen in training.
+- Segments of up to 30 s are transcribed whole; longer speech was never seen in training, so longer
+  audio should be cut into segments of at most 30 s at pauses first.
 - Language identification is not learned: speech is always labelled English.
 """)
 

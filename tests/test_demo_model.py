@@ -8,6 +8,7 @@ excluded from its training and validation data) with espeak-ng and check the wor
 from __future__ import annotations
 
 import ast
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,67 @@ def test_cli_recognises_unseen_sentences(clips: list[Path]) -> None:
     assert len(lines) == len(clips), out.stdout
     assert wer(lines[:-1]) <= 0.10, list(zip(SENTENCES, lines, strict=False))
     assert lines[-1].strip() == ""
+
+
+# ---- inputs beyond single sentences: random word runs, a whole 30 s segment, long non-speech ----------
+
+# Voices and speeds never used in training (make_demo_data.py: HELD_OUT_VOICES, speeds 130-190 wpm).
+UNSEEN = (("en-us-nyc+f5", 122), ("en-gb-x-gbcwmd+m7", 198), ("en-us-nyc+m7", 200), ("en-gb-x-gbcwmd+f5", 125))
+NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety").split()
+DIGITS = NUMBER_WORDS[:10]
+LETTERS = list("bcdefghijklmnopqrstuvwxyz")  # no "a": espeak-ng reads it as the article
+
+
+def _word_runs() -> list[str]:
+    """Number-word runs and letter/digit codes in random order: no sentence to fall back on."""
+    r = random.Random(20240611)
+    runs = [" ".join(r.choice(NUMBER_WORDS) for _ in range(r.randint(6, 9))) for _ in range(4)]
+    runs += [" ".join(r.choice(LETTERS) if r.random() < 0.5 else r.choice(DIGITS) for _ in range(r.randint(5, 7)))
+             for _ in range(4)]
+    return runs
+
+
+def _joined(paths: list[Path], pause_s: float, out: Path) -> Path:
+    """Concatenate WAV files (same rate) with ``pause_s`` of silence between and around them."""
+    waves, rate = zip(*(sf.read(p, dtype="float32") for p in paths), strict=True)
+    gap = np.zeros(int(pause_s * rate[0]), np.float32)
+    sf.write(out, np.concatenate([gap, *(x for w in waves for x in (w, gap))]), rate[0])
+    return out
+
+
+# The target, not yet reached: the bundled model was trained on single sentences and writes the
+# likeliest sentence instead (95% WER on validation word runs). strict: remove the mark when it passes.
+@pytest.mark.xfail(strict=True, reason="the bundled model is not yet trained on random word runs")
+def test_random_word_runs_by_unseen_voices(asr: ASR, tmp_path: Path) -> None:
+    runs = _word_runs()
+    paths = [speak(t, tmp_path / f"w{i}.wav", voice=UNSEEN[i % 4][0], speed=UNSEEN[i % 4][1], pitch=45)
+             for i, t in enumerate(runs)]
+    hyps = [" ".join(r.text.lower().split()) for r in asr.transcribe(paths)]
+    assert jiwer.wer(runs, hyps) <= 0.10, list(zip(runs, hyps, strict=True))
+
+
+# The target, not yet reached: the bundled model stops after the first sentence or two (87% WER on
+# validation 21-28 s segments). strict: remove the mark when it passes.
+@pytest.mark.xfail(strict=True, reason="the bundled model is not yet trained on 30 s segments")
+def test_thirty_second_segment_is_transcribed_whole(asr: ASR, tmp_path: Path) -> None:
+    parts = [speak(t, tmp_path / f"p{i}.wav", voice="en-us-nyc+m7", speed=150, pitch=50)
+             for i, t in enumerate(SENTENCES)]
+    clip = _joined(parts, 0.7, tmp_path / "segment.wav")
+    duration = sf.info(clip).duration
+    assert 25 <= duration <= 30, duration  # one segment as the application cuts them
+    result = asr.transcribe([clip])[0]
+    ref = " ".join(SENTENCES)
+    # The bar of the single-sentence tests: the same words are no harder in one segment. Stopping after
+    # any one sentence loses at least 7 of the 60 words (> 10%), so a cut-short transcript fails.
+    assert jiwer.wer(ref, " ".join(result.text.lower().split())) <= 0.10, result.text
+    assert result.finish_reason == "stop", result.finish_reason
+
+
+@pytest.mark.parametrize("kind", ["silence", "white noise"])
+def test_thirty_seconds_without_speech_give_empty_text(asr: ASR, kind: str) -> None:
+    rng = np.random.default_rng(3)
+    level = 1e-4 if kind == "silence" else 0.05  # a quiet room's floor; loud hiss (-26 dBFS)
+    wave = (rng.standard_normal(30 * 16000) * level).astype(np.float32)
+    result = asr.transcribe([(wave, 16000)])[0]
+    assert result.text == "", result.raw
