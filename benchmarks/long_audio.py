@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import torch
 
-from qasr.bench import PeakRss, build_checkpoint
-from qasr.perf.machine import ForeignCpu
+from qasr.bench import PeakRss, build_checkpoint, in_subprocess
+from qasr.perf.machine import ForeignCpu, cpu_info
 
 ROOT = Path(__file__).resolve().parent.parent
 SR = 16000
@@ -66,27 +63,6 @@ def speech_audio(seconds: float, workdir: Path, seed: int = 0) -> np.ndarray:
     unit = np.concatenate(parts)
     reps = int(np.ceil(seconds * SR / len(unit)))
     return np.tile(unit, reps)[: int(seconds * SR)]
-
-
-def _child(conn, fn, threads: int, args: tuple) -> None:  # noqa: ANN001 - multiprocessing plumbing
-    torch.set_num_threads(threads)
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException as exc:  # noqa: BLE001 - report any failure to the parent
-        conn.send(("error", repr(exc)))
-    conn.close()
-
-
-def in_subprocess(fn, threads: int, *args: object) -> dict:  # noqa: ANN001
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, fn, threads, args))
-    proc.start()
-    status, value = parent.recv()
-    proc.join()
-    if status != "ok":
-        raise RuntimeError(f"{fn.__name__} failed: {value}")
-    return value
 
 
 def _asr(model: str, dtype: str):  # noqa: ANN202
@@ -211,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(wave[:left])
                 left -= min(left, len(wave))
 
-    cpu = platform.processor() or _cpu_model()
+    cpu = cpu_info()["model"]
     report: dict = {"title": f"qasr long audio, 0.6B dims random bf16, {args.threads} threads, {cpu}",
                     "cpu": cpu, "minutes": args.minutes, "files": args.minutes, "tokens_per_second": TOKENS_PER_SECOND}
     if args.rss_only:
@@ -246,16 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"long_over_files={report['long_over_files']:.2f} long_rtfx={report['long']['rtfx']:.1f} "
           f"serial_rtfx={report['serial']['rtfx']:.1f} rss_peak_gib={report['rss']['peak_rss_gib']:.2f}")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def _print_table(report: dict) -> None:

@@ -252,7 +252,8 @@ def _child(conn, fn, threads, args) -> None:  # noqa: ANN001 - multiprocessing p
     conn.close()
 
 
-def _in_subprocess(fn, threads: int, *args: object) -> dict:  # noqa: ANN001
+def in_subprocess(fn, threads: int, *args: object) -> dict:  # noqa: ANN001
+    """Run ``fn(*args)`` in a fresh spawned process with ``threads`` torch threads; return its result."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -311,17 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     clips = [make_clip(s, args.seed * 1000 + k) for k, s in enumerate(lengths)]
     threads = torch.get_num_threads()
     # the machine first, with the benchmark's thread count, in its own process like both sides
-    machine = _in_subprocess(probe, threads)
+    machine = in_subprocess(probe, threads)
     print(machine_line(machine), flush=True)
     ckpt = build_checkpoint(args.cache)
     print(f"workload: {len(clips)} clips, {sum(lengths):.0f} s of audio (2-120 s), "
           f"{TOKENS_PER_SECOND} forced tokens per audio second, bf16, {threads} threads", flush=True)
     t0 = time.perf_counter()
     # each side in a fresh process (one after the other), so peak RSS and warm caches are its own
-    ours = _in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed)
+    ours = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed)
     print(f"  qasr: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}, phases "
           + ", ".join(f"{k} {v:.1f}" for k, v in ours["phases"].items()), flush=True)
-    ref = _in_subprocess(run_reference, threads, ckpt, clips)
+    ref = in_subprocess(run_reference, threads, ckpt, clips)
     print(f"  transformers: {ref['wall_s']:.1f} s, RTFx {ref['rtfx']:.1f}", flush=True)
     speedup = ours["rtfx"] / ref["rtfx"]
     cfg = ModelConfig.from_file(ckpt / "config.json")

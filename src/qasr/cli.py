@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from qasr import __version__
+from qasr.argtypes import positive_float, positive_int, probability
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.FORMATS (a test checks)
@@ -47,11 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long inputs are cut: vad = speech regions merged into segments cut at the longest "
                         "pauses (silence skipped); fixed = consecutive windows; none = whole (cut only past "
                         "20 minutes); auto (default) = none up to --max-segment-s, vad beyond")
-    t.add_argument("--max-segment-s", type=_positive_float, default=30.0, metavar="S",
+    t.add_argument("--max-segment-s", type=positive_float, default=30.0, metavar="S",
                    help="longest segment in seconds (default 30)")
     t.add_argument("--vad-backend", default="auto", choices=("auto", "silero", "energy"),
                    help="speech detector: silero (needs the vad extra), energy, or auto (silero when installed)")
-    t.add_argument("--vad-threshold", type=_probability, default=None, metavar="P",
+    t.add_argument("--vad-threshold", type=probability, default=None, metavar="P",
                    help="speech probability threshold of the detector (default: its own)")
     t.add_argument("--aligner", default=None, metavar="PATH",
                    help="a Qwen3-ForcedAligner checkpoint (directory or hub id) for word timestamps")
@@ -62,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show a progress bar (default: when stderr is a terminal)")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    t.add_argument("--max-running", type=_positive_int, default=64,
+    t.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
-    t.add_argument("--max-new-tokens", type=_positive_int, default=None,
+    t.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="cap on generated tokens per piece (default: ceil(15 x seconds) + 24 for each piece; "
                         "a piece cut at the cap is reported with a warning)")
     b = sub.add_parser("bench", help="throughput benchmark against transformers (needs the test extras)",
@@ -76,25 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
 
 
 def _formats(text: str) -> tuple[str, ...]:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from qasr.argtypes import positive_float, positive_int
+
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 
 
@@ -32,33 +34,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="a model id for /v1/models (repeatable; default: the -m value and its last path part); "
                         "requests may name any model")
-    s.add_argument("--max-queue-audio-s", type=_positive_float, default=3600.0, metavar="S",
+    s.add_argument("--max-queue-audio-s", type=positive_float, default=3600.0, metavar="S",
                    help="audio seconds admitted and not yet transcribed beyond which requests get 429 (default 3600)")
-    s.add_argument("--max-upload-mb", type=_positive_float, default=100.0, metavar="MB",
+    s.add_argument("--max-upload-mb", type=positive_float, default=100.0, metavar="MB",
                    help="largest upload in MiB; larger ones get 413 (default 100)")
     s.add_argument("--aligner", default=None, metavar="PATH",
                    help="a Qwen3-ForcedAligner directory or hub id, loaded beside the model: enables "
                         "timestamp_granularities[]=word (default: none; word timestamps are refused)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    s.add_argument("--max-running", type=_positive_int, default=64,
+    s.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return s
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
