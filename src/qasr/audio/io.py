@@ -97,6 +97,12 @@ def _load_array(array: np.ndarray, sample_rate: Any) -> np.ndarray:
 
 
 def _load_path(source: str | os.PathLike) -> np.ndarray:
+    path = checked_path(source)
+    return _load_encoded(lambda: path, path)
+
+
+def checked_path(source: str | os.PathLike) -> str:
+    """The path as a str, or AudioError when it is missing or a directory (every decoder's first check)."""
     path = os.fspath(source)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
@@ -104,7 +110,7 @@ def _load_path(source: str | os.PathLike) -> np.ndarray:
         raise AudioError(f"{path}: file not found")
     if os.path.isdir(path):
         raise AudioError(f"{path}: is a directory, not an audio file")
-    return _load_encoded(lambda: path, path)
+    return path
 
 
 def _load_encoded(opener: Callable[[], Any], name: str) -> np.ndarray:

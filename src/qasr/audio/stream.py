@@ -23,7 +23,7 @@ import numpy as np
 import soxr
 
 from qasr.audio.decode_blocks import BlockDecoder
-from qasr.audio.io import SAMPLE_RATE, AudioError, AudioSource, load_audio
+from qasr.audio.io import SAMPLE_RATE, AudioError, AudioSource, checked_path, load_audio
 from qasr.audio.segments import AudioSegment, Segmenter, SegmentMode
 from qasr.audio.vad import VadConfig
 
@@ -112,13 +112,7 @@ def _opener(source: AudioSource) -> tuple[Callable[[], object], str]:
             raise AudioError("bytes input: cannot be decoded: the byte string is empty")
         return (lambda: io.BytesIO(data)), "bytes input"
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if not os.path.exists(path):
-            raise AudioError(f"{path}: file not found")
-        if os.path.isdir(path):
-            raise AudioError(f"{path}: is a directory, not an audio file")
+        path = checked_path(source)
         return (lambda: path), path
     raise AudioError(
         f"input of type {type(source).__name__}: unsupported audio source "
