@@ -21,13 +21,18 @@ from selenium.webdriver.support.wait import WebDriverWait  # noqa: E402
 KEY = "page-key"
 
 
-@pytest.fixture(scope="module")
-def browser():
+def open_chromium(*flags: str) -> webdriver.Chrome:
+    """Headless Chromium under chromedriver; ``flags`` are extra command-line switches (e.g. a fake microphone)."""
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", *flags):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=webdriver.ChromeService(shutil.which("chromedriver")), options=options)
+    return webdriver.Chrome(service=webdriver.ChromeService(shutil.which("chromedriver")), options=options)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver = open_chromium()
     try:
         yield driver
     finally:
@@ -44,24 +49,34 @@ def srv(tmp_path_factory):
         server.stop()
 
 
-@pytest.mark.parametrize("fmt", ["stream", "verbose_json"])
-def test_page_uploads_and_shows_the_transcript(tmp_path, browser, srv, fmt) -> None:
-    clip = speak("call anna on the ninth of july", tmp_path / "clip.wav")
+def open_page(browser: webdriver.Chrome, srv: ServerProcess) -> None:
+    """Load the page, give it the API key and pick English (the only language of the demo model)."""
     browser.get(srv.url + "/")
     key = browser.find_element(By.ID, "apikey")
     key.clear()  # the page remembers the last key (localStorage)
     key.send_keys(KEY)
-    browser.find_element(By.ID, "file").send_keys(str(clip))
-    Select(browser.find_element(By.ID, "format")).select_by_value(fmt)
     # the language menu is refilled from /v1/models (which needs the key): only English for the demo model
     browser.execute_script("showModel()")
-    wait = WebDriverWait(browser, 30)
-    wait.until(lambda d: len(Select(d.find_element(By.ID, "language")).options) == 2)
+    WebDriverWait(browser, 30).until(lambda d: len(Select(d.find_element(By.ID, "language")).options) == 2)
     Select(browser.find_element(By.ID, "language")).select_by_value("English")
+
+
+def transcribe_on_page(browser: webdriver.Chrome, timeout: float = 30) -> str:
+    """Click Transcribe, wait for the request to end, insist it succeeded; the transcript box's text."""
     browser.find_element(By.ID, "go").click()
-    wait.until(lambda d: d.find_element(By.ID, "status").text.startswith(("Done", "4", "5", "Request")))
+    WebDriverWait(browser, timeout).until(
+        lambda d: d.find_element(By.ID, "status").text.startswith(("Done", "4", "5", "Request")))
     assert browser.find_element(By.ID, "status").text.startswith("Done"), browser.find_element(By.ID, "status").text
-    shown = browser.find_element(By.ID, "transcript").text
+    return browser.find_element(By.ID, "transcript").text
+
+
+@pytest.mark.parametrize("fmt", ["stream", "verbose_json"])
+def test_page_uploads_and_shows_the_transcript(tmp_path, browser, srv, fmt) -> None:
+    clip = speak("call anna on the ninth of july", tmp_path / "clip.wav")
+    open_page(browser, srv)
+    browser.find_element(By.ID, "file").send_keys(str(clip))
+    Select(browser.find_element(By.ID, "format")).select_by_value(fmt)
+    shown = transcribe_on_page(browser)
     if fmt == "stream":
         assert shown == "call anna on the ninth of july"
     else:
