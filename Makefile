@@ -9,10 +9,13 @@ TORCH_CPU := torch==2.13.0
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@command -v espeak-ng >/dev/null 2>&1 && command -v ffmpeg >/dev/null 2>&1 || { \
-	  echo "installing Debian packages espeak-ng and ffmpeg"; \
+	@# espeak-ng and ffmpeg make test speech; chromium (+ its driver) runs the web page in the server tests
+	@command -v espeak-ng >/dev/null 2>&1 && command -v ffmpeg >/dev/null 2>&1 && \
+	  command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+	  echo "installing Debian packages espeak-ng, ffmpeg, chromium and chromium-driver"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng ffmpeg >/dev/null; }
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO apt-get install -y -qq espeak-ng ffmpeg chromium chromium-driver >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# CPU machines get the local CPU wheel of torch first; a GPU machine keeps the CUDA torch it has.
 	@$(PY) -c "import torch" 2>/dev/null || { \
