@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from qasr.bench import PeakRss, clip_lengths, summary_line
+from qasr.bench_aligner import WORDS_PER_SECOND, agreement, workload
 from qasr.model.config import DecoderConfig, EncoderConfig, ModelConfig
 from qasr.perf.flops import (
     PhaseFlops,
@@ -180,3 +181,51 @@ def test_last_line_table_and_roofline_render() -> None:
     draw_roofline(ax, eff)
     assert len(ax.lines) >= 6  # roof, two guides, three phases
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ aligner mode
+def test_aligner_workload_is_seeded_2_to_60_s_at_2_5_words_per_second() -> None:
+    lengths, clips, texts = workload(12, seed=0)
+    again = workload(12, seed=0)
+    assert lengths == again[0] and texts == again[2]
+    assert all(np.array_equal(a, b) for a, b in zip(clips, again[1], strict=True))
+    assert texts != workload(12, seed=1)[2]
+    assert all(2.0 <= s <= 60.0 for s in lengths) and min(lengths) < 3.0 and max(lengths) > 45.0
+    for s, wave, text in zip(lengths, clips, texts, strict=True):
+        assert len(wave) == int(s * 16000)
+        assert len(text.split()) == max(1, round(WORDS_PER_SECOND * s))
+
+
+def test_aligner_agreement_counts_equal_and_near_words_and_whole_clips_that_differ() -> None:
+    ours = [[(0.0, 0.08), (0.16, 0.24)], [(1.0, 1.0)], [(2.0, 2.0), (3.0, 3.0)]]
+    ref = [[(0.0, 0.08), (0.24, 0.24)], [(1.0, 1.5)], [(2.0, 2.0)]]  # the last clip's word lists differ
+    ag = agreement(ours, ref)
+    assert ag["words"] == 5 and ag["clips"] == 3
+    assert ag["exact"] == pytest.approx(1 / 5) and ag["within_80ms"] == pytest.approx(2 / 5)
+    assert ag["distinct_starts"] == 3
+
+
+def test_aligner_sides_run_and_agree_in_float32_on_a_tiny_checkpoint(tmp_path) -> None:  # noqa: ANN001
+    """Both sides of the aligner mode, in this process, at tiny dims: the reference's batching (sorted,
+    left padding, attention mask) gives qasr's word times in float32; then the report renders."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from qasr.bench_aligner import build_aligner_checkpoint, plot, run_qasr_aligner, run_reference_aligner, table
+    from qasr.bench_aligner import summary_line as aligner_line
+
+    ckpt = build_aligner_checkpoint(tmp_path, dims=TINY_DIMS, dtype=torch.float32)
+    _, clips, texts = workload(3, seed=2)
+    ours = run_qasr_aligner(ckpt, clips, texts, kv_gib=0.05, dtype="float32")
+    ref = run_reference_aligner(ckpt, clips, texts, batch=2, dtype="float32")
+    ag = agreement(ours["words"], ref["words"])
+    assert ag["distinct_starts"] > 3  # the decorrelated head gives varied times: the check means something
+    # equal here; a near-tie between two of the 5000 random classes may flip on other CPUs' float32 sums,
+    # while a padding or masking mistake would move most words
+    assert ag["exact"] >= 0.95 and ag["words"] >= 60
+    report = dict(title="tiny", qasr=ours, reference=ref, speedup=ours["rtfx"] / ref["rtfx"], agreement=ag)
+    assert re.fullmatch(r"aligner_speedup=\d+\.\d\d aligner_rtfx=\d+\.\d", aligner_line(report))
+    assert "| qasr Aligner.submit_pieces | 3 |" in table(report)
+    pytest.importorskip("matplotlib")
+    plot(report, tmp_path / "aligner.png")
+    assert (tmp_path / "aligner.png").stat().st_size > 0
