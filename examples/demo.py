@@ -1,8 +1,9 @@
 """`make demo`: transcribe the bundled example clips with the bundled demo model.
 
 The three short clips go to the model whole; `briefing.flac` (43 s, made by scripts/make_example_long.py)
-is cut into speech segments by voice activity, its segments are printed with their times and its
-subtitles are written to out/demo/briefing.srt. Pass another checkpoint directory to use it instead:
+is cut into speech segments by voice activity, its segments are printed with their times (and their
+words' start times when the demo aligner models/qasr-demo-aligner-en is bundled) and its subtitles are
+written to out/demo/briefing.srt. Pass another checkpoint directory to use it instead:
     .venv/bin/python examples/demo.py /path/to/Qwen3-ASR-0.6B
 Without the bundled model (a bare source tree), a tiny checkpoint with RANDOM weights is made on the fly:
 the pipeline runs for real, but its text is noise.
@@ -20,6 +21,7 @@ from qasr.outputs import render, write_atomic
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "models" / "qasr-demo-en"
+ALIGNER = HERE.parent / "models" / "qasr-demo-aligner-en"
 
 
 def main() -> int:
@@ -33,10 +35,14 @@ def main() -> int:
 
         model_dir = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", seed=0)
         note = "model: a tiny checkpoint with RANDOM weights made on the fly -- the text below is noise"
+    # word times when the demo aligner is bundled too (it knows the demo model's English only)
+    aligner = ALIGNER if model_dir == BUNDLED and (ALIGNER / "config.json").exists() else None
+    if aligner is not None:
+        note += f"\naligner: {ALIGNER.relative_to(HERE.parent)} (bundled demo aligner: word times)"
     print(note)
-    asr = ASR.from_pretrained(model_dir)
+    asr = ASR.from_pretrained(model_dir, aligner=aligner)
     start = time.perf_counter()
-    results = asr.transcribe(clips)
+    results = asr.transcribe(clips, timestamps="word" if aligner else "segment")
     elapsed = time.perf_counter() - start
     out_dir = HERE.parent / "out" / "demo"
     for clip, r in zip(clips, results, strict=True):
@@ -45,6 +51,8 @@ def main() -> int:
         if r.error is None and len(r.segments) > 1:
             for seg in r.segments:
                 print(f"    {seg.start:6.2f} - {seg.end:6.2f} s  {seg.text}")
+                if seg.words:
+                    print("        " + " ".join(f"{w.text}@{w.start:.2f}" for w in seg.words))
             srt = out_dir / f"{clip.stem}.srt"
             write_atomic(srt, render(r, "srt"))
             print(f"    subtitles: {srt.relative_to(HERE.parent)}")
