@@ -35,6 +35,7 @@ from qasr.word_timing import Aligned
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.audio.vad import VadConfig
+    from qasr.streaming import Session
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,15 @@ class ASR:
         self.engine.close()
         if self.aligner is not None:
             self.aligner.close()
+
+    def stream(self, **settings: object) -> Session:
+        """A live transcription session (``qasr.streaming.Session``): ``push`` 16 kHz float32 or int16
+        samples, read an ``Update`` per chunk, ``finish`` at the end. ``settings`` are those of
+        ``qasr.streaming.StreamConfig`` (chunk_size_sec, unfixed_chunk_num, unfixed_token_num,
+        max_new_tokens, context, language); see docs/streaming.md."""
+        from qasr.streaming import Session, StreamConfig
+
+        return Session(self.engine, self.checkpoint, StreamConfig(**settings))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ preparing requests
     def prepare(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,

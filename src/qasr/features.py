@@ -77,6 +77,21 @@ def mel_filterbank(num_mel_bins: int, n_fft: int, sampling_rate: int) -> np.ndar
     return filters * enorm[None, :]
 
 
+MIN_MEL_COLUMNS = 32  # frames every mel product computes at least (see log10_mel)
+
+
+def log10_mel(filters: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+    """log10 of the mel energies of power-spectrum frames (freqs, n), before the clamp. BLAS uses other
+    kernels for a product with few columns (with MKL sgemm, 1-11 give different low bits), so short
+    inputs are padded with zero frames: a frame's value then never depends on how many frames were
+    computed with it, which lets a live stream compute its frames a few at a time, bit-identically."""
+    n = power.shape[1]
+    if n < MIN_MEL_COLUMNS:
+        power = torch.nn.functional.pad(power, (0, MIN_MEL_COLUMNS - n))
+    mel = (filters @ power)[:, :n]
+    return torch.clamp(mel, min=1e-10).log10()
+
+
 class LogMel:
     """Callable log-mel extractor; holds the window and filterbank once per device."""
 
@@ -104,9 +119,7 @@ class LogMel:
         if x.numel() <= cfg.n_fft // 2:
             x = torch.nn.functional.pad(x, (0, cfg.n_fft // 2 + 1 - x.numel()))
         spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=self._window, return_complex=True)
-        power = spec[:, :frames].abs() ** 2
-        mel = self._filters @ power
-        log_spec = torch.clamp(mel, min=1e-10).log10()
+        log_spec = log10_mel(self._filters, spec[:, :frames].abs() ** 2)
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
         return (log_spec + 4.0) / 4.0
 

@@ -35,7 +35,7 @@ from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.request import GenerationResult, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from qasr.engine.validate import Limits, check_positions, check_request
+from qasr.engine.validate import Limits, check_embeds, check_positions, check_request
 from qasr.features import LogMel
 from qasr.model.checkpoint import Checkpoint
 
@@ -111,22 +111,36 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: list[int], *, waveform: np.ndarray | None = None, features: torch.Tensor | None = None,
                max_new_tokens: int, ignore_eos: bool = False,
-               on_token: Callable[[int | None], None] | None = None) -> Future:
+               on_token: Callable[[int | None], None] | None = None,
+               audio_embeds: torch.Tensor | None = None) -> Future:
         """Queue one request; the future resolves to a GenerationResult (or raises its error).
 
         ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
         1-D float 16 kHz ``waveform`` or as (mel, frames) ``features``. ``on_token`` (called on the engine
         thread, so keep it quick) receives each generated token and then None. Cancelling the future
         stops the request at the next step. Raises ValueError for a malformed request, EngineClosed
-        after close(), EngineBroken after the loop failed."""
+        after close(), EngineBroken after the loop failed.
+
+        ``audio_embeds`` instead of audio: the encoder's output rows, (audio tokens, hidden), computed by
+        the caller (a live session keeps the rows of finished 8 s windows and encodes only the open one);
+        the request then skips the encoder and goes straight to prefill with the other requests."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
-        waveform, features, audio_tokens = check_request(prompt, waveform, features, max_new_tokens, self.limits)
+        if audio_embeds is not None:
+            if waveform is not None or features is not None:
+                raise ValueError("pass audio_embeds instead of waveform or features, not with them")
+            audio_embeds = check_embeds(prompt, audio_embeds, max_new_tokens, self.limits,
+                                        self.checkpoint.config.decoder.hidden_size, self.prepared.model.device)
+        else:
+            waveform, features, _ = check_request(prompt, waveform, features, max_new_tokens, self.limits)
         prompt = [int(t) for t in prompt]
+        audio_tokens = prompt.count(self.audio_token_id)
         req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
                       waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
                       audio_before=self._audio_before(prompt))
+        if audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
+            req.audio, req.encoded_tokens = audio_embeds, audio_tokens
         return self._enqueue(req)
 
     def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,

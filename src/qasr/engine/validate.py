@@ -58,6 +58,32 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
     return waveform, features, placeholders
 
 
+def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, limits: Limits, hidden: int,
+                 device: torch.device) -> torch.Tensor:
+    """Validate a request whose encoder output is given: one row per audio placeholder, the decoder's
+    width, finite, already on the model's device. Returns the rows; raises ValueError otherwise."""
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != hidden:
+        shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+        raise ValueError(f"audio_embeds must be an (audio tokens, {hidden}) tensor, got {shape}")
+    if embeds.device != device or not torch.isfinite(embeds).all():
+        raise ValueError(f"audio_embeds must be finite and on the model's device ({device})")
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError("prompt must be a non-empty list of token ids")
+    if ids.min() < 0 or ids.max() >= limits.vocab_size:
+        raise ValueError(f"prompt has token ids outside [0, {limits.vocab_size})")
+    placeholders = int((ids == limits.audio_token_id).sum())
+    if placeholders != embeds.shape[0] or placeholders == 0:
+        raise ValueError(f"prompt has {placeholders} audio placeholders but audio_embeds has {embeds.shape[0]} rows")
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
+            or max_new_tokens < 1):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    need = len(prompt) + int(max_new_tokens)
+    if need > limits.kv_tokens:
+        raise ValueError(f"request needs {need} KV-cache tokens but the cache holds {limits.kv_tokens}")
+    return embeds
+
+
 def check_positions(positions: object, prompt_len: int) -> np.ndarray:
     """Classifier positions of an alignment request: distinct prompt indices, returned sorted (int64)."""
     pos = np.asarray(positions)

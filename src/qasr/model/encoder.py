@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.model.config import EncoderConfig, post_conv_length
+from qasr.model.config import EncoderConfig, audio_token_count, post_conv_length
 from qasr.model.kernels import TORCH_KERNELS, Kernels
+
+MIN_ENCODER_ROWS = 16  # token rows every encoder call computes at least (see AudioEncoder.forward)
 
 
 def sinusoid_table(length: int, channels: int) -> torch.Tensor:
@@ -158,13 +160,16 @@ class AudioEncoder(nn.Module):
         outs = []
         for start in range(0, chunks.shape[0], group):
             x = chunks[start:start + group]
+            single = x.shape[0] == 1
+            if single:  # a lone chunk convolves with other low bits than in a batch (measured): pad to two
+                x = torch.cat([x, torch.zeros_like(x)])
             x = F.gelu(kernels.conv(self.conv2d1, x))
             x = F.gelu(kernels.conv(self.conv2d2, x))
             x = F.gelu(kernels.conv(self.conv2d3, x))
             c, ch, freq, t = x.shape
             # flatten to 2-D first: a 3-D non-contiguous input makes linear expand the weight per chunk
             x = kernels.linear(self.conv_out, x.permute(0, 3, 1, 2).reshape(c * t, ch * freq))
-            outs.append(x.view(c, t, -1))
+            outs.append(x.view(c, t, -1)[:1] if single else x.view(c, t, -1))
         x = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
         assert self.positions is not None, "call init_buffers() after loading weights"
         return x + self.positions[: x.shape[1]].to(x.dtype)
@@ -173,10 +178,18 @@ class AudioEncoder(nn.Module):
                 kernels: Kernels = TORCH_KERNELS) -> list[torch.Tensor]:
         """Per-utterance (mel, frames) features -> per-utterance (tokens, output_dim) embeddings."""
         p = self.parameters().__next__()
-        pack = plan_pack([f.to(p.device, p.dtype) for f in features], self.cfg, p.device)
+        feats = [f.to(p.device, p.dtype) for f in features]
+        n_real = len(feats)
+        if sum(audio_token_count(f.shape[-1], self.cfg.chunk_frames) for f in feats) < MIN_ENCODER_ROWS:
+            # BLAS matmuls pick other kernels for a handful of rows (with MKL sgemm, 1-11 rows give
+            # different low bits than the same rows inside a bigger product), so a short window alone
+            # and the same window packed with others would differ. A zero dummy utterance keeps every
+            # call above that size; windows never attend across utterances, so it changes nothing else.
+            feats.append(feats[0].new_zeros(feats[0].shape[0], 2 * self.cfg.chunk_frames))
+        pack = plan_pack(feats, self.cfg, p.device)
         x = self.conv_front(pack.chunks, conv_batch, kernels)
         x = x.reshape(-1, x.shape[-1])[pack.valid_index]
         for layer in self.layers:
             x = layer(x, pack, kernels)
         x = kernels.linear(self.proj2, F.gelu(kernels.linear(self.proj1, self.ln_post(x))))
-        return list(torch.split(x, list(pack.token_counts)))
+        return list(torch.split(x, list(pack.token_counts)))[:n_real]

@@ -1,0 +1,45 @@
+"""Incoming audio: conversion of pushed PCM and a growable sample buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def as_float_pcm(pcm: np.ndarray) -> np.ndarray:
+    """1-D float32 or int16 samples -> float32 (int16 scaled by 1/32768, as the official session does;
+    float input is taken as it is)."""
+    x = np.asarray(pcm)
+    if x.ndim != 1:
+        raise ValueError(f"push mono 1-D samples, got shape {x.shape}")
+    if x.dtype == np.int16:
+        return x.astype(np.float32) / 32768.0
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"push float32 or int16 samples, got {x.dtype}")
+    x = x.astype(np.float32, copy=False)
+    if not np.isfinite(x).all():
+        raise ValueError("pushed audio has NaN or infinite samples")
+    return x
+
+
+class SampleBuffer:
+    """All samples of a stream in one preallocated float32 array that doubles when full, so appending
+    costs amortised O(pushed samples) and ``view`` hands out the prefix without copying. The whole
+    stream is kept (64 KiB per second): the feature front end reads samples just before the open
+    frames, and finish() needs nothing older, but keeping it all makes the buffer one plain array."""
+
+    def __init__(self, capacity: int = 16000 * 30) -> None:
+        self._data = np.zeros(max(capacity, 1), dtype=np.float32)
+        self.size = 0
+
+    def append(self, samples: np.ndarray) -> None:
+        need = self.size + len(samples)
+        if need > len(self._data):
+            grown = np.zeros(max(need, 2 * len(self._data)), dtype=np.float32)
+            grown[: self.size] = self._data[: self.size]
+            self._data = grown
+        self._data[self.size:need] = samples
+        self.size = need
+
+    def view(self, end: int | None = None) -> np.ndarray:
+        """Samples [0, end) (all by default), without a copy: valid until the next append."""
+        return self._data[: self.size if end is None else end]

@@ -1,0 +1,135 @@
+"""An incremental live transcription session: the official streaming algorithm, token for token, at a
+cost per step that depends on the open 8 s window rather than on the whole stream (for the audio side;
+see docs/streaming.md for what is still proportional to the stream).
+
+``push`` takes float32 or int16 16 kHz mono samples of any size; every full chunk makes one step and one
+``Update``. ``finish`` decodes the leftover samples once more and returns the final update.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qasr.engine.engine import Engine
+from qasr.model.checkpoint import Checkpoint
+from qasr.streaming.config import StreamConfig
+from qasr.streaming.logmel import StreamingLogMel
+from qasr.streaming.pcm import SampleBuffer, as_float_pcm
+from qasr.streaming.steps import StepResult, StreamText
+from qasr.streaming.text import PromptBuilder
+from qasr.streaming.windows import WindowEncoder
+
+
+@dataclass(frozen=True)
+class Update:
+    """The transcript after a step. ``stable_text`` is what the session has committed: the text of the
+    prefix the next step feeds back (it will not be rolled back), never changed once reported;
+    ``unstable_text`` is the rest of the current transcript, which later steps may revise."""
+
+    stable_text: str
+    unstable_text: str
+    language: str
+    final: bool
+    step: int  # index of the step that produced it
+
+    @property
+    def text(self) -> str:
+        return self.stable_text + self.unstable_text
+
+
+@dataclass
+class SessionStats:
+    """Work per step (one entry per decode), for checking that a step's cost stays bounded."""
+
+    frames: list[int] = field(default_factory=list)  # log-mel frames computed
+    encoder_tokens: list[int] = field(default_factory=list)  # encoder output rows computed
+    windows_recomputed: list[int] = field(default_factory=list)  # kept windows redone (clamp floor rose)
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens the decoder prefilled
+    stable_conflicts: int = 0  # steps whose transcript contradicted the committed stable text
+
+
+class Session:
+    def __init__(self, engine: Engine, checkpoint: Checkpoint, config: StreamConfig | None = None) -> None:
+        self.engine = engine
+        self.checkpoint = checkpoint
+        self.config = config = config or StreamConfig()
+        self.state = StreamText(config, PromptBuilder(checkpoint.tokenizer, checkpoint.special, config.context,
+                                                      config.language))
+        self.audio = SampleBuffer()
+        self.consumed = 0  # samples of ``audio`` already decoded (whole chunks, then the tail at finish)
+        self.mel = StreamingLogMel(checkpoint.features)
+        self.encoder = WindowEncoder(engine)
+        self.stats = SessionStats()
+        self.stable = ""
+        self.finished = False
+        self._undelivered: deque[Update] = deque()
+
+    @property
+    def results(self) -> list[StepResult]:
+        """Every step's prompt, generated ids and parse (what the tests compare with the oracle)."""
+        return self.state.results
+
+    def push(self, pcm: np.ndarray) -> list[Update]:
+        """Add samples; returns the updates of the steps they completed (also queued for ``updates``)."""
+        if self.finished:
+            raise RuntimeError("the session is finished")
+        self.audio.append(as_float_pcm(pcm))
+        n = self.config.chunk_size_samples
+        out = []
+        while self.audio.size - self.consumed >= n:
+            self.consumed += n
+            out.append(self._step(self.state.prefix(), final=False))
+        return out
+
+    def finish(self) -> Update:
+        """Decode the samples left after the last full chunk (if any) and return the final update, in
+        which the whole transcript is stable."""
+        if self.finished:
+            raise RuntimeError("the session is finished")
+        self.finished = True
+        tail = self.audio.size > self.consumed
+        self.consumed = self.audio.size
+        if tail and self.audio.size >= self.checkpoint.features.hop_length:
+            return self._step(self.state.prefix(at_finish=True), final=True)
+        return self._publish(self.state.text, final=True, step=len(self.results) - 1)
+
+    def updates(self) -> Iterator[Update]:
+        """Yield the updates not yet taken from here, in order (those of later pushes too, as it is
+        iterated again)."""
+        while self._undelivered:
+            yield self._undelivered.popleft()
+
+    def __iter__(self) -> Iterator[Update]:
+        return self.updates()
+
+    def _step(self, prefix: str, final: bool) -> Update:
+        samples = self.audio.view(self.consumed)
+        self.stats.frames.append(self.mel.advance(samples))
+        embeds, computed, recomputed = self.encoder.encode(self.mel)
+        self.stats.encoder_tokens.append(computed)
+        self.stats.windows_recomputed.append(recomputed)
+        prompt = self.state.prompts(embeds.shape[0], prefix)
+        self.stats.prefill_tokens.append(len(prompt))
+        result = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens).result()
+        step = self.state.absorb(self.consumed, prefix, prompt, result.token_ids, final)
+        return self._publish(step.text, final, step.index)
+
+    def _publish(self, text: str, final: bool, step: int) -> Update:
+        if final:
+            committed = text
+        else:  # the text of what the next step feeds back, if it extends what was committed
+            committed = self.state.prompts.parse(self.state.prefix())[1]
+        if not text.startswith(self.stable):
+            self.stats.stable_conflicts += 1
+        elif committed.startswith(self.stable) and text.startswith(committed):
+            self.stable = committed
+        if text.startswith(self.stable):
+            update = Update(self.stable, text[len(self.stable):], self.state.language, final, step)
+        else:  # the official algorithm revised committed text: keep it, show nothing beyond it
+            update = Update(self.stable, "", self.state.language, final, step)
+        self._undelivered.append(update)
+        return update

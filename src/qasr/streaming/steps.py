@@ -1,0 +1,52 @@
+"""The per-step bookkeeping of the official algorithm, independent of how audio is encoded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qasr.streaming.config import StreamConfig
+from qasr.streaming.text import PromptBuilder, rollback
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One decode of the stream: what was fed and what came out."""
+
+    index: int  # 0, 1, ... (the finish step included)
+    samples: int  # audio the step saw (all of it so far)
+    prefix: str  # the answer's start fed to the model
+    prompt: tuple[int, ...]
+    generated: tuple[int, ...]  # EOS excluded
+    raw: str  # prefix + decoded generation
+    language: str
+    text: str
+    final: bool
+
+
+@dataclass
+class StreamText:
+    """chunk_id, the last raw output and its parse; decides each step's prefix."""
+
+    config: StreamConfig
+    prompts: PromptBuilder
+    chunk_id: int = 0
+    raw: str = ""
+    language: str = ""
+    text: str = ""
+    results: list[StepResult] = field(default_factory=list)
+
+    def prefix(self, at_finish: bool = False) -> str:
+        if self.chunk_id < self.config.unfixed_chunk_num:
+            return ""
+        p = self.prompts
+        return rollback(p.tokenizer, p.special, self.raw, self.config.unfixed_token_num, at_finish=at_finish)
+
+    def absorb(self, samples: int, prefix: str, prompt: list[int], generated: list[int], final: bool) -> StepResult:
+        """Take one step's output: raw = prefix + decoded generation, parsed; chunk_id advances."""
+        self.raw = prefix + self.prompts.tokenizer.decode(generated)
+        self.language, self.text = self.prompts.parse(self.raw)
+        step = StepResult(len(self.results), samples, prefix, tuple(prompt), tuple(generated), self.raw,
+                          self.language, self.text, final)
+        self.results.append(step)
+        self.chunk_id += 1
+        return step
