@@ -136,15 +136,18 @@ def test_submit_with_audio_embeds_matches_waveform(tiny_asr) -> None:  # noqa: A
 # ------------------------------------------------------------------------ session == oracle (random)
 def test_session_matches_oracle_across_windows_after_a_quiet_start(tiny_asr) -> None:  # noqa: ANN001
     """9 s of near silence (the first 8 s window closes while quiet), then loud audio: the log-mel
-    maximum rises by decades, so the kept window's features change and it must be re-encoded."""
+    maximum rises by decades, so the kept window's features change and it must be re-encoded. 41 s
+    in all: five closed windows, and later steps reuse the decoder KV of the earlier ones."""
     rng = np.random.default_rng(3)
     quiet = (rng.standard_normal(16000 * 9) * 1e-6).astype(np.float32)
-    audio = np.concatenate([quiet, noise(17.3, seed=5) * 4])
+    audio = np.concatenate([quiet, noise(32.3, seed=5) * 4])
     session, oracle = run_both(tiny_asr, audio, [7001, 16000, 333, 40000], chunk_size_sec=2.0,
                                unfixed_chunk_num=2, unfixed_token_num=3, max_new_tokens=5)
     assert_same_steps(session, oracle)
     assert sum(session.stats.windows_recomputed) >= 1  # the clamp case happened and was handled
-    assert len(session.encoder.kept) == 3  # 26.3 s: three closed 8 s windows
+    assert len(session.encoder.kept) == 5
+    reused = [len(r.prompt) - n for r, n in zip(session.results, session.stats.prefill_tokens, strict=True)]
+    assert max(reused) >= 256  # the decoder KV of the kept windows was reused
     assert_stable_only_grows(session)
 
 
@@ -168,8 +171,8 @@ def test_finish_without_tail_and_push_after_finish(tiny_asr) -> None:  # noqa: A
 
 # ----------------------------------------------------------------------------- work per step
 def test_work_per_step_stays_flat_over_a_long_stream(tiny_asr) -> None:  # noqa: ANN001
-    """3 minutes in 4 s chunks: the features and encoder rows a step computes depend on the open
-    window only (the decoder's prefill still grows with the stream: see docs/streaming.md)."""
+    """3 minutes in 4 s chunks: the features, encoder rows and prefilled prompt tokens of a step depend
+    on the open window only (the rest is kept), so late steps cost what early ones do."""
     session = tiny_asr.stream(chunk_size_sec=4.0, max_new_tokens=1, unfixed_chunk_num=100)
     audio = noise(180.0, seed=2)
     for i in range(0, len(audio), 64000):
@@ -177,11 +180,14 @@ def test_work_per_step_stays_flat_over_a_long_stream(tiny_asr) -> None:  # noqa:
     st = session.stats
     assert len(st.frames) == 45
     early, late = slice(2, 6), slice(-4, None)  # two 8 s window cycles each, after the first window closed
-    for name in ("frames", "encoder_tokens"):
+    for name in ("frames", "encoder_tokens", "prefill_tokens"):
         work = getattr(st, name)
         assert sum(work[late]) <= 1.5 * sum(work[early]), (name, work)
     assert max(st.encoder_tokens) <= 2 * 104 + 52 and max(st.frames) <= 400 + 2
-    assert st.prefill_tokens[-1] > 10 * st.prefill_tokens[0]  # not built yet: a fresh prefill every step
+    # prefill: at most a chunk of the grid, the open window and the prompt tail (a fresh prefill of the
+    # last step would be ~2,360 tokens)
+    assert max(st.prefill_tokens) <= 256 + 2 * 104 + 16
+    assert len(session.results[-1].prompt) > 2300
 
 
 # --------------------------------------------------------------------------------- demo model
@@ -226,9 +232,15 @@ def test_demo_session_matches_oracle_and_offline(demo, demo_clips) -> None:  # n
 
 
 def test_demo_session_over_a_long_utterance(demo, demo_clips) -> None:  # noqa: ANN001
-    """The three clips with pauses as one 2-window stream, default official settings."""
+    """The clips with pauses, over and over, as one stream of over 36 s (official default settings):
+    several closed windows, a kept decoder KV prefix in the late steps."""
     gap = np.zeros(8000, np.float32)
-    audio = np.concatenate([demo_clips[0], gap, demo_clips[1], gap, demo_clips[2], gap])
+    parts = []
+    while sum(len(p) for p in parts) < 16000 * 36:
+        parts += [demo_clips[len(parts) // 2 % 3], gap]
+    audio = np.concatenate(parts)
     session, oracle = run_both(demo, audio, [16000 * 2 + 17], chunk_size_sec=2.0, max_new_tokens=32)
     assert_same_steps(session, oracle)
     assert_stable_only_grows(session)
+    reused = [len(r.prompt) - n for r, n in zip(session.results, session.stats.prefill_tokens, strict=True)]
+    assert max(reused) >= 256

@@ -32,7 +32,7 @@ import torch
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.request import GenerationResult, Request
+from qasr.engine.request import GenerationResult, KVLease, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from qasr.engine.validate import Limits, check_embeds, check_positions, check_request
@@ -88,13 +88,13 @@ class Engine:
         enc = checkpoint.config.encoder
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
-                            enc.window_tokens), self.pool.allocator)
+                            enc.window_tokens), self.pool.allocator, move_kv=self.pool.move)
         self.runner = Runner(self.prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
                              checkpoint.features.hop_length, enc.num_mel_bins, enc.chunk_frames, tokens)
-        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closing = False  # no new submits; the loop ends once idle
@@ -112,7 +112,8 @@ class Engine:
     def submit(self, prompt: list[int], *, waveform: np.ndarray | None = None, features: torch.Tensor | None = None,
                max_new_tokens: int, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None,
-               audio_embeds: torch.Tensor | None = None) -> Future:
+               audio_embeds: torch.Tensor | None = None, keep_kv: bool = False,
+               kv_prefix: tuple[KVLease, int] | None = None) -> Future:
         """Queue one request; the future resolves to a GenerationResult (or raises its error).
 
         ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
@@ -123,7 +124,13 @@ class Engine:
 
         ``audio_embeds`` instead of audio: the encoder's output rows, (audio tokens, hidden), computed by
         the caller (a live session keeps the rows of finished 8 s windows and encodes only the open one);
-        the request then skips the encoder and goes straight to prefill with the other requests."""
+        the request then skips the encoder and goes straight to prefill with the other requests.
+
+        ``keep_kv``: on success the request's KV region is kept and returned as ``result.kv`` (a
+        ``KVLease``). ``kv_prefix=(lease, n)`` continues such a region: the first n prompt positions are
+        reused, not prefilled (n a multiple of ``prefill_chunk``, so the later chunks lie on the grid a
+        fresh prefill uses and give the same bits; the caller vouches that the audio rows before n are
+        those of the lease's request). A lease is used once; ``release`` frees one that is not."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -138,10 +145,33 @@ class Engine:
         audio_tokens = prompt.count(self.audio_token_id)
         req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
                       waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
-                      audio_before=self._audio_before(prompt))
+                      audio_before=self._audio_before(prompt), keep_kv=keep_kv)
         if audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
             req.audio, req.encoded_tokens = audio_embeds, audio_tokens
+        if kv_prefix is None:
+            return self._enqueue(req)
+        lease, n = kv_prefix
+        if not (0 < n < len(prompt) and n <= lease.valid and n % self.config.prefill_chunk == 0):
+            raise ValueError(f"kv_prefix length {n} must be a positive multiple of prefill_chunk "
+                             f"({self.config.prefill_chunk}), below the prompt's length and within the lease")
+        if tuple(prompt[:n]) != lease.prompt[:n]:
+            raise ValueError("kv_prefix: the prompt does not start with the kept request's tokens")
+        with self._lock:
+            if lease.taken:
+                raise ValueError("kv_prefix: this KV lease was already used or released")
+            lease.taken = True
+        req.kv_prefix, req.prefilled = lease, n
         return self._enqueue(req)
+
+    def release(self, lease: KVLease) -> None:
+        """Free a kept KV region that no request will continue (no-op if it was used or released)."""
+        with self._lock:
+            if lease.taken:
+                return
+            lease.taken = True
+            if self._closing:  # the loop is gone or going: the pool goes with it
+                return
+            self._inbox.put(lease)  # the allocator belongs to the engine thread
 
     def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,
                          features: torch.Tensor | None = None) -> Future:
@@ -255,8 +285,10 @@ class Engine:
         finally:
             self._fail_everything()
 
-    def _take(self, item: Request | None) -> None:
-        if item is not None:  # None only wakes the loop (close)
+    def _take(self, item: Request | KVLease | None) -> None:
+        if isinstance(item, KVLease):
+            self.pool.allocator.free(item.start, item.reserved)
+        elif item is not None:  # None only wakes the loop (close)
             self.scheduler.add(item)
 
     def _fail_everything(self) -> None:
@@ -273,7 +305,7 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if isinstance(item, Request):
                 pending.append(item)
         for req in pending:
             req.resolve(error=error)
@@ -356,9 +388,17 @@ class Engine:
                 if len(req.output) >= req.max_new_tokens:
                     reason = "length"
             if reason is not None:
-                self.scheduler.finish(req)
+                lease = None
+                if req.keep_kv:  # the region stays allocated until a request takes it over or it is released
+                    self.scheduler.retire(req)
+                    lease = KVLease(req.start, req.reserved, len(req.prompt), tuple(req.prompt))
+                else:
+                    self.scheduler.finish(req)
                 req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
-                                             now - req.submitted))
+                                             now - req.submitted, kv=lease))
+                if lease is not None and req.future.cancelled():  # nobody will see the lease: free it
+                    lease.taken = True
+                    self.pool.allocator.free(lease.start, lease.reserved)
         self.generated_tokens += generated
         self._recent.append((now, generated))
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:

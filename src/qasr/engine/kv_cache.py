@@ -76,6 +76,11 @@ class KVPool:
         self.kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
 
+    def move(self, src: int, dst: int, n: int) -> None:
+        """Copy the keys and values of n tokens from one region to another (non-overlapping)."""
+        self.k[:, :, dst:dst + n] = self.k[:, :, src:src + n]
+        self.v[:, :, dst:dst + n] = self.v[:, :, src:src + n]
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

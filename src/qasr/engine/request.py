@@ -14,12 +14,27 @@ import torch
 _ids = itertools.count()
 
 
+@dataclass(eq=False)
+class KVLease:
+    """The KV region of a finished request that asked to keep it (``submit(keep_kv=True)``): positions
+    [0, valid) hold the keys and values of its prompt and generated tokens. A later request whose prompt
+    starts with the same tokens (and audio rows) takes it over with ``submit(kv_prefix=(lease, n))`` and
+    prefills from n on; ``engine.release(lease)`` frees one that is not taken over."""
+
+    start: int
+    reserved: int
+    valid: int
+    prompt: tuple[int, ...]
+    taken: bool = False  # handed to a request or released: usable once
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # generated ids, EOS excluded
     finish_reason: str  # "eos" | "length"
     ttft_s: float  # submit -> first generated token
     latency_s: float  # submit -> done
+    kv: KVLease | None = None  # the kept KV region, for requests submitted with keep_kv
 
 
 @dataclass(eq=False)
@@ -37,6 +52,8 @@ class Request:
     # alignment requests (max_new_tokens 0): sorted prompt positions whose head argmax is the result;
     # the request ends with its prefill
     classify: np.ndarray | None = None
+    keep_kv: bool = False  # on success, keep the KV region and return it as a KVLease
+    kv_prefix: KVLease | None = None  # start from this kept region: its first ``prefilled`` positions are reused
     future: Future = field(default_factory=Future)
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)

@@ -12,6 +12,7 @@ next step and prefilled within the next two, while the long one keeps moving.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qasr.engine.kv_cache import RegionAllocator
@@ -48,9 +49,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: RegionAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: RegionAllocator,
+                 move_kv: Callable[[int, int, int], None] | None = None) -> None:
+        """``move_kv(src, dst, n)`` copies n tokens of KV between regions (for a kept prefix that must grow)."""
         self.config = config
         self.allocator = allocator
+        self.move_kv = move_kv
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted, holding a KV region, in admission order
         self._turn = False  # which of the oldest request and the express lane is served first
@@ -70,18 +74,56 @@ class Scheduler:
             req = self.waiting[0]
             if req.cancelled:
                 self.waiting.popleft()
+                self._drop_lease(req)
                 req.resolve()  # closes a token stream, if any
                 continue
             if req.needs_tokens > self.allocator.capacity:
+                self._drop_lease(req)
                 impossible.append(self.waiting.popleft())
                 continue
-            start = self.allocator.alloc(req.needs_tokens)
-            if start is None:
-                break  # wait for a region to free up; FIFO keeps latency fair
+            if req.kv_prefix is not None:
+                if not self._take_over(req):
+                    break
+            else:
+                start = self.allocator.alloc(req.needs_tokens)
+                if start is None:
+                    break  # wait for a region to free up; FIFO keeps latency fair
+                req.start, req.reserved = start, req.needs_tokens
             self.waiting.popleft()
-            req.start, req.reserved = start, req.needs_tokens
             self.active.append(req)
         return impossible
+
+    def _take_over(self, req: Request) -> bool:
+        """Give a request the kept region it continues (its first ``prefilled`` positions are reused):
+        in place when the region is big enough, else a region half again as large (so a growing
+        session moves rarely) with the reused positions copied over. False: wait for memory."""
+        lease = req.kv_prefix
+        assert lease is not None
+        if lease.reserved >= req.needs_tokens:
+            req.start, req.reserved = lease.start, lease.reserved
+        else:
+            size = min(req.needs_tokens * 3 // 2, self.allocator.capacity)
+            start = self.allocator.alloc(size)
+            if start is None:
+                size = req.needs_tokens
+                start = self.allocator.alloc(size)
+            if start is None:
+                return False
+            assert self.move_kv is not None, "kept KV prefixes need a move_kv callback"
+            self.move_kv(lease.start, start, req.prefilled)
+            self.allocator.free(lease.start, lease.reserved)
+            req.start, req.reserved = start, size
+        req.kv_prefix = None
+        return True
+
+    def _drop_lease(self, req: Request) -> None:
+        if req.kv_prefix is not None:  # never admitted: its kept region goes back to the pool
+            self.allocator.free(req.kv_prefix.start, req.kv_prefix.reserved)
+            req.kv_prefix = None
+
+    def retire(self, req: Request) -> None:
+        """A finished request that keeps its region (keep_kv): out of the running set, region held."""
+        self.active.remove(req)
 
     def plan(self) -> StepPlan:
         """Every step runs all decode rows plus a bounded slice of the other work, so the running

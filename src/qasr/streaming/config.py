@@ -22,8 +22,8 @@ class StreamConfig:
     sample_rate: int = 16000
 
     def __post_init__(self) -> None:
-        if self.chunk_size_samples < 1:
-            raise ValueError(f"chunk_size_sec must give at least one sample, got {self.chunk_size_sec}")
+        if self.chunk_size_samples < self.sample_rate // 100:  # every step must add a feature frame (10 ms)
+            raise ValueError(f"chunk_size_sec must be at least 0.01, got {self.chunk_size_sec}")
         if self.unfixed_chunk_num < 0 or self.unfixed_token_num < 0:
             raise ValueError("unfixed_chunk_num and unfixed_token_num must be >= 0")
         if self.max_new_tokens < 1:

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qasr.engine.engine import Engine
+from qasr.engine.request import KVLease
 from qasr.model.checkpoint import Checkpoint
 from qasr.streaming.config import StreamConfig
 from qasr.streaming.logmel import StreamingLogMel
 from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.steps import StepResult, StreamText
 from qasr.streaming.text import PromptBuilder
-from qasr.streaming.windows import WindowEncoder
+from qasr.streaming.windows import KeptWindow, WindowEncoder
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class SessionStats:
     frames: list[int] = field(default_factory=list)  # log-mel frames computed
     encoder_tokens: list[int] = field(default_factory=list)  # encoder output rows computed
     windows_recomputed: list[int] = field(default_factory=list)  # kept windows redone (clamp floor rose)
-    prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens the decoder prefilled
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens prefilled (the rest: kept KV)
     stable_conflicts: int = 0  # steps whose transcript contradicted the committed stable text
 
 
@@ -66,6 +67,10 @@ class Session:
         self.stats = SessionStats()
         self.stable = ""
         self.finished = False
+        # decoder KV kept from the last step: its region, and the kept encoder windows its prompt held
+        self._lease: KVLease | None = None
+        self._lease_windows: tuple[KeptWindow, ...] = ()
+        self._window_tokens = checkpoint.config.encoder.window_tokens
         self._undelivered: deque[Update] = deque()
 
     @property
@@ -95,6 +100,7 @@ class Session:
         self.consumed = self.audio.size
         if tail and self.audio.size >= self.checkpoint.features.hop_length:
             return self._step(self.state.prefix(at_finish=True), final=True)
+        self.close()
         return self._publish(self.state.text, final=True, step=len(self.results) - 1)
 
     def updates(self) -> Iterator[Update]:
@@ -113,10 +119,37 @@ class Session:
         self.stats.encoder_tokens.append(computed)
         self.stats.windows_recomputed.append(recomputed)
         prompt = self.state.prompts(embeds.shape[0], prefix)
-        self.stats.prefill_tokens.append(len(prompt))
-        result = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens).result()
+        reuse = self._reusable(prompt)
+        lease, self._lease = self._lease, None
+        if lease is not None and not reuse:
+            self.engine.release(lease)
+        self.stats.prefill_tokens.append(len(prompt) - reuse)
+        result = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens,
+                                    keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None).result()
+        self._lease, self._lease_windows = result.kv, self.encoder.used
         step = self.state.absorb(self.consumed, prefix, prompt, result.token_ids, final)
         return self._publish(step.text, final, step.index)
+
+    def _reusable(self, prompt: list[int]) -> int:
+        """Prompt positions whose decoder KV the last step's region already holds: the prompt head and
+        the kept encoder windows both steps share unchanged, rounded down to the engine's prefill chunk
+        grid (later chunks then lie where a fresh prefill puts them, so they give the same bits)."""
+        if self._lease is None:
+            return 0
+        shared = 0
+        for old, new in zip(self._lease_windows, self.encoder.used, strict=False):
+            if old is not new:
+                break
+            shared += 1
+        head = prompt.index(self.checkpoint.special.audio_pad)
+        chunk = self.engine.config.prefill_chunk
+        return (head + shared * self._window_tokens) // chunk * chunk
+
+    def close(self) -> None:
+        """Free the decoder KV kept for the next step (``finish`` does this too)."""
+        if self._lease is not None:
+            self.engine.release(self._lease)
+            self._lease = None
 
     def _publish(self, text: str, final: bool, step: int) -> Update:
         if final:

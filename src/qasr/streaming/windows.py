@@ -32,11 +32,13 @@ class WindowEncoder:
         enc = model.cfg.encoder
         self.window_frames = enc.window_tokens // enc.tokens_per_chunk * enc.chunk_frames
         self.kept: list[KeptWindow] = []
+        self.used: tuple[KeptWindow, ...] = ()
 
     @torch.inference_mode()
     def encode(self, mel: StreamingLogMel) -> tuple[torch.Tensor, int, int]:
         """Encoder output for all the stream's frames; returns (rows, tokens computed now, kept windows
-        recomputed because the clamp floor moved under them)."""
+        recomputed because the clamp floor moved under them). ``self.used`` then lists the kept windows
+        the rows begin with (the same objects while unchanged: the decoder's KV reuse compares them)."""
         wf = self.window_frames
         closed = mel.final // wf  # windows whose frames are all final
         floor = float(mel.floor)
@@ -53,7 +55,8 @@ class WindowEncoder:
                 recomputed += 1
             else:
                 self.kept.append(entry)
-        parts = [k.rows for k in self.kept[:closed]]
+        self.used = tuple(self.kept[:closed])
+        parts = [k.rows for k in self.used]
         if mel.frames > closed * wf:
             open_rows = self._run(mel.features(closed * wf, mel.frames))
             computed += open_rows.shape[0]
