@@ -3,7 +3,9 @@ cost per step that depends on the open 8 s window rather than on the whole strea
 see docs/streaming.md for what is still proportional to the stream).
 
 ``push`` takes float32 or int16 16 kHz mono samples of any size; every full chunk makes one step and one
-``Update``. ``finish`` decodes the leftover samples once more and returns the final update.
+``Update``. ``finish`` decodes the leftover samples once more and returns the final update. A session
+is driven from one thread at a time; it encodes on that thread and decodes on the shared engine, so
+several sessions (on their own threads) batch their decoder work together.
 """
 
 from __future__ import annotations
@@ -124,8 +126,14 @@ class Session:
         if lease is not None and not reuse:
             self.engine.release(lease)
         self.stats.prefill_tokens.append(len(prompt) - reuse)
-        result = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens,
-                                    keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None).result()
+        try:
+            future = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens,
+                                        keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None)
+        except Exception:
+            if lease is not None:
+                self.engine.release(lease)  # refused at submit: the region was not handed over
+            raise
+        result = future.result()
         self._lease, self._lease_windows = result.kv, self.encoder.used
         step = self.state.absorb(self.consumed, prefix, prompt, result.token_ids, final)
         return self._publish(step.text, final, step.index)
