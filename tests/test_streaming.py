@@ -12,7 +12,7 @@ import torch
 
 from qasr.features import LogMel
 from qasr.model.prompt import build_prompt
-from qasr.streaming import OracleStream, StreamConfig
+from qasr.streaming import OracleStream, Session, StreamConfig
 from qasr.streaming.logmel import StreamingLogMel
 from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.text import PromptBuilder, encode_raw, rollback
@@ -24,7 +24,7 @@ DEMO = ROOT / "models" / "qasr-demo-en"
 
 def run_both(asr, audio: np.ndarray, pushes: list[int], **settings):  # noqa: ANN001, ANN201 - test helper
     """Feed the same audio to a session and to the oracle in the same pieces; return both."""
-    session = asr.stream(**settings)
+    session = Session(asr.engine, asr.checkpoint, StreamConfig(**settings), record=True)
     oracle = OracleStream(asr.engine, asr.checkpoint, StreamConfig(**settings))
     i, k = 0, 0
     while i < len(audio):
@@ -163,7 +163,8 @@ def test_finish_without_tail_and_push_after_finish(tiny_asr) -> None:  # noqa: A
     session = tiny_asr.stream(chunk_size_sec=1.0, max_new_tokens=3)
     session.push(noise(2.0, seed=1))
     final = session.finish()
-    assert final.final and len(session.results) == 2  # no leftover audio: no third decode
+    assert final.final and session.state.steps == 2 and final.step == 1  # no leftover audio: no third decode
+    assert len(session.results) == 1  # without record only the last step's result is kept
     assert final.text == session.results[-1].text
     with pytest.raises(RuntimeError):
         session.push(noise(1.0))

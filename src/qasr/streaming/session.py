@@ -56,12 +56,15 @@ class SessionStats:
 
 
 class Session:
-    def __init__(self, engine: Engine, checkpoint: Checkpoint, config: StreamConfig | None = None) -> None:
+    def __init__(self, engine: Engine, checkpoint: Checkpoint, config: StreamConfig | None = None,
+                 record: bool = False) -> None:
+        """``record``: keep every step's ``StepResult`` in ``results`` (for tests: each holds its whole
+        prompt, so a long session would grow quadratically); by default only the last one."""
         self.engine = engine
         self.checkpoint = checkpoint
         self.config = config = config or StreamConfig()
         self.state = StreamText(config, PromptBuilder(checkpoint.tokenizer, checkpoint.special, config.context,
-                                                      config.language))
+                                                      config.language), record=record)
         self.audio = SampleBuffer()
         self.consumed = 0  # samples of ``audio`` already decoded (whole chunks, then the tail at finish)
         self.mel = StreamingLogMel(checkpoint.features)
@@ -77,7 +80,7 @@ class Session:
 
     @property
     def results(self) -> list[StepResult]:
-        """Every step's prompt, generated ids and parse (what the tests compare with the oracle)."""
+        """The steps' prompts, generated ids and parses (all of them with ``record``, else the last)."""
         return self.state.results
 
     def push(self, pcm: np.ndarray) -> list[Update]:
@@ -103,7 +106,7 @@ class Session:
         if tail and self.audio.size >= self.checkpoint.features.hop_length:
             return self._step(self.state.prefix(at_finish=True), final=True)
         self.close()
-        return self._publish(self.state.text, final=True, step=len(self.results) - 1)
+        return self._publish(self.state.text, final=True, step=self.state.steps - 1)
 
     def updates(self) -> Iterator[Update]:
         """Yield the updates not yet taken from here, in order (those of later pushes too, as it is

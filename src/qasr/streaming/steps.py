@@ -33,6 +33,8 @@ class StreamText:
     raw: str = ""
     language: str = ""
     text: str = ""
+    record: bool = True  # keep every step's result (tests); else only the last (a result holds its prompt)
+    steps: int = 0
     results: list[StepResult] = field(default_factory=list)
 
     def prefix(self, at_finish: bool = False) -> str:
@@ -45,8 +47,11 @@ class StreamText:
         """Take one step's output: raw = prefix + decoded generation, parsed; chunk_id advances."""
         self.raw = prefix + self.prompts.tokenizer.decode(generated)
         self.language, self.text = self.prompts.parse(self.raw)
-        step = StepResult(len(self.results), samples, prefix, tuple(prompt), tuple(generated), self.raw,
+        step = StepResult(self.steps, samples, prefix, tuple(prompt), tuple(generated), self.raw,
                           self.language, self.text, final)
+        if not self.record:
+            self.results.clear()
         self.results.append(step)
+        self.steps += 1
         self.chunk_id += 1
         return step
