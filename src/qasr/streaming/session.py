@@ -26,6 +26,8 @@ from qasr.streaming.steps import StepResult, StreamText
 from qasr.streaming.text import PromptBuilder
 from qasr.streaming.windows import KeptWindow, WindowEncoder
 
+UPDATE_QUEUE = 1024  # untaken updates held for updates()
+
 
 @dataclass(frozen=True)
 class Update:
@@ -76,7 +78,8 @@ class Session:
         self._lease: KVLease | None = None
         self._lease_windows: tuple[KeptWindow, ...] = ()
         self._window_tokens = checkpoint.config.encoder.window_tokens
-        self._undelivered: deque[Update] = deque()
+        # bounded: a caller that reads push()'s return values never drains it (it then holds the last few)
+        self._undelivered: deque[Update] = deque(maxlen=UPDATE_QUEUE)
 
     @property
     def results(self) -> list[StepResult]:
@@ -110,7 +113,7 @@ class Session:
 
     def updates(self) -> Iterator[Update]:
         """Yield the updates not yet taken from here, in order (those of later pushes too, as it is
-        iterated again)."""
+        iterated again). At most the last ``UPDATE_QUEUE`` untaken updates are held."""
         while self._undelivered:
             yield self._undelivered.popleft()
 
