@@ -101,11 +101,15 @@ def main() -> int:
     lines += long_kinds(rows, refs, hyps, results)
     silent = [i for i, r in enumerate(rows) if r["kind"] == "nonspeech"]
     # Empty text is not enough: a broken output ("langu", "language None" without its tag) also parses
-    # to no text. The model's real answer for no speech is exactly ``language None<asr_text>``.
-    noisy = [i for i in silent if hyps[i].strip() or results[i].raw.strip() != EMPTY_RAW]
+    # to no text. The model's real answer for no speech is exactly ``language None<asr_text>``, once per
+    # piece the clip was cut into. Segmentation "auto" sends clips over 30 s through the speech detector
+    # ("vad"); where it finds no speech at all there is no piece, no model call and no output (raw "").
+    noisy = [i for i in silent if hyps[i].strip() or results[i].raw.strip() != EMPTY_RAW * pieces(results[i])]
+    unasked = sum(pieces(results[i]) == 0 for i in silent)
     spans = [rows[i]["duration"] for i in silent] or [0.0]
+    note = f"; {unasked} of them over 30 s without a model call: no speech detected" if unasked else ""
     lines.append(f"- clips without speech ({min(spans):.0f}-{max(spans):.0f} s; silence, noise, hum) answered "
-                 f"`{EMPTY_RAW}` (empty text): **{len(silent) - len(noisy)} of {len(silent)}**")
+                 f"`{EMPTY_RAW}` (empty text): **{len(silent) - len(noisy)} of {len(silent)}**{note}")
     audio = sum(r.duration for r in results)
     lines.append(f"- {audio:.0f} s of audio in {elapsed:.1f} s ({cpu_name()}; {asr.checkpoint.device}, "
                  f"{asr.checkpoint.dtype}, {args.threads} thread(s), one batched transcribe() call)")
@@ -143,10 +147,16 @@ def long_kinds(rows: list[dict], refs: list[str], hyps: list[str], results: list
                      f"({len(idx)} clips, {n} words)")
         if kind == "multi":
             whole = sum(len(normalize(hyps[i]).split()) >= 0.9 * len(normalize(refs[i]).split()) for i in idx)
-            pieces = sum(len(getattr(results[i], "segments", ())) or 1 for i in idx)
+            n = sum(max(1, pieces(results[i])) for i in idx)
             lines.append(f"  - transcribed whole (>= 90% of the words): {whole} of {len(idx)}; "
-                         f"{pieces} transcribe() pieces for {len(idx)} clips")
+                         f"{n} transcribe() pieces for {len(idx)} clips")
     return lines
+
+
+def pieces(result: object) -> int:
+    """How many pieces (model calls) a clip's transcription came from; 1 for results without segments."""
+    segments = getattr(result, "segments", None)
+    return 1 if segments is None else len(segments)
 
 
 def cpu_name() -> str:
