@@ -23,6 +23,13 @@ clips, random word runs, long non-speech) can be taught in an hour without relea
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_demo_model.py --init models/qasr-demo-en \
         --out /tmp/demo-new --steps 3000 --lr 4e-4 --warmup 150 --batch-seconds 40
 
+For the long kinds, fine-tuning can weight the kinds (``--kind-weights words=2,multi=2``: a clip of weight
+w is drawn w times per pass, fractions at random), add long clips joined on the fly from clips of one voice
+(``--concat-clips N`` per pass: 8-30 s of single sentences and word runs back to back, so the decoder sees
+ever new long sequences instead of memorising the fixed multi-sentence clips), and check progress through
+the fast ``qasr.ASR`` path (``--check-minutes M``: save a checkpoint and run scripts/eval_demo_model.py on
+it; the in-loop greedy check recomputes every step without a cache and costs minutes on long clips).
+
 Deterministic for a given seed and thread count (one thread by default: the budget is 45 min on one core).
 """
 
@@ -162,7 +169,7 @@ class Trainer:
             wave = u.wave.astype(np.float32) / 32768.0
             speed = 1.0
             if rng is not None:
-                speed = rng.uniform(0.9, 1.1)
+                speed = rng.uniform(*self.args.speed_range)
                 wave = soxr.resample(wave, SR * speed, SR).astype(np.float32)
                 wave *= 10 ** (rng.uniform(-10, 6) / 20)
                 wave = np.clip(wave, -1, 1)
@@ -258,13 +265,20 @@ def spec_augment(f: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
     return f
 
 
-def batches(utts: list[Utt], seconds: float, rng: np.random.Generator) -> list[list[Utt]]:
+Item = Utt | tuple[Utt, ...]  # a clip, or clips of one voice to be joined into one (see join)
+
+
+def samples(item: Item) -> int:
+    return sum(len(u.wave) for u in item) if isinstance(item, tuple) else len(item.wave)
+
+
+def batches(utts: list[Item], seconds: float, rng: np.random.Generator) -> list[list[Item]]:
     """Shuffled batches of similar duration, each holding about ``seconds`` of audio."""
-    order = sorted(range(len(utts)), key=lambda i: len(utts[i].wave) + rng.uniform(0, 0.3 * SR))
+    order = sorted(range(len(utts)), key=lambda i: samples(utts[i]) + rng.uniform(0, 0.3 * SR))
     out, cur, total = [], [], 0.0
     for i in order:
         cur.append(utts[i])
-        total += len(utts[i].wave) / SR
+        total += samples(utts[i]) / SR
         if total >= seconds:
             out.append(cur)
             cur, total = [], 0.0
@@ -272,6 +286,55 @@ def batches(utts: list[Utt], seconds: float, rng: np.random.Generator) -> list[l
         out.append(cur)
     rng.shuffle(out)  # type: ignore[arg-type]
     return out
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"words=2,multi=2.5"`` -> {"words": 2.0, "multi": 2.5}; kinds not named keep weight 1."""
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+def epoch_items(train: list[Utt], weights: dict[str, float], concat: int, max_s: float,
+                rng: np.random.Generator) -> list[Item]:
+    """One pass: each clip drawn ``weights[kind]`` times (fractions at random), plus ``concat`` joined clips.
+
+    A joined clip is 2 or more single sentences and word runs of one voice, back to back (each clip
+    brings its own 0.05-0.8 s of padding, so the pauses are natural), 8 s to ``max_s`` long.
+    """
+    items: list[Item] = []
+    for u in train:
+        w = weights.get(u.kind, 1.0)
+        items += [u] * (int(w) + int(rng.random() < w - int(w)))
+    by_voice: dict[str, list[Utt]] = {}
+    for u in train:
+        if u.kind in ("sentence", "words"):
+            by_voice.setdefault(u.voice, []).append(u)
+    voices = sorted(by_voice)
+    for _ in range(concat):
+        pool = by_voice[voices[int(rng.integers(len(voices)))]]
+        goal, parts, total = rng.uniform(8.0, max_s) * SR, [], 0
+        for _ in range(64):
+            u = pool[int(rng.integers(len(pool)))]
+            if total + len(u.wave) > max_s * SR:
+                continue
+            parts.append(u)
+            total += len(u.wave)
+            if total >= goal:
+                break
+        if len(parts) >= 2:
+            items.append(tuple(parts))
+    return items
+
+
+def join(item: Item) -> Utt:
+    """A joined clip as one Utt: waves back to back, texts joined, phoneme times shifted."""
+    if not isinstance(item, tuple):
+        return item
+    phones, offset = [], 0.0
+    for u in item:
+        phones += [(p, a + offset, b + offset) for p, a, b in u.phones]
+        offset += len(u.wave) / SR
+    return Utt(np.concatenate([u.wave for u in item]), " ".join(u.text for u in item), item[0].voice, phones,
+               "concat")
 
 
 def wer(refs: list[str], hyps: list[str]) -> float:
@@ -352,9 +415,14 @@ def warm_start(init: Path, out: Path) -> tuple[Qwen3ASRModel, dict[str, int], di
 
 
 def monitor_set(val: list[Utt]) -> list[Utt]:
-    """A fixed slice of validation for progress lines: sentences first, then a few of each other kind."""
-    first = {"sentence": 96, "multi": 6, "words": 10, "nonspeech": 8}
-    return [u for kind, n in first.items() for u in [u for u in val if u.kind == kind][:n]]
+    """A fixed slice of validation for progress lines: sentences first, then a few short clips of other kinds.
+
+    Short clips only (<= 12 s): the greedy check has no KV cache, and long clips made each check cost
+    minutes. The long kinds are measured properly by --check-minutes.
+    """
+    first = {"sentence": 96, "words": 10, "nonspeech": 8}
+    short = [u for u in val if len(u.wave) <= 12 * SR]
+    return [u for kind, n in first.items() for u in [u for u in short if u.kind == kind][:n]]
 
 
 def main() -> None:
@@ -372,7 +440,16 @@ def main() -> None:
     ap.add_argument("--vocab-budget", type=int, default=1000)
     ap.add_argument("--dims", default="", help="overrides, e.g. d_model=192,encoder_layers=3")
     ap.add_argument("--train-limit", type=int, default=None)
-    ap.add_argument("--eval-every", type=int, default=1000)
+    ap.add_argument("--eval-every", type=int, default=1000, help="greedy progress check on short clips (0: never)")
+    ap.add_argument("--check-minutes", type=float, default=0.0,
+                    help="every this many minutes save a checkpoint under OUT/checkpoints and run "
+                         "scripts/eval_demo_model.py on it (the fast qasr.ASR path; 0: never)")
+    ap.add_argument("--kind-weights", default="", help="draws per pass of each kind of clip, e.g. words=2,multi=2")
+    ap.add_argument("--concat-clips", type=int, default=0,
+                    help="clips per pass joined on the fly from single sentences and word runs of one voice")
+    ap.add_argument("--concat-max-seconds", type=float, default=29.5)
+    ap.add_argument("--speed-range", type=lambda t: tuple(float(x) for x in t.split(",")), default=(0.9, 1.1),
+                    help="speed perturbation factors, e.g. 0.85,1.15")
     ap.add_argument("--max-minutes", type=float, default=44.0, help="stop early (and save) past this wall time")
     ap.add_argument("--time-schedule", action="store_true",
                     help="decay the learning rate over --max-minutes when that ends first (on a shared CPU the "
@@ -420,14 +497,17 @@ def main() -> None:
 
     model.train()
     step, epoch, seen = 0, 0, 0.0
-    pending: list[list[Utt]] = []
+    pending: list[list[Item]] = []
     logs = np.zeros(3)
     stopped_early = False
+    weights = parse_weights(args.kind_weights)
+    next_check = args.check_minutes
     while step < args.steps:
         if not pending:
-            pending = batches(train, args.batch_seconds, rng)
+            items = epoch_items(train, weights, args.concat_clips, args.concat_max_seconds, rng)
+            pending = batches(items, args.batch_seconds, rng)
             epoch += 1
-        batch = pending.pop()
+        batch = [join(x) for x in pending.pop()]
         for g in opt.param_groups:
             share = (time.time() - t0) / 60 / args.max_minutes if args.time_schedule else 0.0
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup, share)
@@ -445,8 +525,11 @@ def main() -> None:
                   f"lr {opt.param_groups[0]['lr']:.2e} audio {seen / 3600:.1f} h {(time.time() - t0) / 60:.1f} min",
                   flush=True)
             logs[:] = 0
-        if step % args.eval_every == 0 or step == args.steps:
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             report(trainer, monitor)
+        if args.check_minutes and (time.time() - t0) / 60 >= next_check:
+            check(model, dims, specials, args, step)
+            next_check = (time.time() - t0) / 60 + args.check_minutes
         if (time.time() - t0) / 60 > args.max_minutes:
             print(f"stopping early at step {step}: past {args.max_minutes} min", flush=True)
             stopped_early = True
@@ -456,12 +539,43 @@ def main() -> None:
     minutes = (time.time() - t0) / 60
     hours = sum(len(u.wave) for u in train) / SR / 3600
     early = ", stopped early by --max-minutes" if stopped_early else ""
-    start = f"fine-tuned from the previous release ({args.init.name}); " if args.init is not None else ""
+    start = f"fine-tuned from {args.init.name}; " if args.init is not None else ""
+    if weights or args.concat_clips:
+        drawn = ", ".join(f"{k} x{w:g}" for k, w in weights.items())
+        start += (f"clips drawn per pass by kind ({drawn or 'all x1'}) plus {args.concat_clips} clips joined "
+                  f"on the fly from one voice's sentences and word runs (8-{args.concat_max_seconds:g} s); ")
     run = (f"{start}{step} steps ({seen / 3600:.1f} h of audio seen, {seen / 3600 / hours:.1f} passes over the data) "
            f"in {minutes:.1f} min on {args.threads} CPU thread(s){early}; seed {args.seed}; "
            f"command: `{' '.join(['scripts/train_demo_model.py', *_cli(args, ap)])}`")
-    write_card(args.out, dims, n_params, cfg.decoder.vocab_size, train, hours, run, args.save_dtype)
+    write_card(args.out, dims, n_params, cfg.decoder.vocab_size, train, hours, run, args.save_dtype,
+               args.speed_range)
     print(f"saved {args.out} after {minutes:.1f} min", flush=True)
+
+
+def check(model: Qwen3ASRModel, dims: dict[str, int], specials: dict[str, int], args: argparse.Namespace,
+          step: int) -> None:
+    """Save a checkpoint (as released) and measure it with scripts/eval_demo_model.py on one thread."""
+    import os
+    import subprocess
+    import sys
+
+    started = time.time()
+    ckpt = args.out / "checkpoints" / f"step{step}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(args.out / name, ckpt / name)
+    save(model, dims, specials, ckpt, getattr(torch, args.save_dtype))
+    script = Path(__file__).resolve().parent / "eval_demo_model.py"
+    try:  # a failed check must not end the run
+        out = subprocess.run([sys.executable, str(script), "--model", str(ckpt), "--data", str(args.data),
+                              "--threads", "1", "--show", "2"], capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = out.stdout.splitlines() or out.stderr.splitlines()[-5:]
+    except OSError as e:
+        lines = [f"check failed: {e}"]
+    print(f"  check {ckpt} ({time.time() - started:.0f} s):", flush=True)
+    for line in lines:
+        print(f"    {line}", flush=True)
 
 
 def report(trainer: Trainer, monitor: list[Utt]) -> None:
@@ -479,11 +593,14 @@ def report(trainer: Trainer, monitor: list[Utt]) -> None:
 
 def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """The options that differ from their defaults, as command-line text."""
-    return [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != parser.get_default(k)]
+    def text(v: object) -> str:
+        return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    return [f"--{k.replace('_', '-')} {text(v)}" for k, v in vars(args).items() if v != parser.get_default(k)]
 
 
 def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, train: list[Utt], hours: float,
-               run: str, dtype: str) -> None:
+               run: str, dtype: str, speeds: tuple[float, float] = (0.9, 1.1)) -> None:
     """The model card: what the model is, how it was made, and what it cannot do."""
     card = out / "README.md"
     kinds = Counter(u.kind for u in train)
@@ -544,8 +661,8 @@ data), and validation word runs use only those voices at speeds outside 130-190 
 turn `language English<asr_text>{{text}}<|im_end|>`, or `language None<asr_text><|im_end|>` for clips
 without speech), loss on the assistant turn only, plus two auxiliary losses on the audio embeddings whose
 heads are not saved: frame-level phoneme classification against the phoneme times espeak-ng reports, and
-CTC on the transcript tokens. AdamW, warm-up then cosine decay; speed perturbation 0.9-1.1, random gain,
-SpecAugment masks. {run}.
+CTC on the transcript tokens. AdamW, warm-up then cosine decay; speed perturbation
+{speeds[0]:g}-{speeds[1]:g}, random gain, SpecAugment masks. {run}.
 
 ## Evaluation
 
