@@ -11,13 +11,13 @@ timestamp classifier (class k = k x 80 ms). The encoder and decoder start from t
 (models/qasr-demo-en), which already hears this speech; the classifier starts from scratch. The input is
 the official aligner layout (qasr.align.layout.build_aligner_prompt):
 ``<|audio_start|><|audio_pad|>*T<|audio_end|>w1<timestamp><timestamp>w2...``, one causal forward, and
-the loss is cross-entropy at the ``<timestamp>`` slots only, the targets being round(time / 80 ms) of
-each word's true start and end. Augmentation: speed perturbation 0.9-1.1 (times scaled with it), random
-gain, two frequency masks.
+the loss is cross-entropy at the ``<timestamp>`` slots, the targets being round(time / 80 ms) of each
+word's true start and end, plus an auxiliary one at the audio positions (see Trainer.logits).
+Augmentation: speed perturbation 0.9-1.1 (times scaled with it), random gain, two frequency masks.
 
-    git show HEAD:models/qasr-demo-en/...   # --init-commit does this: a fixed copy of the ASR weights
+    # --init-commit: the ASR demo model as of that commit (a copy under data/; the working copy may change)
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_aligner_model.py --data data/aligner \\
-        --out models/qasr-demo-aligner-en --init-commit HEAD
+        --out models/qasr-demo-aligner-en --init-commit 7cffe91 --steps 3000 --time-schedule --max-minutes 28
 
 Deterministic for a seed and thread count, unless --time-schedule ties the learning rate to the clock.
 """
@@ -45,7 +45,7 @@ from torch import nn
 from qasr.align.layout import build_aligner_prompt
 from qasr.features import LogMel
 from qasr.model.asr_model import Qwen3ASRModel
-from qasr.model.config import ModelConfig
+from qasr.model.config import ModelConfig, post_conv_length
 from qasr.model.prompt import SpecialTokens
 from qasr.model.tokenizer import Tokenizer
 from qasr.model.weights import load_model
@@ -140,23 +140,39 @@ class Trainer:
                 f[s:s + w] = float(f.mean())
         return f, speed
 
-    def logits(self, utts: list[Utt], rng: np.random.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Classifier logits at every timestamp slot of the batch and the target classes."""
+    def logits(self, utts: list[Utt], rng: np.random.Generator | None,
+               audio_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Classifier logits and target classes at every timestamp slot of the batch, and how many slots.
+
+        With ``audio_rows`` the audio placeholder positions follow, each labelled with its own start time
+        (token k of 1 s chunk c starts at c s + k x 80 ms, i.e. class round(12.5 c + k)): an auxiliary
+        task that makes the decoder carry each audio token's absolute time in its hidden state, which a
+        timestamp slot then only has to copy from the audio it attends to. Without it the decoder must
+        discover time by itself (the encoder's positions restart every 1 s chunk), which the official
+        model could afford and a 40-minute run cannot."""
         feats, speeds = zip(*(self.features(u, rng) for u in utts), strict=True)
         audio = self.model.audio_tower(list(feats))
-        ids, lens, rows, targets = [], [], [], []
-        for a, u, speed in zip(audio, utts, speeds, strict=True):
+        ids, lens, rows, targets, extra_rows, extra_targets = [], [], [], [], [], []
+        chunk = self.model.cfg.encoder.chunk_frames
+        for a, u, f, speed in zip(audio, utts, feats, speeds, strict=True):
             prompt = build_aligner_prompt(self.tok, self.special, self.timestamp_id, a.shape[0],
                                           [w for w, _, _ in u.words])
             rows += [len(ids) + s for s in prompt.slots]
             targets += [min(self.classes - 1, round(t / speed * 1000 / SEGMENT_MS))
                         for _, start, end in u.words for t in (start, end)]
+            if audio_rows:
+                frames = f.shape[1]  # 10 ms each; token k of the chunk starting at frame c starts at frame c + 8 k
+                starts_ms = [10 * (c + 8 * k) for c in range(0, frames, chunk)
+                             for k in range(post_conv_length(min(chunk, frames - c)))]
+                assert len(starts_ms) == a.shape[0]
+                extra_rows += [len(ids) + 1 + j for j in range(len(starts_ms))]
+                extra_targets += [min(self.classes - 1, round(t / SEGMENT_MS)) for t in starts_ms]
             ids += prompt.ids
             lens.append(len(prompt.ids))
         positions = torch.cat([torch.arange(n) for n in lens])
         out = self.model(torch.tensor(ids), positions, PackedCausalStore(lens), None,  # type: ignore[arg-type]
-                         logits_rows=torch.tensor(rows), audio_embeds=torch.cat(audio))
-        return out, torch.tensor(targets)
+                         logits_rows=torch.tensor(rows + extra_rows), audio_embeds=torch.cat(audio))
+        return out, torch.tensor(targets + extra_targets), len(rows)
 
     @torch.no_grad()
     def error_ms(self, utts: list[Utt]) -> float:
@@ -164,7 +180,7 @@ class Trainer:
         self.model.eval()
         errs = []
         for i in range(0, len(utts), 8):
-            logits, targets = self.logits(utts[i:i + 8], None)
+            logits, targets, _ = self.logits(utts[i:i + 8], None)
             errs.append((logits.argmax(-1) - targets).abs().float() * SEGMENT_MS)
         self.model.train()
         return float(torch.cat(errs).mean())
@@ -226,6 +242,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--head-lr", type=float, default=3e-3, help="the fresh classifier learns faster")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--position-weight", type=float, default=0.5,
+                    help="weight of the auxiliary loss: each audio position predicts its own time class")
     ap.add_argument("--train-limit", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--max-minutes", type=float, default=40.0, help="stop (and save) past this wall time")
@@ -274,8 +292,10 @@ def main() -> None:
         share = (time.time() - t0) / 60 / args.max_minutes if args.time_schedule else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, g["peak"], args.warmup, share)
-        logits, targets = trainer.logits(batch, rng)
-        loss = F.cross_entropy(logits, targets)
+        logits, targets, n = trainer.logits(batch, rng, audio_rows=args.position_weight > 0)
+        loss = F.cross_entropy(logits[:n], targets[:n])
+        if args.position_weight > 0:
+            loss = loss + args.position_weight * F.cross_entropy(logits[n:], targets[n:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -383,7 +403,10 @@ multi-sentence clips and all validation word runs use voices from accents and va
 
 `scripts/train_aligner_model.py`: the official aligner input (`<|audio_start|>`, the audio placeholders,
 `<|audio_end|>`, then each word followed by two `<timestamp>` tokens), one causal forward, cross-entropy
-at the `<timestamp>` slots only against round(time / {SEGMENT_MS} ms) of each word's start and end. AdamW,
+at the `<timestamp>` slots against round(time / {SEGMENT_MS} ms) of each word's start and end, plus (weight
+0.5) an auxiliary cross-entropy of the same head at every audio placeholder against that audio token's
+own start time, so that the decoder carries absolute time in its hidden states (the encoder's positions
+restart every 1 s chunk) and a slot has only to copy it from the audio it attends to. AdamW,
 warm-up then cosine decay, the fresh classifier at a higher learning rate; speed perturbation 0.9-1.1
 (targets scaled with it), random gain, frequency masks. {run}.
 
