@@ -9,8 +9,13 @@ Both sides run in this one invocation on the same model and the same clips (espe
 The ratio of their throughputs is what HTTP, multipart parsing and per-request decoding cost. Latency
 percentiles are per HTTP request (upload to last byte); with ``--stream`` the time to the first delta too.
 
-    .venv/bin/python benchmarks/server_load.py [--clients 16] [--requests 128] [--model models/qasr-demo-en]
-    .venv/bin/python benchmarks/server_load.py --clients 2 --requests 8    # a smoke run
+By default the model is a random checkpoint with the real Qwen3-ASR-0.6B dimensions (bf16), built once
+and cached: random weights rarely end a text early, so every request generates up to its cap, the same
+on both sides.
+
+    .venv/bin/python benchmarks/server_load.py [--clients 64] [--requests 256] [--stream] [--model DIR]
+    .venv/bin/python benchmarks/server_load.py --model models/qasr-demo-en --dtype float32 --clients 2 \
+        --requests 8    # a smoke run
 
 Prints a table, writes JSON and a PNG to --out (default benchmarks/results/).
 """
@@ -42,14 +47,22 @@ SENTENCES = ("set an alarm for six forty five", "call anna on the ninth of july"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(ROOT / "models" / "qasr-demo-en"))
-    p.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients (default 16)")
-    p.add_argument("--requests", type=int, default=128, help="HTTP requests in all (default 128)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: a random checkpoint with the real 0.6B dimensions)")
+    p.add_argument("--clients", type=int, default=64, help="concurrent HTTP clients (default 64)")
+    p.add_argument("--requests", type=int, default=256, help="HTTP requests in all (default 256)")
     p.add_argument("--stream", action="store_true", help="stream=true requests (adds time to first delta)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    return p.parse_args(argv)
+    p.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / "results" / "cache")
+    args = p.parse_args(argv)
+    if args.model is None:
+        from qasr.bench import build_checkpoint
+
+        args.cache.mkdir(parents=True, exist_ok=True)
+        args.model = str(build_checkpoint(args.cache))
+    return args
 
 
 def make_clips(folder: Path, n: int) -> list[Path]:
@@ -86,6 +99,15 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen,
 def one_request(url: str, path: Path, stream: bool) -> dict:
     started = time.perf_counter()
     first = None
+    try:
+        return _request(url, path, stream, started)
+    except httpx.HTTPError as exc:  # counted, not fatal: the table reports errors
+        return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": None,
+                "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _request(url: str, path: Path, stream: bool, started: float) -> dict:
+    first = None
     with httpx.Client(timeout=600) as client:
         if stream:
             with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
@@ -103,7 +125,7 @@ def one_request(url: str, path: Path, stream: bool) -> dict:
             r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")})
             r.raise_for_status()
             text = r.json()["text"]
-    return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": text}
+    return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": text, "error": None}
 
 
 def run_http(url: str, clips: list[Path], args: argparse.Namespace) -> dict:
@@ -115,10 +137,13 @@ def run_http(url: str, clips: list[Path], args: argparse.Namespace) -> dict:
     audio = sum(sf.info(p).duration for p in paths)
     lat = np.array([r["latency_s"] for r in results])
     out = {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall,
+           "requests_per_s": len(paths) / wall, "errors": [r["error"] for r in results if r["error"]],
            "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
-           "latencies_s": lat.tolist(), "texts": [r["text"] for r in results]}
+           "p99_s": float(np.percentile(lat, 99)), "latencies_s": lat.tolist(), "texts": [r["text"] for r in results]}
     if args.stream:
-        out["first_delta_p50_s"] = float(np.median([r["first_delta_s"] for r in results]))
+        firsts = [r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
+        out["first_delta_p50_s"] = float(np.percentile(firsts, 50))
+        out["first_delta_p95_s"] = float(np.percentile(firsts, 95))
     return out
 
 
@@ -140,15 +165,22 @@ def run_api(clips: list[Path], args: argparse.Namespace) -> dict:
 
 
 def report(http: dict, api: dict, args: argparse.Namespace) -> None:
-    print(f"{'mode':<6} {'requests':>8} {'audio s':>9} {'wall s':>8} {'RTFx':>8} {'p50 s':>7} {'p95 s':>7}")
-    print(f"{'http':<6} {http['requests']:>8} {http['audio_s']:>9.1f} {http['wall_s']:>8.2f} {http['rtfx']:>8.1f} "
-          f"{http['p50_s']:>7.3f} {http['p95_s']:>7.3f}")
-    print(f"{'api':<6} {api['requests']:>8} {api['audio_s']:>9.1f} {api['wall_s']:>8.2f} {api['rtfx']:>8.1f} "
-          f"{'-':>7} {'-':>7}")
+    from qasr.perf.machine import cpu_info
+
+    print(f"{cpu_info()['model']}, model {args.model}, {args.dtype}, {args.clients} clients")
+    print(f"{'mode':<6} {'requests':>8} {'errors':>6} {'audio s':>9} {'wall s':>8} {'req/s':>7} {'RTFx':>7} "
+          f"{'p50 s':>7} {'p95 s':>7} {'p99 s':>7}")
+    print(f"{'http':<6} {http['requests']:>8} {len(http['errors']):>6} {http['audio_s']:>9.1f} {http['wall_s']:>8.2f} "
+          f"{http['requests_per_s']:>7.2f} {http['rtfx']:>7.1f} {http['p50_s']:>7.3f} {http['p95_s']:>7.3f} "
+          f"{http['p99_s']:>7.3f}")
+    print(f"{'api':<6} {api['requests']:>8} {0:>6} {api['audio_s']:>9.1f} {api['wall_s']:>8.2f} "
+          f"{api['requests'] / api['wall_s']:>7.2f} {api['rtfx']:>7.1f} {'-':>7} {'-':>7} {'-':>7}")
     same = http["texts"] == api["texts"]
-    print(f"clients={args.clients} http/api throughput={http['rtfx'] / api['rtfx']:.2f} same_texts={same}")
+    overhead = 1 - http["rtfx"] / api["rtfx"]
+    print(f"clients={args.clients} http/api throughput={http['rtfx'] / api['rtfx']:.3f} "
+          f"(HTTP overhead {overhead:.1%}) same_texts={same}")
     if "first_delta_p50_s" in http:
-        print(f"first delta p50: {http['first_delta_p50_s']:.3f} s")
+        print(f"time to first delta: p50 {http['first_delta_p50_s']:.3f} s, p95 {http['first_delta_p95_s']:.3f} s")
 
 
 def plot(http: dict, api: dict, args: argparse.Namespace, path: Path) -> None:
@@ -181,9 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         api = run_api(clips, args)
     report(http, api, args)
-    stem = args.out / f"server_load_c{args.clients}"
+    stem = args.out / f"server_load_c{args.clients}{'_stream' if args.stream else ''}"
+    from qasr.perf.machine import cpu_info
+
     meta = {"model": args.model, "clients": args.clients, "stream": args.stream, "device": args.device,
-            "dtype": args.dtype, "machine": platform.platform(), "python": platform.python_version()}
+            "dtype": args.dtype, "cpu": cpu_info()["model"], "machine": platform.platform(),
+            "python": platform.python_version()}
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "http": http, "api": api}, indent=2) + "\n")
     plot(http, api, args, stem.with_suffix(".png"))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
