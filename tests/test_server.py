@@ -163,6 +163,30 @@ def test_concurrent_requests_match_offline(server, clips, offline) -> None:
     assert texts == [offline[n] for n in names]
 
 
+def test_64_concurrent_requests_all_answered(tmp_path_factory, clips, offline) -> None:
+    """64 clients at once against a server with the default queue limit: every request answered, each
+    text equal to the offline one, nothing lost or duplicated (a third of them streamed)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("server64") / "serve.log")
+    try:
+        srv.wait_ready()
+        names = [f"s{k % 6}" for k in range(60)] + ["flac"] * 4
+
+        def one(k: int) -> str:
+            stream = k % 3 == 0
+            r = post(srv, files={"file": open(clips[names[k]], "rb")}, data={"stream": "true"} if stream else {},
+                     timeout=300)
+            assert r.status_code == 200, r.text
+            return _sse(r)[-1]["text"] if stream else r.json()["text"]
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            texts = list(pool.map(one, range(len(names))))
+        assert texts == [offline[n] for n in names]
+        done = httpx.get(f"{srv.url}/metrics").text
+        assert metric(done, "qasr_http_requests_total", route="/v1/audio/transcriptions", status="200") == 64
+    finally:
+        srv.stop()
+
+
 def test_bad_uploads_get_400_in_openai_shape(server, clips) -> None:
     good = clips["s0"].read_bytes()
     multipart = {**server.headers, "content-type": "multipart/form-data; boundary=xx"}
