@@ -48,7 +48,8 @@ def folder(tmp_path_factory) -> Path:
     for k, sentence in enumerate(SENTENCES):
         wave, sr = sf.read(speak(sentence, root / "tmp.wav"), dtype="float32")
         parts += [wave, np.zeros(int(sr * (1.5 + k % 3)), np.float32)]
-    sf.write(root / "tmp.wav", np.concatenate(parts * 2), sr)
+    # about 5 minutes, decoded last: it keeps the interrupted run busy after its first outputs appear
+    sf.write(root / "tmp.wav", np.concatenate(parts * 16), sr)
     convert(root / "tmp.wav", root / "deeper" / "x" / "long.mp3")
     (root / "tmp.wav").unlink()
     (root / "a" / "corrupt.mp3").write_bytes(np.random.default_rng(0).integers(0, 256, 5000, np.uint8).tobytes())
@@ -83,7 +84,8 @@ def test_folder_job_interrupted_then_resumed(folder, tmp_path) -> None:
                             text=True)
     deadline = time.monotonic() + 240
     while not list(part.rglob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
+        time.sleep(0.01)
+    assert proc.poll() is None, "the job ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, stderr
