@@ -34,12 +34,7 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
     if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
             or max_new_tokens < min_new_tokens):
         raise ValueError(f"max_new_tokens must be an integer >= {min_new_tokens}, got {max_new_tokens!r}")
-    ids = np.asarray(prompt)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError("prompt must be a non-empty list of token ids")
-    if ids.min() < 0 or ids.max() >= limits.vocab_size:
-        raise ValueError(f"prompt has token ids outside [0, {limits.vocab_size})")
-    placeholders = int((ids == limits.audio_token_id).sum())
+    placeholders = _audio_placeholders(prompt, limits)
     if waveform is not None:
         waveform = _check_waveform(waveform, limits.hop_length)
         frames = len(waveform) // limits.hop_length
@@ -67,12 +62,7 @@ def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, l
         raise ValueError(f"audio_embeds must be an (audio tokens, {hidden}) tensor, got {shape}")
     if embeds.device != device or not torch.isfinite(embeds).all():
         raise ValueError(f"audio_embeds must be finite and on the model's device ({device})")
-    ids = np.asarray(prompt)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError("prompt must be a non-empty list of token ids")
-    if ids.min() < 0 or ids.max() >= limits.vocab_size:
-        raise ValueError(f"prompt has token ids outside [0, {limits.vocab_size})")
-    placeholders = int((ids == limits.audio_token_id).sum())
+    placeholders = _audio_placeholders(prompt, limits)
     if placeholders != embeds.shape[0] or placeholders == 0:
         raise ValueError(f"prompt has {placeholders} audio placeholders but audio_embeds has {embeds.shape[0]} rows")
     if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
@@ -122,3 +112,13 @@ def _check_features(features: torch.Tensor, mel: int) -> torch.Tensor:
     if not features.is_floating_point() or not torch.isfinite(features).all():
         raise ValueError("features must be finite floats")
     return features.float()
+
+
+def _audio_placeholders(prompt: list[int], limits: Limits) -> int:
+    """Audio placeholders in a prompt, after checking it is a non-empty list of in-vocabulary token ids."""
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError("prompt must be a non-empty list of token ids")
+    if ids.min() < 0 or ids.max() >= limits.vocab_size:
+        raise ValueError(f"prompt has token ids outside [0, {limits.vocab_size})")
+    return int((ids == limits.audio_token_id).sum())
