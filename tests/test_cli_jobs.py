@@ -58,6 +58,12 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
+def _default_sigint() -> None:
+    """Give the child SIGINT's default action: a test run started in the background by a shell (`make
+    test &`) inherits SIGINT ignored, and Python keeps an inherited "ignore", so Ctrl-C would not reach it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _outputs(out: Path) -> dict[str, str]:
     return {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("*")) if p.is_file()}
 
@@ -81,7 +87,7 @@ def test_folder_job_interrupted_then_resumed(folder, tmp_path) -> None:
     part = tmp_path / "part"
     proc = subprocess.Popen([sys.executable, "-m", "qasr", "transcribe", str(folder), "-r", "-o", str(part),
                              "-f", "json,srt", "--max-running", "1", *DEMO], cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 240
     while not list(part.rglob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
