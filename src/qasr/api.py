@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.audio.vad import VadConfig
     from qasr.streaming import Session
+    from qasr.streaming.live import LiveSession
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,21 @@ class ASR:
         from qasr.streaming import Session, StreamConfig
 
         return Session(self.engine, self.checkpoint, StreamConfig(**settings))  # type: ignore[arg-type]
+
+    def live(self, **settings: object) -> LiveSession:
+        """A live session for a stream of any length (``qasr.streaming.LiveSession``): speech detection
+        cuts it into turns, each streamed like ``stream()``; ``push`` returns events (speech started /
+        stopped, updates with the newly stable text, each turn's final transcript). ``settings``: those of
+        ``qasr.streaming.LiveConfig`` (turn_detection, silence_ms, max_turn_s, ...) and of
+        ``StreamConfig`` (chunk_size_sec, language, ...), mixed; see docs/streaming.md."""
+        from dataclasses import fields
+
+        from qasr.streaming import LiveConfig, LiveSession, StreamConfig
+
+        live_names = {f.name for f in fields(LiveConfig)} - {"stream"}
+        live = {k: v for k, v in settings.items() if k in live_names}
+        stream = StreamConfig(**{k: v for k, v in settings.items() if k not in live_names})  # type: ignore[arg-type]
+        return LiveSession(self.engine, self.checkpoint, LiveConfig(stream=stream, **live))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ preparing requests
     def prepare(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,

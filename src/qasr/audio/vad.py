@@ -90,7 +90,8 @@ def resolve_backend(backend: VadBackend) -> str:
     return "energy"
 
 
-def _make_scorer(name: str) -> FrameScorer:
+def make_scorer(name: str) -> FrameScorer:
+    """A fresh frame scorer (its own recurrent state) for a backend name from ``resolve_backend``."""
     if name == "silero-onnx":
         return SileroOnnx()
     if name == "silero-jit":
@@ -110,7 +111,7 @@ class SpeechDetector:
     def __init__(self, config: VadConfig | None = None) -> None:
         self.config = config or VadConfig()
         self.backend = resolve_backend(self.config.backend)
-        self._scorer = _make_scorer(self.backend)
+        self._scorer = make_scorer(self.backend)
         cfg = self.config
         self._min_speech = cfg.min_speech_s * SAMPLE_RATE
         self._min_silence = cfg.min_silence_s * SAMPLE_RATE

@@ -21,6 +21,8 @@ from qasr.server.config import ServerConfig
 from qasr.server.errors import install_handlers
 from qasr.server.lifecycle import DrainGate
 from qasr.server.metrics import Metrics, ObserveRequests
+from qasr.server.native_stream import router as native_stream_router
+from qasr.server.realtime import router as realtime_router
 from qasr.server.routes import router
 from qasr.server.state import ServerState
 from qasr.server.upload import UploadLimit
@@ -58,6 +60,8 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
     app.state.page = _page()
     install_handlers(app)
     app.include_router(router)
+    app.include_router(realtime_router)  # WebSocket /v1/realtime (OpenAI Realtime transcription)
+    app.include_router(native_stream_router)  # WebSocket /v1/stream (raw PCM)
     # added innermost first: requests pass ObserveRequests, DrainGate, ApiKeyAuth, UploadLimit, then the routes
     app.add_middleware(UploadLimit, max_bytes=config.max_upload_bytes)
     if config.api_key:

@@ -14,3 +14,8 @@ class ServerConfig:
     max_upload_bytes: int = 100 * 2**20
     aligner: str | None = None  # --aligner: a forced-aligner checkpoint, for word timestamps
     warmup: bool = True  # one short request before /health says ready
+    # live sessions (WebSocket /v1/realtime and /v1/stream)
+    max_live_sessions: int = 64  # open at once; more are refused with an error event
+    live_idle_timeout_s: float = 60.0  # a session that sends nothing for this long is closed and freed
+    live_max_backlog_s: float = 30.0  # audio received and not yet processed, beyond which appends are refused
+    live_chunk_s: float = 1.0  # a step per this much audio (the official default is 2.0; 1.0 for captions)

@@ -39,6 +39,9 @@ class Metrics:
         self.audio_seconds = Counter("qasr_audio_seconds", "Seconds of audio transcribed", registry=r)
         self.queued_audio = Gauge("qasr_queued_audio_seconds", "Audio admitted and not yet transcribed", registry=r)
         self.running = Gauge("qasr_requests_in_flight", "HTTP requests being served", registry=r)
+        self.live_sessions = Gauge("qasr_live_sessions", "Live transcription sessions open (WebSocket)", registry=r)
+        self.live_audio_seconds = Counter("qasr_live_audio_seconds", "Seconds of audio received by live sessions",
+                                          registry=r)
 
     def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
         """Export the engine's own counters, read at scrape time."""

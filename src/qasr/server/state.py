@@ -25,6 +25,7 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False  # SIGTERM/SIGINT: refuse new requests, finish the accepted ones
         self.in_flight = 0  # requests accepted and not yet answered in full (streams included)
+        self.live_sessions = 0  # WebSocket live sessions open (also counted in in_flight)
         self.on_drained: Callable[[], None] | None = None  # set by the runner: stop the HTTP server
         self.started = int(time.time())  # /v1/models' "created"
 

@@ -22,10 +22,12 @@ def as_float_pcm(pcm: np.ndarray) -> np.ndarray:
 
 
 class SampleBuffer:
-    """All samples of a stream in one preallocated float32 array that doubles when full, so appending
-    costs amortised O(pushed samples) and ``view`` hands out the prefix without copying. The whole
-    stream is kept (64 KiB per second): the feature front end reads samples just before the open
-    frames, and finish() needs nothing older, but keeping it all makes the buffer one plain array."""
+    """All samples of a turn in one preallocated float32 array, so appending costs O(pushed samples) and
+    ``view`` hands out the prefix without copying. The whole turn is kept (64 KiB per second): the
+    feature front end reads samples just before the open frames, and finish() needs nothing older, but
+    keeping it all makes the buffer one plain array. A live session (``LiveSession``) preallocates it for
+    its longest turn and reuses it turn after turn (``reset``), so it never grows; a bare ``Session``
+    fed past the capacity doubles it."""
 
     def __init__(self, capacity: int = 16000 * 30) -> None:
         self._data = np.zeros(max(capacity, 1), dtype=np.float32)
@@ -39,6 +41,14 @@ class SampleBuffer:
             self._data = grown
         self._data[self.size:need] = samples
         self.size = need
+
+    def reset(self) -> None:
+        """Empty it for the next turn, keeping the allocation (earlier views become invalid)."""
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self._data)
 
     def view(self, end: int | None = None) -> np.ndarray:
         """Samples [0, end) (all by default), without a copy: valid until the next append."""

@@ -59,15 +59,17 @@ class SessionStats:
 
 class Session:
     def __init__(self, engine: Engine, checkpoint: Checkpoint, config: StreamConfig | None = None,
-                 record: bool = False) -> None:
+                 record: bool = False, buffer: SampleBuffer | None = None) -> None:
         """``record``: keep every step's ``StepResult`` in ``results`` (for tests: each holds its whole
-        prompt, so a long session would grow quadratically); by default only the last one."""
+        prompt, so a long session would grow quadratically); by default only the last one. ``buffer``:
+        an allocation to hold the samples in (emptied first), reused by a live session across turns."""
         self.engine = engine
         self.checkpoint = checkpoint
         self.config = config = config or StreamConfig()
         self.state = StreamText(config, PromptBuilder(checkpoint.tokenizer, checkpoint.special, config.context,
                                                       config.language), record=record)
-        self.audio = SampleBuffer()
+        self.audio = buffer if buffer is not None else SampleBuffer()
+        self.audio.reset()
         self.consumed = 0  # samples of ``audio`` already decoded (whole chunks, then the tail at finish)
         self.mel = StreamingLogMel(checkpoint.features)
         self.encoder = WindowEncoder(engine)

@@ -1,0 +1,129 @@
+"""What both live WebSocket protocols share: admission (API key, readiness, draining, the session limit),
+a serialised JSON sender, and a receive loop that closes idle sessions and notices a server drain.
+
+Errors are reported inside the protocol after the handshake (a WebSocket client sees an event with a
+message, where a refused handshake would only show HTTP 403), then the socket is closed with a code:
+1008 (policy: bad key), 1013 (try again later: loading, draining, full), 1011 (server error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from qasr.server.state import ServerState
+
+BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: OpenAI's page clients send it so
+DRAIN_POLL_S = 0.25
+
+
+class Idle(Exception):
+    """The client sent nothing for the idle timeout."""
+
+
+class Draining(Exception):
+    """The server is shutting down."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str
+    message: str
+    close_code: int
+
+
+def offered_subprotocols(ws: WebSocket) -> list[str]:
+    header = dict(ws.scope.get("headers") or []).get(b"sec-websocket-protocol", b"").decode("latin-1")
+    return [p.strip() for p in header.split(",") if p.strip()]
+
+
+def refusal(ws: WebSocket, state: ServerState) -> Refusal | None:
+    """Why this connection cannot have a live session now (None: it can)."""
+    key = state.config.api_key
+    if key and not _authorized(ws, key):
+        return Refusal("invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer KEY' (or, from "
+                       f"a browser, the subprotocol '{BROWSER_KEY_PREFIX}KEY')", 1008)
+    if state.draining:
+        return Refusal("shutting_down", "the server is shutting down", 1013)
+    if state.load_error is not None:
+        return Refusal("model_not_loaded", f"the model failed to load: {state.load_error}", 1011)
+    if not state.ready or state.asr is None:
+        return Refusal("model_loading", "the model is still loading; retry shortly", 1013)
+    if state.live_sessions >= state.config.max_live_sessions:
+        return Refusal("too_many_sessions", f"this server holds at most {state.config.max_live_sessions} live "
+                       "sessions at once (--max-live-sessions); retry later", 1013)
+    return None
+
+
+def _authorized(ws: WebSocket, key: str) -> bool:
+    header = dict(ws.scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = header.partition(" ")
+    candidates = [token.strip()] if scheme.lower() == "bearer" else []
+    candidates += [p[len(BROWSER_KEY_PREFIX):] for p in offered_subprotocols(ws) if p.startswith(BROWSER_KEY_PREFIX)]
+    # compare_digest: the time taken does not reveal how much of a guessed key was right
+    return any(hmac.compare_digest(c.encode(), key.encode()) for c in candidates)
+
+
+class Channel:
+    """Sends JSON (one send at a time: the worker's events and the receive loop's replies interleave
+    whole) and receives with the session's idle timeout, watching for a drain."""
+
+    def __init__(self, ws: WebSocket, state: ServerState) -> None:
+        self.ws = ws
+        self.state = state
+        self._lock = asyncio.Lock()
+
+    async def send(self, message: dict) -> None:
+        async with self._lock:
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                await self.ws.send_text(json.dumps(message, ensure_ascii=False))
+
+    async def receive(self) -> dict:
+        """The next message (``{"text": ...}`` or ``{"bytes": ...}``); raises WebSocketDisconnect,
+        Idle or Draining."""
+        timeout = self.state.config.live_idle_timeout_s
+        waited = 0.0
+        pending = asyncio.ensure_future(self.ws.receive())
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=DRAIN_POLL_S)
+                if done:
+                    message = pending.result()
+                    if message["type"] == "websocket.disconnect":
+                        raise WebSocketDisconnect(message.get("code", 1000))
+                    return message
+                waited += DRAIN_POLL_S
+                if self.state.draining:
+                    raise Draining()
+                if waited >= timeout:
+                    raise Idle()
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        async with self._lock:
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):  # the client may be gone already
+                    await self.ws.close(code, reason[:120])
+
+
+async def hold_session(state: ServerState, body: Callable[[], Awaitable[None]]) -> None:
+    """Count the session as open (the limit, /metrics, a drain waits for it) while ``body`` runs."""
+    state.live_sessions += 1
+    state.in_flight += 1
+    state.metrics.live_sessions.set(state.live_sessions)
+    try:
+        await body()
+    finally:
+        state.live_sessions -= 1
+        state.in_flight -= 1
+        state.metrics.live_sessions.set(state.live_sessions)

@@ -1,0 +1,212 @@
+"""WebSocket ``/v1/stream``: qasr's own live protocol, for clients that would rather send raw PCM.
+
+1. The client may first send a JSON text message with its settings (all optional)::
+
+       {"type": "start", "sample_rate": 16000, "format": "pcm16" | "float32", "language": null,
+        "context": "", "chunk_size_sec": 1.0, "turn_detection": true, "vad_threshold": 0.5,
+        "silence_ms": 500, "prefix_padding_ms": 300, "max_turn_s": 60, "carry_context": false}
+
+   and gets ``{"type": "ready", "session": ID, "config": {...}}``. A binary first message starts the
+   session with the defaults (16 kHz pcm16) and is its first audio.
+2. Binary messages carry little-endian PCM, mono, of any size. Text messages ``{"type": "commit"}`` (end
+   the turn now), ``{"type": "clear"}`` (drop the turn's audio) and ``{"type": "end"}`` (end of stream).
+3. The server sends ``speech_started``, ``partial`` (``stable``, ``unstable``, ``delta``: the text that
+   became stable), ``speech_stopped``, ``final`` (``text``, ``start``, ``end``, ``reason``) per turn,
+   ``error`` (``code``, ``message``), and after ``end`` ``{"type": "done", ...}``, then closes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from qasr.audio.io import SAMPLE_RATE
+from qasr.server.live_runner import BacklogFull, LiveRunner, Op
+from qasr.server.live_ws import Channel, Draining, Idle, hold_session, refusal
+from qasr.server.state import ServerState
+from qasr.streaming.config import StreamConfig
+from qasr.streaming.ingest import PcmIngest
+from qasr.streaming.live import (
+    LiveConfig,
+    LiveEvent,
+    LiveSession,
+    SpeechStarted,
+    SpeechStopped,
+    TurnFinal,
+    TurnUpdate,
+)
+
+router = APIRouter()
+_LIVE_KEYS = {"turn_detection": bool, "vad_threshold": float, "silence_ms": int, "prefix_padding_ms": int,
+              "max_turn_s": float, "soft_turn_s": float, "carry_context": bool}
+
+
+class StartError(ValueError):
+    pass
+
+
+@router.websocket("/v1/stream")
+async def stream(ws: WebSocket) -> None:
+    state: ServerState = ws.app.state.qasr
+    await ws.accept()
+    channel = Channel(ws, state)
+    why = refusal(ws, state)
+    if why is not None:
+        await channel.send({"type": "error", "code": why.code, "message": why.message})
+        await channel.close(why.close_code, why.message)
+        return
+    await hold_session(state, lambda: _serve(channel, state))
+
+
+async def _serve(channel: Channel, state: ServerState) -> None:
+    session_id = "stream_" + uuid.uuid4().hex[:16]
+    runner: LiveRunner | None = None
+
+    async def emit(op: Op, events: list[LiveEvent]) -> None:
+        if op == "commit" and not any(isinstance(e, TurnFinal) for e in events):
+            await channel.send({"type": "error", "code": "nothing_to_commit", "message": "no audio to commit"})
+        for e in events:
+            await channel.send(_message(e))
+            if isinstance(e, TurnFinal):
+                state.metrics.live_audio_seconds.inc(e.end - e.start)
+
+    async def fail(exc: Exception) -> None:
+        await channel.send({"type": "error", "code": "server_error",
+                            "message": f"transcription failed: {type(exc).__name__}: {exc}"})
+        await channel.close(1011, "transcription failed")
+
+    try:
+        first = await channel.receive()
+        settings: dict = {}
+        if first.get("text") is not None:
+            try:
+                settings = _settings(first["text"])
+            except StartError as exc:
+                await channel.send({"type": "error", "code": "invalid_start", "message": str(exc)})
+                await channel.close(1008, "invalid start message")
+                return
+        try:
+            live, ingest = _session_config(settings, state)
+        except (StartError, ValueError) as exc:
+            await channel.send({"type": "error", "code": "invalid_start", "message": str(exc)})
+            await channel.close(1008, "invalid start message")
+            return
+        asr = state.asr
+        assert asr is not None
+        runner = LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), ingest, emit, fail,
+                            state.config.live_max_backlog_s)
+        await channel.send({"type": "ready", "session": session_id, "config": _describe(live, ingest)})
+        message = first if first.get("bytes") is not None else None
+        while not runner.failed:
+            if message is None:
+                message = await channel.receive()
+            if await _handle(message, runner, channel):
+                await runner.finish()
+                if not runner.failed:
+                    await channel.send({"type": "done", "session": session_id, "turns": runner.session.turns,
+                                        "audio_seconds": round(runner.audio_samples / SAMPLE_RATE, 3)})
+                    await channel.close(1000, "done")
+                return
+            message = None
+    except WebSocketDisconnect:
+        if runner is not None:
+            await runner.close()
+    except Idle:
+        await channel.send({"type": "error", "code": "session_idle",
+                            "message": f"nothing received for {state.config.live_idle_timeout_s:g} s: closed"})
+        if runner is not None:
+            await runner.close()
+        await channel.close(1000, "idle")
+    except Draining:
+        if runner is not None:
+            await runner.finish()
+        await channel.send({"type": "error", "code": "shutting_down", "message": "the server is shutting down"})
+        await channel.close(1001, "server shutting down")
+    except BaseException:
+        if runner is not None:
+            await runner.close()
+        raise
+
+
+async def _handle(message: dict, runner: LiveRunner, channel: Channel) -> bool:
+    """Apply one client message; True at the end of the stream."""
+    if message.get("bytes") is not None:
+        try:
+            runner.audio(message["bytes"])
+        except BacklogFull as exc:
+            await channel.send({"type": "error", "code": "backlog_full", "message": str(exc)})
+        except ValueError as exc:
+            await channel.send({"type": "error", "code": "invalid_audio", "message": str(exc)})
+        return False
+    try:
+        kind = json.loads(message.get("text") or "").get("type")
+    except (ValueError, AttributeError):
+        kind = None
+    if kind == "end":
+        return True
+    if kind == "commit":
+        runner.commit()
+    elif kind == "clear":
+        runner.clear()
+    else:
+        await channel.send({"type": "error", "code": "unknown_message",
+                            "message": "text messages are {\"type\": \"commit\" | \"clear\" | \"end\"}; audio "
+                                       "goes in binary messages"})
+    return False
+
+
+def _settings(text: str) -> dict:
+    try:
+        settings = json.loads(text)
+    except ValueError as exc:
+        raise StartError(f"the start message is not JSON: {exc}") from exc
+    if not isinstance(settings, dict) or settings.get("type", "start") != "start":
+        raise StartError("the first text message must be {\"type\": \"start\", ...settings}")
+    return settings
+
+
+def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]:
+    known = {"type", "sample_rate", "format", "language", "context", "chunk_size_sec"} | set(_LIVE_KEYS)
+    unknown = sorted(set(s) - known)
+    if unknown:
+        raise StartError(f"unknown settings {unknown}; known: {sorted(known - {'type'})}")
+    asr = state.asr
+    assert asr is not None
+    language = asr.canonical_language(s.get("language") or None)
+    stream = StreamConfig(chunk_size_sec=float(s.get("chunk_size_sec", state.config.live_chunk_s)),
+                          language=language, context=str(s.get("context") or ""))
+    live = {}
+    for key, kind in _LIVE_KEYS.items():
+        if key in s:
+            value = s[key]
+            if kind is bool and not isinstance(value, bool) or kind is not bool and not isinstance(value, int | float):
+                raise StartError(f"{key} must be a {kind.__name__}, got {value!r}")
+            live[key] = kind(value)
+    if "max_turn_s" in live and "soft_turn_s" not in live:
+        live["soft_turn_s"] = min(LiveConfig.soft_turn_s, live["max_turn_s"])
+    ingest = PcmIngest(s.get("format", "pcm16"), int(s.get("sample_rate", SAMPLE_RATE)))
+    return LiveConfig(stream=stream, **live), ingest
+
+
+def _describe(live: LiveConfig, ingest: PcmIngest) -> dict:
+    return {"sample_rate": ingest.sample_rate, "format": ingest.format, "language": live.stream.language,
+            "context": live.stream.context, "chunk_size_sec": live.stream.chunk_size_sec,
+            "turn_detection": live.turn_detection, "vad_threshold": live.vad_threshold,
+            "silence_ms": live.silence_ms, "prefix_padding_ms": live.prefix_padding_ms,
+            "soft_turn_s": live.soft_turn_s, "max_turn_s": live.max_turn_s, "carry_context": live.carry_context}
+
+
+def _message(e: LiveEvent) -> dict:
+    if isinstance(e, SpeechStarted):
+        return {"type": "speech_started", "turn": e.turn, "at": round(e.at, 3)}
+    if isinstance(e, SpeechStopped):
+        return {"type": "speech_stopped", "turn": e.turn, "at": round(e.at, 3)}
+    if isinstance(e, TurnUpdate):
+        u = e.update
+        return {"type": "partial", "turn": e.turn, "stable": u.stable_text, "unstable": u.unstable_text,
+                "delta": e.delta, "language": u.language}
+    return {"type": "final", "turn": e.turn, "text": e.text, "delta": e.delta, "language": e.language,
+            "start": round(e.start, 3), "end": round(e.end, 3), "reason": e.reason}

@@ -1,0 +1,308 @@
+"""WebSocket ``/v1/realtime?intent=transcription``: OpenAI's Realtime transcription events.
+
+Client events: ``session.update`` (GA shape) or ``transcription_session.update`` (beta shape),
+``input_audio_buffer.append`` (base64 little-endian PCM16, 24 kHz unless the session says 16 kHz or
+another rate), ``input_audio_buffer.commit`` and ``input_audio_buffer.clear``.
+
+Server events, per turn: ``input_audio_buffer.speech_started``; while the person speaks,
+``conversation.item.input_audio_transcription.delta`` for text that became stable (deltas only append)
+and ``conversation.item.input_audio_transcription.partial`` (ours: OpenAI clients ignore unknown types)
+with the stable text and the unstable tail; then ``input_audio_buffer.speech_stopped``, the turn's last
+delta, ``input_audio_buffer.committed``, ``conversation.item.added`` and
+``conversation.item.input_audio_transcription.completed``, whose transcript equals the turn's deltas
+joined. Errors are ``error`` events. See docs/streaming.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import json
+import uuid
+from dataclasses import dataclass, field, replace
+
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from qasr.server.live_runner import BacklogFull, LiveRunner, Op
+from qasr.server.live_ws import Channel, Draining, Idle, hold_session, offered_subprotocols, refusal
+from qasr.server.state import ServerState
+from qasr.streaming.config import StreamConfig
+from qasr.streaming.ingest import PcmIngest
+from qasr.streaming.live import (
+    LiveConfig,
+    LiveEvent,
+    LiveSession,
+    SpeechStarted,
+    SpeechStopped,
+    TurnFinal,
+    TurnUpdate,
+)
+
+router = APIRouter()
+PARTIAL = "conversation.item.input_audio_transcription.partial"
+SERVER_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}
+
+
+@dataclass(frozen=True)
+class RealtimeSettings:
+    rate: int = 24000  # OpenAI's pcm16 is 24 kHz
+    language: str | None = None
+    prompt: str = ""
+    turn_detection: dict | None = field(default_factory=lambda: dict(SERVER_VAD))
+
+    def describe(self, beta: bool) -> dict:
+        transcription = {"model": "qwen3-asr", "language": self.language, "prompt": self.prompt}
+        if beta:
+            return {"object": "realtime.transcription_session", "input_audio_format": "pcm16",
+                    "input_audio_transcription": transcription, "turn_detection": self.turn_detection}
+        return {"type": "transcription", "object": "realtime.transcription_session",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.rate},
+                                    "transcription": transcription, "turn_detection": self.turn_detection}}}
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+@router.websocket("/v1/realtime")
+async def realtime(ws: WebSocket) -> None:
+    state: ServerState = ws.app.state.qasr
+    offered = offered_subprotocols(ws)
+    await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+    channel = Channel(ws, state)
+    why = refusal(ws, state)
+    if why is None and ws.query_params.get("intent", "transcription") != "transcription":
+        await channel.send(_error("unsupported_intent", "this server only transcribes: connect with "
+                                  "?intent=transcription"))
+        await channel.close(1008)
+        return
+    if why is not None:
+        await channel.send(_error(why.code, why.message))
+        await channel.close(why.close_code, why.message)
+        return
+    await hold_session(state, RealtimeConnection(channel, state).run)
+
+
+class RealtimeConnection:
+    def __init__(self, channel: Channel, state: ServerState) -> None:
+        self.channel = channel
+        self.state = state
+        self.settings = RealtimeSettings()
+        self._ids = itertools.count()
+        self._session_id = "sess_" + uuid.uuid4().hex[:20]
+        self._items = "item_" + uuid.uuid4().hex[:12]
+        self._previous_item: str | None = None
+        self._turn_seconds: dict[int, float] = {}
+        self._beta = False
+        self.runner = self._new_runner()
+
+    async def run(self) -> None:
+        await self._send("session.created", session=self._session())
+        try:
+            while not self.runner.failed:  # a failed session was reported and closed by _fail
+                message = await self.channel.receive()
+                if message.get("text") is None:
+                    await self._send_error("invalid_event", "send JSON text events; audio goes base64-encoded in "
+                                           "input_audio_buffer.append")
+                    continue
+                await self._handle(message["text"])
+        except WebSocketDisconnect:
+            await self.runner.close()  # the client left: free its session now
+        except Idle:
+            await self._send_error("session_idle", f"no event for {self.state.config.live_idle_timeout_s:g} s: "
+                                   "the session is closed")
+            await self.runner.close()
+            await self.channel.close(1000, "idle")
+        except Draining:
+            await self.runner.finish()  # the open turn still gets its final transcript
+            await self._send_error("shutting_down", "the server is shutting down")
+            await self.channel.close(1001, "server shutting down")
+        except BaseException:
+            await self.runner.close()
+            raise
+
+    # ------------------------------------------------------------------ client events
+    async def _handle(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+            if not isinstance(event, dict):
+                raise ValueError
+        except ValueError:
+            await self._send_error("invalid_json", "the event is not a JSON object")
+            return
+        kind = event.get("type")
+        try:
+            if kind in ("session.update", "transcription_session.update"):
+                await self._update(event, beta=kind == "transcription_session.update")
+            elif kind == "input_audio_buffer.append":
+                self._append(event)
+            elif kind == "input_audio_buffer.commit":
+                self.runner.commit()
+            elif kind == "input_audio_buffer.clear":
+                self.runner.clear()
+            else:
+                raise RequestError("unknown_event", f"unsupported event type {kind!r}", "type")
+        except RequestError as exc:
+            await self._send_error(exc.code, exc.message, exc.param, event.get("event_id"))
+
+    def _append(self, event: dict) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise RequestError("invalid_audio", "input_audio_buffer.append needs 'audio': base64 PCM16", "audio")
+        try:
+            pcm = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RequestError("invalid_audio", f"'audio' is not valid base64: {exc}", "audio") from exc
+        try:
+            self.runner.audio(pcm)
+        except BacklogFull as exc:
+            raise RequestError("input_audio_buffer_overflow", str(exc), "audio") from exc
+
+    async def _update(self, event: dict, beta: bool) -> None:
+        session = event.get("session")
+        if not isinstance(session, dict):
+            raise RequestError("invalid_session", "the update needs a 'session' object", "session")
+        settings = _apply(self.settings, session, beta, self.state)
+        if settings != self.settings:
+            runner = self.runner
+            if runner.audio_samples or runner.backlog or runner.session.in_turn:
+                raise RequestError("session_busy", "audio settings cannot change after audio was sent; "
+                                   "send the update first, or open a new session", "session")
+            self.settings = settings
+            await runner.close()
+            self.runner = self._new_runner()
+        self._beta = self._beta or beta
+        await self._send("transcription_session.updated" if beta else "session.updated", session=self._session())
+
+    # ------------------------------------------------------------------ server events
+    def _new_runner(self) -> LiveRunner:
+        s, cfg = self.settings, self.state.config
+        asr = self.state.asr
+        assert asr is not None
+        vad = s.turn_detection or {}
+        stream = StreamConfig(chunk_size_sec=cfg.live_chunk_s, language=s.language, context=s.prompt)
+        live = LiveConfig(stream=stream, turn_detection=s.turn_detection is not None,
+                          vad_threshold=float(vad.get("threshold", 0.5)),
+                          prefix_padding_ms=int(vad.get("prefix_padding_ms", 300)),
+                          silence_ms=int(vad.get("silence_duration_ms", 500)))
+        return LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), PcmIngest("pcm16", s.rate),
+                          self._emit, self._fail, cfg.live_max_backlog_s)
+
+    async def _emit(self, op: Op, events: list[LiveEvent]) -> None:
+        if op == "commit" and not any(isinstance(e, TurnFinal) for e in events):
+            await self._send_error("input_audio_buffer_commit_empty", "the buffer holds no audio to commit")
+        if op == "clear":
+            await self._send("input_audio_buffer.cleared")
+        for e in events:
+            item = self._item(e.turn)
+            if isinstance(e, SpeechStarted):
+                await self._send("input_audio_buffer.speech_started", audio_start_ms=round(e.at * 1000),
+                                 item_id=item)
+            elif isinstance(e, SpeechStopped):
+                await self._send("input_audio_buffer.speech_stopped", audio_end_ms=round(e.at * 1000), item_id=item)
+            elif isinstance(e, TurnUpdate):
+                if e.delta:
+                    await self._delta(item, e.delta)
+                await self._send(PARTIAL, item_id=item, content_index=0, stable=e.update.stable_text,
+                                 unstable=e.update.unstable_text, language=e.update.language)
+            elif isinstance(e, TurnFinal):
+                await self._final(item, e)
+
+    async def _delta(self, item: str, delta: str) -> None:
+        await self._send("conversation.item.input_audio_transcription.delta", item_id=item, content_index=0,
+                         delta=delta)
+
+    async def _final(self, item: str, e: TurnFinal) -> None:
+        if e.delta:
+            await self._delta(item, e.delta)
+        await self._send("input_audio_buffer.committed", item_id=item, previous_item_id=self._previous_item)
+        await self._send("conversation.item.added", previous_item_id=self._previous_item,
+                         item={"id": item, "object": "realtime.item", "type": "message", "status": "completed",
+                               "role": "user", "content": [{"type": "input_audio", "transcript": None}]})
+        await self._send("conversation.item.input_audio_transcription.completed", item_id=item, content_index=0,
+                         transcript=e.text, language=e.language, start=round(e.start, 3), end=round(e.end, 3),
+                         usage={"type": "duration", "seconds": round(e.end - e.start, 3)})
+        self.state.metrics.live_audio_seconds.inc(e.end - e.start)
+        self._previous_item = item
+
+    async def _fail(self, exc: Exception) -> None:
+        await self._send_error("server_error", f"transcription failed: {type(exc).__name__}: {exc}")
+        await self.channel.close(1011, "transcription failed")
+
+    def _item(self, turn: int) -> str:
+        return f"{self._items}_{turn:05d}"
+
+    def _session(self) -> dict:
+        return {"id": self._session_id, **self.settings.describe(self._beta)}
+
+    async def _send(self, kind: str, **fields: object) -> None:
+        await self.channel.send({"type": kind, "event_id": f"event_{next(self._ids)}", **fields})
+
+    async def _send_error(self, code: str, message: str, param: str | None = None,
+                          client_event: str | None = None) -> None:
+        await self.channel.send({"event_id": f"event_{next(self._ids)}", **_error(code, message, param, client_event)})
+
+
+def _error(code: str, message: str, param: str | None = None, client_event: str | None = None) -> dict:
+    return {"type": "error", "error": {"type": "invalid_request_error", "code": code, "message": message,
+                                       "param": param, "event_id": client_event}}
+
+
+def _apply(settings: RealtimeSettings, session: dict, beta: bool, state: ServerState) -> RealtimeSettings:
+    """The settings after a session.update (GA shape) or transcription_session.update (beta shape)."""
+    if beta:
+        fmt = session.get("input_audio_format")
+        if fmt is not None and fmt != "pcm16":
+            raise RequestError("unsupported_format", f"input_audio_format {fmt!r} is not supported; send pcm16",
+                               "session.input_audio_format")
+        transcription = session.get("input_audio_transcription")
+        detection_holder = session
+    else:
+        audio_in = (session.get("audio") or {}).get("input") or {}
+        fmt = audio_in.get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type", "audio/pcm") != "audio/pcm":
+                raise RequestError("unsupported_format", "only audio/pcm (little-endian 16-bit) is supported",
+                                   "session.audio.input.format")
+            rate = fmt.get("rate", settings.rate)
+            if not isinstance(rate, int) or not 8000 <= rate <= 48000:
+                raise RequestError("unsupported_format", f"rate must be an integer 8000-48000 Hz, got {rate!r}",
+                                   "session.audio.input.format.rate")
+            settings = replace(settings, rate=rate)
+        transcription = audio_in.get("transcription")
+        detection_holder = audio_in
+    if transcription is not None:
+        if not isinstance(transcription, dict):
+            raise RequestError("invalid_session", "transcription settings must be an object", "session")
+        asr = state.asr
+        assert asr is not None
+        try:
+            language = asr.canonical_language(transcription.get("language") or None)
+        except ValueError as exc:
+            raise RequestError("unsupported_language", str(exc), "language") from exc
+        settings = replace(settings, language=language, prompt=str(transcription.get("prompt") or ""))
+    if "turn_detection" in detection_holder:
+        settings = replace(settings, turn_detection=_turn_detection(detection_holder["turn_detection"]))
+    return settings
+
+
+def _turn_detection(value: object) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type", "server_vad") not in ("server_vad", "semantic_vad"):
+        raise RequestError("invalid_turn_detection", "turn_detection must be null or {'type': 'server_vad', ...}",
+                           "turn_detection")
+    merged = {**SERVER_VAD, **{k: v for k, v in value.items() if k in SERVER_VAD and v is not None}}
+    merged["type"] = "server_vad"  # semantic_vad is served by the same voice detector
+    threshold = merged["threshold"]
+    if not isinstance(threshold, int | float) or not 0 < threshold < 1:
+        raise RequestError("invalid_turn_detection", "turn_detection.threshold must be in (0, 1)", "turn_detection")
+    for key in ("prefix_padding_ms", "silence_duration_ms"):
+        if not isinstance(merged[key], int) or not 0 <= merged[key] <= 10000:
+            raise RequestError("invalid_turn_detection", f"turn_detection.{key} must be 0-10000", "turn_detection")
+    return merged
+

@@ -1,0 +1,311 @@
+"""A live session that runs for hours: speech detection cuts the stream into turns, each turn is one
+incremental ``Session`` (the official streaming algorithm on that turn's audio alone), so memory and the
+cost of a step stay bounded however long the stream runs.
+
+Audio is handled in 32 ms frames (512 samples, the VAD's frame). With turn detection, each frame is
+scored by the VAD (silero, or the energy fallback) and:
+
+* while nobody speaks, frames go to a short pre-roll (``prefix_padding_ms``) and nowhere else: silence
+  costs no decoding;
+* a frame scoring ``>= vad_threshold`` starts a turn: a fresh Session gets the pre-roll and the frame;
+* in a turn every frame goes to the turn; frames below the exit threshold (``vad_threshold - 0.15``)
+  count as silence, a frame at or above the threshold resets the count (in between changes nothing);
+* the turn ends after ``silence_ms`` of silence (its final transcript is sent; the trailing silence is
+  part of the turn), or at the first silent frame once it is ``soft_turn_s`` long, or at
+  ``max_turn_s`` whatever is said (the next frame then starts a new turn at once).
+
+Without turn detection every frame goes to the current turn, which ends on ``commit()`` (or at
+``max_turn_s``). ``carry_context`` hands the committed text of earlier turns (its last
+``carried_chars`` characters) to the next turn as context.
+
+The samples of a turn live in one buffer allocated once for ``max_turn_s`` plus a chunk and reused by
+every turn: a turn is closed before it could overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from qasr.audio.io import SAMPLE_RATE
+from qasr.audio.vad import VadBackend, make_scorer, resolve_backend
+from qasr.audio.vad_models import FRAME, FrameScorer
+from qasr.engine.engine import Engine
+from qasr.model.checkpoint import Checkpoint
+from qasr.streaming.config import StreamConfig
+from qasr.streaming.pcm import SampleBuffer, as_float_pcm
+from qasr.streaming.session import Session, Update
+
+EndReason = Literal["pause", "long", "max", "commit", "finish"]
+VAD_HYSTERESIS = 0.15  # the exit threshold sits this far below the start threshold (silero's default)
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """``stream``: each turn's streaming settings. ``turn_detection``: cut turns by VAD (else only
+    ``commit()`` and ``max_turn_s`` end a turn). ``vad_threshold`` / ``vad_backend``: speech
+    probability that starts a turn, and the scorer ("auto" = silero when installed, else energy).
+    ``silence_ms``: the pause that ends a turn. ``prefix_padding_ms``: audio before the detected start
+    that the turn also gets. ``soft_turn_s``: past this, any silent frame ends the turn;
+    ``max_turn_s``: a turn never gets longer. Defaults follow OpenAI's server VAD (0.5, 300 ms, 500 ms)."""
+
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    turn_detection: bool = True
+    vad_threshold: float = 0.5
+    vad_backend: VadBackend = "auto"
+    silence_ms: int = 500
+    prefix_padding_ms: int = 300
+    soft_turn_s: float = 30.0
+    max_turn_s: float = 60.0
+    carry_context: bool = False
+    carried_chars: int = 500
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.vad_threshold < 1.0:
+            raise ValueError(f"vad_threshold must be in (0, 1), got {self.vad_threshold}")
+        if self.silence_ms < 0 or self.prefix_padding_ms < 0:
+            raise ValueError("silence_ms and prefix_padding_ms must be >= 0")
+        if not 0 < self.soft_turn_s <= self.max_turn_s:
+            raise ValueError(f"need 0 < soft_turn_s <= max_turn_s, got {self.soft_turn_s} and {self.max_turn_s}")
+        if self.max_turn_s < self.stream.chunk_size_sec:
+            raise ValueError("max_turn_s must be at least one chunk (stream.chunk_size_sec)")
+        if self.carried_chars < 0:
+            raise ValueError("carried_chars must be >= 0")
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    turn: int
+    at: float  # seconds from the start of the stream (the turn's audio starts here, pre-roll included)
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    turn: int
+    at: float  # where the silence that ended the turn began (seconds from the start of the stream)
+
+
+@dataclass(frozen=True)
+class TurnUpdate:
+    """A step's result in a turn: ``update`` holds the stable and unstable text, ``delta`` the text that
+    became stable with it (stable text only ever grows, so the deltas of a turn join to its stable text)."""
+
+    turn: int
+    update: Update
+    delta: str
+
+
+@dataclass(frozen=True)
+class TurnFinal:
+    """The end of a turn. ``text`` (the whole transcript of the turn) equals its deltas joined, this
+    event's ``delta`` included."""
+
+    turn: int
+    text: str
+    language: str
+    delta: str
+    start: float
+    end: float
+    reason: EndReason
+
+
+LiveEvent = SpeechStarted | SpeechStopped | TurnUpdate | TurnFinal
+
+
+class LiveSession:
+    """Driven from one thread at a time; several sessions on their own threads share the engine."""
+
+    def __init__(self, engine: Engine, checkpoint: Checkpoint, config: LiveConfig | None = None) -> None:
+        self.engine = engine
+        self.checkpoint = checkpoint
+        self.config = cfg = config or LiveConfig()
+        chunk = cfg.stream.chunk_size_samples
+        self._buffer = SampleBuffer(int(cfg.max_turn_s * SAMPLE_RATE) + chunk + 2 * FRAME)
+        self.vad_backend = resolve_backend(cfg.vad_backend) if cfg.turn_detection else None
+        self._scorer: FrameScorer | None = make_scorer(self.vad_backend) if self.vad_backend else None
+        self._exit = max(cfg.vad_threshold - VAD_HYSTERESIS, 0.01)
+        self._silence_limit = cfg.silence_ms * SAMPLE_RATE // 1000
+        self._preroll: deque[np.ndarray] = deque(maxlen=math.ceil(cfg.prefix_padding_ms * SAMPLE_RATE / 1000 / FRAME))
+        self._pending = np.zeros(0, dtype=np.float32)  # samples short of a whole frame
+        self.position = 0  # samples of the stream handled (routed to a turn or let go as silence)
+        self.turns = 0  # turns started
+        self._turn: Session | None = None
+        self._turn_start = 0
+        self._stable = ""  # the current turn's stable text as reported
+        self._in_speech = False
+        self._silence = 0  # samples of silence since the last speech frame of the current turn
+        self._carried = ""
+        self.closed = False
+
+    @property
+    def in_turn(self) -> bool:
+        return self._turn is not None
+
+    @property
+    def turn_seconds(self) -> float:
+        return self._turn.audio.size / SAMPLE_RATE if self._turn is not None else 0.0
+
+    def push(self, pcm: np.ndarray) -> list[LiveEvent]:
+        """Add 16 kHz samples (float32 or int16, any count); returns the events they caused, in order."""
+        self._check_open()
+        x = as_float_pcm(pcm)
+        self._pending = np.concatenate((self._pending, x)) if self._pending.size else x
+        n = self._pending.size // FRAME
+        out: list[LiveEvent] = []
+        if n == 0:
+            return out
+        frames = self._pending[: n * FRAME].reshape(n, FRAME)
+        self._pending = self._pending[n * FRAME:]
+        probs = self._scorer.score(frames) if self._scorer is not None else None
+        for i in range(n):
+            if probs is None:
+                self._frame_undetected(frames[i], out)
+            else:
+                self._frame_detected(frames[i], float(probs[i]), out)
+        return out
+
+    def commit(self) -> list[LiveEvent]:
+        """End the current turn now (the samples short of a frame included). No events when no turn is
+        open and nothing is pending."""
+        self._check_open()
+        out: list[LiveEvent] = []
+        self._flush_pending(out)
+        if self._turn is not None:
+            if self._in_speech:
+                out.append(SpeechStopped(self.turns - 1, self.position / SAMPLE_RATE))
+            self._end_turn("commit", out)
+        return out
+
+    def clear(self) -> None:
+        """Drop the audio of the current turn (no final transcript) and whatever is pending."""
+        self._check_open()
+        self._drop_turn()
+        self.position += self._pending.size
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._preroll.clear()
+        self._in_speech, self._silence = False, 0
+
+    def finish(self) -> list[LiveEvent]:
+        """The end of the stream: the open turn gets what is pending and its final transcript."""
+        out: list[LiveEvent] = []
+        if self.closed:
+            return out
+        self._flush_pending(out)
+        if self._turn is not None:
+            if self._in_speech:
+                out.append(SpeechStopped(self.turns - 1, self.position / SAMPLE_RATE))
+            self._end_turn("finish", out)
+        self.closed = True
+        return out
+
+    def close(self) -> None:
+        """Abandon the session: free what the open turn holds in the engine (no final transcript)."""
+        self._drop_turn()
+        self.closed = True
+
+    # ------------------------------------------------------------------ frames
+    def _frame_undetected(self, frame: np.ndarray, out: list[LiveEvent]) -> None:
+        if self._turn is None:
+            self._start_turn(self.position, out, announce=False)
+        self._feed(frame, out)
+        if self._turn_full():
+            self._end_turn("max", out)
+
+    def _frame_detected(self, frame: np.ndarray, p: float, out: list[LiveEvent]) -> None:
+        cfg = self.config
+        if not self._in_speech:
+            if p < cfg.vad_threshold:
+                self._preroll.append(frame)
+                self.position += frame.size
+                return
+            preroll = list(self._preroll)
+            self._preroll.clear()
+            self._in_speech, self._silence = True, 0
+            self._start_turn(self.position - sum(f.size for f in preroll), out, announce=True)
+            for f in preroll:
+                self._feed(f, out, advance=False)
+            self._feed(frame, out)
+            return
+        self._feed(frame, out)
+        if p < self._exit:
+            self._silence += frame.size
+        elif p >= cfg.vad_threshold:
+            self._silence = 0
+        silent = p < self._exit
+        paused = self._silence >= self._silence_limit
+        if silent and (paused or self.turn_seconds >= cfg.soft_turn_s):
+            reason: EndReason = "pause" if paused else "long"
+            out.append(SpeechStopped(self.turns - 1, (self.position - self._silence) / SAMPLE_RATE))
+            self._in_speech = False
+            self._end_turn(reason, out)
+        elif self._turn_full():  # still speaking at the hard limit: the next frame opens the next turn
+            out.append(SpeechStopped(self.turns - 1, self.position / SAMPLE_RATE))
+            self._end_turn("max", out)
+            self._silence = 0
+            self._start_turn(self.position, out, announce=True)
+
+    def _flush_pending(self, out: list[LiveEvent]) -> None:
+        """Hand the samples short of a frame to the open turn (or to a new one without turn detection)."""
+        if self._pending.size == 0:
+            return
+        rest, self._pending = self._pending, np.zeros(0, dtype=np.float32)
+        if self._turn is None and self._scorer is None:
+            self._start_turn(self.position, out, announce=False)
+        if self._turn is not None:
+            self._feed(rest, out)
+        else:
+            self.position += rest.size
+
+    # ------------------------------------------------------------------ turns
+    def _turn_full(self) -> bool:
+        return self.turn_seconds >= self.config.max_turn_s
+
+    def _start_turn(self, start: int, out: list[LiveEvent], announce: bool) -> None:
+        stream = self.config.stream
+        if self.config.carry_context and self._carried:
+            context = f"{stream.context}\n{self._carried}" if stream.context else self._carried
+            stream = replace(stream, context=context)
+        self._turn = Session(self.engine, self.checkpoint, stream, buffer=self._buffer)
+        self._turn_start = start
+        self._stable = ""
+        if announce:
+            out.append(SpeechStarted(self.turns, start / SAMPLE_RATE))
+        self.turns += 1
+
+    def _feed(self, samples: np.ndarray, out: list[LiveEvent], advance: bool = True) -> None:
+        assert self._turn is not None
+        if advance:  # pre-roll samples were counted when they arrived
+            self.position += samples.size
+        for update in self._turn.push(samples):
+            delta = update.stable_text[len(self._stable):]
+            self._stable = update.stable_text
+            out.append(TurnUpdate(self.turns - 1, update, delta))
+
+    def _end_turn(self, reason: EndReason, out: list[LiveEvent]) -> None:
+        turn, self._turn = self._turn, None
+        assert turn is not None
+        try:
+            final = turn.finish()
+        finally:
+            turn.close()
+        text = final.stable_text
+        start = self._turn_start / SAMPLE_RATE
+        out.append(TurnFinal(self.turns - 1, text, final.language, text[len(self._stable):], start,
+                             start + turn.audio.size / SAMPLE_RATE, reason))
+        self._stable = ""
+        if self.config.carry_context and text:
+            self._carried = (f"{self._carried} {text}" if self._carried else text)[-self.config.carried_chars:]
+
+    def _drop_turn(self) -> None:
+        if self._turn is not None:
+            self._turn.close()
+            self._turn = None
+            self._stable = ""
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the live session is closed")
