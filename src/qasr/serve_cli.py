@@ -45,6 +45,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     s.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
+    s.add_argument("--max-live-sessions", type=positive_int, default=64, metavar="N",
+                   help="live WebSocket sessions (/v1/realtime, /v1/stream) open at once (default 64)")
+    s.add_argument("--live-idle-timeout-s", type=positive_float, default=60.0, metavar="S",
+                   help="close a live session that sends nothing for this long (default 60)")
+    s.add_argument("--live-max-backlog-s", type=positive_float, default=30.0, metavar="S",
+                   help="audio a live session may have waiting; later appends are refused (default 30)")
+    s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
+                   help="audio per live decoding step (default 1.0; the official default is 2.0)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return s
 
@@ -70,7 +78,9 @@ def serve_command(args: argparse.Namespace) -> int:
     config = ServerConfig(model=args.model, served_names=_served_names(args),
                           api_key=args.api_key or os.environ.get("QASR_API_KEY") or None,
                           max_queue_audio_s=args.max_queue_audio_s,
-                          max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner)
+                          max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner,
+                          max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
+                          live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s)
 
     def load():  # noqa: ANN202 - runs in a worker thread once the server listens
         from qasr.api import ASR
