@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qasr.serve_cli import add_serve_parser  # argparse only: nothing heavy loads
 
     add_serve_parser(sub)
+    from qasr.stream_cli import add_stream_parser
+
+    add_stream_parser(sub)
     return parser
 
 
@@ -176,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         from qasr.serve_cli import serve_command
 
         return serve_command(args)
+    if args.command == "stream":
+        from qasr.stream_cli import stream_command
+
+        return stream_command(args)
     _log_to_stderr()
     if args.command != "transcribe":
         return EXIT_USAGE

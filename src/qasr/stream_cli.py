@@ -1,0 +1,104 @@
+"""``qasr stream FILE|mic --server URL``: play audio into a running ``qasr serve`` in real time and print
+the live transcript.
+
+On a terminal the current turn is redrawn in place (stable text, then the unstable tail in grey) and each
+finished turn stays on its own line with its times; piped, only finished turns are printed, one per line
+(``--partials`` prints every update too, ``--json`` prints events as JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import TextIO
+
+from qasr.argtypes import positive_int
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+GREY, RESET, CLEAR_LINE = "\033[90m", "\033[0m", "\r\033[K"
+
+
+def add_stream_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    s = subparsers.add_parser(
+        "stream", help="live transcription of a file (played in real time) or a microphone, through a server",
+        description="Send audio to a running `qasr serve` over a WebSocket as it is spoken and print the live "
+                    "transcript. INPUT is an audio file, played at --speed x real time, or 'mic' to capture "
+                    "with ffmpeg (--mic-format, --mic-device).")
+    s.add_argument("input", metavar="INPUT", help="an audio file, or 'mic'")
+    s.add_argument("--server", default="http://127.0.0.1:8000", help="the server's URL (default http://127.0.0.1:8000)")
+    s.add_argument("--protocol", choices=("native", "openai"), default="native",
+                   help="native: /v1/stream (raw PCM); openai: /v1/realtime (OpenAI Realtime events)")
+    s.add_argument("--language", default=None, help="force a language (default: detected)")
+    s.add_argument("--no-turn-detection", action="store_true",
+                   help="one turn for the whole input instead of turns cut at pauses by the server's VAD")
+    s.add_argument("--speed", type=_non_negative, default=1.0,
+                   help="playback speed of a file: 1 = real time (default), 0 = as fast as the server takes it")
+    s.add_argument("--chunk-ms", type=positive_int, default=100, help="audio per message in ms (default 100)")
+    s.add_argument("--mic-format", default="pulse" if sys.platform.startswith("linux") else "avfoundation",
+                   help="ffmpeg input format for 'mic' (pulse, alsa, avfoundation, dshow, lavfi, ...)")
+    s.add_argument("--mic-device", default="default", help="ffmpeg input device for 'mic' (default: 'default')")
+    s.add_argument("--api-key", default=None, help="the server's API key (default: $QASR_API_KEY)")
+    s.add_argument("--partials", action="store_true", help="when piped, also print every partial update")
+    s.add_argument("--json", action="store_true", help="print the events as JSON lines")
+    return s
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    import os
+
+    from websockets.exceptions import WebSocketException
+
+    from qasr.stream_client import Final, Partial, ServerError, capture_chunks, file_chunks, stream
+
+    if args.input == "mic":
+        chunks = capture_chunks(args.mic_format, args.mic_device, args.chunk_ms)
+    else:
+        if not os.path.isfile(args.input):
+            print(f"qasr stream: error: no such file: {args.input}", file=sys.stderr)
+            return EXIT_USAGE
+        chunks = file_chunks(args.input, args.chunk_ms)
+    live = out.isatty() and not args.json
+    failed = False
+    try:
+        for event in stream(chunks, args.server, args.protocol, args.language, not args.no_turn_detection,
+                            args.speed, args.api_key or os.environ.get("QASR_API_KEY")):
+            if args.json:
+                print(json.dumps({"event": type(event).__name__.lower(), **asdict(event)}, ensure_ascii=False),
+                      file=out, flush=True)
+            elif isinstance(event, Partial):
+                if live:
+                    print(f"{CLEAR_LINE}{event.stable}{GREY}{event.unstable}{RESET}", end="", file=out, flush=True)
+                elif args.partials:
+                    print(f"~ {event.stable}|{event.unstable}", file=out, flush=True)
+            elif isinstance(event, Final):
+                print(f"{CLEAR_LINE if live else ''}{_times(event)}{event.text}", file=out, flush=True)
+            if isinstance(event, ServerError):
+                failed = True
+                print(f"qasr stream: server error {event.code}: {event.message}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except (OSError, RuntimeError, ValueError, TimeoutError, WebSocketException) as exc:
+        print(f"qasr stream: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _times(event: object) -> str:
+    start, end = getattr(event, "start", None), getattr(event, "end", None)
+    if start is None or end is None:
+        return ""
+    return f"[{_clock(start)} -> {_clock(end)}] "
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(seconds, 60)
+    return f"{int(minutes)}:{secs:05.2f}"
