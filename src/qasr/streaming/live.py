@@ -264,11 +264,17 @@ class LiveSession:
     def _turn_full(self) -> bool:
         return self.turn_seconds >= self.config.max_turn_s
 
+    @property
+    def next_context(self) -> str:
+        """The context the next turn starts with: the configured one, plus (``carry_context``) the end of
+        the text committed so far."""
+        base = self.config.stream.context
+        if not (self.config.carry_context and self._carried):
+            return base
+        return f"{base}\n{self._carried}" if base else self._carried
+
     def _start_turn(self, start: int, out: list[LiveEvent], announce: bool) -> None:
-        stream = self.config.stream
-        if self.config.carry_context and self._carried:
-            context = f"{stream.context}\n{self._carried}" if stream.context else self._carried
-            stream = replace(stream, context=context)
+        stream = replace(self.config.stream, context=self.next_context)
         self._turn = Session(self.engine, self.checkpoint, stream, buffer=self._buffer)
         self._turn_start = start
         self._stable = ""

@@ -1,0 +1,220 @@
+"""Live sessions: turns cut by the VAD (pauses, the soft and hard length limits), commit / clear without
+turn detection, each turn's transcript equal to the official algorithm run on that turn's audio alone,
+silence that costs no decoding, bounded memory over many turns, and wire PCM ingestion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soxr
+
+from qasr.streaming import (
+    LiveConfig,
+    LiveSession,
+    OracleStream,
+    PcmIngest,
+    SpeechStarted,
+    SpeechStopped,
+    StreamConfig,
+    TurnFinal,
+    TurnUpdate,
+)
+from tests.conftest import noise
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "models" / "qasr-demo-en"
+SR = 16000
+
+
+@pytest.fixture(scope="module")
+def demo():  # noqa: ANN201
+    from qasr import ASR
+
+    asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
+    yield asr
+    asr.close()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
+    from qasr.audio.io import load_audio
+    from qasr.testing.speech import speak
+
+    d = tmp_path_factory.mktemp("live")
+    texts = ("set an alarm for six forty five", "turn off the lights in the bedroom",
+             "what is the weather like in paris on friday")
+    voices = (("en-us", 160, 50), ("en-gb", 150, 40), ("en-us+f3", 175, 60))
+    return [load_audio(speak(t, d / f"c{i}.wav", voice=v, speed=s, pitch=p))
+            for i, (t, (v, s, p)) in enumerate(zip(texts, voices, strict=True))]
+
+
+def feed(live: LiveSession, audio: np.ndarray, sizes: tuple[int, ...] = (3200, 777, 5000)) -> list:
+    events, i, k = [], 0, 0
+    while i < len(audio):
+        piece = audio[i:i + sizes[k % len(sizes)]]
+        events += live.push(piece)
+        i += len(piece)
+        k += 1
+    return events + live.finish()
+
+
+def oracle_text(asr, audio: np.ndarray, config: StreamConfig) -> str:  # noqa: ANN001
+    oracle = OracleStream(asr.engine, asr.checkpoint, config)
+    for i in range(0, len(audio), 512):
+        oracle.push(audio[i:i + 512])
+    oracle.finish()
+    return oracle.results[-1].text
+
+
+def check_turn_events(events: list) -> list[TurnFinal]:
+    """Per turn: started before its updates, stopped before its final, deltas join to the final text,
+    stable text only grows. Returns the finals in order."""
+    finals = [e for e in events if isinstance(e, TurnFinal)]
+    for final in finals:
+        mine = [e for e in events if e.turn == final.turn]
+        kinds = [type(e).__name__ for e in mine]
+        assert kinds[-1] == "TurnFinal"
+        if "SpeechStarted" in kinds:
+            assert kinds[0] == "SpeechStarted"
+        if "SpeechStopped" in kinds:
+            assert kinds[-2] == "SpeechStopped"
+        updates = [e for e in mine if isinstance(e, TurnUpdate)]
+        for a, b in zip(updates, updates[1:], strict=False):
+            assert b.update.stable_text.startswith(a.update.stable_text)
+        assert "".join(e.delta for e in updates) + final.delta == final.text
+    assert [f.turn for f in finals] == list(range(len(finals)))
+    return finals
+
+
+def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(demo, clips) -> None:  # noqa: ANN001
+    gap = np.zeros(SR, dtype=np.float32)
+    audio = np.concatenate([gap, clips[0], gap, clips[1], gap, clips[2], gap])
+    live = demo.live(chunk_size_sec=1.0)
+    events = feed(live, audio)
+    finals = check_turn_events(events)
+    assert len(finals) == 3 and all(f.reason == "pause" for f in finals)
+    starts = [e.at for e in events if isinstance(e, SpeechStarted)]
+    stops = [e.at for e in events if isinstance(e, SpeechStopped)]
+    assert len(starts) == len(stops) == 3
+    for k, final in enumerate(finals):
+        clip_start = (1 + k) + sum(len(c) for c in clips[:k]) / SR  # where clip k starts in the stream
+        assert clip_start - 0.5 < final.start < clip_start + 0.5
+        assert final.start <= starts[k] and stops[k] < final.end
+        turn_audio = audio[round(final.start * SR):round(final.end * SR)]
+        assert final.text == oracle_text(demo, turn_audio, StreamConfig(chunk_size_sec=1.0))
+        offline = demo.transcribe(clips[k], sample_rate=SR, segmentation="none")[0].text
+        assert final.text == offline
+
+
+def test_silence_starts_no_turn_and_costs_no_decoding(demo) -> None:  # noqa: ANN001
+    quiet = (noise(20.0, seed=3) * 1e-4).astype(np.float32)
+    before = demo.engine.stats().steps
+    live = demo.live()
+    assert feed(live, quiet) == []
+    assert live.turns == 0 and live.position == len(quiet)
+    assert demo.engine.stats().steps == before
+
+
+def test_long_speech_is_cut_at_a_pause_past_soft_turn_s_and_hard_at_max_turn_s(demo, clips) -> None:  # noqa: ANN001
+    short_gap = np.zeros(int(0.2 * SR), dtype=np.float32)  # shorter than silence_ms: no end of turn
+    speech = np.concatenate([clips[0], short_gap, clips[1], short_gap, clips[2]])
+    soft = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=2.0), speech)
+    finals = check_turn_events(soft)
+    assert finals[0].reason == "long" and 2.0 <= finals[0].end - finals[0].start < 4.0
+    hard = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=1.5, max_turn_s=1.5), clips[2])
+    finals = check_turn_events(hard)
+    assert finals[0].reason == "max" and finals[0].end - finals[0].start == pytest.approx(1.5, abs=0.04)
+    # the next turn starts where the cut one ended, announced at once
+    started = [e for e in hard if isinstance(e, SpeechStarted)]
+    assert started[1].turn == 1 and started[1].at == pytest.approx(finals[0].end)
+
+
+def test_commit_clear_and_finish_without_turn_detection(tiny_asr) -> None:  # noqa: ANN001
+    cfg = StreamConfig(chunk_size_sec=1.0, max_new_tokens=4)
+    live = LiveSession(tiny_asr.engine, tiny_asr.checkpoint, LiveConfig(stream=cfg, turn_detection=False))
+    a, b, c = noise(2.3, seed=1), noise(1.0, seed=2), noise(1.7, seed=4)
+    events = live.push(a) + live.commit()
+    first = [e for e in events if isinstance(e, TurnFinal)]
+    assert len(first) == 1 and first[0].reason == "commit" and first[0].end == pytest.approx(2.3)
+    assert first[0].text == oracle_text(tiny_asr, a, cfg)
+    assert live.commit() == []  # nothing left to commit
+    live.push(b)
+    live.clear()  # drops b: no final for it
+    events = live.push(c) + live.finish()
+    last = [e for e in events if isinstance(e, TurnFinal)]
+    assert len(last) == 1 and last[0].reason == "finish" and last[0].turn == 2  # the cleared turn was 1
+    assert last[0].start == pytest.approx(3.3) and last[0].text == oracle_text(tiny_asr, c, cfg)
+    assert not any(isinstance(e, SpeechStarted | SpeechStopped) for e in events)
+    with pytest.raises(RuntimeError, match="closed"):
+        live.push(a)
+
+
+def test_an_hour_like_stream_stays_bounded(tiny_asr) -> None:  # noqa: ANN001
+    """Turns of max_turn_s one after another: the sample buffer is never reallocated, the engine holds
+    no KV once the session finished, and a step's work does not grow from turn to turn."""
+    cfg = LiveConfig(stream=StreamConfig(chunk_size_sec=1.0, max_new_tokens=2), turn_detection=False,
+                     soft_turn_s=3.0, max_turn_s=3.0)
+    live = LiveSession(tiny_asr.engine, tiny_asr.checkpoint, cfg)
+    buffer, capacity = live._buffer, live._buffer.capacity
+    audio = noise(45.0, seed=5)
+    finals = [e for e in feed(live, audio, (16000,)) if isinstance(e, TurnFinal)]
+    assert len(finals) == 15 and all(f.reason == "max" for f in finals[:-1])
+    assert live._buffer is buffer and buffer.capacity == capacity
+    assert tiny_asr.engine.stats().kv_tokens_used == 0
+
+
+def test_carry_context_hands_committed_text_to_the_next_turn(tiny_asr) -> None:  # noqa: ANN001
+    cfg = LiveConfig(stream=StreamConfig(chunk_size_sec=1.0, max_new_tokens=3, context="names: Ada"),
+                     turn_detection=False, carry_context=True, carried_chars=40)
+    live = LiveSession(tiny_asr.engine, tiny_asr.checkpoint, cfg)
+    assert live.next_context == "names: Ada"
+    texts = []
+    for seed in (1, 2, 3):
+        texts += [e.text for e in live.push(noise(1.5, seed=seed)) + live.commit() if isinstance(e, TurnFinal)]
+    carried = " ".join(t for t in texts if t)[-40:]
+    assert live.next_context == (f"names: Ada\n{carried}" if carried else "names: Ada")
+
+
+def test_asr_live_takes_both_kinds_of_settings(tiny_asr) -> None:  # noqa: ANN001
+    live = tiny_asr.live(chunk_size_sec=0.5, language="English", silence_ms=800, turn_detection=False)
+    assert live.config.silence_ms == 800 and not live.config.turn_detection
+    assert live.config.stream.chunk_size_sec == 0.5 and live.config.stream.language == "English"
+    with pytest.raises(TypeError):
+        tiny_asr.live(no_such_setting=1)
+    with pytest.raises(ValueError, match="soft_turn_s"):
+        tiny_asr.live(soft_turn_s=90.0)
+
+
+# ------------------------------------------------------------------------------------------- ingest
+@pytest.mark.parametrize("rate", [8000, 16000, 24000, 48000])
+def test_pcm16_ingest_does_not_depend_on_how_bytes_were_split(rate: int) -> None:
+    wave = np.sin(np.arange(rate * 2) * 2 * np.pi * 440 / rate) * 0.5
+    pcm = (wave * 32767).astype("<i2").tobytes()
+    whole = PcmIngest("pcm16", rate)
+    one = np.concatenate([whole.feed(pcm), whole.flush()])
+    split = PcmIngest("pcm16", rate)
+    parts, i = [], 0
+    for size in [1, 3, 1001, 4800, 7] * 1000:  # odd sizes split samples across messages
+        if i >= len(pcm):
+            break
+        parts.append(split.feed(pcm[i:i + size]))
+        i += size
+    two = np.concatenate([*parts, split.flush()])
+    np.testing.assert_array_equal(one, two)
+    assert abs(len(one) - 2 * SR) <= 1
+    expected = soxr.resample(wave.astype(np.float32), rate, SR) if rate != SR else wave
+    middle = slice(SR // 2, SR + SR // 2)  # away from the resampler's edges
+    np.testing.assert_allclose(one[middle], expected[middle], atol=2e-3)
+
+
+def test_float32_ingest_and_bad_input() -> None:
+    x = np.linspace(-1, 1, 1000, dtype="<f4")
+    np.testing.assert_array_equal(PcmIngest("float32").feed(x.tobytes()), x)
+    with pytest.raises(ValueError, match="NaN"):
+        PcmIngest("float32").feed(np.array([np.nan], dtype="<f4").tobytes())
+    with pytest.raises(ValueError, match="format"):
+        PcmIngest("mp3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sample rate"):
+        PcmIngest("pcm16", 100)
