@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="cap on generated tokens per piece (default: ceil(15 x seconds) + 24 for each piece; "
                         "a piece cut at the cap is reported with a warning)")
+    from qasr.distributed.options import add_transcribe_options  # argparse only: nothing heavy loads
+
+    add_transcribe_options(t)
     b = sub.add_parser("bench", help="throughput benchmark against transformers (needs the test extras)",
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see qasr bench -h)")
@@ -107,7 +110,11 @@ def _usage_problem(args: argparse.Namespace, inputs: list[str]) -> str | None:
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
-    from qasr.folder import find_inputs, plan_jobs, update_failed_list
+    if args.ray is not None:  # inputs may also be URIs of any pyarrow filesystem
+        from qasr.distributed.inputs import find_inputs, plan_jobs
+    else:
+        from qasr.folder import find_inputs, plan_jobs
+    from qasr.folder import update_failed_list
     from qasr.model.prompt import normalize_language
 
     inputs = find_inputs(args.paths, args.recursive)
@@ -127,6 +134,10 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if not todo:
         update_failed_list(args.output_dir, [])
         return 0
+    if args.ray is not None:
+        from qasr.distributed.job import run_on_ray
+
+        return run_on_ray(todo, args, total_inputs=len(jobs))
 
     from qasr.api import ASR
     from qasr.engine.engine import EngineConfig
@@ -174,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         from qasr.bench import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    from qasr.distributed.options import split_ray_address
+
+    args = build_parser().parse_args(split_ray_address(argv))
     if args.command == "serve":
         from qasr.serve_cli import serve_command
 

@@ -12,8 +12,12 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from qasr.argtypes import positive_float, positive_int
+
+if TYPE_CHECKING:
+    from qasr.server.config import ServerConfig
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 
@@ -54,6 +58,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
                    help="audio per live decoding step (default 1.0; the official default is 2.0)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from qasr.distributed.options import add_serve_options  # argparse only: nothing heavy loads
+
+    add_serve_options(s)
     return s
 
 
@@ -65,22 +72,31 @@ def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys([args.model, Path(args.model.rstrip("/")).name]))
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    from qasr.server.config import ServerConfig
+
+    return ServerConfig(model=args.model, served_names=_served_names(args),
+                        api_key=args.api_key or os.environ.get("QASR_API_KEY") or None,
+                        max_queue_audio_s=args.max_queue_audio_s,
+                        max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner,
+                        max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
+                        live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
         from qasr.server.app import create_app
-        from qasr.server.config import ServerConfig
     except ImportError as exc:
         print(f"qasr: error: the server needs its extra: pip install 'qasr[server]' ({exc})", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    config = ServerConfig(model=args.model, served_names=_served_names(args),
-                          api_key=args.api_key or os.environ.get("QASR_API_KEY") or None,
-                          max_queue_audio_s=args.max_queue_audio_s,
-                          max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner,
-                          max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
-                          live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s)
+    config = server_config(args)
+    if args.ray is not None:  # replicas of this same app on a Ray cluster
+        from qasr.distributed.serve_command import serve_on_ray
+
+        return serve_on_ray(args, config)
 
     def load():  # noqa: ANN202 - runs in a worker thread once the server listens
         from qasr.api import ASR

@@ -1,0 +1,75 @@
+"""The pipeline's ASR stage: a Ray Data actor class holding one qasr engine (no Ray import needed here).
+
+Each call gets a batch of segment rows, builds each segment's piece (prompt and token cap, exactly as
+``ASR.transcribe`` does), submits them all to the engine at once and waits for them; several calls run at
+once on one actor (threads), so the engine batches across calls and never idles on a batch's last, longest
+segment. Each segment comes back as its own Transcription, made by the public ``ASR.assemble``: parsing,
+finish reasons, warnings and word times are the single-machine code's. "end" rows pass through.
+
+A failure stays with its segment: a piece the engine refuses or a request that fails becomes a part
+carrying the error, and a segment too short to encode fails its input as ``transcribe`` would.
+"""
+
+from __future__ import annotations
+
+import pickle
+from concurrent.futures import Future, wait
+
+from qasr.audio.io import AudioError
+from qasr.distributed import rows
+from qasr.distributed.config import CallOptions, EngineSpec
+from qasr.pieces import Piece, make_piece, make_pieces
+
+
+class Transcriber:
+    """``map_batches`` callable class: one engine per actor, loaded once."""
+
+    def __init__(self, spec: EngineSpec, options: CallOptions) -> None:
+        self.asr = spec.load()
+        self.options = options
+        self.language = self.asr.canonical_language(options.language)
+
+    def __call__(self, batch: dict) -> dict[str, list]:
+        out: list[dict] = []
+        started: list[tuple[dict, list[Piece], list[Future]]] = []
+        for r in rows.rows_of(batch):
+            if r["kind"] == rows.END:
+                out.append(r)
+                continue
+            try:
+                pieces = self._pieces(r)
+            except AudioError as exc:
+                out.append(rows.row(r["item"], r["source"], rows.FAILED, k=r["k"], duration=r["duration"],
+                                    error=str(exc)))
+                continue
+            started.append((r, pieces, [self._submit(p) for p in pieces]))
+        wait([f for _, _, futures in started for f in futures])
+        for r, pieces, futures in started:
+            part = self.asr.assemble(pieces, [_outcome(f) for f in futures])
+            out.append(rows.row(r["item"], r["source"], rows.PART, k=r["k"], offset=r["offset"],
+                                duration=r["duration"], part=pickle.dumps(part)))
+        return rows.batch(out)
+
+    def _pieces(self, r: dict) -> list[Piece]:
+        samples = rows.samples_of(r["samples"])
+        common = {"source": r["source"], "item": r["item"], "context": self.options.context,
+                  "language": self.language, "max_new_tokens": self.options.max_new_tokens,
+                  "tokens_per_second": self.asr.max_tokens_per_second}
+        if r["kind"] == rows.WHOLE:
+            return make_pieces(self.asr.checkpoint, samples, max_chunk_sec=self.asr.max_chunk_sec, **common)
+        return [make_piece(self.asr.checkpoint, samples, offset=r["offset"], duration=r["duration"], **common)]
+
+    def _submit(self, piece: Piece) -> Future:
+        try:
+            return self.asr.submit(piece, words=self.options.words, ignore_eos=self.options.ignore_eos)
+        except Exception as exc:  # noqa: BLE001 - a refusal at submit is this segment's error, like one later
+            refused: Future = Future()
+            refused.set_exception(exc)
+            return refused
+
+
+def _outcome(fut: Future) -> object:
+    try:
+        return fut.result()
+    except BaseException as exc:  # noqa: BLE001 - a failed or cancelled request is an outcome
+        return exc

@@ -1,0 +1,159 @@
+"""What each Ray worker loads and how many of them run: frozen, picklable settings (no Ray import).
+
+``EngineSpec`` travels to every ASR actor and Serve replica, which load their own engine from it; the
+sizes are worked out once on the driver from the cluster's resources (``ray.cluster_resources()`` and the
+per-node view of ``ray.nodes()``), so the defaults fit a laptop as well as a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qasr.api import ASR
+
+# an engine on CPUs gains little from more than 4 threads at these model sizes (docs/benchmarks.md);
+# more cores are better spent on more engines
+DEFAULT_CPU_ENGINE_THREADS = 4
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a worker needs to load the same engine as ``qasr transcribe``/``qasr serve`` would."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    aligner: str | None = None
+    max_running: int = 64
+    threads: int | None = None  # torch threads of a CPU engine; None: leave torch's default
+
+    def load(self) -> ASR:
+        import torch
+
+        from qasr.api import ASR
+        from qasr.engine.engine import EngineConfig
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        return ASR.from_pretrained(self.model, device=self.device, dtype=self.dtype, aligner=self.aligner,
+                                   engine=EngineConfig(max_running=self.max_running))
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The Ray Data pipeline's sizes: the ASR actor pool and the CPU decode tasks."""
+
+    min_actors: int
+    max_actors: int
+    actor_cpus: float
+    actor_gpus: float
+    decode_cpus: float = 1.0
+    batch_size: int = 16  # segments per actor call
+    calls_per_actor: int = 4  # actor calls running at once, so the engine batches across calls
+
+
+@dataclass(frozen=True)
+class ServeScaling:
+    """The Serve deployment's replicas and how many requests each one takes."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    max_ongoing_requests: int = 128
+    target_ongoing_requests: float = 32.0
+
+    def deployment_options(self) -> dict:
+        """Keyword arguments of ``serve.deployment``: a fixed count, or autoscaling on ongoing requests."""
+        options: dict = {"ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus},
+                         "max_ongoing_requests": self.max_ongoing_requests}
+        if self.min_replicas == self.max_replicas:
+            options["num_replicas"] = self.min_replicas
+        else:
+            options["autoscaling_config"] = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                             "target_ongoing_requests": self.target_ongoing_requests}
+        return options
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The resources that size the defaults: the whole cluster's and its largest node's."""
+
+    cpus: float
+    gpus: float
+    node_cpus: float
+
+    @classmethod
+    def from_ray(cls, total: Mapping[str, float], nodes: Sequence[Mapping]) -> Cluster:
+        alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+        node_cpus = max((r.get("CPU", 0.0) for r in alive), default=total.get("CPU", 0.0))
+        return cls(float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0)), float(node_cpus))
+
+
+def worker_shape(cluster: Cluster, cpus: float | None, gpus: float | None) -> tuple[float, float]:
+    """``(cpus, gpus)`` of one engine: a whole GPU where there are GPUs, else up to 4 cores of one node."""
+    if gpus is None:
+        gpus = 1.0 if cluster.gpus > 0 else 0.0
+    if cpus is None:
+        cpus = 1.0 if gpus > 0 else float(max(1, min(DEFAULT_CPU_ENGINE_THREADS, int(cluster.node_cpus) - 1)))
+    return cpus, gpus
+
+
+def engine_threads(cpus: float, gpus: float) -> int | None:
+    """Torch threads for an engine on ``cpus`` cores: as many as it reserved (at least 1); GPU engines keep
+    torch's default (the GPU does the work)."""
+    return None if gpus > 0 else max(1, math.floor(cpus))
+
+
+def pool_config(cluster: Cluster, *, actors: tuple[int, int] | None, cpus: float | None, gpus: float | None,
+                decode_cpus: float, batch_size: int) -> PoolConfig:
+    """The pool the cluster holds: by default one actor per GPU, or one per ``cpus`` cores with room left
+    for one decode task, from 1 actor up (the pool grows while segments wait)."""
+    cpus, gpus = worker_shape(cluster, cpus, gpus)
+    if actors is None:
+        if gpus > 0:
+            fit = math.floor(cluster.gpus / gpus)
+        else:
+            fit = math.floor(max(cluster.cpus - decode_cpus, 0.0) / cpus)
+        actors = (1, max(1, fit))
+    return PoolConfig(min_actors=actors[0], max_actors=actors[1], actor_cpus=cpus, actor_gpus=gpus,
+                      decode_cpus=decode_cpus, batch_size=batch_size)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """One ``transcribe`` call's per-input options, as the decode tasks and the ASR actors need them."""
+
+    language: str | None = None  # as given; each actor makes it canonical for its checkpoint
+    context: str = ""
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+    segmentation: str = "auto"
+    max_segment_s: float = 30.0
+    vad: object | None = None  # a qasr.audio.vad.VadConfig; None: the detector's defaults
+    words: bool = False  # word timestamps (the actors load the aligner)
+
+
+def portable(path: str | None) -> str | None:
+    """A local checkpoint as an absolute path (workers run in other folders); a hub id as it is."""
+    if path is not None and Path(path).expanduser().exists():
+        return str(Path(path).expanduser().resolve())
+    return path
+
+
+def model_problem(model: str) -> str | None:
+    """A local checkpoint that is not there fails here, before the cluster is asked for anything (a hub
+    id is fetched by the workers themselves)."""
+    from qasr.model.weights import resolve_model_dir
+
+    if Path(model).expanduser().exists() or model.count("/") != 1:
+        try:
+            resolve_model_dir(model)
+        except FileNotFoundError as exc:
+            return str(exc)
+    return None

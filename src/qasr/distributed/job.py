@@ -1,0 +1,64 @@
+"""``qasr transcribe --ray``: the planned jobs through ``RayTranscriber`` and the single-machine job runner.
+
+The command line has already found the inputs, planned their outputs and dropped those already done (the
+done-set comes from OUT, as without --ray); ``run_jobs`` then writes each input's outputs atomically the
+moment the cluster hands back its last segment, shows progress, lists failures in OUT/failed.tsv and stops
+cleanly on Ctrl-C, exactly as on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from qasr.distributed import RayMissing
+from qasr.distributed.config import EngineSpec, engine_threads, model_problem, pool_config, portable
+from qasr.folder import Job
+
+EXIT_USAGE = 2
+
+
+def run_on_ray(todo: list[Job], args: argparse.Namespace, total_inputs: int) -> int:
+    from qasr.distributed.runtime import cluster_now, connect, disconnect
+
+    problem = model_problem(args.model)
+    if problem is not None:
+        return _usage(problem)
+    try:
+        connected = connect(args.ray)
+    except RayMissing as exc:
+        return _usage(str(exc))
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        return _usage(f"cannot join the Ray cluster at {args.ray or 'the default address'}: {exc}")
+    try:
+        return _run(todo, args, total_inputs, cluster_now())
+    finally:
+        if connected:
+            disconnect()
+
+
+def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) -> int:  # noqa: ANN001
+    from qasr.distributed.ray_data import RayTranscriber
+    from qasr.job_runner import run_jobs
+
+    pool = pool_config(cluster, actors=args.ray_actors, cpus=args.ray_actor_cpus, gpus=args.ray_actor_gpus,
+                       decode_cpus=args.ray_decode_cpus, batch_size=args.ray_batch)
+    spec = EngineSpec(portable(args.model), device=args.device, dtype=args.dtype, aligner=portable(args.aligner),
+                      max_running=args.max_running, threads=engine_threads(pool.actor_cpus, pool.actor_gpus))
+    transcriber = RayTranscriber(spec, pool)
+    try:
+        transcriber.check_language(args.language)
+    except ValueError as exc:
+        return _usage(str(exc))
+    actors = str(pool.min_actors) if pool.min_actors == pool.max_actors else f"{pool.min_actors}-{pool.max_actors}"
+    print(f"qasr: ray: {len(todo)} inputs, {actors} ASR actors ({pool.actor_cpus:g} CPU, {pool.actor_gpus:g} GPU "
+          f"each) on a cluster of {cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs", file=sys.stderr)
+    code = run_jobs(transcriber, todo, args, total_inputs)  # type: ignore[arg-type] - the same transcribe_iter
+    print(f"qasr: ray: {transcriber.passes} passes, {transcriber.redone} segments redone after their worker "
+          f"died, {transcriber.repeats} repeated results ignored", file=sys.stderr)
+    return code
+
+
+def _usage(message: str) -> int:
+    print(f"qasr: error: {message}", file=sys.stderr)
+    return EXIT_USAGE

@@ -1,0 +1,194 @@
+"""``RayTranscriber``: ``ASR.transcribe_iter`` on a Ray cluster, as a Ray Data pipeline.
+
+    inputs (one row each) -> decode tasks (CPU: decode, resample, VAD, segments; ``segment.py``)
+      -> ASR actors (an autoscaling pool, one engine each; ``actor.py``) -> the driver (``assemble.py``)
+
+Rows are segments, not files, so a long recording is spread over every actor and nothing waits on one
+big file; the driver regroups them (no shuffle: it only counts) and yields each input the moment its last
+segment arrives. ``qasr.job_runner.run_jobs`` takes this object in place of an ``ASR`` and does what it
+does on one machine: atomic writes, progress, failed.tsv, Ctrl-C.
+
+When an actor dies, Ray restarts it and retries its calls (a crash, a lost node); one killed for good
+(``ray.kill``) loses the segments it held. Those, and segments of a task that failed three times, are
+noticed by their absence when the pass ends: a further pass decodes those inputs again and transcribes
+only the missing segments, up to ``max_passes`` in all; an input still incomplete then fails with a
+message, instead of a poison input hanging the job in endless retries.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import logging
+import secrets
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from qasr.api import SEGMENTATIONS, TIMESTAMPS
+from qasr.distributed import rows
+from qasr.distributed.actor import Transcriber
+from qasr.distributed.assemble import Collector
+from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
+from qasr.distributed.segment import display_name, location, segment_batch
+from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
+from qasr.results import Transcription
+
+log = logging.getLogger("qasr.distributed")
+ACTOR_PREFIX = "qasr-asr"  # ASR actors are named qasr-asr-<run>-p<pass>-<n>: findable in `ray list actors`
+TASK_RETRIES = 2  # retries of one actor call after its actor died; then the pass moves on without it
+
+
+class RayTranscriber:
+    """Transcribe inputs (local paths or pyarrow URIs) on the connected Ray cluster (``ray.init`` first).
+
+    ``transcribe_iter`` takes ``ASR.transcribe_iter``'s arguments and yields ``(input index,
+    Transcription)`` in completion order, with the same results a single ``ASR`` would give.
+    """
+
+    def __init__(self, spec: EngineSpec, pool: PoolConfig, max_passes: int = 3) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.max_passes = max_passes
+        self.run_id = secrets.token_hex(3)
+        self.passes = 0
+        self.redone = 0  # segments transcribed again after their first pass lost them
+        self.repeats = 0  # result rows that arrived twice (ignored)
+
+    def check_language(self, language: str | None) -> str | None:
+        """The canonical language name, refused as ``ASR`` would when a local checkpoint does not list it
+        (a hub id is checked by the actors, which download it)."""
+        name = normalize_language(language)
+        config = Path(self.spec.model).expanduser() / "config.json"
+        if name is not None and config.is_file():
+            listed = json.loads(config.read_text()).get("support_languages") or SUPPORTED_LANGUAGES
+            if name not in listed:
+                raise ValueError(f"language {language!r} is not supported by this model; supported: "
+                                 f"{', '.join(listed)}")
+        return name
+
+    def transcribe_iter(self, audio: str | Sequence[str], language: str | None = None, context: str = "",
+                        sample_rate: int | None = None, max_new_tokens: int | None = None,
+                        ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
+                        segmentation: str = "auto", max_segment_s: float = 30.0, vad: object | None = None,
+                        timestamps: str = "segment") -> Iterator[tuple[int, Transcription]]:
+        """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs (``sample_rate`` is
+        accepted for the same signature, and unused: encoded files carry their own rate)."""
+        sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
+        options = self._options(language, context, max_new_tokens, ignore_eos, segmentation, max_segment_s,
+                                vad, timestamps)
+        collector = Collector([display_name(s) for s in sources], options.words, progress)
+        todo = {i: set() for i in range(len(sources))}
+        with _quiet_data_context():
+            for number in range(1, self.max_passes + 1):
+                self.passes = number
+                if self.passes > 1:
+                    log.warning("%d inputs lost segments with a worker; pass %d of %d redoes only those",
+                                len(todo), self.passes, self.max_passes)
+                before = collector.segments
+                blocks = iter(self._dataset(sources, todo, options).iter_batches(batch_size=None,
+                                                                                  batch_format="numpy"))
+                try:
+                    for block in blocks:
+                        for r in rows.rows_of(block):
+                            done = collector.add(r)
+                            if done is not None:
+                                yield done
+                finally:  # closed early (Ctrl-C, the caller stopped): stop the pass's tasks and actors now
+                    close = getattr(blocks, "close", None)
+                    if close is not None:
+                        close()
+                if self.passes > 1:
+                    self.redone += collector.segments - before
+                self.repeats = collector.repeats
+                todo = collector.incomplete()
+                if not todo:
+                    return
+        for i, held in todo.items():
+            yield i, Transcription("", "", 0.0, source=collector.names[i],
+                                   error=f"{collector.names[i]}: not finished after {self.max_passes} passes "
+                                         f"({len(held)} segments done); its workers kept dying, see the Ray logs")
+
+    def _options(self, language: str | None, context: str, max_new_tokens: int | None, ignore_eos: bool,
+                 segmentation: str, max_segment_s: float, vad: object | None, timestamps: str) -> CallOptions:
+        """``ASR._call``'s checks, made before any work starts."""
+        self.check_language(language)
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if segmentation not in SEGMENTATIONS:
+            raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
+        if not max_segment_s > 0:
+            raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
+        if timestamps not in TIMESTAMPS:
+            raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
+        words = timestamps == "word"
+        if words and self.spec.aligner is None:
+            log.warning("word timestamps need a forced aligner (--aligner PATH): giving segment times instead")
+            words = False
+        return CallOptions(language, context or "", max_new_tokens, ignore_eos, segmentation, float(max_segment_s),
+                           vad, words)
+
+    def _dataset(self, sources: list[str], todo: dict[int, set[int]], options: CallOptions):  # noqa: ANN202
+        import ray.data
+
+        items = [{"item": i, "given": sources[i], "source": location(sources[i]), "skip": json.dumps(sorted(held))}
+                 for i, held in todo.items()]
+        pool = self.pool
+        names = itertools.count()
+        label = f"{ACTOR_PREFIX}-{self.run_id}-p{self.passes}"
+        remote_args: dict = {"max_restarts": -1, "max_task_retries": TASK_RETRIES}
+        strategy = _actor_pool(pool, remote_args)
+        # Ray 2.60 marks the free-form remote arguments and ray_remote_args_fn deprecated (for 2.64) and offers
+        # nothing else yet that bounds retries or names actors. The names matter beyond `ray list actors`:
+        # ray_remote_args_fn keeps Ray Data from fusing the decode tasks into the actors when both ask for
+        # the same resources, which would keep a long file's segments on one actor.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # one block per input: each decode task takes one input, so a long file never holds up short ones
+            ds = ray.data.from_items(items, override_num_blocks=len(items))
+            ds = ds.map_batches(segment_batch, fn_kwargs={"options": options}, batch_size=1,
+                                num_cpus=pool.decode_cpus, max_retries=TASK_RETRIES)
+            return ds.map_batches(Transcriber, fn_constructor_kwargs={"spec": self.spec, "options": options},
+                                  batch_size=pool.batch_size, num_cpus=pool.actor_cpus, num_gpus=pool.actor_gpus,
+                                  compute=strategy, ray_remote_args_fn=lambda: {"name": f"{label}-{next(names)}"},
+                                  **remote_args)
+
+
+def _actor_pool(pool: PoolConfig, remote_args: dict):  # noqa: ANN202 - a ray.data.ActorPoolStrategy
+    """An autoscaling pool whose actors each run ``calls_per_actor`` calls at once on threads (the engine
+    is thread-safe and batches them together)."""
+    from ray.data import ActorPoolStrategy
+
+    kwargs: dict = {"min_size": pool.min_actors, "max_size": pool.max_actors}
+    if "enable_true_multi_threading" in inspect.signature(ActorPoolStrategy).parameters:
+        kwargs.update(max_concurrent_calls_per_actor=pool.calls_per_actor, enable_true_multi_threading=True,
+                      max_tasks_in_flight_per_actor=pool.calls_per_actor)
+    else:  # older Ray: a threaded actor runs its calls concurrently by itself
+        remote_args["max_concurrency"] = pool.calls_per_actor
+    return ActorPoolStrategy(**kwargs)
+
+
+@contextmanager
+def _quiet_data_context() -> Iterator[None]:
+    """Ray Data settings for our passes, restored afterwards: no progress bars of its own (the job shows
+    one), and a failed block does not fail the pass (the next pass redoes what it held)."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    saved = ctx.enable_progress_bars, ctx.max_errored_blocks
+    ctx.enable_progress_bars, ctx.max_errored_blocks = False, -1
+    # its INFO lines (plans, "execution finished") and the notice that its bars are off would bury the
+    # job's own output; its warnings and errors (a failed block) still show
+    loggers = {logging.getLogger("ray.data"): logging.WARNING,
+               logging.getLogger("ray.data._internal.progress"): logging.ERROR}
+    levels = {logger: logger.level for logger in loggers}
+    for logger, level in loggers.items():
+        logger.setLevel(max(level, logger.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        ctx.enable_progress_bars, ctx.max_errored_blocks = saved
+        for logger, level in levels.items():
+            logger.setLevel(level)

@@ -1,0 +1,103 @@
+"""The pipeline's CPU stage: decode an input, resample it to 16 kHz, find speech, cut it into segments.
+
+The rules are ``ASR.transcribe``'s (qasr.api, ``_pieces_of``), applied with the same building blocks, so
+every segment carries exactly the samples, offset and duration a single-machine run would submit:
+"auto" asks the container for its duration without decoding and sends inputs up to ``max_segment_s``
+whole and longer ones through the VAD; "vad" and "fixed" stream segments out of
+``qasr.audio.stream.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
+decoded in memory first, as ``transcribe`` does for bytes. tests/test_ray_data.py compares every output
+with the single-process command's, which keeps the two in step.
+
+Errors are values: a bad input gives an "end" row with the message naming it, and the task goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from qasr.api import _checked, _named
+from qasr.audio.io import SAMPLE_RATE, load_audio
+from qasr.audio.stream import iter_segments
+from qasr.distributed import rows
+from qasr.distributed.config import CallOptions
+from qasr.distributed.inputs import is_uri, read_uri
+
+
+def display_name(source: str) -> str:
+    """How results and messages name an input: its path as ``transcribe`` names paths, or its URI as given."""
+    return source if is_uri(source) else str(Path(source))
+
+
+def location(source: str) -> str:
+    """Where workers read an input: a URI as given, a path made absolute (workers run in other folders)."""
+    return source if is_uri(source) else os.path.abspath(source)
+
+
+def segment_batch(batch: dict, options: CallOptions) -> Iterator[dict[str, list]]:
+    """``map_batches`` function: the rows of every input in ``batch`` (columns item, given, source, skip),
+    one batch per segment so a long input streams on while it is being decoded."""
+    for item, given, source, skip in zip(batch["item"], batch["given"], batch["source"], batch["skip"], strict=True):
+        done = set(json.loads(str(skip)))
+        for r in input_rows(int(item), str(given), str(source), options, done):
+            yield rows.batch([r])
+
+
+def input_rows(item: int, given: str, source: str, options: CallOptions,
+               skip: set[int] | frozenset[int] = frozenset()) -> Iterator[dict]:
+    """The segment rows of one input (minus the segments numbered in ``skip``), then its "end" row.
+    ``given``: the input as the caller named it (messages name it so, as ``transcribe``'s do); ``source``:
+    where workers read it (``location(given)``, worked out on the driver)."""
+    name = display_name(given)
+    count = 0
+    try:
+        data: str | bytes = read_uri(source) if is_uri(source) else source
+        mode, wave, stream = options.segmentation, None, None
+        if isinstance(data, str):
+            if mode == "auto":  # the container's duration decides, without decoding the file
+                stream = _stream(data, "vad", options)
+                known = stream.duration
+                mode = "none" if known is not None and known <= options.max_segment_s else "vad"
+            if mode == "none":
+                wave = load_audio(data)
+        else:  # bytes are decoded in memory either way
+            wave = load_audio(data)
+            if mode == "auto":
+                mode = "none" if len(wave) / SAMPLE_RATE <= options.max_segment_s else "vad"
+        if mode == "none":
+            assert wave is not None
+            duration = len(wave) / SAMPLE_RATE
+            if 0 not in skip:
+                yield rows.row(item, name, rows.WHOLE, k=0, duration=duration, samples=_bytes(wave))
+            yield rows.row(item, name, rows.END, count=1, duration=duration)
+            return
+        if stream is None or mode != "vad":
+            stream = _stream(data if wave is None else (wave, SAMPLE_RATE), mode, options)
+        for seg in _checked(stream, name):
+            if count not in skip:
+                yield rows.row(item, name, rows.PIECE, k=count, offset=seg.start, duration=seg.end - seg.start,
+                               samples=_bytes(seg.samples))
+            count += 1
+        yield rows.row(item, name, rows.END, count=count, duration=float(stream.duration or 0.0))
+    except ValueError as exc:  # AudioError included; pyarrow's ArrowInvalid for a URI it cannot open
+        yield rows.row(item, name, rows.END, error=str(_named(_renamed(exc, source, given), name)))
+    except (OSError, RuntimeError) as exc:  # a decoder, a filesystem or the detector failing on this input
+        yield rows.row(item, name, rows.END, error=f"{name}: {type(exc).__name__}: {_renamed(exc, source, given)}")
+
+
+def _renamed(exc: Exception, source: str, given: str) -> ValueError:
+    """The error with the absolute path that workers read put back as the input was given."""
+    return ValueError(str(exc).replace(source, given))
+
+
+def _stream(item: object, mode: str, options: CallOptions):  # noqa: ANN202 - a SegmentStream
+    extra = {} if options.vad is None else {"vad": options.vad}
+    return iter_segments(item, sample_rate=None, mode=mode, max_segment_s=options.max_segment_s, **extra)
+
+
+def _bytes(samples: np.ndarray) -> bytes:
+    return np.ascontiguousarray(samples, dtype=np.float32).tobytes()
