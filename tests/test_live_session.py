@@ -218,3 +218,11 @@ def test_float32_ingest_and_bad_input() -> None:
         PcmIngest("mp3")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sample rate"):
         PcmIngest("pcm16", 100)
+
+
+def test_turns_do_not_depend_on_how_the_audio_was_pushed(demo, clips) -> None:  # noqa: ANN001
+    gap = np.zeros(SR // 2 + 1234, dtype=np.float32)
+    audio = np.concatenate([gap, clips[1], gap, clips[0], gap])
+    small = feed(demo.live(chunk_size_sec=1.0), audio, (320,))  # 20 ms packets, as WebRTC sends them
+    large = feed(demo.live(chunk_size_sec=1.0), audio, (16000 * 3 + 77,))
+    assert small == large and len([e for e in small if isinstance(e, TurnFinal)]) == 2

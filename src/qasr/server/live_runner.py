@@ -48,6 +48,12 @@ class LiveRunner:
         self._worker = asyncio.create_task(self._run())
         self.failed = False
         self._abandoned = False
+        self._working = False  # an operation is being applied
+
+    @property
+    def busy(self) -> bool:
+        """Work is queued or running (a client waiting for it is not idle)."""
+        return self._working or not self._queue.empty()
 
     def audio(self, pcm: bytes) -> None:
         """Queue wire PCM; raises BacklogFull (nothing queued) past the backlog limit."""
@@ -87,6 +93,7 @@ class LiveRunner:
             op, samples = item
             if self.failed or self._abandoned:
                 continue
+            self._working = True
             try:
                 events = await asyncio.to_thread(self._apply, op, samples)
             except Exception as exc:  # noqa: BLE001 - reported to the client, then the session is closed
@@ -95,6 +102,8 @@ class LiveRunner:
                 await asyncio.to_thread(self.session.close)
                 await self._fail(exc)
                 continue
+            finally:
+                self._working = False
             await self._emit(op, events)
 
     def _apply(self, op: Op, samples: np.ndarray | None) -> list[LiveEvent]:

@@ -84,9 +84,9 @@ class Channel:
             if self.ws.application_state == WebSocketState.CONNECTED:
                 await self.ws.send_text(json.dumps(message, ensure_ascii=False))
 
-    async def receive(self) -> dict:
+    async def receive(self, busy: Callable[[], bool] = lambda: False) -> dict:
         """The next message (``{"text": ...}`` or ``{"bytes": ...}``); raises WebSocketDisconnect,
-        Idle or Draining."""
+        Idle or Draining. Time while ``busy()`` (the session still works on what was sent) is not idle."""
         timeout = self.state.config.live_idle_timeout_s
         waited = 0.0
         pending = asyncio.ensure_future(self.ws.receive())
@@ -98,7 +98,7 @@ class Channel:
                     if message["type"] == "websocket.disconnect":
                         raise WebSocketDisconnect(message.get("code", 1000))
                     return message
-                waited += DRAIN_POLL_S
+                waited = 0.0 if busy() else waited + DRAIN_POLL_S
                 if self.state.draining:
                     raise Draining()
                 if waited >= timeout:

@@ -102,7 +102,7 @@ async def _serve(channel: Channel, state: ServerState) -> None:
         message = first if first.get("bytes") is not None else None
         while not runner.failed:
             if message is None:
-                message = await channel.receive()
+                message = await channel.receive(lambda: runner.busy)
             if await _handle(message, runner, channel):
                 await runner.finish()
                 if not runner.failed:

@@ -104,7 +104,7 @@ class RealtimeConnection:
         await self._send("session.created", session=self._session())
         try:
             while not self.runner.failed:  # a failed session was reported and closed by _fail
-                message = await self.channel.receive()
+                message = await self.channel.receive(lambda: self.runner.busy)
                 if message.get("text") is None:
                     await self._send_error("invalid_event", "send JSON text events; audio goes base64-encoded in "
                                            "input_audio_buffer.append")

@@ -160,12 +160,11 @@ class LiveSession:
             return out
         frames = self._pending[: n * FRAME].reshape(n, FRAME)
         self._pending = self._pending[n * FRAME:]
-        probs = self._scorer.score(frames) if self._scorer is not None else None
-        for i in range(n):
-            if probs is None:
-                self._frame_undetected(frames[i], out)
-            else:
-                self._frame_detected(frames[i], float(probs[i]), out)
+        for frame in frames:
+            if self._scorer is None:
+                self._frame_undetected(frame, out)
+            else:  # one frame a call: the scores (and so the turns) never depend on how pushes were sized
+                self._frame_detected(frame, float(self._scorer.score(frame[None])[0]), out)
         return out
 
     def commit(self) -> list[LiveEvent]:

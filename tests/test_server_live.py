@@ -1,0 +1,366 @@
+"""Live transcription through a real ``qasr serve`` (demo model) over WebSockets: a client written to
+OpenAI's Realtime event names (event order per turn, deltas that only append and join to the completed
+transcript, which equals the offline transcript), the native protocol, 16 concurrent sessions, a client
+that leaves mid-stream freeing its session, protocol errors, the backlog limit, the API key, idle
+sessions, the session limit, and ``qasr stream``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soxr
+import websockets
+from server_proc import DEMO_MODEL, ROOT, ServerProcess, metric
+
+from qasr.testing.speech import speak
+
+KEY = "live-key-42"
+SENTENCES = ("set an alarm for six forty five", "turn off the lights in the bedroom",
+             "what is the weather like in paris on friday")
+IDLE_S = 3
+MAX_SESSIONS = 18
+BACKLOG_S = 8
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, object]:
+    from qasr.audio.io import load_audio
+
+    d = tmp_path_factory.mktemp("live_audio")
+    paths = [speak(s, d / f"c{k}.wav", speed=150 + 10 * k) for k, s in enumerate(SENTENCES)]
+    waves = [load_audio(p) for p in paths]
+    gap = np.zeros(16000, np.float32)
+    three = np.concatenate([gap, waves[0], gap, waves[1], gap, waves[2], gap])
+    import soundfile as sf
+
+    sf.write(d / "three.wav", three, 16000)
+    return {"paths": paths, "waves": waves, "three": three, "three_path": d / "three.wav"}
+
+
+@pytest.fixture(scope="module")
+def offline(clips) -> list[str]:
+    from qasr import ASR
+
+    asr = ASR.from_pretrained(DEMO_MODEL, device="cpu", dtype="float32")
+    texts = [r.text for r in asr.transcribe([str(p) for p in clips["paths"]])]
+    asr.close()
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("live_server") / "serve.log", "--live-idle-timeout-s", str(IDLE_S),
+                        "--max-live-sessions", str(MAX_SESSIONS), "--live-max-backlog-s", str(BACKLOG_S),
+                        api_key=KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def ws_url(server: ServerProcess, path: str) -> str:
+    return server.url.replace("http://", "ws://") + path
+
+
+def pcm16(wave: np.ndarray, rate: int) -> bytes:
+    if rate != 16000:
+        wave = soxr.resample(wave, 16000, rate)
+    return (np.clip(wave, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def realtime_connect(server: ServerProcess, **kwargs):  # noqa: ANN201
+    return websockets.connect(ws_url(server, "/v1/realtime?intent=transcription"),
+                              additional_headers={"Authorization": f"Bearer {KEY}"}, max_size=None, **kwargs)
+
+
+def native_connect(server: ServerProcess):  # noqa: ANN201
+    return websockets.connect(ws_url(server, "/v1/stream"), additional_headers={"Authorization": f"Bearer {KEY}"},
+                              max_size=None)
+
+
+async def openai_session(server: ServerProcess, wave: np.ndarray, rate: int = 24000, speed: float = 8.0,
+                         language: str | None = None) -> list[dict]:
+    """Stream ``wave`` the way an OpenAI Realtime client does (pcm16 at ``rate`` in base64 appends, then a
+    commit) and return every server event up to the end of the stream (our ``cleared`` after a clear)."""
+    events: list[dict] = []
+    async with realtime_connect(server) as ws:
+        events.append(json.loads(await ws.recv()))
+        audio_in = {"format": {"type": "audio/pcm", "rate": rate},
+                    "transcription": {"model": "qwen3-asr", "language": language},
+                    "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}
+        await ws.send(json.dumps({"type": "session.update",
+                                  "session": {"type": "transcription", "audio": {"input": audio_in}}}))
+
+        async def send() -> None:
+            data, step = pcm16(wave, rate), rate // 10 * 2  # 100 ms per append
+            for i in range(0, len(data), step):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(data[i:i + step]).decode()}))
+                await asyncio.sleep(0.1 / speed)
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+
+        sender = asyncio.create_task(send())
+        while True:
+            event = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            events.append(event)
+            if event["type"] == "input_audio_buffer.cleared":
+                break
+        await sender
+    return events
+
+
+def turns(events: list[dict]) -> list[dict]:
+    """Per item: its event types in order, its deltas joined, and its completed transcript."""
+    items: dict[str, dict] = {}
+    for e in events:
+        item = e.get("item_id")
+        if item is None:
+            continue
+        t = items.setdefault(item, {"types": [], "deltas": "", "transcript": None, "stables": []})
+        t["types"].append(e["type"])
+        if e["type"].endswith("transcription.delta"):
+            t["deltas"] += e["delta"]
+        elif e["type"].endswith("transcription.completed"):
+            t["transcript"] = e["transcript"]
+        elif e["type"].endswith("transcription.partial"):
+            t["stables"].append(e["stable"])
+    return list(items.values())
+
+
+def assert_openai_turn(t: dict) -> None:
+    types = [x.removeprefix("conversation.item.").removeprefix("input_audio_buffer.") for x in t["types"]]
+    assert types[0] == "speech_started"
+    stop = types.index("speech_stopped")
+    assert types[stop + 1:] in (["committed", "input_audio_transcription.completed"],
+                                ["input_audio_transcription.delta", "committed", "input_audio_transcription.completed"])
+    assert set(types[1:stop]) <= {"input_audio_transcription.delta", "input_audio_transcription.partial"}
+    assert t["deltas"] == t["transcript"]  # deltas only append and join to the final transcript
+    for a, b in zip(t["stables"], t["stables"][1:], strict=False):
+        assert b.startswith(a)  # stable text never changes once sent
+    assert all(t["deltas"].startswith(s) for s in t["stables"])
+
+
+def test_openai_realtime_turns_match_offline(server, clips, offline) -> None:
+    events = asyncio.run(openai_session(server, clips["three"], rate=24000))
+    assert events[0]["type"] == "session.created" and events[1]["type"] == "session.updated"
+    assert events[1]["session"]["audio"]["input"]["format"]["rate"] == 24000
+    got = turns(events)
+    assert len(got) == 3
+    for t, text in zip(got, offline, strict=True):
+        assert_openai_turn(t)
+        assert t["transcript"] == text
+    # partial results arrived while speaking, before the turn's speech_stopped
+    partial = "conversation.item.input_audio_transcription.partial"
+    assert any(partial in t["types"][:t["types"].index("input_audio_buffer.speech_stopped")] for t in got)
+
+
+def test_native_protocol_float32(server, clips, offline) -> None:
+    async def run() -> list[dict]:
+        async with native_connect(server) as ws:
+            await ws.send(json.dumps({"type": "start", "sample_rate": 16000, "format": "float32"}))
+            ready = json.loads(await ws.recv())
+            assert ready["type"] == "ready" and ready["config"]["format"] == "float32"
+            data = clips["three"].astype("<f4").tobytes()
+            for i in range(0, len(data), 12800):  # 200 ms a message at 4x real time (the backlog limit is 8 s)
+                await ws.send(data[i:i + 12800])
+                await asyncio.sleep(0.05)
+            await ws.send(json.dumps({"type": "end"}))
+            out = [json.loads(m) async for m in ws]
+            assert ws.close_code == 1000
+            return out
+
+    async def forced_language_and_nothing_said() -> list[dict]:
+        async with native_connect(server) as ws:
+            await ws.send(json.dumps({"type": "start", "language": "en", "silence_ms": 300}))
+            await ws.send(json.dumps({"type": "end"}))
+            return [json.loads(m) async for m in ws]
+
+    ready, done = asyncio.run(forced_language_and_nothing_said())
+    assert ready["config"]["language"] == "English" and ready["config"]["silence_ms"] == 300
+    assert done == {"type": "done", "session": ready["session"], "turns": 0, "audio_seconds": 0.0}
+    messages = asyncio.run(run())
+    assert not [m for m in messages if m["type"] == "error"]
+    finals = [m for m in messages if m["type"] == "final"]
+    assert [f["text"] for f in finals] == offline and [f["turn"] for f in finals] == [0, 1, 2]
+    assert messages[-1]["type"] == "done" and messages[-1]["turns"] == 3
+    assert messages[-1]["audio_seconds"] == pytest.approx(len(clips["three"]) / 16000, abs=0.01)
+    for f in finals:
+        partials = [m for m in messages if m["type"] == "partial" and m["turn"] == f["turn"]]
+        assert "".join(p["delta"] for p in partials) + f["delta"] == f["text"]
+
+
+def wait_metric(server: ServerProcess, name: str, value: float, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
+        if metric(text, name) == value or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
+def test_16_concurrent_sessions(server, clips, offline) -> None:
+    async def run() -> list[list[dict]]:
+        return await asyncio.gather(*(openai_session(server, clips["waves"][k % 3], rate=(24000, 16000)[k % 2],
+                                                     speed=2.0) for k in range(16)))
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    took = time.monotonic() - started
+    for k, events in enumerate(results):
+        got = turns(events)
+        assert len(got) == 1, f"session {k}: {len(got)} turns"
+        assert_openai_turn(got[0])
+        assert got[0]["transcript"] == offline[k % 3]
+    text = wait_metric(server, "qasr_live_sessions", 0)
+    assert metric(text, "qasr_live_sessions") == 0
+    print(f"16 concurrent sessions of {max(len(w) for w in clips['waves']) / 16000:.1f} s sent at 2x: {took:.1f} s")
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_session(server, clips) -> None:
+    async def leave() -> None:
+        async with realtime_connect(server) as ws:
+            await ws.recv()
+            data = pcm16(clips["three"], 24000)
+            for i in range(0, len(data) // 2, 9600):  # half the stream, then gone without a word
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(data[i:i + 9600]).decode()}))
+            while json.loads(await ws.recv())["type"] != "input_audio_buffer.speech_started":
+                pass
+            assert metric(httpx.get(f"{server.url}/metrics", headers=server.headers).text, "qasr_live_sessions") == 1
+            ws.transport.abort()  # no close frame: the connection just drops
+
+    asyncio.run(leave())
+    text = wait_metric(server, "qasr_live_sessions", 0)
+    assert metric(text, "qasr_live_sessions") == 0
+    text = wait_metric(server, "qasr_engine_kv_tokens_used", 0)
+    assert metric(text, "qasr_engine_kv_tokens_used") == 0
+
+
+def test_protocol_errors_are_events_and_the_session_goes_on(server, clips, offline) -> None:
+    async def run() -> list[dict]:
+        async with realtime_connect(server) as ws:
+            await ws.recv()
+
+            async def ask(event: object) -> dict:
+                await ws.send(event if isinstance(event, str) else json.dumps(event))
+                return json.loads(await ws.recv())
+
+            errors = [await ask("not json"), await ask({"type": "response.create", "event_id": "e1"}),
+                      await ask({"type": "input_audio_buffer.append", "audio": "@@@"}),
+                      await ask({"type": "session.update", "session": {"audio": {"input": {"format": {
+                          "type": "audio/pcmu"}}}}}),
+                      await ask({"type": "session.update", "session": {"audio": {"input": {"transcription": {
+                          "language": "klingon"}}}}}),
+                      await ask({"type": "input_audio_buffer.commit"})]
+            await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                      "audio": base64.b64encode(pcm16(clips["waves"][0], 24000)).decode()}))
+            errors.append(await ask({"type": "session.update", "session": {"audio": {"input": {"format": {
+                "type": "audio/pcm", "rate": 16000}}}}}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            completed = "conversation.item.input_audio_transcription.completed"
+            while (event := json.loads(await ws.recv()))["type"] != completed:
+                pass
+            return [*errors, event]
+
+    *errors, completed = asyncio.run(run())
+    codes = [e["error"]["code"] for e in errors]
+    assert codes == ["invalid_json", "unknown_event", "invalid_audio", "unsupported_format", "unsupported_language",
+                     "input_audio_buffer_commit_empty", "session_busy"]
+    assert all(e["type"] == "error" and e["error"]["message"] for e in errors)
+    assert errors[1]["error"]["event_id"] == "e1"
+    assert completed["transcript"] == offline[0]  # the session survived every error
+
+
+def test_backlog_limit_refuses_audio_sent_too_fast(server, clips) -> None:
+    async def run() -> dict:
+        async with realtime_connect(server) as ws:
+            await ws.recv()
+            too_much = pcm16(np.tile(clips["three"], 2)[: 16000 * (BACKLOG_S + 2)], 24000)
+            audio = base64.b64encode(too_much).decode()
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+            return json.loads(await ws.recv())
+
+    event = asyncio.run(run())
+    assert event["type"] == "error" and event["error"]["code"] == "input_audio_buffer_overflow"
+
+
+def test_api_key_header_or_browser_subprotocol(server) -> None:
+    async def run() -> tuple:
+        async with websockets.connect(ws_url(server, "/v1/realtime?intent=transcription")) as ws:
+            refused = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+            refused_code = ws.close_code
+        async with websockets.connect(ws_url(server, "/v1/realtime?intent=transcription"),
+                                      subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as ws:
+            created = json.loads(await ws.recv())
+            chosen = ws.subprotocol
+        return refused, refused_code, created, chosen
+
+    refused, code, created, chosen = asyncio.run(run())
+    assert refused["error"]["code"] == "invalid_api_key" and code == 1008
+    assert created["type"] == "session.created" and chosen == "realtime"
+
+
+def test_an_idle_session_is_closed(server) -> None:
+    async def run() -> tuple[dict, int | None, float]:
+        async with realtime_connect(server) as ws:
+            await ws.recv()
+            started = time.monotonic()
+            event = json.loads(await asyncio.wait_for(ws.recv(), IDLE_S + 10))
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+            return event, ws.close_code, time.monotonic() - started
+
+    event, code, waited = asyncio.run(run())
+    assert event["error"]["code"] == "session_idle" and code == 1000
+    assert IDLE_S - 0.5 < waited < IDLE_S + 5
+    assert metric(wait_metric(server, "qasr_live_sessions", 0), "qasr_live_sessions") == 0
+
+
+def test_sessions_over_the_limit_are_refused(server) -> None:
+    async def run() -> dict:
+        held = [await realtime_connect(server).__aenter__() for _ in range(MAX_SESSIONS)]
+        try:
+            for ws in held:
+                assert json.loads(await ws.recv())["type"] == "session.created"
+            async with realtime_connect(server) as extra:
+                return json.loads(await extra.recv())
+        finally:
+            for ws in held:
+                await ws.close()
+
+    event = asyncio.run(run())
+    assert event["error"]["code"] == "too_many_sessions"
+    assert metric(wait_metric(server, "qasr_live_sessions", 0), "qasr_live_sessions") == 0
+
+
+@pytest.mark.parametrize("protocol", ["native", "openai"])
+def test_qasr_stream_prints_the_live_transcript(server, clips, offline, protocol) -> None:
+    cmd = [sys.executable, "-m", "qasr", "stream", str(clips["three_path"]), "--server", server.url,
+           "--protocol", protocol, "--speed", "4", "--api-key", KEY]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == offline
+    assert lines[0].startswith("[0:00.")
+
+
+def test_qasr_stream_reports_a_server_that_is_not_there(tmp_path: Path, clips) -> None:
+    cmd = [sys.executable, "-m", "qasr", "stream", str(clips["three_path"]), "--server", "http://127.0.0.1:9"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "error" in done.stderr
+    missing = subprocess.run([sys.executable, "-m", "qasr", "stream", str(tmp_path / "nope.wav")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
