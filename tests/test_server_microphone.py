@@ -64,3 +64,38 @@ def test_page_records_the_microphone_and_shows_the_transcript(mic_browser, srv, 
     # went through the browser's capture resampling and a lossy Opus encode, so a word may come out wrong.
     # A WER bound still fails if the recording is silent, cut, looped or not decoded at all.
     assert jiwer.wer(SENTENCE, shown) <= 0.3, shown
+
+
+@pytest.fixture()
+def live_browser(mic_wav: Path) -> Iterator:
+    """A browser of its own: the fake device plays the file once, from the first getUserMedia."""
+    driver = open_chromium("--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                           f"--use-file-for-fake-audio-capture={mic_wav}%noloop")
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_page_shows_live_captions_of_the_microphone(live_browser, srv, mic_wav: Path) -> None:  # noqa: F811
+    """Live captions: the page streams the microphone to /v1/stream (its API key as a subprotocol) and shows
+    text while the speech plays, then the turn's final transcript."""
+    open_page(live_browser, srv)
+    live_browser.find_element(By.ID, "live").click()
+    wait = WebDriverWait(live_browser, 20)
+    wait.until(lambda d: d.find_element(By.ID, "status").text == "Listening ...")
+    started = time.monotonic()
+    duration = sf.info(str(mic_wav)).duration
+    # partial captions appear while the file still plays (the server steps every second of audio)
+    wait.until(lambda d: d.find_element(By.ID, "stable").text or d.find_element(By.ID, "unstable").text
+               or d.find_element(By.ID, "finals").text)
+    assert time.monotonic() - started < duration + 1.0, "no caption while the speech was playing"
+    time.sleep(max(0.0, duration + 1.0 - (time.monotonic() - started)))  # the pause after it ends the turn
+    live_browser.find_element(By.ID, "live").click()
+    wait.until(lambda d: d.find_element(By.ID, "status").text.startswith(("Live captions ended", "No microphone"))
+               or "error" in (d.find_element(By.ID, "status").get_attribute("class") or ""))
+    status = live_browser.find_element(By.ID, "status").text
+    assert status.startswith("Live captions ended"), status
+    shown = live_browser.find_element(By.ID, "finals").text.strip()
+    # the browser resamples the capture (48 kHz here) and the server resamples it back: not bit-exact input
+    assert jiwer.wer(SENTENCE, shown) <= 0.3, shown

@@ -25,7 +25,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from qasr.audio.io import SAMPLE_RATE
 from qasr.server.live_runner import BacklogFull, LiveRunner, Op
-from qasr.server.live_ws import Channel, Draining, Idle, hold_session, refusal
+from qasr.server.live_ws import Channel, Draining, Idle, hold_session, offered_subprotocols, refusal
 from qasr.server.state import ServerState
 from qasr.streaming.config import StreamConfig
 from qasr.streaming.ingest import PcmIngest
@@ -51,7 +51,8 @@ class StartError(ValueError):
 @router.websocket("/v1/stream")
 async def stream(ws: WebSocket) -> None:
     state: ServerState = ws.app.state.qasr
-    await ws.accept()
+    # a browser sending its key as a subprotocol needs one of its offered subprotocols chosen
+    await ws.accept(subprotocol="qasr-stream" if "qasr-stream" in offered_subprotocols(ws) else None)
     channel = Channel(ws, state)
     why = refusal(ws, state)
     if why is not None:

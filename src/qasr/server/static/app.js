@@ -1,4 +1,5 @@
-// The qasr page: upload or record audio, send it to /v1/audio/transcriptions, show the answer as it streams.
+// The qasr page: upload or record audio, send it to /v1/audio/transcriptions, show the answer as it streams;
+// or live captions of the microphone over the WebSocket /v1/stream.
 // Plain browser JavaScript, no build step and nothing fetched from elsewhere.
 "use strict";
 
@@ -147,6 +148,81 @@ async function toggleRecording() {
   $("recording").textContent = "recording ...";
 }
 
+// Live captions: the microphone's samples go to /v1/stream as float32 PCM at the audio context's rate (the
+// server resamples); each turn's stable text shows in black, its unstable tail in grey, finished turns stay.
+const STREAM_URL = "/v1/stream";
+let live = null;  // {ws, media, context, processor} while captions run
+
+function liveSocket() {
+  const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+  const key = $("apikey").value.trim();
+  // a browser cannot set headers on a WebSocket: the key travels as a subprotocol, as OpenAI's clients send it
+  const protocols = key ? ["qasr-stream", "openai-insecure-api-key." + key] : [];
+  return new WebSocket(scheme + location.host + STREAM_URL, protocols);
+}
+
+async function toggleLive() {
+  if (live) { stopLive(); return; }
+  let media;
+  try {
+    media = await navigator.mediaDevices.getUserMedia(
+      { audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false } });
+  } catch (e) {
+    setStatus("No microphone: " + e, true);
+    return;
+  }
+  const context = new AudioContext();
+  const source = context.createMediaStreamSource(media);
+  // ScriptProcessor needs no separate module file (an AudioWorklet would); 4096 frames is ~85 ms at 48 kHz
+  const processor = context.createScriptProcessor(4096, 1, 1);
+  const ws = liveSocket();
+  ws.binaryType = "arraybuffer";
+  live = { ws, media, context, processor, ready: false };
+  $("finals").textContent = "";
+  $("stable").textContent = "";
+  $("unstable").textContent = "";
+  $("captions").hidden = false;
+  $("live").textContent = "Stop captions";
+  setStatus("Connecting ...");
+  ws.onopen = () => ws.send(JSON.stringify({ type: "start", format: "float32", sample_rate: context.sampleRate,
+    language: $("language").value || null, context: $("prompt").value }));
+  ws.onmessage = (message) => onLiveMessage(JSON.parse(message.data));
+  ws.onclose = () => { endLive(); };
+  processor.onaudioprocess = (e) => {
+    if (live && live.ready && ws.readyState === WebSocket.OPEN) ws.send(e.inputBuffer.getChannelData(0).slice().buffer);
+  };
+  source.connect(processor);
+  processor.connect(context.destination);
+}
+
+function onLiveMessage(m) {
+  if (m.type === "ready") { if (live) live.ready = true; setStatus("Listening ..."); }
+  else if (m.type === "partial") { $("stable").textContent = m.stable; $("unstable").textContent = m.unstable; }
+  else if (m.type === "final") {
+    if (m.text) $("finals").textContent += m.text + "\n";
+    $("stable").textContent = "";
+    $("unstable").textContent = "";
+  } else if (m.type === "error") setStatus(m.message, true);
+  else if (m.type === "done") setStatus("Live captions ended: " + m.turns + " turns, " + m.audio_seconds + " s.");
+}
+
+function stopLive() {
+  if (!live) return;
+  live.processor.disconnect();
+  live.media.getTracks().forEach((t) => t.stop());
+  if (live.ws.readyState === WebSocket.OPEN) live.ws.send(JSON.stringify({ type: "end" }));  // the server answers done
+  $("live").textContent = "Live captions";
+}
+
+function endLive() {
+  if (!live) return;
+  live.processor.disconnect();
+  live.media.getTracks().forEach((t) => t.stop());
+  live.context.close();
+  live = null;
+  $("live").textContent = "Live captions";
+}
+
 async function showModel() {
   try {
     const response = await fetch(MODELS_URL, { headers: headers() });
@@ -177,6 +253,7 @@ function init() {
   fillLanguages(LANGUAGES);
   $("file").addEventListener("change", () => { recorded = null; $("recording").textContent = ""; });
   $("record").addEventListener("click", toggleRecording);
+  $("live").addEventListener("click", toggleLive);
   $("go").addEventListener("click", transcribe);
   $("format").addEventListener("change", updateWordsBox);
   $("apikey").addEventListener("change", showModel);
