@@ -364,3 +364,28 @@ def test_qasr_stream_reports_a_server_that_is_not_there(tmp_path: Path, clips) -
     missing = subprocess.run([sys.executable, "-m", "qasr", "stream", str(tmp_path / "nope.wav")], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_sigterm_gives_open_sessions_their_final_transcript(tmp_path: Path, clips, offline) -> None:
+    srv = ServerProcess(tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+
+        async def run() -> tuple[list[dict], int | None]:
+            async with websockets.connect(ws_url(srv, "/v1/stream"), max_size=None) as ws:
+                await ws.send(json.dumps({"type": "start", "turn_detection": False}))
+                await ws.recv()
+                await ws.send(pcm16(clips["waves"][0], 16000))  # one turn, never ended by the client
+                await asyncio.sleep(0.5)
+                srv.proc.terminate()  # SIGTERM: drain
+                out = [json.loads(m) async for m in ws]
+                return out, ws.close_code
+
+        messages, code = asyncio.run(run())
+        finals = [m for m in messages if m["type"] == "final"]
+        assert [f["text"] for f in finals] == [offline[0]] and finals[0]["reason"] == "finish"
+        assert messages[-1] == {"type": "error", "code": "shutting_down", "message": "the server is shutting down"}
+        assert code == 1001
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
