@@ -226,3 +226,32 @@ def test_turns_do_not_depend_on_how_the_audio_was_pushed(demo, clips) -> None:  
     small = feed(demo.live(chunk_size_sec=1.0), audio, (320,))  # 20 ms packets, as WebRTC sends them
     large = feed(demo.live(chunk_size_sec=1.0), audio, (16000 * 3 + 77,))
     assert small == large and len([e for e in small if isinstance(e, TurnFinal)]) == 2
+
+
+def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(tiny_asr) -> None:  # noqa: ANN001
+    """8 sessions on 8 threads share one engine: their open windows go through packed encoder calls and
+    their decoder steps through shared batches, and every step is token for token what the session gives
+    alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qasr.streaming import Session
+    from qasr.streaming.encode_batch import batcher_for
+
+    cfg = StreamConfig(chunk_size_sec=1.0, max_new_tokens=3)
+    streams = [noise(12.0 + k, seed=20 + k) for k in range(8)]
+
+    def run(audio: np.ndarray) -> list:
+        session = Session(tiny_asr.engine, tiny_asr.checkpoint, cfg, record=True)
+        for i in range(0, len(audio), 4000):
+            session.push(audio[i:i + 4000])
+        session.finish()
+        return session.results
+
+    alone = [run(a) for a in streams]
+    batcher = batcher_for(tiny_asr.engine)
+    calls, jobs = batcher.calls, batcher.jobs
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, streams))
+    assert together == alone
+    assert batcher.jobs - jobs > batcher.calls - calls  # some calls packed several sessions' windows
+    assert tiny_asr.engine.stats().kv_tokens_used == 0

@@ -189,6 +189,7 @@ def test_work_per_step_stays_flat_over_a_long_stream(tiny_asr) -> None:  # noqa:
     # last step would be ~7,800 tokens)
     assert max(st.prefill_tokens) <= 256 + 2 * 104 + 16
     assert len(session.results[-1].prompt) > 7700
+    session.close()  # the engine is shared with later tests: free the kept KV
 
 
 # --------------------------------------------------------------------------------- demo model

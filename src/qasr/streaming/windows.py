@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qasr.engine.engine import Engine
+from qasr.streaming.encode_batch import batcher_for
 from qasr.streaming.logmel import StreamingLogMel
 
 
@@ -26,15 +27,12 @@ class KeptWindow:
 class WindowEncoder:
     def __init__(self, engine: Engine) -> None:
         model = engine.prepared.model
-        self.tower = model.audio_tower
-        self.kernels = engine.runner.kernels
-        self.conv_batch = engine.runner.conv_batch
+        self.batcher = batcher_for(engine)  # packs this session's encoder calls with other sessions'
         enc = model.cfg.encoder
         self.window_frames = enc.window_tokens // enc.tokens_per_chunk * enc.chunk_frames
         self.kept: list[KeptWindow] = []
         self.used: tuple[KeptWindow, ...] = ()
 
-    @torch.inference_mode()
     def encode(self, mel: StreamingLogMel) -> tuple[torch.Tensor, int, int]:
         """Encoder output for all the stream's frames; returns (rows, tokens computed now, kept windows
         recomputed because the clamp floor moved under them). ``self.used`` then lists the kept windows
@@ -64,5 +62,4 @@ class WindowEncoder:
         return torch.cat(parts), computed, recomputed
 
     def _run(self, features: torch.Tensor) -> torch.Tensor:
-        p = next(self.tower.parameters())
-        return self.tower([features.to(p.device, p.dtype)], conv_batch=self.conv_batch, kernels=self.kernels)[0]
+        return self.batcher.encode(features)
