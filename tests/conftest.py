@@ -1,6 +1,9 @@
-"""Shared fixtures: tiny random checkpoints in both layouts (same seed -> same weights)."""
+"""Shared fixtures: tiny random checkpoints in both layouts (same seed -> same weights); the demo model and
+three sentences it knows, spoken by espeak-ng voices."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +29,34 @@ def tiny_asr(tiny_original):
     from qasr import ASR
 
     return ASR.from_pretrained(tiny_original, device="cpu", dtype="float32")
+
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "qasr-demo-en"
+
+
+@pytest.fixture(scope="session")
+def demo():  # noqa: ANN201
+    """The bundled demo model, float32 on CPU (one engine for every module that uses it)."""
+    from qasr import ASR
+
+    assert (DEMO / "config.json").exists(), f"the demo model is missing: {DEMO}"
+    asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
+    yield asr
+    asr.close()
+
+
+@pytest.fixture(scope="session")
+def demo_clips(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
+    """Three sentences from the demo model's domain, 16 kHz float32, each in its own voice."""
+    from qasr.audio.io import load_audio
+    from qasr.testing.speech import speak
+
+    d = tmp_path_factory.mktemp("demo_clips")
+    texts = ("set an alarm for six forty five", "turn off the lights in the bedroom",
+             "what is the weather like in paris on friday")
+    voices = (("en-us", 160, 50), ("en-gb", 150, 40), ("en-us+f3", 175, 60))
+    return [load_audio(speak(t, d / f"c{i}.wav", voice=v, speed=s, pitch=p))
+            for i, (t, (v, s, p)) in enumerate(zip(texts, voices, strict=True))]
 
 
 def noise(seconds: float, seed: int = 0) -> np.ndarray:

@@ -4,8 +4,6 @@ silence that costs no decoding, bounded memory over many turns, and wire PCM ing
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import soxr
@@ -23,31 +21,7 @@ from qasr.streaming import (
 )
 from tests.conftest import noise
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "models" / "qasr-demo-en"
 SR = 16000
-
-
-@pytest.fixture(scope="module")
-def demo():  # noqa: ANN201
-    from qasr import ASR
-
-    asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
-    yield asr
-    asr.close()
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
-    from qasr.audio.io import load_audio
-    from qasr.testing.speech import speak
-
-    d = tmp_path_factory.mktemp("live")
-    texts = ("set an alarm for six forty five", "turn off the lights in the bedroom",
-             "what is the weather like in paris on friday")
-    voices = (("en-us", 160, 50), ("en-gb", 150, 40), ("en-us+f3", 175, 60))
-    return [load_audio(speak(t, d / f"c{i}.wav", voice=v, speed=s, pitch=p))
-            for i, (t, (v, s, p)) in enumerate(zip(texts, voices, strict=True))]
 
 
 def feed(live: LiveSession, audio: np.ndarray, sizes: tuple[int, ...] = (3200, 777, 5000)) -> list:
@@ -88,9 +62,9 @@ def check_turn_events(events: list) -> list[TurnFinal]:
     return finals
 
 
-def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(demo, clips) -> None:  # noqa: ANN001
+def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(demo, demo_clips) -> None:  # noqa: ANN001
     gap = np.zeros(SR, dtype=np.float32)
-    audio = np.concatenate([gap, clips[0], gap, clips[1], gap, clips[2], gap])
+    audio = np.concatenate([gap, demo_clips[0], gap, demo_clips[1], gap, demo_clips[2], gap])
     live = demo.live(chunk_size_sec=1.0)
     events = feed(live, audio)
     finals = check_turn_events(events)
@@ -99,12 +73,12 @@ def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(d
     stops = [e.at for e in events if isinstance(e, SpeechStopped)]
     assert len(starts) == len(stops) == 3
     for k, final in enumerate(finals):
-        clip_start = (1 + k) + sum(len(c) for c in clips[:k]) / SR  # where clip k starts in the stream
+        clip_start = (1 + k) + sum(len(c) for c in demo_clips[:k]) / SR  # where clip k starts in the stream
         assert clip_start - 0.5 < final.start < clip_start + 0.5
         assert final.start <= starts[k] and stops[k] < final.end
         turn_audio = audio[round(final.start * SR):round(final.end * SR)]
         assert final.text == oracle_text(demo, turn_audio, StreamConfig(chunk_size_sec=1.0))
-        offline = demo.transcribe(clips[k], sample_rate=SR, segmentation="none")[0].text
+        offline = demo.transcribe(demo_clips[k], sample_rate=SR, segmentation="none")[0].text
         assert final.text == offline
 
 
@@ -117,13 +91,13 @@ def test_silence_starts_no_turn_and_costs_no_decoding(demo) -> None:  # noqa: AN
     assert demo.engine.stats().steps == before
 
 
-def test_long_speech_is_cut_at_a_pause_past_soft_turn_s_and_hard_at_max_turn_s(demo, clips) -> None:  # noqa: ANN001
+def test_long_speech_is_cut_at_a_pause_past_soft_turn_s_and_hard_at_max_turn_s(demo, demo_clips) -> None:  # noqa: ANN001
     short_gap = np.zeros(int(0.2 * SR), dtype=np.float32)  # shorter than silence_ms: no end of turn
-    speech = np.concatenate([clips[0], short_gap, clips[1], short_gap, clips[2]])
+    speech = np.concatenate([demo_clips[0], short_gap, demo_clips[1], short_gap, demo_clips[2]])
     soft = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=2.0), speech)
     finals = check_turn_events(soft)
     assert finals[0].reason == "long" and 2.0 <= finals[0].end - finals[0].start < 4.0
-    hard = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=1.5, max_turn_s=1.5), clips[2])
+    hard = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=1.5, max_turn_s=1.5), demo_clips[2])
     finals = check_turn_events(hard)
     assert finals[0].reason == "max" and finals[0].end - finals[0].start == pytest.approx(1.5, abs=0.04)
     # the next turn starts where the cut one ended, announced at once
@@ -220,9 +194,9 @@ def test_float32_ingest_and_bad_input() -> None:
         PcmIngest("pcm16", 100)
 
 
-def test_turns_do_not_depend_on_how_the_audio_was_pushed(demo, clips) -> None:  # noqa: ANN001
+def test_turns_do_not_depend_on_how_the_audio_was_pushed(demo, demo_clips) -> None:  # noqa: ANN001
     gap = np.zeros(SR // 2 + 1234, dtype=np.float32)
-    audio = np.concatenate([gap, clips[1], gap, clips[0], gap])
+    audio = np.concatenate([gap, demo_clips[1], gap, demo_clips[0], gap])
     small = feed(demo.live(chunk_size_sec=1.0), audio, (320,))  # 20 ms packets, as WebRTC sends them
     large = feed(demo.live(chunk_size_sec=1.0), audio, (16000 * 3 + 77,))
     assert small == large and len([e for e in small if isinstance(e, TurnFinal)]) == 2

@@ -35,17 +35,21 @@ def mic_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "mic.wav"
 
 
-@pytest.fixture(scope="module")
-def mic_browser(mic_wav: Path) -> Iterator:
+def browser_with_microphone(wav: Path) -> Iterator:
     # fake-ui grants the microphone without a prompt; fake-device plus the file makes the WAV the microphone.
     # "%noloop" plays it once (from when getUserMedia opens the device) then silence: looped, the sentence
     # would come round again inside a recording that runs a little longer than it.
     driver = open_chromium("--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                           f"--use-file-for-fake-audio-capture={mic_wav}%noloop")
+                           f"--use-file-for-fake-audio-capture={wav}%noloop")
     try:
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture(scope="module")
+def mic_browser(mic_wav: Path) -> Iterator:
+    yield from browser_with_microphone(mic_wav)
 
 
 def test_page_records_the_microphone_and_shows_the_transcript(mic_browser, srv, mic_wav: Path) -> None:  # noqa: F811
@@ -69,12 +73,7 @@ def test_page_records_the_microphone_and_shows_the_transcript(mic_browser, srv, 
 @pytest.fixture()
 def live_browser(mic_wav: Path) -> Iterator:
     """A browser of its own: the fake device plays the file once, from the first getUserMedia."""
-    driver = open_chromium("--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                           f"--use-file-for-fake-audio-capture={mic_wav}%noloop")
-    try:
-        yield driver
-    finally:
-        driver.quit()
+    yield from browser_with_microphone(mic_wav)
 
 
 def test_page_shows_live_captions_of_the_microphone(live_browser, srv, mic_wav: Path) -> None:  # noqa: F811

@@ -4,8 +4,6 @@ prefix rollback); and the work each step does staying flat over a long stream.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,9 +15,6 @@ from qasr.streaming.logmel import StreamingLogMel
 from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.text import PromptBuilder, encode_raw, rollback
 from tests.conftest import noise
-
-ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "models" / "qasr-demo-en"
 
 
 def run_both(asr, audio: np.ndarray, pushes: list[int], **settings):  # noqa: ANN001, ANN201 - test helper
@@ -193,29 +188,6 @@ def test_work_per_step_stays_flat_over_a_long_stream(tiny_asr) -> None:  # noqa:
 
 
 # --------------------------------------------------------------------------------- demo model
-@pytest.fixture(scope="module")
-def demo():  # noqa: ANN201
-    from qasr import ASR
-
-    assert (DEMO / "config.json").exists(), f"the demo model is missing: {DEMO}"
-    asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
-    yield asr
-    asr.close()
-
-
-@pytest.fixture(scope="module")
-def demo_clips(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
-    from qasr.audio.io import load_audio
-    from qasr.testing.speech import speak
-
-    d = tmp_path_factory.mktemp("stream_demo")
-    texts = ("set an alarm for six forty five", "turn off the lights in the bedroom",
-             "what is the weather like in paris on friday")
-    voices = (("en-us", 160, 50), ("en-gb", 150, 40), ("en-us+f3", 175, 60))
-    return [load_audio(speak(t, d / f"c{i}.wav", voice=v, speed=s, pitch=p))
-            for i, (t, (v, s, p)) in enumerate(zip(texts, voices, strict=True))]
-
-
 def test_demo_session_matches_oracle_and_offline(demo, demo_clips) -> None:  # noqa: ANN001
     """Token-identical to the oracle on real speech; the final transcript against the offline one of
     the same audio is measured, not asserted: the official algorithm's last step starts from a

@@ -27,14 +27,14 @@ from qasr.audio.io import SAMPLE_RATE
 from qasr.server.live_runner import BacklogFull, LiveRunner, Op
 from qasr.server.live_ws import Channel, Draining, Idle, hold_session, offered_subprotocols, refusal
 from qasr.server.state import ServerState
-from qasr.streaming.config import StreamConfig
-from qasr.streaming.ingest import PcmIngest
-from qasr.streaming.live import (
+from qasr.streaming import (
     LiveConfig,
     LiveEvent,
     LiveSession,
+    PcmIngest,
     SpeechStarted,
     SpeechStopped,
+    StreamConfig,
     TurnFinal,
     TurnUpdate,
 )
