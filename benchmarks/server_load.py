@@ -1,21 +1,26 @@
 """qasr serve under load: N concurrent HTTP clients against the same workload through the Python API.
 
-Both sides run in this one invocation on the same model and the same clips (espeak-ng sentences):
+Every side runs in this one invocation on the same model and the same clips (espeak-ng sentences):
 
 * ``http``: ``qasr serve`` in a subprocess; ``--clients`` threads each send requests (multipart upload,
-  response_format json, or streamed with ``--stream``) until ``--requests`` are done;
-* ``api``: ``ASR.transcribe`` on the same files in one call, in this process (no HTTP, no upload).
+  response_format json) until ``--requests`` are done;
+* ``stream``: the same with ``stream=true`` (server-sent events), which also gives the time to the first
+  delta (TTFT, from the start of the upload);
+* ``api``: the same ``--clients`` threads calling ``ASR.transcribe`` on the same files, in this process
+  (no HTTP, no upload).
 
-The ratio of their throughputs is what HTTP, multipart parsing and per-request decoding cost. Latency
-percentiles are per HTTP request (upload to last byte); with ``--stream`` the time to the first delta too.
+The machine's speed drifts (a shared host can change by 2x within an hour), so the sides alternate in
+``--rounds`` rounds (http, stream, api, http, stream, api, ...) with the server and the in-process model
+both loaded (each idles while the other works); the table gives each side's median round and the ratio
+of throughputs per round. The ratio http/api is what HTTP, multipart parsing and per-request decoding cost.
 
 By default the model is a random checkpoint with the real Qwen3-ASR-0.6B dimensions (bf16), built once
 and cached: random weights rarely end a text early, so every request generates up to its cap, the same
-on both sides.
+on every side.
 
-    .venv/bin/python benchmarks/server_load.py [--clients 64] [--requests 256] [--stream] [--model DIR]
+    .venv/bin/python benchmarks/server_load.py [--clients 64] [--requests 128] [--rounds 2] [--model DIR]
     .venv/bin/python benchmarks/server_load.py --model models/qasr-demo-en --dtype float32 --clients 2 \
-        --requests 8    # a smoke run
+        --requests 8 --rounds 1   # a smoke run
 
 Prints a table, writes JSON and a PNG to --out (default benchmarks/results/).
 """
@@ -50,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="checkpoint directory (default: a random checkpoint with the real 0.6B dimensions)")
     p.add_argument("--clients", type=int, default=64, help="concurrent HTTP clients (default 64)")
-    p.add_argument("--requests", type=int, default=256, help="HTTP requests in all (default 256)")
-    p.add_argument("--stream", action="store_true", help="stream=true requests (adds time to first delta)")
+    p.add_argument("--requests", type=int, default=128, help="requests per side and round (default 128)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of http, stream, api (default 2)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -128,86 +133,86 @@ def _request(url: str, path: Path, stream: bool, started: float) -> dict:
     return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": text, "error": None}
 
 
-def run_http(url: str, clips: list[Path], args: argparse.Namespace) -> dict:
+def run_http(url: str, clips: list[Path], args: argparse.Namespace, stream: bool) -> dict:
     paths = [clips[k % len(clips)] for k in range(args.requests)]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
-        results = list(pool.map(lambda p: one_request(url, p, args.stream), paths))
+        results = list(pool.map(lambda p: one_request(url, p, stream), paths))
     wall = time.perf_counter() - started
     audio = sum(sf.info(p).duration for p in paths)
     lat = np.array([r["latency_s"] for r in results])
     out = {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall,
-           "requests_per_s": len(paths) / wall, "errors": [r["error"] for r in results if r["error"]],
+           "errors": [r["error"] for r in results if r["error"]],
            "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
            "p99_s": float(np.percentile(lat, 99)), "latencies_s": lat.tolist(), "texts": [r["text"] for r in results]}
-    if args.stream:
+    if stream:
         firsts = [r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
-        out["first_delta_p50_s"] = float(np.percentile(firsts, 50))
-        out["first_delta_p95_s"] = float(np.percentile(firsts, 95))
+        out["ttft_p50_s"] = float(np.percentile(firsts, 50))
+        out["ttft_p95_s"] = float(np.percentile(firsts, 95))
     return out
 
 
-def run_api(clips: list[Path], args: argparse.Namespace) -> tuple[dict, dict]:
-    """The same requests through the Python API, twice: ``--clients`` threads each calling
-    ``transcribe`` on one file at a time (the HTTP side's arrival pattern, so the ratio is HTTP's own
-    cost), then all files in one ``transcribe`` call (a burst: a different schedule for the engine)."""
-    from qasr import ASR
-
-    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+def run_api(asr, clips: list[Path], args: argparse.Namespace) -> dict:  # noqa: ANN001 - qasr.ASR
+    """The same requests through the Python API: ``--clients`` threads each calling ``transcribe`` on one
+    file at a time (the HTTP side's arrival pattern, so the ratio is HTTP's own cost)."""
     paths = [str(clips[k % len(clips)]) for k in range(args.requests)]
-    try:
-        asr.transcribe(str(clips[0]))  # warm-up, as the server does before it reports ready
-        started = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            looped = list(pool.map(lambda p: asr.transcribe(p)[0], paths))
-        loop_wall = time.perf_counter() - started
-        started = time.perf_counter()
-        burst = asr.transcribe(paths)
-        burst_wall = time.perf_counter() - started
-    finally:
-        asr.engine.close(drain=False, timeout=30)
-    audio = sum(r.duration for r in looped)
-    return ({"requests": len(paths), "audio_s": audio, "wall_s": loop_wall, "rtfx": audio / loop_wall,
-             "texts": [r.text for r in looped]},
-            {"requests": len(paths), "audio_s": audio, "wall_s": burst_wall, "rtfx": audio / burst_wall,
-             "texts": [r.text for r in burst]})
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        results = list(pool.map(lambda p: asr.transcribe(p)[0], paths))
+    wall = time.perf_counter() - started
+    audio = sum(r.duration for r in results)
+    return {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall, "errors": [],
+            "texts": [r.text for r in results]}
 
 
-def report(http: dict, api: dict, burst: dict, args: argparse.Namespace) -> None:
+SIDES = ("http", "stream", "api")
+
+
+def median_round(rounds: list[dict], side: str) -> dict:
+    walls = [r[side]["wall_s"] for r in rounds]
+    return rounds[int(np.argsort(walls)[len(walls) // 2])][side]
+
+
+def report(rounds: list[dict], args: argparse.Namespace) -> dict:
     from qasr.perf.machine import cpu_info
 
-    print(f"{cpu_info()['model']}, model {args.model}, {args.dtype}, {args.clients} clients")
-    print(f"{'mode':<6} {'requests':>8} {'errors':>6} {'audio s':>9} {'wall s':>8} {'req/s':>7} {'RTFx':>7} "
-          f"{'p50 s':>7} {'p95 s':>7} {'p99 s':>7}")
-    print(f"{'http':<6} {http['requests']:>8} {len(http['errors']):>6} {http['audio_s']:>9.1f} {http['wall_s']:>8.2f} "
-          f"{http['requests_per_s']:>7.2f} {http['rtfx']:>7.1f} {http['p50_s']:>7.3f} {http['p95_s']:>7.3f} "
-          f"{http['p99_s']:>7.3f}")
-    for name, side in (("api", api), ("burst", burst)):
-        print(f"{name:<6} {side['requests']:>8} {0:>6} {side['audio_s']:>9.1f} {side['wall_s']:>8.2f} "
-              f"{side['requests'] / side['wall_s']:>7.2f} {side['rtfx']:>7.1f} {'-':>7} {'-':>7} {'-':>7}")
-    print("api: the same clients through ASR.transcribe (no HTTP); burst: every file in one transcribe call")
-    same = http["texts"] == api["texts"] == burst["texts"]
-    overhead = 1 - http["rtfx"] / api["rtfx"]
-    print(f"clients={args.clients} http/api throughput={http['rtfx'] / api['rtfx']:.3f} "
-          f"(HTTP overhead {overhead:.1%}) same_texts={same}")
-    if "first_delta_p50_s" in http:
-        print(f"time to first delta: p50 {http['first_delta_p50_s']:.3f} s, p95 {http['first_delta_p95_s']:.3f} s")
+    print(f"{cpu_info()['model']}, model {args.model}, {args.dtype}, {args.clients} clients, "
+          f"{args.requests} requests per side, {len(rounds)} rounds (median round shown)")
+    print(f"{'side':<7} {'errors':>6} {'audio s':>8} {'wall s':>7} {'req/s':>6} {'RTFx':>6} "
+          f"{'p50 s':>7} {'p95 s':>7} {'p99 s':>7} {'TTFT p50':>9} {'TTFT p95':>9}")
+    medians = {side: median_round(rounds, side) for side in SIDES}
+    for side, m in medians.items():
+        lat = [f"{m[k]:>7.2f}" if k in m else f"{'-':>7}" for k in ("p50_s", "p95_s", "p99_s")]
+        ttft = [f"{m[k]:>9.2f}" if k in m else f"{'-':>9}" for k in ("ttft_p50_s", "ttft_p95_s")]
+        print(f"{side:<7} {len(m['errors']):>6} {m['audio_s']:>8.1f} {m['wall_s']:>7.1f} "
+              f"{m['requests'] / m['wall_s']:>6.2f} {m['rtfx']:>6.2f} {' '.join(lat)} {' '.join(ttft)}")
+    ratios = [r["http"]["rtfx"] / r["api"]["rtfx"] for r in rounds]
+    stream_ratios = [r["stream"]["rtfx"] / r["api"]["rtfx"] for r in rounds]
+    same = all(r[s]["texts"] == rounds[0]["api"]["texts"] for r in rounds for s in SIDES)
+    print("per round, throughput http/api: " + ", ".join(f"{x:.3f}" for x in ratios)
+          + "; stream/api: " + ", ".join(f"{x:.3f}" for x in stream_ratios) + f"; same texts on every side: {same}")
+    return {"http_over_api": ratios, "stream_over_api": stream_ratios, "same_texts": same}
 
 
-def plot(http: dict, api: dict, burst: dict, args: argparse.Namespace, path: Path) -> None:
+def plot(rounds: list[dict], args: argparse.Namespace, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(["http", "api (same clients)", "api (one call)"], [http["rtfx"], api["rtfx"], burst["rtfx"]],
-          color=["tab:blue", "tab:gray", "silver"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(rounds)
+    for k, r in enumerate(rounds):
+        a.bar(np.arange(len(SIDES)) + k * width, [r[s]["rtfx"] for s in SIDES], width, label=f"round {k + 1}")
+    a.set_xticks(np.arange(len(SIDES)) + width * (len(rounds) - 1) / 2, ["HTTP json", "HTTP stream", "Python API"])
     a.set_ylabel("audio seconds per wall second (RTFx)")
-    a.set_title(f"{args.clients} HTTP clients vs the Python API")
-    b.hist(http["latencies_s"], bins=30, color="tab:blue")
-    b.set_xlabel("HTTP request latency (s)")
+    a.set_title(f"{args.clients} clients, {args.requests} requests per side")
+    a.legend()
+    last = rounds[-1]
+    b.hist([last["http"]["latencies_s"], last["stream"]["latencies_s"]], bins=30, label=["json", "stream"])
+    b.set_xlabel("HTTP request latency (s), last round")
     b.set_ylabel("requests")
+    b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -215,25 +220,34 @@ def plot(http: dict, api: dict, burst: dict, args: argparse.Namespace, path: Pat
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    from qasr import ASR
+
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         clips = make_clips(Path(tmp), min(args.requests, 24))
         proc, url = start_server(args, Path(tmp) / "serve.log")
+        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
         try:
-            http = run_http(url, clips, args)
+            asr.transcribe(str(clips[0]))  # warm-up, as the server does before it reports ready
+            for k in range(args.rounds):
+                r = {"http": run_http(url, clips, args, stream=False),
+                     "stream": run_http(url, clips, args, stream=True), "api": run_api(asr, clips, args)}
+                print(f"round {k + 1}: " + ", ".join(f"{s} {r[s]['wall_s']:.1f} s" for s in SIDES), flush=True)
+                rounds.append(r)
         finally:
+            asr.engine.close(drain=False, timeout=30)
             proc.terminate()
             proc.wait(60)
-        api, burst = run_api(clips, args)
-    report(http, api, burst, args)
-    stem = args.out / f"server_load_c{args.clients}{'_stream' if args.stream else ''}"
+    summary = report(rounds, args)
+    stem = args.out / f"server_load_c{args.clients}"
     from qasr.perf.machine import cpu_info
 
-    meta = {"model": args.model, "clients": args.clients, "stream": args.stream, "device": args.device,
-            "dtype": args.dtype, "cpu": cpu_info()["model"], "machine": platform.platform(),
+    meta = {"model": args.model, "clients": args.clients, "requests": args.requests, "rounds": args.rounds,
+            "device": args.device, "dtype": args.dtype, "cpu": cpu_info()["model"], "machine": platform.platform(),
             "python": platform.python_version()}
-    result = {"meta": meta, "http": http, "api": api, "burst": burst}
+    result = {"meta": meta, "summary": summary, "rounds": rounds}
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(http, api, burst, args, stem.with_suffix(".png"))
+    plot(rounds, args, stem.with_suffix(".png"))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
     return 0
 
