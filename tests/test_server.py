@@ -332,8 +332,10 @@ def test_page_is_served_and_targets_the_real_routes(server) -> None:
     assert "<script src=" not in page and "MediaRecorder" in page and "getReader" in page
     assert not re.search(r"https?://", page), "the page must fetch nothing from elsewhere"
     urls = dict(re.findall(r'const (\w+_URL) = "([^"]+)";', page))
-    assert urls == {"TRANSCRIBE_URL": "/v1/audio/transcriptions", "MODELS_URL": "/v1/models"}
+    assert urls == {"TRANSCRIBE_URL": "/v1/audio/transcriptions", "MODELS_URL": "/v1/models",
+                    "STREAM_URL": "/v1/stream"}
     assert re.findall(r"fetch\((\w+)", page) == ["TRANSCRIBE_URL", "MODELS_URL"]
+    assert "STREAM_URL, protocols)" in page  # live captions open the WebSocket route (tested in a browser)
     assert "event.delta" in page and "transcript.text.done" in page
     assert httpx.get(f"{server.url}{urls['MODELS_URL']}", headers=server.headers).status_code == 200
     assert post(server, data={"x": "1"}).status_code == 400  # the route exists (400 for a missing file)

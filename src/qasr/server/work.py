@@ -56,6 +56,8 @@ def prepare_upload(asr: ASR, data: bytes, name: str, language: str | None, conte
                              vad=vad)
     except AudioError as exc:
         raise AudioError(_renamed(str(exc), name)) from exc
+    finally:  # this executor thread stays alive: free any OpenMP pool it made (see engine/cpu/openmp.py)
+        asr.engine.prepared.release_caller_threads()
     return Upload(name, len(wave) / SAMPLE_RATE, tuple(sorted(pieces, key=lambda p: p.offset)))
 
 
