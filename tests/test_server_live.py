@@ -357,6 +357,19 @@ def test_qasr_stream_prints_the_live_transcript(server, clips, offline, protocol
     assert lines[0].startswith("[0:00.")
 
 
+def test_qasr_stream_json_and_partials(server, clips, offline) -> None:
+    base = [sys.executable, "-m", "qasr", "stream", str(clips["paths"][1]), "--server", server.url, "--speed", "0",
+            "--api-key", KEY, "--no-turn-detection"]
+    done = subprocess.run([*base, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {e["event"] for e in events} == {"partial", "final"}
+    assert [e["text"] for e in events if e["event"] == "final"] == [offline[1]]
+    done = subprocess.run([*base, "--partials"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    lines = done.stdout.splitlines()
+    assert lines[-1].endswith(offline[1]) and all(line.startswith("~ ") for line in lines[:-1]) and len(lines) > 1
+
+
 def test_qasr_stream_reports_a_server_that_is_not_there(tmp_path: Path, clips) -> None:
     cmd = [sys.executable, "-m", "qasr", "stream", str(clips["three_path"]), "--server", "http://127.0.0.1:9"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
