@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qasr-installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test test-ray lint bench setup clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the Ray tests (pytest marker `ray`, left out of `make test`): the ray extra first, keeping the torch installed
+RAY_STAMP := $(VENV)/.qasr-ray-installed
+$(RAY_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[ray]"
+	@$(PY) -c "import torch, ray; print('ray', ray.__version__, 'with torch', torch.__version__)"
+	@touch $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(PY) -m pytest -q -m ray tests/test_ray_data.py tests/test_ray_serve.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples

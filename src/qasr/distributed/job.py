@@ -15,7 +15,7 @@ from qasr.distributed import RayMissing
 from qasr.distributed.config import EngineSpec, engine_threads, model_problem, pool_config, portable
 from qasr.folder import Job
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def run_on_ray(todo: list[Job], args: argparse.Namespace, total_inputs: int) -> int:
@@ -53,9 +53,17 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
     actors = str(pool.min_actors) if pool.min_actors == pool.max_actors else f"{pool.min_actors}-{pool.max_actors}"
     print(f"qasr: ray: {len(todo)} inputs, {actors} ASR actors ({pool.actor_cpus:g} CPU, {pool.actor_gpus:g} GPU "
           f"each) on a cluster of {cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs", file=sys.stderr)
-    code = run_jobs(transcriber, todo, args, total_inputs)  # type: ignore[arg-type] - the same transcribe_iter
-    print(f"qasr: ray: {transcriber.passes} passes, {transcriber.redone} segments redone after their worker "
-          f"died, {transcriber.repeats} repeated results ignored", file=sys.stderr)
+    try:
+        code = run_jobs(transcriber, todo, args, total_inputs)  # type: ignore[arg-type] - same transcribe_iter
+    except Exception as exc:  # noqa: BLE001 - the cluster gave up (e.g. no actor could load the model)
+        detail = str(exc).strip().splitlines()
+        print(f"qasr: error: the Ray job failed: {type(exc).__name__}: {detail[0] if detail else ''}\n"
+              "qasr: the outputs written so far are complete; run the same command again to do the rest",
+              file=sys.stderr)
+        return EXIT_FAILED
+    passes = f"{transcriber.passes} pass" + ("es" if transcriber.passes != 1 else "")
+    print(f"qasr: ray: {passes}, {transcriber.redone} segments redone after their worker died, "
+          f"{transcriber.repeats} repeated results ignored", file=sys.stderr)
     return code
 
 

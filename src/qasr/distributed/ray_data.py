@@ -170,15 +170,22 @@ def _actor_pool(pool: PoolConfig, remote_args: dict):  # noqa: ANN202 - a ray.da
     return ActorPoolStrategy(**kwargs)
 
 
+# Ray Data settings for our passes: no progress bars of its own (the job shows one); a failed block does not
+# fail the pass (the next pass redoes what it held); an actor that dies while it loads its model (a lost
+# node, OOM) is replaced, while one that fails every time (a broken checkpoint) still stops the job
+_DATA_SETTINGS = {"enable_progress_bars": False, "max_errored_blocks": -1, "max_consecutive_actor_init_deaths": 3}
+
+
 @contextmanager
 def _quiet_data_context() -> Iterator[None]:
-    """Ray Data settings for our passes, restored afterwards: no progress bars of its own (the job shows
-    one), and a failed block does not fail the pass (the next pass redoes what it held)."""
+    """``_DATA_SETTINGS`` (those this Ray has) and quieter Ray Data logs while we run, restored afterwards."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
-    saved = ctx.enable_progress_bars, ctx.max_errored_blocks
-    ctx.enable_progress_bars, ctx.max_errored_blocks = False, -1
+    settings = {k: v for k, v in _DATA_SETTINGS.items() if hasattr(ctx, k)}
+    saved = {k: getattr(ctx, k) for k in settings}
+    for key, value in settings.items():
+        setattr(ctx, key, value)
     # its INFO lines (plans, "execution finished") and the notice that its bars are off would bury the
     # job's own output; its warnings and errors (a failed block) still show
     loggers = {logging.getLogger("ray.data"): logging.WARNING,
@@ -189,6 +196,7 @@ def _quiet_data_context() -> Iterator[None]:
     try:
         yield
     finally:
-        ctx.enable_progress_bars, ctx.max_errored_blocks = saved
+        for key, value in saved.items():
+            setattr(ctx, key, value)
         for logger, level in levels.items():
             logger.setLevel(level)

@@ -90,8 +90,12 @@ def input_rows(item: int, given: str, source: str, options: CallOptions,
 
 
 def _renamed(exc: Exception, source: str, given: str) -> ValueError:
-    """The error with the absolute path that workers read put back as the input was given."""
-    return ValueError(str(exc).replace(source, given))
+    """The error naming the input as it was given: not by the absolute path workers read, nor as the
+    "bytes input" that a URI's contents are to the decoders."""
+    message = str(exc).replace(source, given)
+    if is_uri(given) and message.startswith("bytes input"):
+        message = given + message[len("bytes input"):]
+    return ValueError(message)
 
 
 def _stream(item: object, mode: str, options: CallOptions):  # noqa: ANN202 - a SegmentStream
