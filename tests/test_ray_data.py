@@ -27,7 +27,8 @@ import soundfile as sf
 from qasr.testing.speech import convert, speak
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.ray
+# Ray and Ray Serve warn about their own deprecated internals (pydantic fields, DataContext options)
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")]
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ("-m", str(ROOT / "models" / "qasr-demo-en"), "--device", "cpu", "--dtype", "float32", "--no-progress")
