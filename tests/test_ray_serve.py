@@ -149,3 +149,8 @@ def test_replica_and_autoscaling_options() -> None:
     assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0} and "num_replicas" not in options
     fixed = ServeScaling(2, 2).deployment_options()
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    from ray import serve
+
+    from qasr.distributed.ray_serve import build_app  # the builder `serve run` and RayService use
+
+    assert isinstance(build_app({"model": str(DEMO), "replicas": "1-3", "replica_cpus": "2"}), serve.Application)

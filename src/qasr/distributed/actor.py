@@ -7,11 +7,14 @@ segment. Each segment comes back as its own Transcription, made by the public ``
 finish reasons, warnings and word times are the single-machine code's. "end" rows pass through.
 
 A failure stays with its segment: a piece the engine refuses or a request that fails becomes a part
-carrying the error, and a segment too short to encode fails its input as ``transcribe`` would.
+carrying the error, and a segment too short to encode fails its input as ``transcribe`` would. An engine
+that broke ends its actor, which Ray restarts.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
 from concurrent.futures import Future, wait
 
@@ -19,6 +22,8 @@ from qasr.audio.io import AudioError
 from qasr.distributed import rows
 from qasr.distributed.config import CallOptions, EngineSpec
 from qasr.pieces import Piece, make_piece, make_pieces
+
+log = logging.getLogger("qasr.distributed")
 
 
 class Transcriber:
@@ -44,6 +49,11 @@ class Transcriber:
                 continue
             started.append((r, pieces, [self._submit(p) for p in pieces]))
         wait([f for _, _, futures in started for f in futures])
+        if self.asr.engine.stats().broken:
+            # a broken engine serves nothing more: end this process so that Ray starts a fresh actor and
+            # retries the call there, rather than failing every later segment sent here
+            log.error("the engine of this ASR actor broke; the actor exits so that Ray replaces it")
+            os._exit(1)
         for r, pieces, futures in started:
             part = self.asr.assemble(pieces, [_outcome(f) for f in futures])
             out.append(rows.row(r["item"], r["source"], rows.PART, k=r["k"], offset=r["offset"],

@@ -79,6 +79,8 @@ class RayTranscriber:
         sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
         options = self._options(language, context, max_new_tokens, ignore_eos, segmentation, max_segment_s,
                                 vad, timestamps)
+        if not sources:
+            return
         collector = Collector([display_name(s) for s in sources], options.words, progress)
         todo = {i: set() for i in range(len(sources))}
         with _quiet_data_context():

@@ -14,7 +14,7 @@ import threading
 from qasr.distributed import RayMissing
 from qasr.distributed.config import EngineSpec, ServeScaling, engine_threads, model_problem, portable, worker_shape
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def serve_on_ray(args: argparse.Namespace, config: object) -> int:
@@ -62,7 +62,14 @@ def _serve(args: argparse.Namespace, config: object) -> int:
                 else f"{scaling.min_replicas}-{scaling.max_replicas}")
     print(f"qasr: ray: deploying {replicas} replicas ({cpus:g} CPU, {gpus:g} GPU each) on a cluster of "
           f"{cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs", file=sys.stderr, flush=True)
-    url = deploy(config, spec, scaling, args.host, args.port)  # type: ignore[arg-type]
+    try:
+        url = deploy(config, spec, scaling, args.host, args.port)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - e.g. replicas that cannot load the model: Serve gave up
+        undeploy()
+        detail = str(exc).strip().splitlines()
+        print(f"qasr: error: the deployment failed: {type(exc).__name__}: {detail[0] if detail else ''}",
+              file=sys.stderr)
+        return EXIT_FAILED
     try:
         print(f"qasr: ray: serving {url} (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
