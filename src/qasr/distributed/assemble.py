@@ -41,18 +41,17 @@ class Collector:
         self.inputs: dict[int, _Input] = {}
         self.finished: set[int] = set()
         self.segments = 0  # distinct segments received
-        self.repeats = 0  # rows received again (retried tasks), ignored
+        self.repeats = 0  # segments received again (a retried call may repeat its outputs), ignored
 
     def add(self, r: dict) -> tuple[int, Transcription] | None:
         """Take one row; the input's result when this row completed it."""
         i, kind = int(r["item"]), r["kind"]
         if i in self.finished:
-            self.repeats += 1
+            self.repeats += kind != rows.END  # a later pass sends an input's end row again: not a repeat
             return None
         st = self.inputs.setdefault(i, _Input())
         if kind == rows.END:
             if st.count is not None:
-                self.repeats += 1
                 return None
             if r["error"]:
                 st.error = r["error"]
