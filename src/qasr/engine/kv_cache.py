@@ -85,6 +85,11 @@ class KVPool:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def build_meta(self, starts: list[int], query_lens: list[int], context_lens: list[int],
+                   num_decode: int = 0) -> AttentionMeta:
+        """The metadata ``attend`` reads for one packed forward (each pool layout builds its own)."""
+        return AttentionMeta.build(starts, query_lens, context_lens, self.k.device, num_decode=num_decode)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMeta) -> torch.Tensor:
         """q (N, heads, hd), k/v (N, kv_heads, hd) -> (N, heads * hd).

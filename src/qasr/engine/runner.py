@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,7 +14,6 @@ from qasr.engine.kv_cache import KVPool
 from qasr.engine.request import Request
 from qasr.engine.scheduler import StepPlan
 from qasr.features import LogMel
-from qasr.model.decoder import AttentionMeta
 
 
 class Runner:
@@ -62,56 +62,86 @@ class Runner:
         """Run decode rows and prefill chunks together; return (request, next token) for every request
         whose logits were computed (all decode rows, and prefill chunks that complete their prompt).
         Alignment requests get the head's argmax at their classifier positions in ``req.classes``."""
-        dev = self.model.device
-        ids: list[int] = []
-        positions: list[int] = []
-        starts, qlens, ctxs = [], [], []
-        audio: list[torch.Tensor] = []
-        sampled: list[Request] = []
-        rows: list[int] = []
-        sampled_at: list[int] = []  # index in ``rows`` of each sampled request's row
-        classified: list[tuple[Request, int, int]] = []  # (alignment request, first index in ``rows``, count)
-        for req in plan.decode:
-            ctx = len(req.prompt) + len(req.output) - 1
-            ids.append(req.output[-1])
-            positions.append(ctx)
-            starts.append(req.start)
-            qlens.append(1)
-            ctxs.append(ctx)
-            sampled_at.append(len(rows))
-            rows.append(len(ids) - 1)
-            sampled.append(req)
-        reached: dict[int, int] = {}  # a request's later chunks in this step start where its earlier ones end
-        for req, n in plan.prefill:
-            a = reached.get(id(req), req.prefilled)
-            b = reached[id(req)] = a + n
-            ids.extend(req.prompt[a:b])
-            positions.extend(range(a, b))
-            starts.append(req.start)
-            qlens.append(n)
-            ctxs.append(a)
-            lo, hi = int(req.audio_before[a]), int(req.audio_before[b])
-            if hi > lo:
-                audio.append(req.audio[lo:hi])
-            if req.classify is not None:  # alignment: the head runs only at its positions in [a, b)
-                c0, c1 = np.searchsorted(req.classify, [a, b])
-                classified.append((req, len(rows), int(c1 - c0)))
-                rows.extend((req.classify[c0:c1] + (len(ids) - b)).tolist())
-            elif b == len(req.prompt):
-                sampled_at.append(len(rows))
-                rows.append(len(ids) - 1)
-                sampled.append(req)
-        meta = AttentionMeta.build(starts, qlens, ctxs, dev, num_decode=len(plan.decode))
-        logits = self.model(
-            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.pool, meta,
-            logits_rows=torch.tensor(rows, device=dev) if rows else torch.zeros(0, dtype=torch.long, device=dev),
-            audio_embeds=torch.cat(audio) if audio else None, kernels=self.kernels,
-        )
+        batch = self.collect(plan)
+        tokens = self.run(batch)  # runs even when no row is sampled: the chunks' keys and values are stored
         for req, n in plan.prefill:
             req.prefilled += n
             if req.prefill_done:
                 req.audio = None  # encoder output no longer needed
-        tokens = logits.argmax(-1).tolist() if rows else []
-        for req, first, m in classified:
+        for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
-        return [(req, tokens[i]) for req, i in zip(sampled, sampled_at, strict=True)]
+        return [(req, tokens[i]) for req, i in zip(batch.sampled, batch.sampled_at, strict=True)]
+
+    def collect(self, plan: StepPlan) -> StepBatch:
+        """The step's packed rows, on the host: decode rows first, then prefill chunks in plan order."""
+        b = StepBatch(num_decode=len(plan.decode))
+        for req in plan.decode:
+            ctx = len(req.prompt) + len(req.output) - 1
+            b.ids.append(req.output[-1])
+            b.positions.append(ctx)
+            b.starts.append(req.start)
+            b.qlens.append(1)
+            b.ctxs.append(ctx)
+            b.sampled_at.append(len(b.rows))
+            b.rows.append(len(b.ids) - 1)
+            b.sampled.append(req)
+        audio_id = self.model.cfg.audio_token_id
+        reached: dict[int, int] = {}  # a request's later chunks in this step start where its earlier ones end
+        for req, n in plan.prefill:
+            a = reached.get(id(req), req.prefilled)
+            e = reached[id(req)] = a + n
+            base = len(b.ids)
+            chunk = req.prompt[a:e]
+            b.ids.extend(chunk)
+            b.positions.extend(range(a, e))
+            b.starts.append(req.start)
+            b.qlens.append(n)
+            b.ctxs.append(a)
+            lo, hi = int(req.audio_before[a]), int(req.audio_before[e])
+            if hi > lo:
+                b.audio.append(req.audio[lo:hi])
+                b.audio_rows.extend(int(i) + base for i in np.flatnonzero(np.asarray(chunk) == audio_id))
+            if req.classify is not None:  # alignment: the head runs only at its positions in [a, e)
+                c0, c1 = np.searchsorted(req.classify, [a, e])
+                b.classified.append((req, len(b.rows), int(c1 - c0)))
+                b.rows.extend((req.classify[c0:c1] + (len(b.ids) - e)).tolist())
+            elif e == len(req.prompt):
+                b.sampled_at.append(len(b.rows))
+                b.rows.append(len(b.ids) - 1)
+                b.sampled.append(req)
+        return b
+
+    def run(self, batch: StepBatch) -> list[int]:
+        """One packed decoder forward on the device; the argmax of each row in ``batch.rows`` (the
+        step's single host sync)."""
+        dev = self.model.device
+        meta = self.pool.build_meta(batch.starts, batch.qlens, batch.ctxs, batch.num_decode)
+        rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
+        logits = self.model(
+            torch.tensor(batch.ids, device=dev), torch.tensor(batch.positions, device=dev), self.pool, meta,
+            logits_rows=rows, audio_embeds=torch.cat(batch.audio) if batch.audio else None, kernels=self.kernels,
+            audio_rows=torch.tensor(batch.audio_rows, dtype=torch.long, device=dev) if batch.audio else None,
+        )
+        return logits.argmax(-1).tolist() if batch.rows else []
+
+
+@dataclass
+class StepBatch:
+    """One step's packed decoder rows, built on the host by ``Runner.collect``."""
+
+    num_decode: int = 0  # leading single-token decode sequences
+    ids: list[int] = field(default_factory=list)  # (N,) token ids, packed
+    positions: list[int] = field(default_factory=list)  # (N,) absolute positions
+    starts: list[int] = field(default_factory=list)  # per sequence: KV region start
+    qlens: list[int] = field(default_factory=list)  # per sequence: new tokens
+    ctxs: list[int] = field(default_factory=list)  # per sequence: tokens already cached
+    audio: list[torch.Tensor] = field(default_factory=list)  # encoder rows for the audio placeholders, in order
+    audio_rows: list[int] = field(default_factory=list)  # packed rows of the audio placeholders
+    rows: list[int] = field(default_factory=list)  # packed rows whose logits are computed
+    sampled: list[Request] = field(default_factory=list)  # requests that get a token this step
+    sampled_at: list[int] = field(default_factory=list)  # index in ``rows`` of each sampled request's row
+    classified: list[tuple[Request, int, int]] = field(default_factory=list)  # (alignment request, first, count)
+
+    @property
+    def pure_decode(self) -> bool:
+        return self.num_decode == len(self.starts) and not self.classified

@@ -37,10 +37,17 @@ class Qwen3ASRModel(nn.Module):
     def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.audio_tower(features)
 
-    def embed(self, token_ids: torch.Tensor, audio_embeds: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with the audio placeholder rows replaced, in order, by ``audio_embeds``."""
+    def embed(self, token_ids: torch.Tensor, audio_embeds: torch.Tensor | None,
+              audio_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with the audio placeholder rows replaced, in order, by ``audio_embeds``.
+        ``audio_rows``: those rows' indices, when the caller knows them (the engine does, from the
+        prompt on the host); finding them here costs a host/device sync (a count and a mask index)."""
         x = self.model.embed_tokens(token_ids)
-        if audio_embeds is not None and audio_embeds.shape[0] > 0:
+        if audio_rows is not None and audio_embeds is not None:
+            if audio_rows.shape[0] != audio_embeds.shape[0]:
+                raise ValueError(f"{audio_rows.shape[0]} audio rows but {audio_embeds.shape[0]} audio embeddings")
+            x[audio_rows] = audio_embeds.to(x.dtype)
+        elif audio_embeds is not None and audio_embeds.shape[0] > 0:
             where = token_ids == self.cfg.audio_token_id
             n = int(where.sum())
             if n != audio_embeds.shape[0]:
@@ -50,9 +57,10 @@ class Qwen3ASRModel(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVStore, meta: AttentionMeta,
                 logits_rows: torch.Tensor | None = None, audio_embeds: torch.Tensor | None = None,
-                kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
-        """Packed decoder forward. Returns logits (len(logits_rows), head_size) in float32."""
-        x = self.embed(token_ids, audio_embeds)
+                kernels: Kernels = TORCH_KERNELS, audio_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed decoder forward. Returns logits (len(logits_rows), head_size) in float32.
+        ``audio_rows``: the packed rows of the audio placeholders (see ``embed``)."""
+        x = self.embed(token_ids, audio_embeds, audio_rows)
         h = self.model(x, positions, cache, meta, kernels)
         if logits_rows is not None:
             h = h[logits_rows]

@@ -39,6 +39,7 @@ class EncoderPack:
     window_index: torch.Tensor  # (W, Lw) packed-token index per window slot; T = pad row
     window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
     token_counts: tuple[int, ...]  # output tokens per utterance
+    token_slots: torch.Tensor  # (T,) the (W * Lw) window slot of each packed token
 
 
 def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu") -> EncoderPack:
@@ -75,13 +76,24 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
     for i, (start, length) in enumerate(windows):
         index[i, :length] = torch.arange(start, start + length)
         mask[i, :length] = True
+    # where each token sits in the window grid, known here on the host: reading the attention output
+    # back needs no boolean mask on the device (a mask index is a host/device sync, in every layer)
+    slots = torch.cat([i * lw + torch.arange(length) for i, (_, length) in enumerate(windows)])
     return EncoderPack(
         chunks=torch.cat(chunks, 0).unsqueeze(1),
-        valid_index=torch.cat(valid).to(device),
-        window_index=index.to(device),
-        window_mask=mask[:, None, None, :].to(device),
+        valid_index=_to(torch.cat(valid), device),
+        window_index=_to(index, device),
+        window_mask=_to(mask[:, None, None, :], device),
         token_counts=tuple(counts),
+        token_slots=_to(slots, device),
     )
+
+
+def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host index tensors to the device; to a GPU through pinned memory, without waiting for it."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class EncoderAttention(nn.Module):
@@ -96,7 +108,7 @@ class EncoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pack: EncoderPack, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         # x: (T, d). Gather into (W, heads, Lw, hd) windows; one padded row (zeros) serves every pad slot.
-        t, d = x.shape
+        _, d = x.shape
         linear = kernels.linear
         qkv = torch.stack([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)])  # (3, T, d)
         qkv = torch.cat([qkv, qkv.new_zeros(3, 1, d)], dim=1)
@@ -105,10 +117,7 @@ class EncoderAttention(nn.Module):
         q, k, v = win.transpose(2, 3).unbind(0)  # each (W, heads, Lw, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=pack.window_mask)
         out = out.transpose(1, 2).reshape(w * lw, d)
-        valid = pack.window_mask.reshape(-1)
-        packed = out.new_empty(t + 1, d)
-        packed[pack.window_index.reshape(-1)[valid]] = out[valid]
-        return linear(self.out_proj, packed[:t])
+        return linear(self.out_proj, out[pack.token_slots])
 
 
 class EncoderLayer(nn.Module):
