@@ -52,6 +52,8 @@ class EngineConfig:
     encoder_tokens: int = 512  # encoder output tokens per step (whole 8 s windows, at least one)
     conv_batch: int = 8  # 1 s chunks per conv call: small groups keep the activations in cache
     native_kernels: bool = True  # qasr's C++ CPU kernels (each self-tested; torch ops where they fail)
+    backend: str = "auto"  # the device backend (engine/device.py): auto = the model's device type
+    cuda_graphs: bool = True  # CUDA backend: replay pure decode steps as graphs per batch bucket
 
 
 @dataclass(frozen=True)
@@ -78,18 +80,25 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
         self.checkpoint = checkpoint
         self.config = config
-        self.prepared = prepare_model(checkpoint.model, native=config.native_kernels)
-        model = self.prepared.model
+        self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
+                                                 backend=config.backend)
+        model = prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
         tokens = max(budget // per_token, 256)
-        self.pool = KVPool(checkpoint.config.decoder, tokens, model.device, model.dtype,
-                           self.prepared.decode_attention, self.prepared.prefill_attention)
+        if prepared.make_pool is not None:  # the backend's own pool layout
+            self.pool = prepared.make_pool(checkpoint.config.decoder, tokens, model.device, model.dtype)
+        else:
+            self.pool = KVPool(checkpoint.config.decoder, tokens, model.device, model.dtype,
+                               prepared.decode_attention, prepared.prefill_attention)
         enc = checkpoint.config.encoder
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
                             enc.window_tokens), self.pool.allocator, move_kv=self.pool.move)
-        self.runner = Runner(self.prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
+        if prepared.make_runner is not None:
+            self.runner = prepared.make_runner(prepared, self.pool, checkpoint.features, config)
+        else:
+            self.runner = Runner(prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,

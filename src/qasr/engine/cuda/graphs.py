@@ -1,0 +1,148 @@
+"""Decode steps replayed as CUDA graphs, one graph per batch bucket (plan.decode_buckets).
+
+A pure decode step (every row a single token, no prefill, no classifier rows) is padded to the next
+bucket; the pad rows read and write only the pool's scratch row. Its inputs live in static buffers that
+each step overwrites with one pinned upload per dtype; the graph runs the whole decoder (embedding, 28
+layers with the in-place varlen attention, LM head, argmax) and leaves the tokens in a static buffer, read
+back with the step's one host sync. The attention gets the pool's capacity as ``max_k``, so one graph
+serves any context length.
+
+Without capture (``capture=False``: CPU tensors in the tests, or after a failed capture) the same static
+buffers and padding run eagerly, which is how the CPU tests check everything here but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from qasr.engine.cuda.kv_cache import TokenKVPool
+from qasr.engine.cuda.plan import DecodeRows, VarlenMeta, bucket_for, pack, pad_decode
+from qasr.model.asr_model import Qwen3ASRModel
+from qasr.model.kernels import Kernels
+
+log = logging.getLogger(__name__)
+
+
+def _host(flat: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(flat)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+class _Step:
+    """Static buffers (and, when captured, the graph) of one bucket."""
+
+    def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, rows: int) -> None:
+        self.model, self.pool, self.kernels, self.rows = model, pool, kernels, rows
+        dev = pool.device
+        b = rows
+        self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=dev)  # ids | positions | write rows
+        self.i32 = torch.zeros(2 * b + 1, dtype=torch.int32, device=dev)  # k_starts (b + 1) | used (b)
+        self.ids, self.positions, self.write = self.i64[:b], self.i64[b:2 * b], self.i64[2 * b:]
+        self.k_starts, self.used = self.i32[:b + 1], self.i32[b + 1:]
+        self.cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.tokens = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))  # valid pad rows before any capture
+
+    def meta(self, rows: DecodeRows) -> VarlenMeta:
+        b = self.rows
+        return VarlenMeta(tuple(rows.starts), (1,) * b, tuple(rows.context_lens), b, self.cu_q, self.k_starts,
+                          self.used, self.write, 1, self.pool.tokens + 1)
+
+    def load(self, rows: DecodeRows) -> None:
+        st = np.asarray(rows.starts, dtype=np.int64)
+        ctx = np.asarray(rows.context_lens, dtype=np.int64)
+        dev = self.pool.device
+        flat64, _ = pack([rows.ids, rows.positions, st + ctx], np.int64)
+        flat32, _ = pack([st, [0], ctx + 1], np.int32)
+        self.i64.copy_(_host(flat64, dev), non_blocking=True)
+        self.i32.copy_(_host(flat32, dev), non_blocking=True)
+        self._rows = rows
+
+    def forward(self, meta: VarlenMeta) -> None:
+        logits = self.model(self.ids, self.positions, self.pool, meta, kernels=self.kernels)
+        self.tokens.copy_(logits.argmax(-1))
+
+    def capture(self, mempool: object) -> None:
+        meta = self.meta(self._rows)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy inits, cuBLAS handles and workspaces
+            for _ in range(2):
+                self.forward(meta)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            self.forward(meta)
+        self.graph = graph
+
+    def run(self, rows: DecodeRows) -> list[int]:
+        self.load(rows)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.forward(self.meta(rows))
+        return self.tokens[:rows.real].tolist()
+
+
+class DecodeGraphs:
+    def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, buckets: Sequence[int],
+                 capture: bool) -> None:
+        self.model, self.pool, self.kernels = model, pool, kernels
+        self.buckets = tuple(buckets)
+        self.capture = capture
+        self.failed: str | None = None  # why capture was given up (the steps then run eagerly)
+        self._steps: dict[int, _Step] = {}
+        self.steps = 0  # decode steps run through the bucketed static buffers
+        self.replays = 0  # ... of them replayed as captured graphs
+        self.capture_s = 0.0
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], starts: Sequence[int],
+            context_lens: Sequence[int]) -> list[int] | None:
+        """The tokens of one pure decode step, or None when no bucket holds it (the caller runs it eagerly)."""
+        b = bucket_for(len(ids), self.buckets)
+        if b is None:
+            return None
+        self.prepare()
+        tokens = self._steps[b].run(pad_decode(ids, positions, starts, context_lens, b, self.pool.scratch))
+        self.steps += 1
+        self.replays += self._steps[b].graph is not None
+        return tokens
+
+    def prepare(self) -> None:
+        """Static buffers for every bucket; with ``capture``, a graph each, largest first so the smaller
+        ones reuse its memory pool. A failed capture leaves every bucket eager, with one warning. Runs
+        once, at the first pure decode step (or earlier, when called)."""
+        if self._steps:
+            return
+        t0 = time.perf_counter()
+        self._steps = {b: _Step(self.model, self.pool, self.kernels, b) for b in self.buckets}
+        if not self.capture:
+            return
+        try:
+            mempool = torch.cuda.graph_pool_handle()
+            for b in sorted(self.buckets, reverse=True):
+                self._steps[b].capture(mempool)
+            self._check()
+        except Exception as exc:  # noqa: BLE001 - fall back to eager decode steps, loudly
+            self.failed = repr(exc)
+            for step in self._steps.values():
+                step.graph = None
+            log.warning("qasr: capturing decode graphs failed (%r); decode steps run eagerly", exc)
+        self.capture_s = time.perf_counter() - t0
+
+    def _check(self) -> None:
+        """A replay must give what an eager forward gives on the same inputs (the smallest bucket's pad rows)."""
+        step = self._steps[self.buckets[0]]
+        rows = step._rows
+        step.load(rows)
+        step.graph.replay()
+        replayed = step.tokens.clone()
+        step.forward(step.meta(rows))
+        if not torch.equal(replayed, step.tokens):
+            raise RuntimeError("a replayed decode graph gave other tokens than the eager forward")

@@ -1,0 +1,184 @@
+"""Host-side planning for the CUDA backend: varlen attention metadata, decode-batch buckets, uploads.
+
+Everything here is pure bookkeeping on host integers (tested on CPU); the tensors it produces are what
+the varlen attention kernel and the captured decode graphs read on the device.
+
+The KV pool is token-major, ``(layers, tokens + 1, kv_heads, head_dim)``: a sequence's keys are the rows
+``[start, start + used)`` of one layer's ``(tokens + 1, kv_heads, head_dim)`` slab, which is exactly the
+packed-key layout a flash varlen kernel reads. Flash takes each sequence's key offset from
+``cu_seqlens_k[b]`` and, when ``seqused_k`` is given, its length from ``seqused_k[b]`` (``cu_seqlens_k[b +
+1]`` is then never read), so the regions need not be adjacent or ordered: ``k_starts`` holds the region
+starts and the attention reads the pool in place, without a gather. Causal masking is aligned at the
+bottom right, so query row i of a chunk of n new tokens over ctx cached ones sees keys [0, ctx + i]:
+decode rows (n = 1) and prefill chunks with or without a cached prefix go through one call.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class VarlenHost:
+    """The host-side arrays of one packed forward's attention metadata (S sequences, N query rows)."""
+
+    cu_q: np.ndarray  # (S + 1,) int32: query rows of sequence b are [cu_q[b], cu_q[b + 1])
+    k_starts: np.ndarray  # (S + 1,) int32: region start of each sequence; the last entry is never read
+    used_k: np.ndarray  # (S,) int32: keys each sequence attends (context + new tokens)
+    write_index: np.ndarray  # (N,) int64: pool row of each query row's new key and value
+    max_q: int
+    max_k: int
+
+
+def varlen_host(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int]) -> VarlenHost:
+    """Metadata for sequences whose new tokens are packed in order: sequence b brings query_lens[b]
+    tokens at positions context_lens[b].. of its region starting at starts[b]."""
+    if not (len(starts) == len(query_lens) == len(context_lens)) or not starts:
+        raise ValueError("one start, query length and context length per sequence, at least one sequence")
+    st = np.asarray(starts, dtype=np.int64)
+    ql = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    if (ql < 1).any() or (ctx < 0).any() or (st < 0).any():
+        raise ValueError("query lengths must be >= 1, context lengths and starts >= 0")
+    cu_q = np.zeros(len(ql) + 1, dtype=np.int32)
+    np.cumsum(ql, out=cu_q[1:])
+    used = ctx + ql
+    # row r of sequence b (r = 0..n-1) writes its key at start + ctx + r
+    first = np.repeat(st + ctx - cu_q[:-1], ql)
+    write = first + np.arange(int(cu_q[-1]), dtype=np.int64)
+    k_starts = np.zeros(len(st) + 1, dtype=np.int32)
+    k_starts[:-1] = st
+    return VarlenHost(cu_q, k_starts, used.astype(np.int32), write, int(ql.max()), int(used.max()))
+
+
+@dataclass(frozen=True)
+class VarlenMeta:
+    """What ``TokenKVPool.attend`` reads for one packed forward (the device twin of ``VarlenHost``).
+
+    ``max_k`` is the longest key range for an eager call; a captured decode graph passes the pool's
+    capacity instead, so the same graph serves any context length."""
+
+    starts: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    num_decode: int
+    cu_q: torch.Tensor  # (S + 1,) int32
+    k_starts: torch.Tensor  # (S + 1,) int32
+    used_k: torch.Tensor  # (S,) int32
+    write_index: torch.Tensor  # (N,) int64
+    max_q: int
+    max_k: int
+
+    @cached_property
+    def padded(self) -> PaddedPlan:
+        """The gather plan of the portable (reference) attention, built once per forward on first use."""
+        return padded_plan(self.starts, self.query_lens, self.context_lens, self.cu_q.device)
+
+
+@dataclass(frozen=True)
+class PaddedPlan:
+    """Index tensors that lay the packed rows out as an (S, max_q) x (S, max_k) padded batch."""
+
+    q_index: torch.Tensor  # (S, max_q) int64: packed query row per slot (pad slots repeat the last row)
+    k_index: torch.Tensor  # (S, max_k) int64: pool row per key slot (pad slots repeat the last key)
+    mask: torch.Tensor  # (S, 1, max_q, max_k) bool: key j visible to query slot i
+    out_index: torch.Tensor  # (N,) int64: flat (S * max_q) slot of each packed query row
+
+
+def padded_plan(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
+                device: torch.device | str = "cpu") -> PaddedPlan:
+    """Pad slots point at real rows of the sequence itself (never at unwritten pool memory, which may
+    hold NaN: a masked NaN key still poisons a softmax), and every query slot sees at least one key."""
+    ql = torch.tensor(query_lens, dtype=torch.int64)
+    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    st = torch.tensor(starts, dtype=torch.int64)
+    used = ctx + ql
+    max_q, max_k = int(ql.max()), int(used.max())
+    first = torch.cumsum(ql, 0) - ql
+    i = torch.arange(max_q)[None, :]
+    j = torch.arange(max_k)[None, :]
+    q_index = first[:, None] + torch.minimum(i, (ql - 1)[:, None])
+    k_index = st[:, None] + torch.minimum(j, (used - 1)[:, None])
+    # bottom-right causal: query i of n new tokens over ctx cached ones sees keys 0 .. ctx + i
+    mask = (j[:, None, :] <= (ctx[:, None] + i)[:, :, None]) & (j < used[:, None])[:, None, :]
+    out_index = torch.cat([b * max_q + torch.arange(n) for b, n in enumerate(query_lens)])
+    return PaddedPlan(q_index.to(device), k_index.to(device), mask[:, None].to(device), out_index.to(device))
+
+
+# ------------------------------------------------------------------------------------------ decode buckets
+def decode_buckets(max_rows: int) -> tuple[int, ...]:
+    """Decode batch sizes a graph is captured for: 1, 2, 4, 6, 8, then powers of two and the points half
+    way between them (12, 16, 24, 32, 48, ...), up to the first size >= max_rows. A batch is padded to
+    the next bucket, so padding stays under a third of the rows."""
+    if max_rows < 1:
+        raise ValueError("max_rows must be >= 1")
+    sizes = [1, 2, 4, 6, 8]
+    p = 8
+    while sizes[-1] < max_rows:
+        sizes += [p + p // 2, 2 * p]
+        p *= 2
+    out = [s for s in sizes if s < max_rows]
+    return (*out, next(s for s in sizes if s >= max_rows))
+
+
+def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``rows`` rows; None when the batch is larger than every bucket."""
+    i = bisect.bisect_left(buckets, rows)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """One decode step's rows, padded to a bucket. Pad rows read and write only the pool's scratch row."""
+
+    ids: list[int]
+    positions: list[int]
+    starts: list[int]
+    context_lens: list[int]
+    real: int  # the first ``real`` rows are the batch's own
+
+
+def pad_decode(ids: Sequence[int], positions: Sequence[int], starts: Sequence[int], context_lens: Sequence[int],
+               bucket: int, scratch: int) -> DecodeRows:
+    n = len(ids)
+    if not (n == len(positions) == len(starts) == len(context_lens)) or not 0 < n <= bucket:
+        raise ValueError(f"{n} decode rows do not fit a bucket of {bucket}")
+    pad = bucket - n
+    return DecodeRows([*ids, *[0] * pad], [*positions, *[0] * pad], [*starts, *[scratch] * pad],
+                      [*context_lens, *[0] * pad], n)
+
+
+# ------------------------------------------------------------------------------------------------ uploads
+def pack(arrays: Sequence[Sequence[int] | np.ndarray], dtype: np.dtype) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Concatenate integer arrays into one host buffer; returns it and each array's (offset, length)."""
+    parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
+    spans, offset = [], 0
+    for p in parts:
+        spans.append((offset, p.size))
+        offset += p.size
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    return flat.astype(dtype, copy=False), spans
+
+
+def upload(arrays: Sequence[Sequence[int] | np.ndarray], dtype: torch.dtype,
+           device: torch.device) -> list[torch.Tensor]:
+    """Several small integer arrays to the device in ONE copy, returned as views of the copy.
+
+    On CUDA the buffer goes through pinned memory and the copy is asynchronous: a plain ``torch.tensor(...,
+    device='cuda')`` from pageable memory synchronises the stream, i.e. waits for all queued GPU work.
+    Pinned blocks come from torch's caching host allocator, which keeps a block until the copies that
+    read it have run, so the host buffer may be reused at once."""
+    np_dtype = {torch.int32: np.int32, torch.int64: np.int64}[dtype]
+    flat, spans = pack(arrays, np_dtype)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    return [dev[o:o + n] for o, n in spans]

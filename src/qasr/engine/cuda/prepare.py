@@ -1,0 +1,64 @@
+"""CUDA preparation: choose the pool's attention (flash varlen where it passes its self-test on this
+device, else the portable reference) and hand the engine the token-major pool and the CUDA runner.
+Linears and convolutions stay torch's (cuBLAS / cuDNN). The choice is cached per model."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import TYPE_CHECKING
+
+from qasr.engine.cuda.attention import choose_attention, flash_attention
+from qasr.engine.cuda.kv_cache import TokenKVPool
+from qasr.engine.cuda.runner import CudaRunner
+from qasr.engine.device import PreparedModel
+from qasr.features import FeatureConfig
+from qasr.model.asr_model import Qwen3ASRModel
+from qasr.model.kernels import TORCH_KERNELS
+
+if TYPE_CHECKING:
+    from qasr.engine.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+_prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[bool, PreparedModel]] = weakref.WeakKeyDictionary()
+
+
+def graphs_mode(device_type: str, flash: bool, wanted: bool) -> str:
+    """CUDA graphs need the flash path (the portable attention's shapes follow the context length); on
+    CPU tensors the bucketed steps run without capture, so the tests check their padding."""
+    if not wanted:
+        return "off"
+    if device_type == "cuda":
+        return "capture" if flash else "off"
+    return "eager"
+
+
+def make_runner(prepared: PreparedModel, pool: TokenKVPool, features: FeatureConfig, config: EngineConfig,
+                flash: bool = False) -> CudaRunner:
+    mode = graphs_mode(pool.device.type, flash, config.cuda_graphs)
+    return CudaRunner(prepared, pool, features, config.conv_batch, graphs=mode, max_rows=config.max_running)
+
+
+def prepare_cuda(model: Qwen3ASRModel, native: bool = True) -> PreparedModel:
+    """``native=False`` keeps to the portable attention (no flash, no graphs): plain torch ops."""
+    cached = _prepared.setdefault(model, {})
+    if native not in cached:
+        cached[native] = _prepare(model, native)
+        log.info("qasr: CUDA backend on %s: %s", model.device, cached[native].description)
+    return cached[native]
+
+
+def _prepare(model: Qwen3ASRModel, native: bool) -> PreparedModel:
+    dec = model.cfg.decoder
+    if native:
+        attention, what = choose_attention(model.device, model.dtype, dec.num_attention_heads,
+                                           dec.num_key_value_heads, dec.head_dim)
+    else:
+        from qasr.engine.cuda.attention import reference_attention
+
+        attention, what = reference_attention, "portable padded attention (native kernels off)"
+    flash = attention is flash_attention
+    return PreparedModel(model, TORCH_KERNELS, description=f"torch GEMM, {what}",
+                         make_pool=functools.partial(TokenKVPool, attention=attention),
+                         make_runner=functools.partial(make_runner, flash=flash), backend="cuda")

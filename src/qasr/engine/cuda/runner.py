@@ -1,0 +1,75 @@
+"""The CUDA backend's runner: the same steps as ``engine/runner.py``, with the device work shaped for a GPU.
+
+- One upload per dtype per step: ids, positions, logit rows, audio rows and KV write rows as one int64
+  buffer, the varlen metadata as one int32 buffer, both through pinned memory and asynchronous
+  (``torch.tensor(list, device='cuda')`` would synchronise the stream at every call).
+- The audio placeholder rows come from the prompt on the host, so the embedding never counts them on
+  the device (a sync).
+- A pure decode step is replayed as a CUDA graph of its batch bucket (``graphs.py``).
+- Features are computed on the device from a pinned upload of the waveform.
+The step's one host sync is reading back the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from qasr.engine.cuda.graphs import DecodeGraphs
+from qasr.engine.cuda.kv_cache import TokenKVPool
+from qasr.engine.cuda.plan import VarlenMeta, decode_buckets, upload, varlen_host
+from qasr.engine.device import PreparedModel
+from qasr.engine.runner import Runner, StepBatch
+from qasr.features import FeatureConfig, LogMel
+
+
+class DeviceFeatures:
+    """Log-mel on the model's device; the waveform goes up through pinned memory, asynchronously."""
+
+    def __init__(self, config: FeatureConfig, device: torch.device) -> None:
+        self.device = device
+        self.logmel = LogMel(config, device)
+
+    def __call__(self, waveform: np.ndarray | torch.Tensor) -> torch.Tensor:
+        x = torch.as_tensor(waveform, dtype=torch.float32)
+        if self.device.type == "cuda" and x.device.type == "cpu":
+            x = x.contiguous().pin_memory().to(self.device, non_blocking=True)
+        return self.logmel(x)
+
+
+class CudaRunner(Runner):
+    def __init__(self, prepared: PreparedModel, pool: TokenKVPool, features: FeatureConfig, conv_batch: int,
+                 graphs: str = "off", max_rows: int = 64) -> None:
+        """``graphs``: "capture" (CUDA graphs per decode bucket), "eager" (the same bucketed static-buffer
+        steps without capture: what the CPU tests run) or "off" (every step eager, unpadded)."""
+        super().__init__(prepared, pool, DeviceFeatures(features, pool.device), conv_batch)
+        if graphs not in ("capture", "eager", "off"):
+            raise ValueError(f"graphs must be capture, eager or off, got {graphs!r}")
+        self.graphs = None if graphs == "off" else DecodeGraphs(
+            self.model, pool, self.kernels, decode_buckets(max_rows), capture=graphs == "capture")
+        self.eager_steps = 0
+
+    def run(self, batch: StepBatch) -> list[int]:
+        if self.graphs is not None and batch.pure_decode:
+            tokens = self.graphs.run(batch.ids, batch.positions, batch.starts, batch.ctxs)
+            if tokens is not None:
+                return tokens
+        self.eager_steps += 1
+        dev = self.model.device
+        host = varlen_host(batch.starts, batch.qlens, batch.ctxs)
+        cu_q, k_starts, used = upload([host.cu_q, host.k_starts, host.used_k], torch.int32, dev)
+        ids, positions, rows, audio_rows, write = upload(
+            [batch.ids, batch.positions, batch.rows, batch.audio_rows, host.write_index], torch.int64, dev)
+        meta = VarlenMeta(tuple(batch.starts), tuple(batch.qlens), tuple(batch.ctxs), batch.num_decode, cu_q,
+                          k_starts, used, write, host.max_q, host.max_k)
+        logits = self.model(ids, positions, self.pool, meta, logits_rows=rows,
+                            audio_embeds=torch.cat(batch.audio) if batch.audio else None, kernels=self.kernels,
+                            audio_rows=audio_rows if batch.audio else None)
+        return logits.argmax(-1).tolist() if batch.rows else []
+
+    def stats(self) -> dict:
+        """How the decode steps ran: replayed graphs against eager forwards (for benchmarks and logs)."""
+        g = self.graphs
+        return dict(eager_steps=self.eager_steps, bucketed_steps=g.steps if g else 0,
+                    graph_replays=g.replays if g else 0, graph_buckets=list(g.buckets) if g else [],
+                    graph_failed=g.failed if g else None, graph_capture_s=g.capture_s if g else 0.0)
