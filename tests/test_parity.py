@@ -2,7 +2,8 @@
 
 Same weights (the "-hf" layout checkpoint loaded by transformers, the release layout by qasr), same
 per-utterance features, same prompt ids: the logits must agree to 1e-4 in float32 and greedy
-decoding must produce the same token ids.
+decoding must produce the same token ids. Each test runs on the CPU and, where a GPU is present, on CUDA
+(both sides on the GPU, TF32 off; qasr through its CUDA backend).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import noise
+from devices import DEVICES, exact_float32
 
 from qasr.engine.generate import GenRequest, generate
 from qasr.engine.kv_cache import KVPool
@@ -26,14 +28,26 @@ PROMPTS = [("", None), ("weather report, Zürich", None), ("", "English")]
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_hf):
-    return transformers.Qwen3ASRForConditionalGeneration.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_tf32():  # noqa: ANN202 - a pytest fixture
+    with exact_float32():
+        yield
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
+def oracle(tiny_hf, device):
+    model = transformers.Qwen3ASRForConditionalGeneration.from_pretrained(tiny_hf, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_original, device):
+    return load_checkpoint(tiny_original, device=device, dtype="float32")
 
 
 def _hf_inputs(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +63,8 @@ def _prefill_logits(ck, ids: list[int], features: torch.Tensor) -> torch.Tensor:
     cache = KVPool(ck.config.decoder, len(ids), ck.device, ck.dtype)
     meta = AttentionMeta.build([0], [len(ids)], [0], ck.device)
     with torch.inference_mode():
-        return ck.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, audio_embeds=audio[0])
+        return ck.model(torch.tensor(ids, device=ck.device), torch.arange(len(ids), device=ck.device), cache, meta,
+                        audio_embeds=audio[0]).cpu()
 
 
 @pytest.mark.parametrize("seconds", LENGTHS)
@@ -58,14 +73,17 @@ def test_logits_and_greedy_ids_match_transformers(oracle, ours, seconds, context
     feats = LogMel()(noise(seconds, seed=int(seconds * 10)))
     n_audio = audio_token_count(feats.shape[1])
     ids = build_prompt(ours.tokenizer, ours.special, n_audio, context=context, language=language)
-    hf_feats, hf_mask = _hf_inputs(feats)
+    dev = ours.device
+    hf_feats, hf_mask = (t.to(dev) for t in _hf_inputs(feats))
+    input_ids = torch.tensor([ids], device=dev)
     with torch.inference_mode():
-        ref = oracle(input_ids=torch.tensor([ids]), input_features=hf_feats, input_features_mask=hf_mask).logits[0]
-        gen = oracle.generate(input_ids=torch.tensor([ids]), input_features=hf_feats, input_features_mask=hf_mask,
-                              do_sample=False, max_new_tokens=NEW_TOKENS)
+        ref = oracle(input_ids=input_ids, input_features=hf_feats, input_features_mask=hf_mask).logits[0].cpu()
+        gen = oracle.generate(input_ids=input_ids, input_features=hf_feats, input_features_mask=hf_mask,
+                              do_sample=False, max_new_tokens=NEW_TOKENS).cpu()
     logits = _prefill_logits(ours, ids, feats)
     assert logits.shape == ref.shape
-    assert (logits - ref).abs().max().item() <= 1e-4
+    diff = (logits - ref).abs().max().item()
+    assert diff <= 1e-4, f"logits differ by {diff:.2e} on {dev}"
     expected = []
     for tok in gen[0, len(ids):].tolist():
         if tok in ours.generation.eos_token_ids:
@@ -76,9 +94,9 @@ def test_logits_and_greedy_ids_match_transformers(oracle, ours, seconds, context
     assert len(set(got)) > 1  # a degenerate random model would make this test meaningless
 
 
-def test_both_layouts_give_identical_output(tiny_original, tiny_hf) -> None:
-    a = load_checkpoint(tiny_original, device="cpu", dtype="float32")
-    b = load_checkpoint(tiny_hf, device="cpu", dtype="float32")
+def test_both_layouts_give_identical_output(tiny_original, tiny_hf, device) -> None:
+    a = load_checkpoint(tiny_original, device=device, dtype="float32")
+    b = load_checkpoint(tiny_hf, device=device, dtype="float32")
     assert a.config.layout == "original" and b.config.layout == "hf"
     assert a.special == b.special  # the hf config has no audio start/end ids: taken from the tokenizer
     sa, sb = a.model.state_dict(), b.model.state_dict()
