@@ -51,8 +51,10 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
     except ValueError as exc:
         return _usage(str(exc))
     actors = str(pool.min_actors) if pool.min_actors == pool.max_actors else f"{pool.min_actors}-{pool.max_actors}"
-    print(f"qasr: ray: {len(todo)} inputs, {actors} ASR actors ({pool.actor_cpus:g} CPU, {pool.actor_gpus:g} GPU "
-          f"each) on a cluster of {cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs", file=sys.stderr)
+    plural = "s" if pool.max_actors > 1 else ""
+    print(f"qasr: ray: {len(todo)} inputs, {actors} ASR actor{plural} ({pool.actor_cpus:g} CPU, "
+          f"{pool.actor_gpus:g} GPU each) on a cluster of {cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs",
+          file=sys.stderr)
     try:
         code = run_jobs(transcriber, todo, args, total_inputs)  # type: ignore[arg-type] - same transcribe_iter
     except Exception as exc:  # noqa: BLE001 - the cluster gave up (e.g. no actor could load the model)
