@@ -114,3 +114,25 @@ def test_config_validation() -> None:
         VadConfig(backend="webrtc")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         VadConfig(threshold=1.5)
+
+
+@pytest.mark.skipif(not silero_available(), reason="silero-vad not installed")
+def test_the_vad_session_leaves_torch_threads_alone() -> None:
+    """Making the ONNX Runtime session dropped the process's OpenMP thread count to 1, so the engine
+    thread started after it (every file transcription with VAD) ran on one core. In a fresh process:
+    torch's thread count, and a new thread's, stay what they were."""
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch
+torch.set_num_threads(2)
+from qasr.audio.vad import SpeechDetector, VadConfig
+SpeechDetector(VadConfig(backend="silero")).feed(__import__("numpy").zeros(16000 * 3, "float32"))
+seen = []
+t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+t.start(); t.join()
+print(torch.get_num_threads(), seen[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["2", "2"], out.stdout + out.stderr

@@ -62,7 +62,16 @@ def _onnx_session():  # one session per process: InferenceSession.run is thread-
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.log_severity_level = 3  # the export carries unused initialisers ORT warns about on every load
-    return ort.InferenceSession(_model_path(_SEQUENCE_MODEL), options, providers=["CPUExecutionProvider"])
+    import torch  # loaded anyway wherever qasr transcribes
+
+    threads = torch.get_num_threads()
+    session = ort.InferenceSession(_model_path(_SEQUENCE_MODEL), options, providers=["CPUExecutionProvider"])
+    # Making a session with intra_op_num_threads=1 also drops the process's OpenMP thread count to 1 (seen
+    # with onnxruntime 1.2x wheels): torch, and every thread started afterwards (the engine's), would then
+    # run on one core. Put it back.
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return session
 
 
 _JIT_LOCK = threading.Lock()  # the shared TorchScript module holds the recurrent state of whoever runs it
