@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
+from qasr.audio.io import SAMPLE_RATE, AudioError, checked_segments, load_audio, named_audio_error
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language
 from qasr.pieces import Piece, make_piece, make_pieces, read_output
 from qasr.pipeline import stream_results
-from qasr.results import Segment, Transcription, Word
+from qasr.results import Segment, Transcription, Word, worst_finish_reason
 from qasr.stitch import join_segment_texts
 from qasr.word_timing import Aligned
 
@@ -47,7 +47,6 @@ SEGMENTATIONS = ("auto", "vad", "fixed", "none")
 TIMESTAMPS = ("segment", "word")
 _FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
 # a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
-_SEVERITY = {"stop": 0, "length": 1, "malformed": 2}
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -227,12 +226,12 @@ class ASR:
                 return _Pieces(iter(pieces), duration=len(wave) / SAMPLE_RATE)
             if stream is None or mode != "vad":
                 stream = _segment_stream(item if wave is None else (wave, SAMPLE_RATE), None, mode, call)
-            segments = _checked(stream, name)
+            segments = checked_segments(stream, name)
             pieces = (make_piece(self.checkpoint, seg.samples, offset=seg.start, duration=seg.end - seg.start,
                                  **make) for seg in segments)
             return _Pieces(pieces, stream=stream)
         except ValueError as exc:  # AudioError included
-            raise _named(exc, name) from exc
+            raise named_audio_error(exc, name) from exc
         except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
             raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
 
@@ -423,8 +422,7 @@ class ASR:
             ids += out.token_ids
             segments.append(Segment(round(piece.offset, 3), round(piece.offset + piece.duration, 3), text,
                                     words=timed, finish_reason=reason))
-        worst = max((s.finish_reason for s in segments), key=lambda r: _SEVERITY.get(r, len(_SEVERITY)),
-                    default="stop")
+        worst = worst_finish_reason(s.finish_reason for s in segments)
         # word times only when every segment with text has them: a mix would mislead a subtitle writer
         all_timed = words and all(s.words for s in segments if s.text)
         if words and not all_timed and warn:
@@ -444,25 +442,6 @@ def _segment_stream(item: object, sample_rate: int | None, mode: str, call: _Cal
 
     extra = {} if call.vad is None else {"vad": call.vad}
     return iter_segments(item, sample_rate=sample_rate, mode=mode, max_segment_s=call.max_segment_s, **extra)
-
-
-def _checked(segments: Iterator, name: str) -> Iterator:
-    """Re-raise a decode error met halfway through a stream under the input's own name."""
-    try:
-        yield from segments
-    except ValueError as exc:
-        raise _named(exc, name) from exc
-    except (OSError, RuntimeError) as exc:  # a decoder or the detector failing halfway through this input
-        raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
-
-
-def _named(exc: ValueError, name: str) -> AudioError:
-    """An AudioError whose message starts with ``name`` (decoders name bytes and arrays generically)."""
-    msg = str(exc)
-    for generic in ("bytes input", "array input"):
-        if name.startswith(generic) and msg.startswith(generic) and not msg.startswith(name):
-            msg = name + msg[len(generic):]
-    return AudioError(msg if msg.startswith(name) else f"{name}: {msg}")
 
 
 def _outcome(fut: Future | asyncio.Future) -> Outcome:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 
@@ -45,3 +46,11 @@ class Transcription:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+FINISH_SEVERITY = {"stop": 0, "length": 1, "malformed": 2}  # unknown reasons rank above all of these
+
+
+def worst_finish_reason(reasons: Iterable[str]) -> str:
+    """An input's finish reason: the worst of its segments' ("stop" when it has none)."""
+    return max(reasons, key=lambda r: FINISH_SEVERITY.get(r, len(FINISH_SEVERITY)), default="stop")

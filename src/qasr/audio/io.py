@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import av
@@ -233,3 +233,22 @@ def _check_rate(sample_rate: Any) -> int:
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def named_audio_error(exc: ValueError, name: str) -> AudioError:
+    """An AudioError whose message starts with ``name`` (decoders name bytes and arrays generically)."""
+    msg = str(exc)
+    for generic in ("bytes input", "array input"):
+        if name.startswith(generic) and msg.startswith(generic) and not msg.startswith(name):
+            msg = name + msg[len(generic):]
+    return AudioError(msg if msg.startswith(name) else f"{name}: {msg}")
+
+
+def checked_segments(segments: Iterator, name: str) -> Iterator:
+    """Re-raise a decode error met halfway through a stream under the input's own name."""
+    try:
+        yield from segments
+    except ValueError as exc:
+        raise named_audio_error(exc, name) from exc
+    except (OSError, RuntimeError) as exc:  # a decoder or the detector failing halfway through this input
+        raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc

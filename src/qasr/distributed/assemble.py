@@ -16,10 +16,9 @@ import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from qasr.api import _SEVERITY
 from qasr.distributed import rows
 from qasr.model.prompt import merge_languages
-from qasr.results import Transcription
+from qasr.results import Transcription, worst_finish_reason
 from qasr.stitch import join_segment_texts
 
 
@@ -98,8 +97,7 @@ def merge_parts(parts: list[Transcription], *, source: str, duration: float, wor
         if part.error is not None:
             return Transcription("", "", duration, error=part.error, source=source)
     segments = [s for part in parts for s in part.segments]
-    worst = max((s.finish_reason for s in segments), key=lambda r: _SEVERITY.get(r, len(_SEVERITY)),
-                default="stop")
+    worst = worst_finish_reason(s.finish_reason for s in segments)
     # word times only when every segment with text has them: a mix would mislead a subtitle writer
     all_timed = words and all(s.words for s in segments if s.text)
     if words and not all_timed:

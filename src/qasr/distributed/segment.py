@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qasr.api import _checked, _named
-from qasr.audio.io import SAMPLE_RATE, load_audio
+from qasr.audio.io import SAMPLE_RATE, checked_segments, load_audio, named_audio_error
 from qasr.audio.stream import iter_segments
 from qasr.distributed import rows
 from qasr.distributed.config import CallOptions
@@ -77,14 +76,14 @@ def input_rows(item: int, given: str, source: str, options: CallOptions,
             return
         if stream is None or mode != "vad":
             stream = _stream(data if wave is None else (wave, SAMPLE_RATE), mode, options)
-        for seg in _checked(stream, name):
+        for seg in checked_segments(stream, name):
             if count not in skip:
                 yield rows.row(item, name, rows.PIECE, k=count, offset=seg.start, duration=seg.end - seg.start,
                                samples=_bytes(seg.samples))
             count += 1
         yield rows.row(item, name, rows.END, count=count, duration=float(stream.duration or 0.0))
     except ValueError as exc:  # AudioError included; pyarrow's ArrowInvalid for a URI it cannot open
-        yield rows.row(item, name, rows.END, error=str(_named(_renamed(exc, source, given), name)))
+        yield rows.row(item, name, rows.END, error=str(named_audio_error(_renamed(exc, source, given), name)))
     except (OSError, RuntimeError) as exc:  # a decoder, a filesystem or the detector failing on this input
         yield rows.row(item, name, rows.END, error=f"{name}: {type(exc).__name__}: {_renamed(exc, source, given)}")
 
