@@ -200,39 +200,57 @@ def measure_ttft(submit, wl: Workload, seed: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- reference
-def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> dict:
-    import transformers
-    from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
+class ReferenceGenerate:
+    """transformers' qwen3_asr generate, batched the way its users batch: features from its own extractor
+    (on the model's device), left-padded prompts, and every row of a batch forced to the batch's mean of
+    TOKENS_PER_SECOND tokens per audio second (equal total work). Calling it with clips returns the
+    number of generated tokens."""
 
-    model = transformers.Qwen3ASRForConditionalGeneration.from_pretrained(ckpt_dir, dtype=torch.bfloat16).eval()
-    cfg = json.loads((ckpt_dir / "config.json").read_text())
-    from qasr.model.config import audio_token_count
-    from qasr.model.prompt import SpecialTokens, build_prompt
-    from qasr.model.tokenizer import Tokenizer
+    def __init__(self, ckpt_dir: Path, device: str = "cpu") -> None:
+        import transformers
+        from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
 
-    tok = Tokenizer.from_dir(ckpt_dir)
-    special = SpecialTokens.resolve(tok, cfg["audio_token_id"])
-    fe = Qwen3ASRFeatureExtractor()
-    pad_id = cfg.get("pad_token_id", special.im_end)
-    order = sorted(range(len(clips)), key=lambda i: len(clips[i]))
-    kw = dict(sampling_rate=SR, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
+        from qasr.model.prompt import SpecialTokens
+        from qasr.model.tokenizer import Tokenizer
 
-    def run_batch(idx: list[int]) -> int:
-        waves = [clips[i] for i in idx]
-        feats = fe(waves, **kw)
+        self.device = device
+        model = transformers.Qwen3ASRForConditionalGeneration.from_pretrained(ckpt_dir, dtype=torch.bfloat16)
+        self.model = model.to(device).eval()
+        cfg = json.loads((ckpt_dir / "config.json").read_text())
+        self.tok = Tokenizer.from_dir(ckpt_dir)
+        self.special = SpecialTokens.resolve(self.tok, cfg["audio_token_id"])
+        self.fe = Qwen3ASRFeatureExtractor()
+        self.pad_id = cfg.get("pad_token_id", self.special.im_end)
+        self.kw = dict(sampling_rate=SR, padding=True, truncation=False, return_attention_mask=True,
+                       return_tensors="pt", device=device)
+
+    def __call__(self, waves: list[np.ndarray]) -> int:
+        from qasr.model.config import audio_token_count
+        from qasr.model.prompt import build_prompt
+
+        dev = self.device
+        feats = self.fe(waves, **self.kw)
         mask = feats["attention_mask"]
-        prompts = [build_prompt(tok, special, audio_token_count(int(m.sum()))) for m in mask]
+        prompts = [build_prompt(self.tok, self.special, audio_token_count(int(m.sum()))) for m in mask]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         # equal total work: every row of a forced batch gets the batch's mean of 4 tokens per second
         n_new = max(1, round(statistics.mean(TOKENS_PER_SECOND * len(w) / SR for w in waves)))
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=att,
-                                 input_features=feats["input_features"].to(torch.bfloat16),
-                                 input_features_mask=mask, do_sample=False, max_new_tokens=n_new,
-                                 min_new_tokens=n_new)
-        return (out.shape[1] - width) * len(idx)
+            out = self.model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                                      input_features=feats["input_features"].to(dev, torch.bfloat16),
+                                      input_features_mask=mask.to(dev), do_sample=False, max_new_tokens=n_new,
+                                      min_new_tokens=n_new)
+        return (out.shape[1] - width) * len(waves)
+
+
+def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> dict:
+    generate = ReferenceGenerate(ckpt_dir)
+    order = sorted(range(len(clips)), key=lambda i: len(clips[i]))
+
+    def run_batch(idx: list[int]) -> int:
+        return generate([clips[i] for i in idx])
 
     run_batch(order[:1])  # warm-up
     with PeakRss() as rss, ForeignCpu() as others:
@@ -261,6 +279,11 @@ def in_subprocess(fn, threads: int, *args: object) -> dict:  # noqa: ANN001
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_child, args=(child, fn, threads, args))
     proc.start()
+    child.close()
+    while not parent.poll(1.0):  # a child that dies without answering (a crash, the OOM killer) is an error
+        if not proc.is_alive() and not parent.poll(0.1):
+            proc.join()
+            raise RuntimeError(f"{fn.__name__} failed: its process ended with exit code {proc.exitcode}")
     status, value = parent.recv()
     proc.join()
     if status != "ok":
@@ -310,8 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the GPU mode (qasr.bench_gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
+                        "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
+                        "ends with gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>")
+    p.add_argument("--gpu-budgets", default=None,
+                   help="cuda: seconds per concurrency level, comma-separated (default 20,30,45,60)")
+    p.add_argument("--gpu-reference-budget", type=float, default=None,
+                   help="cuda: seconds for transformers' batches (default 50)")
+    p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="cuda: KV-cache budget (default: 60%% of free memory)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.device == "cuda":
+        if args.aligner:
+            p.error("--aligner has no GPU mode yet")
+        from qasr.bench_gpu import main as gpu_main  # imports this module: kept out of the top
+
+        return gpu_main(args)
     if args.aligner:
         from qasr.bench_aligner import main as aligner_main  # imports this module: kept out of the top
 
