@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU check of issue 14, as ONE prepared script for a lent GPU machine (the device tool's nvidia-h200:
+# torch with CUDA, Triton, numpy, safetensors, tokenizers on its python3; nothing reachable from it).
+#
+#   here:   python scripts/gpu_wheels.py                    # the wheels it needs, into .whl/ (git-ignored)
+#   there:  bash scripts/gpu_check.sh [--quick]             # device tool: carry [".whl"], timeout_s 540
+#           bash scripts/gpu_check.sh --dry-run             # print the stages and their budgets, run nothing
+#
+# Stages, each under its own time budget (`timeout`), each recorded in $OUT/stages.tsv as it ends, so a
+# stage that fails or hangs costs only its budget and leaves the others' results:
+#   env      the machine: GPU, driver, python3, torch, CUDA, torch's flash varlen op
+#   install  .whl/*.whl into /tmp/site (--no-index --no-deps); qasr from src/ on PYTHONPATH
+#   tests    the CUDA tests: pytest -k cuda over the parity tests and the CUDA backend's tests
+#   bench    benchmarks/throughput.py --device cuda at the real 0.6B dims (random weights): audio-s/s at
+#            concurrency 1/16/128/512, TTFT, GPU memory, batch invariance, transformers at batch 8 and 32
+# The whole run stays under TOTAL_S (470 s, under the 8 minutes the issue allows); --quick under 270 s.
+# PYTHON (default python3) and GPU_CHECK_SITE (default /tmp/site) say which interpreter and install folder.
+# Files under $OUT (./gpu_out when unset): gpu_check.log, stages.tsv, env.txt, throughput_gpu*.json and .png.
+set -u -o pipefail
+
+DRY=0
+QUICK=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --quick) QUICK=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (use --dry-run, --quick, --help)" >&2; exit 2 ;;
+  esac
+done
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+OUT="${OUT:-$ROOT/gpu_out}"
+PY="${PYTHON:-python3}"  # the device's python3 holds torch
+SITE="${GPU_CHECK_SITE:-/tmp/site}"
+export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export QASR_NO_NATIVE=1  # CPU-side engines in the checks use torch ops: nothing to compile on the GPU machine
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the image's pytest plugins stay out of the way
+
+if [ "$QUICK" = 1 ]; then
+  TOTAL_S=270
+  BUDGET_ENV=20; BUDGET_INSTALL=45; BUDGET_TESTS=90; BUDGET_BENCH=110
+  BENCH_ARGS="--quick --gpu-budgets 8,10,15,20 --gpu-reference-budget 15"
+  TEST_SELECT="tests/test_cuda_backend.py"
+else
+  TOTAL_S=470
+  BUDGET_ENV=20; BUDGET_INSTALL=60; BUDGET_TESTS=120; BUDGET_BENCH=265
+  BENCH_ARGS="--gpu-budgets 15,25,40,50 --gpu-reference-budget 40"
+  TEST_SELECT="tests/test_parity.py tests/test_cuda_backend.py"
+fi
+
+STAGES=(env install tests bench)
+declare -A BUDGET=([env]=$BUDGET_ENV [install]=$BUDGET_INSTALL [tests]=$BUDGET_TESTS [bench]=$BUDGET_BENCH)
+# GPU_CHECK_BUDGETS="tests=2,bench=3" overrides stage budgets (the script's own tests use it)
+for kv in $(echo "${GPU_CHECK_BUDGETS:-}" | tr , " "); do
+  BUDGET[${kv%%=*}]=${kv#*=}
+done
+declare -A COMMAND=(
+  [env]="nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; \
+$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \
+\"available\", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\"); \
+print(torch.ops.aten._flash_attention_forward.default._schema)'; \
+$PY -c 'import triton; print(\"triton\", triton.__version__)'; nproc; free -g | head -2; df -h /tmp | tail -1; \
+ls -la .whl"
+  [install]="rm -rf $SITE && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+--target $SITE .whl/*.whl && $PY -c 'import transformers, qasr.engine.cuda.prepare; \
+print(\"transformers\", transformers.__version__, \"from\", transformers.__file__)'"
+  [tests]="$PY -m pytest -q -p no:cacheprovider -k cuda --durations=15 $TEST_SELECT"
+  [bench]="$PY benchmarks/throughput.py --device cuda --out $OUT --cache /tmp/qasr-bench $BENCH_ARGS"
+)
+
+if [ "$DRY" = 1 ]; then
+  echo "gpu_check: ${#STAGES[@]} stages, at most $TOTAL_S s in all; OUT=$OUT; PYTHONPATH=$PYTHONPATH"
+  for s in "${STAGES[@]}"; do
+    echo "stage $s (budget ${BUDGET[$s]} s): ${COMMAND[$s]}"
+  done
+  exit 0
+fi
+
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+printf 'stage\trc\tseconds\tbudget_s\n' > "$OUT/stages.tsv"
+START=$(date +%s)
+echo "gpu_check: $(date -u +%FT%TZ), ${#STAGES[@]} stages, at most $TOTAL_S s" | tee -a "$LOG"
+
+for s in "${STAGES[@]}"; do
+  left=$(( TOTAL_S - ($(date +%s) - START) - 5 ))
+  budget=${BUDGET[$s]}
+  [ "$budget" -gt "$left" ] && budget=$left
+  if [ "$budget" -lt 5 ]; then
+    printf '%s\tskipped\t0\t%s\n' "$s" "$budget" >> "$OUT/stages.tsv"
+    echo "=== stage $s: skipped, no time left" | tee -a "$LOG"
+    continue
+  fi
+  echo "=== stage $s (budget $budget s)" | tee -a "$LOG"
+  t0=$(date +%s)
+  if [ "$s" = env ]; then
+    timeout -k 5 "$budget" bash -c "${COMMAND[$s]}" 2>&1 | tee -a "$LOG" "$OUT/env.txt"
+  else
+    timeout -k 10 "$budget" bash -c "${COMMAND[$s]}" 2>&1 | tee -a "$LOG"
+  fi
+  rc=${PIPESTATUS[0]}
+  secs=$(( $(date +%s) - t0 ))
+  printf '%s\t%s\t%s\t%s\n' "$s" "$rc" "$secs" "$budget" >> "$OUT/stages.tsv"
+  note=""
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note=" (time budget spent)"; fi
+  echo "=== stage $s: exit $rc after $secs s$note" | tee -a "$LOG"
+done
+
+echo | tee -a "$LOG"
+awk -F'\t' '{ printf "%-8s %-8s %-8s %s\n", $1, $2, $3, $4 }' "$OUT/stages.tsv" | tee -a "$LOG"
+echo "gpu_check: $(( $(date +%s) - START )) s in all; files in $OUT" | tee -a "$LOG"
+# the run fails when any stage failed or was skipped
+awk -F'\t' 'NR > 1 && $2 != "0" { bad = 1 } END { exit bad }' "$OUT/stages.tsv"

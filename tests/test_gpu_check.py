@@ -1,0 +1,87 @@
+"""scripts/gpu_check.sh, the one script a session with a lent GPU runs: its syntax, its stages and budgets
+(dry run), and its bookkeeping on a real run with a stand-in interpreter (a hanging stage costs its budget
+and the later stages still run and are recorded)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils' timeout")
+
+
+def run(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_script_parses() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def _stages(out: str) -> list[tuple[str, int, str]]:
+    return [(m[1], int(m[2]), m[3]) for m in re.finditer(r"^stage (\w+) \(budget (\d+) s\): (.*)$", out, re.M)]
+
+
+@pytest.mark.parametrize(("quick", "limit"), [(False, 470), (True, 270)])
+def test_dry_run_lists_the_stages_within_eight_minutes(tmp_path, quick: bool, limit: int) -> None:
+    r = run("--dry-run", *(["--quick"] if quick else []), env={"OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    stages = _stages(r.stdout)
+    assert [s for s, _, _ in stages] == ["env", "install", "tests", "bench"]
+    assert sum(b for _, b, _ in stages) <= limit <= 480 and f"at most {limit} s" in r.stdout
+    cmd = {s: c for s, _, c in stages}
+    assert "_flash_attention_forward" in cmd["env"]
+    assert "pip install" in cmd["install"] and "--no-index --no-deps" in cmd["install"]
+    assert "--target /tmp/site .whl/*.whl" in cmd["install"]
+    assert "-m pytest" in cmd["tests"] and "-k cuda" in cmd["tests"] and "tests/test_cuda_backend.py" in cmd["tests"]
+    assert ("tests/test_parity.py" in cmd["tests"]) is not quick
+    assert "benchmarks/throughput.py --device cuda" in cmd["bench"] and f"--out {tmp_path}" in cmd["bench"]
+    assert "PYTHONPATH=/tmp/site:" in r.stdout and f"{ROOT}/src" in r.stdout
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_unknown_arguments_are_refused() -> None:
+    r = run("--bogus")
+    assert r.returncode == 2 and "unknown argument" in r.stderr
+
+
+STAND_IN = """#!/usr/bin/env bash
+case "$1 $2" in
+  "-m pytest") sleep 30 ;;
+  "-m pip") echo "installed" ;;
+  "benchmarks/throughput.py --device") echo "bench ran with: $*" ;;
+  *) echo "python $*" ;;
+esac
+"""
+
+
+def test_a_hanging_stage_costs_its_budget_and_every_stage_is_recorded(tmp_path) -> None:
+    python = tmp_path / "python3"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    r = run(env={"PYTHON": str(python), "OUT": str(out), "GPU_CHECK_SITE": str(tmp_path / "site"),
+                 "GPU_CHECK_BUDGETS": "env=10,install=10,tests=5,bench=10"})
+    assert time.perf_counter() - t0 < 30
+    assert r.returncode == 1  # a stage failed
+    rows = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()]
+    assert rows[0] == ["stage", "rc", "seconds", "budget_s"]
+    result = {row[0]: row for row in rows[1:]}
+    assert list(result) == ["env", "install", "tests", "bench"]
+    assert result["install"][1] == "0" and result["bench"][1] == "0", (out / "gpu_check.log").read_text()
+    assert result["tests"][1] == "124" and int(result["tests"][2]) <= 8
+    log = (out / "gpu_check.log").read_text()
+    assert "=== stage tests: exit 124" in log and "time budget spent" in log
+    assert f"bench ran with: benchmarks/throughput.py --device cuda --out {out}" in log
+    assert (out / "env.txt").exists()
