@@ -277,21 +277,20 @@ def test_cuda_flash_varlen_matches_the_reference_on_a_large_mixed_batch() -> Non
     gen = torch.Generator().manual_seed(5)
     starts, qlens, ctxs = [], [], []
     at = 0
-    for i in range(40):  # 32 decode rows, then 8 chunks, contexts up to 3000
-        n = 1 if i < 32 else int(torch.randint(2, 600, (1,), generator=gen))
-        c = int(torch.randint(0, 3000, (1,), generator=gen))
+    for i in range(24):  # 16 decode rows, then 8 chunks of up to 300 new tokens; contexts up to 1500
+        n = 1 if i < 16 else int(torch.randint(2, 300, (1,), generator=gen))
+        c = int(torch.randint(0, 1500, (1,), generator=gen))
         starts.append(at)
         qlens.append(n)
         ctxs.append(c)
         at += c + n + 17
     q, kc, vc = _random_pool(starts, qlens, ctxs, tokens=at, kv_heads=8, hd=128, heads=16, seed=5)
     dev = torch.device("cuda")
-    pool = TokenKVPool(_dec(), at, dev, torch.bfloat16)
-    meta = pool.build_meta(starts, qlens, ctxs, num_decode=32)
+    meta = TokenKVPool(_dec(), at, dev, torch.bfloat16).build_meta(starts, qlens, ctxs, num_decode=16)
     got = flash_attention(q.to(dev, torch.bfloat16), kc.to(dev, torch.bfloat16), vc.to(dev, torch.bfloat16), meta,
-                          128 ** -0.5).float().cpu()
-    cpu_meta = TokenKVPool(_dec(), at, torch.device("cpu"), torch.float32).build_meta(starts, qlens, ctxs, 32)
-    want = reference_attention(q, kc, vc, cpu_meta, 128 ** -0.5)
+                          128 ** -0.5).float()
+    want = reference_attention(q.to(dev), kc.to(dev), vc.to(dev), meta, 128 ** -0.5)  # float32
+    assert torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()).item() < 2e-2
 
 
