@@ -438,4 +438,4 @@ def main(args) -> int:  # noqa: ANN001 - the argparse namespace of qasr.bench.ma
         print(f"\nbf16 batch invariance: {inv['identical']}/{inv['compared']} requests identical in a batch and alone")
     print(f"wrote {args.out / (stem + '.json')}")
     print(summary_line(report))
-    return 0 if "error" not in report["qasr"] else 1
+    return 0 if all("error" not in report[side] for side in ("qasr", "reference")) else 1
