@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None,
                    help="checkpoint directory (default: a random checkpoint with the real 0.6B dimensions)")
+    p.add_argument("--language", default="English",
+                   help="forced on every side (default English): the prompt then ends in <asr_text>, so a random "
+                        "checkpoint's tokens are text from the first one and the stream side's TTFT means something")
     p.add_argument("--clients", type=int, default=64, help="concurrent HTTP clients (default 64)")
     p.add_argument("--requests", type=int, default=128, help="requests per side and round (default 128)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of http, stream, api (default 2)")
@@ -101,22 +104,22 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen,
     raise TimeoutError("qasr serve did not become ready")
 
 
-def one_request(url: str, path: Path, stream: bool) -> dict:
+def one_request(url: str, path: Path, stream: bool, language: str) -> dict:
     started = time.perf_counter()
     first = None
     try:
-        return _request(url, path, stream, started)
+        return _request(url, path, stream, language, started)
     except httpx.HTTPError as exc:  # counted, not fatal: the table reports errors
         return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": None,
                 "error": f"{type(exc).__name__}: {exc}"}
 
 
-def _request(url: str, path: Path, stream: bool, started: float) -> dict:
+def _request(url: str, path: Path, stream: bool, language: str, started: float) -> dict:
     first = None
     with httpx.Client(timeout=600) as client:
         if stream:
             with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
-                               data={"stream": "true"}) as r:
+                               data={"stream": "true", "language": language}) as r:
                 r.raise_for_status()
                 text = ""
                 for line in r.iter_lines():
@@ -127,7 +130,8 @@ def _request(url: str, path: Path, stream: bool, started: float) -> dict:
                         if event["type"] == "transcript.text.done":
                             text = event["text"]
         else:
-            r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")})
+            r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
+                            data={"language": language})
             r.raise_for_status()
             text = r.json()["text"]
     return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": text, "error": None}
@@ -137,7 +141,7 @@ def run_http(url: str, clips: list[Path], args: argparse.Namespace, stream: bool
     paths = [clips[k % len(clips)] for k in range(args.requests)]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
-        results = list(pool.map(lambda p: one_request(url, p, stream), paths))
+        results = list(pool.map(lambda p: one_request(url, p, stream, args.language), paths))
     wall = time.perf_counter() - started
     audio = sum(sf.info(p).duration for p in paths)
     lat = np.array([r["latency_s"] for r in results])
@@ -158,7 +162,7 @@ def run_api(asr, clips: list[Path], args: argparse.Namespace) -> dict:  # noqa: 
     paths = [str(clips[k % len(clips)]) for k in range(args.requests)]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
-        results = list(pool.map(lambda p: asr.transcribe(p)[0], paths))
+        results = list(pool.map(lambda p: asr.transcribe(p, language=args.language)[0], paths))
     wall = time.perf_counter() - started
     audio = sum(r.duration for r in results)
     return {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall, "errors": [],
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(args, Path(tmp) / "serve.log")
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
         try:
-            asr.transcribe(str(clips[0]))  # warm-up, as the server does before it reports ready
+            asr.transcribe(str(clips[0]), language=args.language)  # warm-up, as the server does before it reports ready
             for k in range(args.rounds):
                 r = {"http": run_http(url, clips, args, stream=False),
                      "stream": run_http(url, clips, args, stream=True), "api": run_api(asr, clips, args)}
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"server_load_c{args.clients}"
     from qasr.perf.machine import cpu_info
 
-    meta = {"model": args.model, "clients": args.clients, "requests": args.requests, "rounds": args.rounds,
+    meta = {"model": args.model, "language": args.language, "clients": args.clients, "requests": args.requests,
+            "rounds": args.rounds,
             "device": args.device, "dtype": args.dtype, "cpu": cpu_info()["model"], "machine": platform.platform(),
             "python": platform.python_version()}
     result = {"meta": meta, "summary": summary, "rounds": rounds}
