@@ -238,7 +238,7 @@ def plot(rounds: list[dict], args: argparse.Namespace, path: Path) -> None:
     a.set_xticks(np.arange(len(SIDES)) + width * (len(rounds) - 1) / 2, ["HTTP json", "HTTP stream", "Python API"])
     a.set_ylabel("audio seconds per wall second (RTFx)")
     a.set_title(f"{args.clients} clients, {args.requests} requests per side")
-    a.legend()
+    a.legend(loc="lower right")
     last = rounds[-1]
     b.hist([last["http"]["latencies_s"], last["stream"]["latencies_s"]], bins=30, label=["json", "stream"])
     b.set_xlabel("HTTP request latency (s), last round")
