@@ -200,7 +200,8 @@ def test_an_interrupted_job_resumes_without_redoing_finished_inputs(runtime, fol
     assert f"{40 - len(finished)} inputs, 2 ASR actors" in again.stderr
     assert outputs(out) == reference
     for name, stamp in stamps.items():  # finished inputs were not redone
-        if name != "failed.tsv":
+        # (an input interrupted between its formats' files has some of them: it is not done, and is redone)
+        if name != "failed.tsv" and name.rsplit(".", 1)[0] in finished:
             assert (out / name).stat().st_mtime_ns == stamp, name
 
 
