@@ -11,34 +11,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qasr.distributed import RayMissing
-from qasr.distributed.config import EngineSpec, engine_threads, model_problem, pool_config, portable
+from qasr.distributed.config import EngineSpec, engine_threads, pool_config, portable
 from qasr.folder import Job
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
+EXIT_FAILED = 1
 
 
 def run_on_ray(todo: list[Job], args: argparse.Namespace, total_inputs: int) -> int:
-    from qasr.distributed.runtime import cluster_now, connect, disconnect
+    from qasr.distributed.runtime import cluster_now, on_cluster
 
-    problem = model_problem(args.model)
-    if problem is not None:
-        return _usage(problem)
-    try:
-        connected = connect(args.ray)
-    except RayMissing as exc:
-        return _usage(str(exc))
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        return _usage(f"cannot join the Ray cluster at {args.ray or 'the default address'}: {exc}")
-    try:
-        return _run(todo, args, total_inputs, cluster_now())
-    finally:
-        if connected:
-            disconnect()
+    return on_cluster(args.ray, args.model, lambda: _run(todo, args, total_inputs, cluster_now()))
 
 
 def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) -> int:  # noqa: ANN001
     from qasr.distributed.ray_data import RayTranscriber
+    from qasr.distributed.runtime import usage_error
     from qasr.job_runner import run_jobs
 
     pool = pool_config(cluster, actors=args.ray_actors, cpus=args.ray_actor_cpus, gpus=args.ray_actor_gpus,
@@ -49,7 +36,7 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
     try:
         transcriber.check_language(args.language)
     except ValueError as exc:
-        return _usage(str(exc))
+        return usage_error(str(exc))
     actors = str(pool.min_actors) if pool.min_actors == pool.max_actors else f"{pool.min_actors}-{pool.max_actors}"
     plural = "s" if pool.max_actors > 1 else ""
     print(f"qasr: ray: {len(todo)} inputs, {actors} ASR actor{plural} ({pool.actor_cpus:g} CPU, "
@@ -68,7 +55,3 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
           f"{transcriber.repeats} repeated results ignored", file=sys.stderr)
     return code
 
-
-def _usage(message: str) -> int:
-    print(f"qasr: error: {message}", file=sys.stderr)
-    return EXIT_USAGE

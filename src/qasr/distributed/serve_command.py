@@ -11,29 +11,15 @@ import signal
 import sys
 import threading
 
-from qasr.distributed import RayMissing
-from qasr.distributed.config import EngineSpec, ServeScaling, engine_threads, model_problem, portable, worker_shape
+from qasr.distributed.config import EngineSpec, ServeScaling, engine_threads, portable, worker_shape
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
+EXIT_FAILED = 1
 
 
 def serve_on_ray(args: argparse.Namespace, config: object) -> int:
-    from qasr.distributed.runtime import connect, disconnect
+    from qasr.distributed.runtime import on_cluster
 
-    problem = model_problem(args.model)
-    if problem is not None:
-        return _usage(problem)
-    try:
-        connected = connect(args.ray)
-    except RayMissing as exc:
-        return _usage(str(exc))
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        return _usage(f"cannot join the Ray cluster at {args.ray or 'the default address'}: {exc}")
-    try:
-        return _serve(args, config)
-    finally:
-        if connected:
-            disconnect()
+    return on_cluster(args.ray, args.model, lambda: _serve(args, config))
 
 
 def scaling_of(args: argparse.Namespace, cpus: float, gpus: float) -> ServeScaling:
@@ -80,7 +66,3 @@ def _serve(args: argparse.Namespace, config: object) -> int:
         undeploy()
     return 0
 
-
-def _usage(message: str) -> int:
-    print(f"qasr: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
