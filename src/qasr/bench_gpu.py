@@ -1,7 +1,7 @@
 """GPU mode of the throughput benchmark (`benchmarks/throughput.py --device cuda`, `qasr bench --device cuda`).
 
 The official Qwen3-ASR figures (vLLM: 2000 audio-s/s at concurrency 128, TTFT 92 ms at concurrency 1, for
-the 0.6B model; shared/reference/performance-anchors.md) come from ~2-minute clips sent by c concurrent
+the 0.6B model, as published with the official release) come from ~2-minute clips sent by c concurrent
 clients, each sending its next clip when the previous one is done. This mode measures qasr the same way,
 on a random checkpoint with the real 0.6B dimensions in bf16, with forced output lengths (EOS ignored,
 TOKENS_PER_SECOND tokens per audio second, so random weights do realistic work):
