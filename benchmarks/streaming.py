@@ -177,11 +177,12 @@ def work_of(asr, result, prefill: int | None = None) -> dict:  # noqa: ANN001
 
 # ----------------------------------------------------------------------------------- 1. step cost
 def step_cost(asr, audio: np.ndarray, settings: dict, steps: int, naive_times: list[int],  # noqa: ANN001
-              repeats: int, keep_states: set[int], keep_tokens: set[int]) -> dict:
+              repeats: int, keep_states: set[int], keep_tokens: set[int], partial: Path | None = None) -> dict:
     """Ours through every step; at each of ``naive_times``, the naive step taken ``repeats`` times from
     ours' state (each by a fresh OracleStream: the same work; the median is reported). ``keep_states``:
     steps k whose state before step k is returned; ``keep_tokens``: steps whose generated ids are
-    returned (for run 2)."""
+    returned (for run 2). ``partial``: where the rows so far are written every minute (a long run on a
+    shared machine may be cut short)."""
     from qasr.perf.machine import ForeignCpu
 
     cs = int(settings["chunk_size_sec"] * SR)
@@ -226,6 +227,8 @@ def step_cost(asr, audio: np.ndarray, settings: dict, steps: int, naive_times: l
             print(f"  ours at {k // 60:>2} min: median step {np.median([x['seconds'] for x in last]):.3f} s, "
                   f"prefill {last[-1]['prefill']}, prefix {last[-1]['prefix_tokens']} tokens "
                   f"({time.perf_counter() - t_start:.0f} s so far)", flush=True)
+            if partial is not None:
+                partial.write_text(json.dumps({"ours": ours, "naive": naive}) + "\n")
     s.close()
     return {"ours": ours, "naive": naive, "states": states, "tokens": tokens}
 
@@ -346,7 +349,7 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
     print(f"[{label}] 1. step cost: ours every step to {args['minutes']} min, naive at {args['naive_at']} s",
           flush=True)
     run1 = step_cost(asr, audio, settings, max(steps, at + 1), [t for t in args["naive_at"] if t <= steps],
-                     args["repeats"], {at - 1, at + 1}, {at - 1, at})
+                     args["repeats"], {at - 1, at + 1}, {at - 1, at}, args.get("partial"))
     run1["ours"] = run1["ours"][:steps]  # (it ran past --minutes only to reach run 2's state)
     states = {at - 2: run1["states"][at - 1], at: run1["states"][at + 1]}  # state after step k = before k+1
     expect = run1["tokens"]
@@ -506,25 +509,28 @@ def main(argv: list[str] | None = None) -> int:
     info = cpu_info()
     cpu = (f"{info['model']} ({'AMX' if info['amx_bf16'] else 'no AMX'}, "
            f"{'AVX512-BF16' if info['avx512_bf16'] else 'no AVX512-BF16'})")
-    results = []
-    t0 = time.perf_counter()
-    for label, model in models:
-        results.append(in_subprocess(run_model, args.threads, label, model, args.dtype, plan))
-    wall = time.perf_counter() - t0
-    print_report(results, cpu)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or ("streaming" + ("_quick" if q else "")
                                      + ("_empty" if args.transcript == "empty" and not args.model else "")))
-    meta = {"cpu": cpu, "cpu_flags": info, "machine": platform.platform(), "python": platform.python_version(),
-            "threads": args.threads, "plan": plan, "audio": str(AUDIO.relative_to(ROOT)) + " looped",
-            "wall_s": wall, "load_avg_end": os.getloadavg()}
-    for r in results:
-        r["summary"] = summary_rows(r)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    results: list[dict] = []
+    t0 = time.perf_counter()
     title = (f"qasr streaming vs the naive official algorithm, 1 s steps, max_new_tokens {plan['max_new_tokens']}, "
              f"{args.threads} threads, {cpu}")
-    plot(results, title, plan["at"], stem.with_suffix(".png"))
-    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')} ({wall / 60:.1f} min)")
+    for label, model in models:
+        partial = args.out / f"{stem.name}.{label.replace(' ', '_')}.partial.json"
+        result = in_subprocess(run_model, args.threads, label, model, args.dtype, dict(plan, partial=partial))
+        result["summary"] = summary_rows(result)
+        results.append(result)
+        meta = {"cpu": cpu, "cpu_flags": info, "machine": platform.platform(), "python": platform.python_version(),
+                "threads": args.threads, "plan": plan, "audio": str(AUDIO.relative_to(ROOT)) + " looped",
+                "transcript": "as the checkpoint generates" if args.model else args.transcript,
+                "wall_s": time.perf_counter() - t0, "load_avg_end": os.getloadavg()}
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        plot(results, title, plan["at"], stem.with_suffix(".png"))  # (rewritten after each model)
+        partial.unlink(missing_ok=True)
+    print_report(results, cpu)
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')} "
+          f"({(time.perf_counter() - t0) / 60:.1f} min)")
     return 0
 
 
