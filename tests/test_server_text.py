@@ -38,3 +38,63 @@ def test_segments_join_like_join_segment_texts() -> None:
               "language Chinese<asr_text>你好", "language Chinese<asr_text>世界", "language English<asr_text>end"]
     parts = [p.split("<asr_text>", 1)[1] for p in pieces]
     assert _stream(pieces)[1] == join_segment_texts(parts) == "one two three你好世界end"
+
+
+def test_tokens_in_bursts_give_the_same_text() -> None:
+    """Tokens taken several at a time (the stream drains what has arrived) settle the same text as one by one."""
+    raw = "language English<asr_text>set an  alarm for six\ufffd forty five "
+    chars = list(raw)
+    one = PieceText(lambda ids: "".join(chars[: len(ids)]), False)
+    burst = PieceText(lambda ids: "".join(chars[: len(ids)]), False)
+    singles = "".join(one.push(k) for k in range(len(chars)))
+    sizes, k, bursts = [1, 5, 2, 9, 3], 0, []
+    while k < len(chars):
+        n = sizes[len(bursts) % len(sizes)]
+        bursts.append(burst.extend(list(range(k, min(k + n, len(chars))))))
+        k += n
+    assert "".join(bursts) == singles == one.text == burst.text == "set an  alarm for six\ufffd forty five"
+    assert burst.extend([]) == ""
+
+
+def test_handoff_delivers_in_order_with_few_wakeups() -> None:
+    """Tokens posted from other threads reach each queue in order, and a burst costs one loop wake-up."""
+    import asyncio
+    import threading
+
+    from qasr.server.handoff import TokenHandoff
+
+    async def main() -> tuple[list[list[int | None]], int]:
+        loop = asyncio.get_running_loop()
+        handoff = TokenHandoff(loop)
+        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(8)]
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            nonlocal wakeups
+            wakeups += 1
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+
+        def engine() -> None:  # 50 steps, each giving every stream a token, then the end markers
+            for step in range(50):
+                for q in queues:
+                    handoff.sender(q)(step)
+            for q in queues:
+                handoff.post(q, None)
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        got: list[list[int | None]] = []
+        for q in queues:
+            items = []
+            while (t := await q.get()) is not None:
+                items.append(t)
+            got.append(items + [None])
+        thread.join()
+        return got, wakeups
+
+    got, wakeups = asyncio.run(main())
+    assert got == [list(range(50)) + [None]] * 8
+    assert wakeups < 8 * 51 / 4, wakeups  # one per token would be 408

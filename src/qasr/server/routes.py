@@ -63,7 +63,7 @@ async def transcriptions(request: Request) -> Response:
     ticket = state.budget.admit(upload.duration)
     state.metrics.queued_audio.set(state.budget.queued_s)
     try:
-        run = EngineRun(asr, upload, stream=params.stream, words=params.words)
+        run = EngineRun(asr, upload, stream=params.stream, words=params.words, handoff=state.token_handoff())
     except BaseException:
         _release(state, ticket, None)
         raise

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qasr.server.config import ServerConfig
 from qasr.server.errors import ApiError
+from qasr.server.handoff import TokenHandoff
 from qasr.server.limits import AudioBudget
 from qasr.server.metrics import Metrics
 
@@ -28,6 +30,14 @@ class ServerState:
         self.live_sessions = 0  # WebSocket live sessions open (also counted in in_flight)
         self.on_drained: Callable[[], None] | None = None  # set by the runner: stop the HTTP server
         self.started = int(time.time())  # /v1/models' "created"
+        self._handoff: TokenHandoff | None = None
+
+    def token_handoff(self) -> TokenHandoff:
+        """The one token handoff of the running loop, shared by every streamed request."""
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = TokenHandoff(loop)
+        return self._handoff
 
     def require_asr(self) -> ASR:
         if self.load_error is not None:

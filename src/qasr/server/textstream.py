@@ -28,7 +28,13 @@ class PieceText:
 
     def push(self, token: int) -> str:
         """Add one generated token; return the text it settles (often "")."""
-        self._ids.append(token)
+        return self.extend([token])
+
+    def extend(self, tokens: list[int]) -> str:
+        """Add generated tokens; return the text they settle (often "")."""
+        if not tokens:
+            return ""
+        self._ids.extend(tokens)
         raw = self._decode(self._ids)
         if not self._forced:
             if ASR_TEXT_TAG not in raw:

@@ -18,6 +18,7 @@ from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.request import GenerationResult
 from qasr.results import Transcription
 from qasr.server.errors import ApiError
+from qasr.server.handoff import TokenHandoff
 from qasr.server.textstream import Joiner, PieceText
 from qasr.word_timing import Aligned
 
@@ -71,22 +72,25 @@ def _renamed(message: str, name: str) -> str:
 class EngineRun:
     """The engine requests of one upload; create it on the event loop that consumes its tokens."""
 
-    def __init__(self, asr: ASR, upload: Upload, stream: bool, words: bool = False) -> None:
-        """``words``: align each piece's text once it is transcribed (the ASR must have an aligner)."""
+    def __init__(self, asr: ASR, upload: Upload, stream: bool, words: bool = False,
+                 handoff: TokenHandoff | None = None) -> None:
+        """``words``: align each piece's text once it is transcribed (the ASR must have an aligner).
+        ``handoff``: the loop's shared token handoff (one wake-up per engine step for all streams); a
+        private one by default."""
         self.asr = asr
         self.upload = upload
         self.words = words
         self.futures: list[Future] = []
         self._tokens: list[asyncio.Queue[int | None]] = []
-        loop = asyncio.get_running_loop()
+        if stream and handoff is None:
+            handoff = TokenHandoff(asyncio.get_running_loop())
         try:
             for piece in upload.pieces:
                 on_token = None
-                if stream:
+                if handoff is not None and stream:
                     queue: asyncio.Queue[int | None] = asyncio.Queue()
                     self._tokens.append(queue)
-                    # the engine thread calls this: hand the token to the loop, never block the engine
-                    on_token = (lambda t, q=queue: loop.call_soon_threadsafe(q.put_nowait, t))  # noqa: E731
+                    on_token = handoff.sender(queue)  # called on the engine thread: never blocks it
                 self.futures.append(asr.submit(piece, words=words, on_token=on_token))
         except BaseException as exc:
             self.cancel()
@@ -120,9 +124,17 @@ class EngineRun:
         joiner = Joiner()
         for piece, queue in zip(self.upload.pieces, self._tokens, strict=True):
             text = PieceText(lambda ids: tok.decode(ids, skip_special_tokens=True), piece.language is not None)
-            while (token := await queue.get()) is not None:
+            ended = False
+            while not ended:
+                # one delta for every token already here: under load the loop lags the engine, and an
+                # event per token would cost a write and a client read each
+                tokens = [await queue.get()]
+                while not queue.empty():
+                    tokens.append(queue.get_nowait())
+                if None in tokens:
+                    tokens, ended = tokens[:tokens.index(None)], True
                 first = not text.text  # nothing of this piece sent yet: it may need the joining space
-                delta = joiner.add(text.push(token), first_of_piece=first)
+                delta = joiner.add(text.extend(tokens), first_of_piece=first)
                 if delta:
                     yield delta
 
