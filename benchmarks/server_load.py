@@ -15,8 +15,11 @@ both loaded (each idles while the other works); the table gives each side's medi
 of throughputs per round. The ratio http/api is what HTTP, multipart parsing and per-request decoding cost.
 
 By default the model is a random checkpoint with the real Qwen3-ASR-0.6B dimensions (bf16), built once
-and cached: random weights rarely end a text early, so every request generates up to its cap, the same
-on every side.
+and cached, whose LM head keeps only the rows of whole-word tokens (``benchmarks/streaming.py``'s
+``words`` checkpoint): greedy decoding then picks a word at every step and never EOS, so every request
+generates up to its cap (the same on every side) and its text is words, which the stream side sends as
+deltas as they come (a plain random head mostly picks ids that decode to nothing, and a stream of nothing
+costs the server less than a real one).
 
     .venv/bin/python benchmarks/server_load.py [--clients 64] [--requests 128] [--rounds 2] [--model DIR]
     .venv/bin/python benchmarks/server_load.py --model models/qasr-demo-en --dtype float32 --clients 2 \
@@ -53,7 +56,8 @@ SENTENCES = ("set an alarm for six forty five", "call anna on the ninth of july"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None,
-                   help="checkpoint directory (default: a random checkpoint with the real 0.6B dimensions)")
+                   help="checkpoint directory (default: a random checkpoint with the real 0.6B dimensions that "
+                        "speaks words)")
     p.add_argument("--language", default="English",
                    help="forced on every side (default English): the prompt then ends in <asr_text>, so a random "
                         "checkpoint's tokens are text from the first one and the stream side's TTFT means something")
@@ -66,10 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / "results" / "cache")
     args = p.parse_args(argv)
     if args.model is None:
-        from qasr.bench import build_checkpoint
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from streaming import build_checkpoint  # benchmarks/streaming.py: the random checkpoint that speaks words
 
         args.cache.mkdir(parents=True, exist_ok=True)
-        args.model = str(build_checkpoint(args.cache))
+        args.model = str(build_checkpoint(args.cache, "0.6b", "words"))
     return args
 
 
