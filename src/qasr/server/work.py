@@ -82,12 +82,12 @@ class EngineRun:
         self.words = words
         self.futures: list[Future] = []
         self._tokens: list[asyncio.Queue[int | None]] = []
-        if stream and handoff is None:
-            handoff = TokenHandoff(asyncio.get_running_loop())
+        if stream:
+            handoff = handoff or TokenHandoff(asyncio.get_running_loop())
         try:
             for piece in upload.pieces:
                 on_token = None
-                if handoff is not None and stream:
+                if stream:
                     queue: asyncio.Queue[int | None] = asyncio.Queue()
                     self._tokens.append(queue)
                     on_token = handoff.sender(queue)  # called on the engine thread: never blocks it
