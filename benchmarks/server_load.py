@@ -2,8 +2,9 @@
 
 Every side runs in this one invocation on the same model and the same clips (espeak-ng sentences):
 
-* ``http``: ``qasr serve`` in a subprocess; ``--clients`` threads each send requests (multipart upload,
-  response_format json) until ``--requests`` are done;
+* ``http``: ``qasr serve`` in a subprocess; ``--clients`` threads share one keep-alive ``httpx.Client`` (as
+  an application shares one OpenAI client) and each sends requests (multipart upload, response_format json)
+  until ``--requests`` are done;
 * ``stream``: the same with ``stream=true`` (server-sent events), which also gives the time to the first
   delta (TTFT, from the start of the upload);
 * ``api``: the same ``--clients`` threads calling ``ASR.transcribe`` on the same files, in this process
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import socket
 import subprocess
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import soundfile as sf
 
 from qasr.testing.speech import speak
@@ -109,36 +112,34 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen,
     raise TimeoutError("qasr serve did not become ready")
 
 
-def one_request(url: str, path: Path, stream: bool, language: str) -> dict:
+def one_request(client: httpx.Client, url: str, path: Path, stream: bool, language: str) -> dict:
     started = time.perf_counter()
-    first = None
     try:
-        return _request(url, path, stream, language, started)
+        return _request(client, url, path, stream, language, started)
     except httpx.HTTPError as exc:  # counted, not fatal: the table reports errors
-        return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": None,
+        return {"latency_s": time.perf_counter() - started, "first_delta_s": None, "text": None,
                 "error": f"{type(exc).__name__}: {exc}"}
 
 
-def _request(url: str, path: Path, stream: bool, language: str, started: float) -> dict:
+def _request(client: httpx.Client, url: str, path: Path, stream: bool, language: str, started: float) -> dict:
     first = None
-    with httpx.Client(timeout=600) as client:
-        if stream:
-            with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
-                               data={"stream": "true", "language": language}) as r:
-                r.raise_for_status()
-                text = ""
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if first is None:
-                            first = time.perf_counter() - started
-                        if event["type"] == "transcript.text.done":
-                            text = event["text"]
-        else:
-            r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
-                            data={"language": language})
+    if stream:
+        with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
+                           data={"stream": "true", "language": language}) as r:
             r.raise_for_status()
-            text = r.json()["text"]
+            text = ""
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if first is None:
+                        first = time.perf_counter() - started
+                    if event["type"] == "transcript.text.done":
+                        text = event["text"]
+    else:
+        r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
+                        data={"language": language})
+        r.raise_for_status()
+        text = r.json()["text"]
     return {"latency_s": time.perf_counter() - started, "first_delta_s": first, "text": text, "error": None}
 
 
@@ -162,20 +163,27 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
     return float("inf")
 
 
-def run_http(url: str, clips: list[Path], args: argparse.Namespace, stream: bool) -> dict:
+def run_http(url: str, server: psutil.Process, clips: list[Path], args: argparse.Namespace, stream: bool) -> dict:
     paths = [clips[k % len(clips)] for k in range(args.requests)]
     histogram = ttft_buckets(url)
+    # One client with a keep-alive pool for all threads, as an application holds one OpenAI client: a new
+    # httpx.Client per request builds an SSL context each time (about 20-40 ms of CPU here), which on a
+    # 2-core machine shared with the server is client cost, not the server's HTTP overhead.
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    cpu = CpuMeter(server)
     started = time.perf_counter()
-    with ThreadPoolExecutor(args.clients) as pool:
-        results = list(pool.map(lambda p: one_request(url, p, stream, args.language), paths))
+    with httpx.Client(timeout=600, limits=limits) as client, ThreadPoolExecutor(args.clients) as pool:
+        results = list(pool.map(lambda p: one_request(client, url, p, stream, args.language), paths))
     wall = time.perf_counter() - started
+    cpu_s = cpu.seconds()
     histogram_after = ttft_buckets(url)
     audio = sum(sf.info(p).duration for p in paths)
     lat = np.array([r["latency_s"] for r in results])
     out = {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall,
            "errors": [r["error"] for r in results if r["error"]],
            "p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
-           "p99_s": float(np.percentile(lat, 99)), "latencies_s": lat.tolist(), "texts": [r["text"] for r in results]}
+           "p99_s": float(np.percentile(lat, 99)), "latencies_s": lat.tolist(),
+           "texts": [r["text"] for r in results], **cpu_s}
     # the engine's own first-token times (submit to first token), at the resolution of the histogram's buckets
     out["engine_ttft_p50_le_s"] = bucket_quantile(histogram, histogram_after, 0.5)
     out["engine_ttft_p95_le_s"] = bucket_quantile(histogram, histogram_after, 0.95)
@@ -186,20 +194,42 @@ def run_http(url: str, clips: list[Path], args: argparse.Namespace, stream: bool
     return out
 
 
-def run_api(asr, clips: list[Path], args: argparse.Namespace) -> dict:  # noqa: ANN001 - qasr.ASR
+def run_api(asr, server: psutil.Process, clips: list[Path], args: argparse.Namespace) -> dict:  # noqa: ANN001
     """The same requests through the Python API: ``--clients`` threads each calling ``transcribe`` on one
     file at a time (the HTTP side's arrival pattern, so the ratio is HTTP's own cost)."""
     paths = [str(clips[k % len(clips)]) for k in range(args.requests)]
+    cpu = CpuMeter(server)
     started = time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
         results = list(pool.map(lambda p: asr.transcribe(p, language=args.language)[0], paths))
     wall = time.perf_counter() - started
     audio = sum(r.duration for r in results)
     return {"requests": len(paths), "audio_s": audio, "wall_s": wall, "rtfx": audio / wall, "errors": [],
-            "texts": [r.text for r in results]}
+            "texts": [r.text for r in results], **cpu.seconds()}
 
 
 SIDES = ("http", "stream", "api")
+
+
+class CpuMeter:
+    """CPU seconds used by this process (the clients, or the in-process API's engine) and by the server
+    process over one side's run, and what the rest of the machine used meanwhile (other processes)."""
+
+    def __init__(self, server: psutil.Process) -> None:
+        self.server, self.me = server, psutil.Process()
+        self.start = (self._used(self.me), self._used(server), psutil.cpu_times())
+
+    @staticmethod
+    def _used(proc: psutil.Process) -> float:
+        t = proc.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def seconds(self) -> dict[str, float]:
+        me, server, machine = self._used(self.me), self._used(self.server), psutil.cpu_times()
+        busy = sum(getattr(machine, f) - getattr(self.start[2], f) for f in ("user", "system", "nice")) \
+            + sum(getattr(machine, f, 0.0) - getattr(self.start[2], f, 0.0) for f in ("irq", "softirq"))
+        mine, theirs = me - self.start[0], server - self.start[1]
+        return {"bench_cpu_s": mine, "server_cpu_s": theirs, "other_cpu_s": max(0.0, busy - mine - theirs)}
 
 
 def median_round(rounds: list[dict], side: str) -> dict:
@@ -213,7 +243,8 @@ def report(rounds: list[dict], args: argparse.Namespace) -> dict:
     print(f"{cpu_info()['model']}, model {args.model}, {args.dtype}, {args.clients} clients, "
           f"{args.requests} requests per side, {len(rounds)} rounds (median round shown)")
     print(f"{'side':<7} {'errors':>6} {'audio s':>8} {'wall s':>7} {'req/s':>6} {'RTFx':>6} "
-          f"{'p50 s':>7} {'p95 s':>7} {'p99 s':>7} {'1st delta p50/p95':>18} {'engine TTFT p50/p95':>20}")
+          f"{'p50 s':>7} {'p95 s':>7} {'p99 s':>7} {'1st delta p50/p95':>18} {'engine TTFT p50/p95':>20} "
+          f"{'CPU s bench/server/other':>25}")
     medians = {side: median_round(rounds, side) for side in SIDES}
     for side, m in medians.items():
         lat = [f"{m[k]:>7.2f}" if k in m else f"{'-':>7}" for k in ("p50_s", "p95_s", "p99_s")]
@@ -221,7 +252,8 @@ def report(rounds: list[dict], args: argparse.Namespace) -> dict:
         engine = f"<={m['engine_ttft_p50_le_s']:g} / <={m['engine_ttft_p95_le_s']:g}" if "engine_ttft_p50_le_s" in m \
             else "-"
         print(f"{side:<7} {len(m['errors']):>6} {m['audio_s']:>8.1f} {m['wall_s']:>7.1f} "
-              f"{m['requests'] / m['wall_s']:>6.2f} {m['rtfx']:>6.2f} {' '.join(lat)} {first:>18} {engine:>20}")
+              f"{m['requests'] / m['wall_s']:>6.2f} {m['rtfx']:>6.2f} {' '.join(lat)} {first:>18} {engine:>20} "
+              f"{m['bench_cpu_s']:>9.1f}/{m['server_cpu_s']:.1f}/{m['other_cpu_s']:.1f}")
     ratios = [r["http"]["rtfx"] / r["api"]["rtfx"] for r in rounds]
     stream_ratios = [r["stream"]["rtfx"] / r["api"]["rtfx"] for r in rounds]
     same = all(r[s]["texts"] == rounds[0]["api"]["texts"] for r in rounds for s in SIDES)
@@ -256,18 +288,23 @@ def plot(rounds: list[dict], args: argparse.Namespace, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    # every request of the default checkpoint runs to its cap by design (it never picks EOS): the API's
+    # "cut at max_new_tokens" warning would print once per request on that side
+    logging.getLogger("qasr.api").setLevel(logging.ERROR)
     from qasr import ASR
 
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         clips = make_clips(Path(tmp), min(args.requests, 24))
         proc, url = start_server(args, Path(tmp) / "serve.log")
+        server = psutil.Process(proc.pid)
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
         try:
             asr.transcribe(str(clips[0]), language=args.language)  # warm-up, as the server does before it reports ready
             for k in range(args.rounds):
-                r = {"http": run_http(url, clips, args, stream=False),
-                     "stream": run_http(url, clips, args, stream=True), "api": run_api(asr, clips, args)}
+                r = {"http": run_http(url, server, clips, args, stream=False),
+                     "stream": run_http(url, server, clips, args, stream=True),
+                     "api": run_api(asr, server, clips, args)}
                 print(f"round {k + 1}: " + ", ".join(f"{s} {r[s]['wall_s']:.1f} s" for s in SIDES), flush=True)
                 rounds.append(r)
         finally:
