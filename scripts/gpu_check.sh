@@ -5,6 +5,8 @@
 #   here:   python scripts/gpu_wheels.py                    # the wheels it needs, into .whl/ (git-ignored)
 #   there:  bash scripts/gpu_check.sh [--quick]             # device tool: carry [".whl"], timeout_s 540
 #           bash scripts/gpu_check.sh --dry-run             # print the stages and their budgets, run nothing
+#           bash scripts/gpu_check.sh --amx                 # after it, on the same warm machine: the host
+#                                                           # CPU's AMX check alone (timeout_s 200, no carry)
 #
 # Stages, each under its own time budget (`timeout`), each recorded in $OUT/stages.tsv as it ends, so a
 # stage that fails or hangs costs only its budget and leaves the others' results:
@@ -14,18 +16,25 @@
 #   bench    benchmarks/throughput.py --device cuda at the real 0.6B dims (random weights): audio-s/s at
 #            concurrency 1/16/128/512, TTFT, GPU memory, batch invariance, transformers at batch 8 and 32
 # The whole run stays under TOTAL_S (470 s, under the 8 minutes the issue allows); --quick under 270 s.
+# --amx runs instead: env, then
+#   amx      where the host CPU has amx_bf16: qasr's native CPU kernels built there, their tests
+#            (tests/test_amx_linear.py, tests/test_selftest.py) on real tile instructions, and the bf16 GEMM
+#            rates of torch against qasr's AMX and AVX512 kernels (scripts/amx_rates.py -> amx_rates.json);
+#            on a CPU without AMX it says so and passes. 180 s in all.
 # PYTHON (default python3) and GPU_CHECK_SITE (default /tmp/site) say which interpreter and install folder.
 # Files under $OUT (./gpu_out when unset): gpu_check.log, stages.tsv, env.txt, throughput_gpu*.json and .png.
 set -u -o pipefail
 
 DRY=0
 QUICK=0
+AMX=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --quick) QUICK=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $arg (use --dry-run, --quick, --help)" >&2; exit 2 ;;
+    --amx) AMX=1 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (use --dry-run, --quick, --amx, --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -52,7 +61,12 @@ else
 fi
 
 STAGES=(env install tests bench)
-declare -A BUDGET=([env]=$BUDGET_ENV [install]=$BUDGET_INSTALL [tests]=$BUDGET_TESTS [bench]=$BUDGET_BENCH)
+declare -A BUDGET=([env]=$BUDGET_ENV [install]=$BUDGET_INSTALL [tests]=$BUDGET_TESTS [bench]=$BUDGET_BENCH \
+  [amx]=155)
+if [ "$AMX" = 1 ]; then
+  STAGES=(env amx)
+  TOTAL_S=180
+fi
 # GPU_CHECK_BUDGETS="tests=2,bench=3" overrides stage budgets (the script's own tests use it)
 for kv in $(echo "${GPU_CHECK_BUDGETS:-}" | tr , " "); do
   BUDGET[${kv%%=*}]=${kv#*=}
@@ -69,6 +83,12 @@ ls -la .whl"
 print(\"transformers\", transformers.__version__, \"from\", transformers.__file__)'"
   [tests]="$PY -m pytest -q -p no:cacheprovider -k cuda --durations=15 $TEST_SELECT"
   [bench]="$PY benchmarks/throughput.py --device cuda --out $OUT --cache /tmp/qasr-bench $BENCH_ARGS"
+  # the native kernels are built here (QASR_NO_NATIVE=0), on 2 threads as on the project's machines
+  [amx]="grep -o 'amx_bf16\\|amx_tile\\|avx512_bf16' /proc/cpuinfo | sort -u; grep -m1 'model name' /proc/cpuinfo; \
+if grep -qw amx_bf16 /proc/cpuinfo; then export QASR_NO_NATIVE=0 OMP_NUM_THREADS=2; \
+$PY -m pytest -q -p no:cacheprovider -rs tests/test_amx_linear.py tests/test_selftest.py && \
+$PY scripts/amx_rates.py --threads 2 --out $OUT/amx_rates.json; \
+else echo 'this host CPU has no amx_bf16: nothing to check'; fi"
 )
 
 if [ "$DRY" = 1 ]; then

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,3 +86,31 @@ def test_a_hanging_stage_costs_its_budget_and_every_stage_is_recorded(tmp_path) 
     assert "=== stage tests: exit 124" in log and "time budget spent" in log
     assert f"bench ran with: benchmarks/throughput.py --device cuda --out {out}" in log
     assert (out / "env.txt").exists()
+
+
+def test_amx_mode_checks_the_host_cpu_alone(tmp_path) -> None:
+    r = run("--dry-run", "--amx", env={"OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    stages = _stages(r.stdout)
+    assert [s for s, _, _ in stages] == ["env", "amx"]
+    assert sum(b for _, b, _ in stages) <= 180 and "at most 180 s" in r.stdout
+    cmd = dict((s, c) for s, _, c in stages)["amx"]
+    assert "grep -qw amx_bf16 /proc/cpuinfo" in cmd and "QASR_NO_NATIVE=0" in cmd
+    assert "tests/test_amx_linear.py" in cmd and f"scripts/amx_rates.py --threads 2 --out {tmp_path}" in cmd
+
+
+def test_the_amx_stage_runs_here(tmp_path) -> None:
+    """The stage's own command on this machine (the env stage fails here: no GPU); on a CPU without AMX it
+    passes with a note, on one with AMX it runs the real kernel tests and rates."""
+    out = tmp_path / "out"
+    r = run("--amx", env={"PYTHON": sys.executable, "OUT": str(out), "GPU_CHECK_BUDGETS": "env=5,amx=170"},
+            timeout=200)
+    rows = {row.split("\t")[0]: row.split("\t") for row in (out / "stages.tsv").read_text().splitlines()[1:]}
+    assert list(rows) == ["env", "amx"]
+    log = (out / "gpu_check.log").read_text()
+    assert rows["amx"][1] == "0", log
+    if "amx_bf16" in Path("/proc/cpuinfo").read_text():
+        assert (out / "amx_rates.json").exists() and "passed" in log
+    else:
+        assert "this host CPU has no amx_bf16: nothing to check" in log
+    assert r.returncode == (0 if rows["env"][1] == "0" else 1)
