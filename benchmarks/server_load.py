@@ -73,11 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / "results" / "cache")
     args = p.parse_args(argv)
     if args.model is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from streaming import build_checkpoint  # benchmarks/streaming.py: the random checkpoint that speaks words
+        from qasr.testing import QWEN3_ASR_0_6B_DIMS
+        from qasr.testing.speaking import speaking_checkpoint
 
-        args.cache.mkdir(parents=True, exist_ok=True)
-        args.model = str(build_checkpoint(args.cache, "0.6b", "words"))
+        args.cache.mkdir(parents=True, exist_ok=True)  # the same cache entry as benchmarks/streaming.py's
+        args.model = str(speaking_checkpoint(args.cache / "streaming-0.6b-dims-random-words-hf",
+                                             dict(QWEN3_ASR_0_6B_DIMS), "words"))
     return args
 
 

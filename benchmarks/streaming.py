@@ -100,7 +100,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -142,57 +141,12 @@ def dims_of(name: str) -> dict[str, int]:
     raise ValueError(f"unknown dims {name!r} (0.6b or demo)")
 
 
-def word_ids(model_dir: Path) -> list[int]:
-    """The tokenizer's whole-word tokens that encode back to themselves (" the", ...), in id order: the
-    rows the ``words`` checkpoints keep, and the words of the synthetic transcripts."""
-    from qasr.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(model_dir)
-    vocab = json.loads((model_dir / "vocab.json").read_text(encoding="utf-8"))
-    return sorted(i for s, i in vocab.items() if s.startswith("\u0120") and s[1:].isascii() and s[1:].isalpha()
-                  and tok.encode(tok.decode([i])) == [i])
-
-
 def build_checkpoint(cache: Path, dims: str, transcript: str = "words") -> Path:
-    """Seeded random weights (bf16, std 0.02) at ``dims``, with the LM head rows of all but some tokens
-    zero (their logit is 0; the largest of the kept rows' random logits wins), so greedy decoding never
-    picks EOS and ``transcript`` decides what the text is:
+    """The random checkpoint at ``dims`` that speaks ``transcript`` (qasr.testing.speaking), built once in
+    ``cache``: every step generates its ``max_new_tokens`` ids, never EOS."""
+    from qasr.testing.speaking import speaking_checkpoint
 
-    * ``words``: the tokenizer's whole-word tokens that encode back to themselves (" the", ...): the
-      text grows by one token per generated token and feeds back as the next prefix, like a transcript;
-    * ``empty``: ids beyond the small test tokenizer, which decode to nothing: the text stays empty
-      and every prefix is empty (a stream whose transcript never grows, e.g. silence)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from qasr.model.tokenizer import Tokenizer
-    from qasr.testing import make_tiny_checkpoint
-
-    path = cache / f"streaming-{dims}-dims-random-{transcript}-hf"
-    if (path / "model.safetensors").exists():
-        return path
-    print(f"building a random checkpoint with the {dims} dimensions in {path} ...", flush=True)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_checkpoint(tmp, layout="hf", seed=0, dtype=torch.bfloat16, std=0.02, **dims_of(dims))
-    tok = Tokenizer.from_dir(tmp)
-    state = load_file(str(tmp / "model.safetensors"))
-    head = state["lm_head.weight"]
-    if transcript == "words":
-        kept = word_ids(tmp)
-    elif transcript == "empty":
-        specials = json.loads((tmp / "tokenizer_config.json").read_text())["added_tokens_decoder"]
-        kept = list(range(max(map(int, specials)) + 1, head.shape[0]))
-        assert tok.decode(kept[:50] + kept[-50:]) == ""
-    else:
-        raise ValueError(f"unknown transcript {transcript!r} (words or empty)")
-    keep = torch.zeros(head.shape[0], dtype=torch.bool)
-    keep[kept] = True
-    head[~keep] = 0
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "HEAD.txt").write_text(f"LM head rows kept (all others zero): {len(kept)} ({transcript})\n")
-    tmp.rename(path)
-    return path
+    return speaking_checkpoint(cache / f"streaming-{dims}-dims-random-{transcript}-hf", dims_of(dims), transcript)
 
 
 def speech(seconds: float) -> np.ndarray:
@@ -648,6 +602,8 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
         for k in range(3):
             warm.push(audio[k * SR:(k + 1) * SR])
         warm.close()
+    from qasr.testing.speaking import word_ids
+
     words = word_ids(Path(model)) if args["transcript"] == "words" else None
     naive_times = [t for t in args["naive_at"] if t <= steps]
     out: dict = {"label": label, "model": model, "dtype": dtype, "settings": settings, "machine": machine,
