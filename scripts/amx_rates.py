@@ -14,28 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from qasr.engine.cpu import native
-from qasr.perf.machine import cpu_info
+from qasr.perf.machine import best_seconds, cpu_info
 
 # (M, K, N): the benchmark's peak shape, then decoder-like shapes at decode and prefill row counts
 SHAPES = ((1024, 1024, 3072), (16, 1024, 3072), (64, 1024, 3072), (256, 1024, 2048), (1, 1024, 151936))
-
-
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: packs, page faults, thread pool
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def rates(m: int, k: int, n: int, kernels: dict, repeats: int) -> dict[str, float]:

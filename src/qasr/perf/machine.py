@@ -68,7 +68,8 @@ def _cpu_snapshot() -> tuple[float, float, float]:
     return busy, t.user + t.system if busy else 0.0, time.perf_counter()
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn``, after one untimed call."""
     fn()  # warm-up: first-touch pages, kernel dispatch, OpenMP pool start
     best = float("inf")
     for _ in range(repeats):
@@ -85,13 +86,13 @@ def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) ->
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     flop = 2.0 * m * k * n
-    rates = {"torch": flop / _best_seconds(lambda: F.linear(x, w), repeats)}
+    rates = {"torch": flop / best_seconds(lambda: F.linear(x, w), repeats)}
     from qasr.engine.cpu.native import linear_kernel
 
     kernel = linear_kernel() if k % 2 == 0 else None
     if kernel is not None:
         packed = kernel.pack(w)
-        rates["native"] = flop / _best_seconds(lambda: kernel.linear(x, packed, n, None), repeats)
+        rates["native"] = flop / best_seconds(lambda: kernel.linear(x, packed, n, None), repeats)
     best = max(rates, key=rates.__getitem__)
     return dict(shape=[m, k, n], flops=rates, best_flops=rates[best], best_kernel=best)
 
@@ -100,7 +101,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second of a float32 sum over a buffer far larger than the caches (best of ``repeats``):
     the rate at which a decode step can stream weights and KV cache at best."""
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # ones, not empty: every page is touched
-    seconds = _best_seconds(lambda: buf.sum(), repeats)
+    seconds = best_seconds(lambda: buf.sum(), repeats)
     return buf.numel() * 4 / seconds
 
 
