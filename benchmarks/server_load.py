@@ -42,6 +42,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import numpy as np
@@ -123,9 +124,14 @@ def one_request(client: httpx.Client, url: str, path: Path, stream: bool, langua
 
 
 def _request(client: httpx.Client, url: str, path: Path, stream: bool, language: str, started: float) -> dict:
+    with path.open("rb") as upload:  # closed after the request, not left to the garbage collector
+        return _send(client, url, upload, stream, language, started)
+
+
+def _send(client: httpx.Client, url: str, upload: BinaryIO, stream: bool, language: str, started: float) -> dict:
     first = None
     if stream:
-        with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
+        with client.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": upload},
                            data={"stream": "true", "language": language}) as r:
             r.raise_for_status()
             text = ""
@@ -137,7 +143,7 @@ def _request(client: httpx.Client, url: str, path: Path, stream: bool, language:
                     if event["type"] == "transcript.text.done":
                         text = event["text"]
     else:
-        r = client.post(f"{url}/v1/audio/transcriptions", files={"file": path.open("rb")},
+        r = client.post(f"{url}/v1/audio/transcriptions", files={"file": upload},
                         data={"language": language})
         r.raise_for_status()
         text = r.json()["text"]
