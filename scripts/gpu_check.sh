@@ -77,7 +77,7 @@ $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version_
 \"available\", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\"); \
 print(torch.ops.aten._flash_attention_forward.default._schema)'; \
 $PY -c 'import triton; print(\"triton\", triton.__version__)'; nproc; free -g | head -2; df -h /tmp | tail -1; \
-ls -la .whl"
+ls -la .whl 2>/dev/null || echo 'no .whl carried (the install stage needs it; --amx does not)'"
   [install]="rm -rf $SITE && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 --target $SITE .whl/*.whl && $PY -c 'import transformers, qasr.engine.cuda.prepare; \
 print(\"transformers\", transformers.__version__, \"from\", transformers.__file__)'"
