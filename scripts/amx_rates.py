@@ -17,25 +17,12 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from qasr.engine.cpu import native
-from qasr.perf.machine import best_seconds, cpu_info
+from qasr.perf.machine import cpu_info, gemm_rates
 
 # (M, K, N): the benchmark's peak shape, then decoder-like shapes at decode and prefill row counts
 SHAPES = ((1024, 1024, 3072), (16, 1024, 3072), (64, 1024, 3072), (256, 1024, 2048), (1, 1024, 151936))
-
-
-def rates(m: int, k: int, n: int, kernels: dict, repeats: int) -> dict[str, float]:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    flop = 2.0 * m * k * n
-    out = {"torch": flop / best_seconds(lambda: F.linear(x, w), repeats) / 1e9}
-    for name, mod in kernels.items():
-        packed = mod.pack(w)
-        out[name] = flop / best_seconds(lambda: mod.linear(x, packed, n, None), repeats) / 1e9  # noqa: B023
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(kernels) or 'none'}")
     table = []
     for m, k, n in SHAPES:
-        r = rates(m, k, n, kernels, args.repeats)
+        r = {name: v / 1e9 for name, v in gemm_rates(m, k, n, kernels, args.repeats).items()}
         table.append({"shape": [m, k, n], "gflops": r})
         print(f"  {m:>5} x {k} x {n:<6} " + "  ".join(f"{name} {v:7.1f}" for name, v in r.items()) + "  GFLOP/s",
               flush=True)

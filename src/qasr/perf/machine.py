@@ -79,20 +79,27 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict:
-    """Best FLOP/s of an (m x k) @ (k x n) bf16 product, by torch's F.linear and by qasr's invariant
-    kernel (when it builds on this CPU); ``best`` is the larger, the machine's peak for our purposes."""
+def gemm_rates(m: int, k: int, n: int, kernels: dict[str, object], repeats: int) -> dict[str, float]:
+    """FLOP/s of one seeded (m x k) @ (k x n) bf16 product by torch's F.linear ("torch") and by each of
+    qasr's GEMM modules in ``kernels`` (name -> module with pack / linear), each its best of ``repeats``."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     flop = 2.0 * m * k * n
     rates = {"torch": flop / best_seconds(lambda: F.linear(x, w), repeats)}
+    for name, mod in kernels.items():
+        packed = mod.pack(w)  # type: ignore[attr-defined]
+        rates[name] = flop / best_seconds(lambda: mod.linear(x, packed, n, None), repeats)  # type: ignore[attr-defined]  # noqa: B023
+    return rates
+
+
+def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict:
+    """Best FLOP/s of an (m x k) @ (k x n) bf16 product, by torch's F.linear and by qasr's invariant
+    kernel (when it builds on this CPU); ``best`` is the larger, the machine's peak for our purposes."""
     from qasr.engine.cpu.native import linear_kernel
 
     kernel = linear_kernel() if k % 2 == 0 else None
-    if kernel is not None:
-        packed = kernel.pack(w)
-        rates["native"] = flop / best_seconds(lambda: kernel.linear(x, packed, n, None), repeats)
+    rates = gemm_rates(m, k, n, {"native": kernel} if kernel is not None else {}, repeats)
     best = max(rates, key=rates.__getitem__)
     return dict(shape=[m, k, n], flops=rates, best_flops=rates[best], best_kernel=best)
 
