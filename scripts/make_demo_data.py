@@ -45,7 +45,11 @@ SAMPLE_RATE = 16000
 # validation voice is new in both respects.
 # "en" is British English (the CLI's "-v en-gb" resolves to it; the library wants the file name).
 TRAIN_ACCENTS = ("en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan")
-TRAIN_VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "f1", "f2", "f3", "f4", "klatt", "adam", "linda", "steph")
+TRAIN_VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m8", "f1", "f2", "f3", "f4", "klatt", "klatt2", "klatt3",
+                  "klatt4", "adam", "linda", "steph", "steph2", "steph3", "Alex", "Alicia", "Andrea", "Andy", "Annie",
+                  "Denis", "Gene", "Henrique", "Hugo", "Jacky", "Lee", "Marco", "Michael", "Mike", "Storm", "aunty",
+                  "belinda", "benjamin", "boris", "caleb", "david", "ed", "edward", "iven", "john", "max", "michel",
+                  "norbert", "paul", "pedro", "quincy", "rob", "robert", "sandro", "shelby", "travis", "victor", "zac")
 HELD_OUT_VOICES = ("en-us-nyc+f5", "en-gb-x-gbcwmd+m7", "en-us-nyc+m7", "en-gb-x-gbcwmd+f5")
 TRAIN_SPEEDS = (130, 190)  # words per minute; held-out speeds lie outside, e.g. 115-128 and 192-205
 HELD_OUT_SPEEDS = tuple(range(115, 129)) + tuple(range(192, 206))

@@ -52,7 +52,7 @@ from qasr.model.weights import load_model
 from qasr.testing.checkpoint import _configs, _rename, _save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_demo_model import PackedCausalStore  # noqa: E402 - differentiable causal attention over packed clips
+from train_demo_model import PackedCausalStore, voice_mix  # noqa: E402 - causal attention over packed clips; the card
 
 SR = 16000
 SEGMENT_MS = 80  # one class; the release's timestamp_segment_time
@@ -116,6 +116,39 @@ def build_model(init: Path, config: dict) -> Qwen3ASRModel:
     return model
 
 
+class GuidedAttentionStore:
+    """PackedCausalStore that also scores where chosen heads of chosen layers look from each timestamp slot.
+
+    Why: a slot's time is easy once it attends to the right audio token (the auxiliary loss teaches every
+    audio token its own time), but finding that token (which "five" of a word run, which "the" of three
+    sentences) is what an under-trained aligner gets wrong. Here a few heads are told where to look: the
+    loss is -log of the attention mass, in the head's causal softmax, on the audio tokens within one token
+    of the slot's true boundary. Training only; the other heads stay free and the network is unchanged."""
+
+    def __init__(self, lens: list[int], layers: tuple[int, ...], heads: tuple[int, ...],
+                 queries: list[int], keys: list[int], starts: list[int]) -> None:
+        self.inner = PackedCausalStore(lens)
+        self.layers, self.heads = layers, heads
+        self.queries = torch.tensor(queries, dtype=torch.long)  # packed row of each slot
+        self.keys = torch.tensor(keys, dtype=torch.long)  # packed row of the audio token at its boundary
+        self.starts = torch.tensor(starts, dtype=torch.long)  # packed row where its sequence begins
+        self.losses: list[torch.Tensor] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object) -> torch.Tensor:
+        if layer in self.layers and len(self.queries):
+            group = q.shape[1] // k.shape[1]
+            qs = q[self.queries][:, list(self.heads)]  # (S, h, d)
+            ks = k[:, [h // group for h in self.heads]]  # (N, h, d)
+            scores = torch.einsum("shd,nhd->shn", qs.float(), ks.float()) / math.sqrt(q.shape[-1])
+            rows = torch.arange(k.shape[0])
+            allowed = (rows[None] >= self.starts[:, None]) & (rows[None] <= self.queries[:, None])
+            logp = scores.masked_fill(~allowed[:, None], float("-inf")).log_softmax(-1)
+            window = (self.keys[:, None] + torch.arange(-1, 2)[None]).clamp(0, k.shape[0] - 1)  # (S, 3)
+            near = logp.gather(-1, window[:, None].expand(-1, logp.shape[1], -1))
+            self.losses.append(-torch.logsumexp(near, -1).mean())
+        return self.inner.attend(layer, q, k, v, meta)
+
+
 class Trainer:
     def __init__(self, model: Qwen3ASRModel, tok: Tokenizer, special: SpecialTokens) -> None:
         self.model, self.tok, self.special = model, tok, special
@@ -140,8 +173,9 @@ class Trainer:
                 f[s:s + w] = float(f.mean())
         return f, speed
 
-    def logits(self, utts: list[Utt], rng: np.random.Generator | None,
-               audio_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def logits(self, utts: list[Utt], rng: np.random.Generator | None, audio_rows: bool = False,
+               guide: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, int, list[torch.Tensor]]:
         """Classifier logits and target classes at every timestamp slot of the batch, and how many slots.
 
         With ``audio_rows`` the audio placeholder positions follow, each labelled with its own start time
@@ -149,30 +183,39 @@ class Trainer:
         task that makes the decoder carry each audio token's absolute time in its hidden state, which a
         timestamp slot then only has to copy from the audio it attends to. Without it the decoder must
         discover time by itself (the encoder's positions restart every 1 s chunk), which the official
-        model could afford and a 40-minute run cannot."""
+        model could afford and a 40-minute run cannot.
+
+        With ``guide`` = (layers, heads), the attention losses of GuidedAttentionStore come back too."""
         feats, speeds = zip(*(self.features(u, rng) for u in utts), strict=True)
         audio = self.model.audio_tower(list(feats))
         ids, lens, rows, targets, extra_rows, extra_targets = [], [], [], [], [], []
         chunk = self.model.cfg.encoder.chunk_frames
+        guide_keys, guide_starts = [], []
         for a, u, f, speed in zip(audio, utts, feats, speeds, strict=True):
             prompt = build_aligner_prompt(self.tok, self.special, self.timestamp_id, a.shape[0],
                                           [w for w, _, _ in u.words])
             rows += [len(ids) + s for s in prompt.slots]
-            targets += [min(self.classes - 1, round(t / speed * 1000 / SEGMENT_MS))
-                        for _, start, end in u.words for t in (start, end)]
+            times_ms = [t / speed * 1000 for _, start, end in u.words for t in (start, end)]
+            targets += [min(self.classes - 1, round(t / SEGMENT_MS)) for t in times_ms]
+            frames = f.shape[1]  # 10 ms each; token k of the chunk starting at frame c starts at frame c + 8 k
+            starts_ms = np.array([10 * (c + 8 * k) for c in range(0, frames, chunk)
+                                  for k in range(post_conv_length(min(chunk, frames - c)))])
+            assert len(starts_ms) == a.shape[0]
+            guide_keys += [len(ids) + 1 + int(np.abs(starts_ms - t).argmin()) for t in times_ms]
+            guide_starts += [len(ids)] * len(times_ms)
             if audio_rows:
-                frames = f.shape[1]  # 10 ms each; token k of the chunk starting at frame c starts at frame c + 8 k
-                starts_ms = [10 * (c + 8 * k) for c in range(0, frames, chunk)
-                             for k in range(post_conv_length(min(chunk, frames - c)))]
-                assert len(starts_ms) == a.shape[0]
                 extra_rows += [len(ids) + 1 + j for j in range(len(starts_ms))]
                 extra_targets += [min(self.classes - 1, round(t / SEGMENT_MS)) for t in starts_ms]
             ids += prompt.ids
             lens.append(len(prompt.ids))
         positions = torch.cat([torch.arange(n) for n in lens])
-        out = self.model(torch.tensor(ids), positions, PackedCausalStore(lens), None,  # type: ignore[arg-type]
+        store: PackedCausalStore | GuidedAttentionStore = PackedCausalStore(lens)
+        if guide is not None:
+            store = GuidedAttentionStore(lens, guide[0], guide[1], rows, guide_keys, guide_starts)
+        out = self.model(torch.tensor(ids), positions, store, None,  # type: ignore[arg-type]
                          logits_rows=torch.tensor(rows + extra_rows), audio_embeds=torch.cat(audio))
-        return out, torch.tensor(targets + extra_targets), len(rows)
+        losses = store.losses if isinstance(store, GuidedAttentionStore) else []
+        return out, torch.tensor(targets + extra_targets), len(rows), losses
 
     @torch.no_grad()
     def error_ms(self, utts: list[Utt]) -> float:
@@ -180,7 +223,7 @@ class Trainer:
         self.model.eval()
         errs = []
         for i in range(0, len(utts), 8):
-            logits, targets, _ = self.logits(utts[i:i + 8], None)
+            logits, targets, _, _ = self.logits(utts[i:i + 8], None)
             errs.append((logits.argmax(-1) - targets).abs().float() * SEGMENT_MS)
         self.model.train()
         return float(torch.cat(errs).mean())
@@ -244,6 +287,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--position-weight", type=float, default=0.5,
                     help="weight of the auxiliary loss: each audio position predicts its own time class")
+    ap.add_argument("--guide-weight", type=float, default=0.0,
+                    help="weight of the attention loss: guided heads look at each slot's boundary audio")
+    ap.add_argument("--guide-layers", default="2,3", help="decoder layers whose guided heads are trained to look")
+    ap.add_argument("--guide-heads", default="0", help="query heads guided in each of those layers")
     ap.add_argument("--train-limit", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--max-minutes", type=float, default=40.0, help="stop (and save) past this wall time")
@@ -281,8 +328,12 @@ def main() -> None:
     print(f"model {n_params / 1e6:.2f} M params, {args.classes} classes, dims {dims}", flush=True)
     print(f"  val monitor: mean slot error {trainer.error_ms(monitor):.0f} ms before training", flush=True)
 
+    guide = None
+    if args.guide_weight > 0:
+        guide = (tuple(int(x) for x in args.guide_layers.split(",")),
+                 tuple(int(x) for x in args.guide_heads.split(",")))
     model.train()
-    step, seen, loss_sum = 0, 0.0, 0.0
+    step, seen, loss_sum, guide_sum = 0, 0.0, 0.0, 0.0
     pending: list[list[Utt]] = []
     stopped_early = False
     while step < args.steps:
@@ -292,10 +343,14 @@ def main() -> None:
         share = (time.time() - t0) / 60 / args.max_minutes if args.time_schedule else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, g["peak"], args.warmup, share)
-        logits, targets, n = trainer.logits(batch, rng, audio_rows=args.position_weight > 0)
+        logits, targets, n, guided = trainer.logits(batch, rng, audio_rows=args.position_weight > 0, guide=guide)
         loss = F.cross_entropy(logits[:n], targets[:n])
         if args.position_weight > 0:
             loss = loss + args.position_weight * F.cross_entropy(logits[n:], targets[n:])
+        if guided:
+            guide_loss = torch.stack(guided).mean()
+            loss = loss + args.guide_weight * guide_loss
+            guide_sum += guide_loss.item()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -304,9 +359,10 @@ def main() -> None:
         seen += sum(len(u.wave) for u in batch) / SR
         loss_sum += loss.item()
         if step % 50 == 0:
-            print(f"step {step} loss {loss_sum / 50:.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                  f"audio {seen / 3600:.1f} h {(time.time() - t0) / 60:.1f} min", flush=True)
-            loss_sum = 0.0
+            print(f"step {step} loss {loss_sum / 50:.3f} (attention {guide_sum / 50:.3f}) "
+                  f"lr {opt.param_groups[0]['lr']:.2e} audio {seen / 3600:.1f} h {(time.time() - t0) / 60:.1f} min",
+                  flush=True)
+            loss_sum = guide_sum = 0.0
         if step % args.eval_every == 0:
             print(f"  val monitor: mean slot error {trainer.error_ms(monitor):.0f} ms", flush=True)
         if (time.time() - t0) / 60 > args.max_minutes:
@@ -329,7 +385,13 @@ def main() -> None:
     run = (f"Encoder and decoder from the ASR demo model ({source}); {step} steps ({seen / 3600:.1f} h of audio "
            f"seen, {seen / 3600 / hours:.1f} passes over the data) in {minutes:.1f} min on {args.threads} CPU "
            f"thread(s){early}; seed {args.seed}; command: `{command}`")
-    write_card(args.out, dims, n_params, args.classes, train, hours, run, args.save_dtype)
+    guided = ""
+    if guide is not None:
+        guided = (f", and (weight {args.guide_weight:g}) an attention loss: query head(s) {args.guide_heads} of "
+                  f"decoder layer(s) {args.guide_layers} are trained to put their attention, from each slot, on the "
+                  "audio tokens within one token of its true boundary (`GuidedAttentionStore`; the network is "
+                  "unchanged)")
+    write_card(args.out, dims, n_params, args.classes, train, hours, run, args.save_dtype, guided)
     print(f"saved {args.out} after {minutes:.1f} min", flush=True)
 
 
@@ -340,7 +402,7 @@ def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]
 
 
 def write_card(out: Path, dims: dict[str, int], n_params: int, classes: int, train: list[Utt], hours: float,
-               run: str, dtype: str) -> None:
+               run: str, dtype: str, guided: str = "") -> None:
     """The model card; the evaluation section (written by eval_aligner_model.py) is kept."""
     card = out / "README.md"
     kinds = Counter(u.kind for u in train)
@@ -388,7 +450,7 @@ from the ASR demo's grammar (commands, numbers, dates, clock times, spelled code
 sentences); several-sentence clips join sentences of one voice with 0.1-2.5 s pauses, word runs are random
 number words, letter/digit codes or any grammar words; clips last 1-30 s with 0.05-1.5 s of silence at
 both ends, at a random level, with white, pink, brown noise or mains hum at 15-40 dB SNR (10% clean).
-Voices: 6 espeak-ng English accents x 15 variants, speed 130-190 wpm, pitch 25-75.
+Voices: {voice_mix(train)}, speed 130-190 wpm, pitch 25-75.
 
 Word times are espeak-ng's own: its synthesis callback reports the sample where each word starts; a
 word spans from there to the next word's start, trimmed to its audible part (5 ms frames of the clean
@@ -406,7 +468,7 @@ multi-sentence clips and all validation word runs use voices from accents and va
 at the `<timestamp>` slots against round(time / {SEGMENT_MS} ms) of each word's start and end, plus (weight
 0.5) an auxiliary cross-entropy of the same head at every audio placeholder against that audio token's
 own start time, so that the decoder carries absolute time in its hidden states (the encoder's positions
-restart every 1 s chunk) and a slot has only to copy it from the audio it attends to. AdamW,
+restart every 1 s chunk) and a slot has only to copy it from the audio it attends to{guided}. AdamW,
 warm-up then cosine decay, the fresh classifier at a higher learning rate; speed perturbation 0.9-1.1
 (targets scaled with it), random gain, frequency masks. {run}.
 

@@ -325,16 +325,29 @@ def epoch_items(train: list[Utt], weights: dict[str, float], concat: int, max_s:
     return items
 
 
-def join(item: Item) -> Utt:
-    """A joined clip as one Utt: waves back to back, texts joined, phoneme times shifted."""
+def join(item: Item, rng: np.random.Generator | None = None, max_s: float = 30.0, gap_s: float = 0.0) -> Utt:
+    """A joined clip as one Utt: waves in order, texts joined, phoneme times shifted.
+
+    With ``gap_s`` > 0, half the joins get an extra pause of up to ``gap_s`` seconds (as long as the clip
+    stays within ``max_s``), filled with noise at the level of the clip's own leading padding: segments
+    cut from long recordings hold pauses of several seconds between sentences, which the dataset's
+    several-sentence clips (pauses of at most 1.2 s) never show, and a decoder that never heard one loses
+    its place after it and repeats."""
     if not isinstance(item, tuple):
         return item
-    phones, offset = [], 0.0
-    for u in item:
+    budget = int(max_s * SR) - sum(len(u.wave) for u in item)
+    waves, phones, offset = [], [], 0.0
+    for i, u in enumerate(item):
+        if i and rng is not None and gap_s > 0 and budget > 0 and rng.random() < 0.5:
+            n = min(budget, int(rng.uniform(0.2, gap_s) * SR))
+            floor = float(np.std(item[i - 1].wave[: SR // 20].astype(np.float32)))
+            waves.append(np.clip(rng.normal(0.0, floor, n), -32768, 32767).astype(np.int16))
+            budget -= n
+            offset += n / SR
+        waves.append(u.wave)
         phones += [(p, a + offset, b + offset) for p, a, b in u.phones]
         offset += len(u.wave) / SR
-    return Utt(np.concatenate([u.wave for u in item]), " ".join(u.text for u in item), item[0].voice, phones,
-               "concat")
+    return Utt(np.concatenate(waves), " ".join(u.text for u in item), item[0].voice, phones, "concat")
 
 
 def wer(refs: list[str], hyps: list[str]) -> float:
@@ -448,6 +461,8 @@ def main() -> None:
     ap.add_argument("--concat-clips", type=int, default=0,
                     help="clips per pass joined on the fly from single sentences and word runs of one voice")
     ap.add_argument("--concat-max-seconds", type=float, default=29.5)
+    ap.add_argument("--concat-gap-seconds", type=float, default=0.0,
+                    help="extra pauses of up to this long in half the joins of --concat-clips (see join)")
     ap.add_argument("--speed-range", type=lambda t: tuple(float(x) for x in t.split(",")), default=(0.9, 1.1),
                     help="speed perturbation factors, e.g. 0.85,1.15")
     ap.add_argument("--max-minutes", type=float, default=44.0, help="stop early (and save) past this wall time")
@@ -507,7 +522,7 @@ def main() -> None:
             items = epoch_items(train, weights, args.concat_clips, args.concat_max_seconds, rng)
             pending = batches(items, args.batch_seconds, rng)
             epoch += 1
-        batch = [join(x) for x in pending.pop()]
+        batch = [join(x, rng, args.concat_max_seconds, args.concat_gap_seconds) for x in pending.pop()]
         for g in opt.param_groups:
             share = (time.time() - t0) / 60 / args.max_minutes if args.time_schedule else 0.0
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup, share)
@@ -543,7 +558,10 @@ def main() -> None:
     if weights or args.concat_clips:
         drawn = ", ".join(f"{k} x{w:g}" for k, w in weights.items())
         start += (f"clips drawn per pass by kind ({drawn or 'all x1'}) plus {args.concat_clips} clips joined "
-                  f"on the fly from one voice's sentences and word runs (8-{args.concat_max_seconds:g} s); ")
+                  f"on the fly from one voice's sentences and word runs (8-{args.concat_max_seconds:g} s")
+        if args.concat_gap_seconds > 0:
+            start += f", half the joins with an extra pause of 0.2-{args.concat_gap_seconds:g} s of noise"
+        start += "); "
     run = (f"{start}{step} steps ({seen / 3600:.1f} h of audio seen, {seen / 3600 / hours:.1f} passes over the data) "
            f"in {minutes:.1f} min on {args.threads} CPU thread(s){early}; seed {args.seed}; "
            f"command: `{' '.join(['scripts/train_demo_model.py', *_cli(args, ap)])}`")
@@ -599,6 +617,14 @@ def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]
     return [f"--{k.replace('_', '-')} {text(v)}" for k, v in vars(args).items() if v != parser.get_default(k)]
 
 
+def voice_mix(train: list[Utt]) -> str:
+    """How many espeak-ng voices (accent + variant) the clips use, and from how many accents and variants."""
+    voices = {u.voice for u in train if u.voice}
+    accents = {v.split("+")[0] for v in voices}
+    variants = {v.split("+")[1] if "+" in v else "" for v in voices}
+    return f"{len(voices)} espeak-ng voices ({len(accents)} English accents x {len(variants)} variants)"
+
+
 def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, train: list[Utt], hours: float,
                run: str, dtype: str, speeds: tuple[float, float] = (0.9, 1.1)) -> None:
     """The model card: what the model is, how it was made, and what it cannot do."""
@@ -648,7 +674,7 @@ clock times, spelled codes of letters and digits, and short everyday sentences. 
 (number words, letter/digit codes, or any of the grammar's words, in groups of 1-12 separated by pauses)
 1-30 s, so that the decoder writes what it hears rather than a likely sentence; clips without speech
 (silence, white, pink or brown noise, mains hum, at -60 to -8 dBFS) 1-40 s, target text empty.
-Voices: 6 espeak-ng English accents x 15 voice variants; speed 130-190 wpm, pitch 25-75; 0.05-0.8 s of
+Voices: {voice_mix(train)}; speed 130-190 wpm, pitch 25-75; 0.05-0.8 s of
 silence on both sides; random level; white, pink, brown noise or mains hum at 15-40 dB SNR (10% clean).
 Text is lowercase, without punctuation, numbers spelled out. Validation sentences never occur in training
 (multi-sentence validation clips are made of them), half the validation sentence clips use voices never

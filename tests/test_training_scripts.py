@@ -1,0 +1,101 @@
+"""Pieces of the demo models' training scripts that shape what the bundled models learn.
+
+The scripts themselves run for an hour; these check the two parts whose mistakes would pass silently:
+the aligner's guided-attention loss (it must score the attention the network really computes, and leave
+the forward unchanged) and the ASR script's joined clips with extra pauses (lengths, texts, phoneme times).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SR = 16000
+
+
+def _script(name: str) -> ModuleType:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def aligner_script() -> ModuleType:
+    return _script("train_aligner_model")
+
+
+@pytest.fixture(scope="module")
+def demo_script() -> ModuleType:
+    return _script("train_demo_model")
+
+
+def test_guided_store_scores_the_real_attention(aligner_script: ModuleType) -> None:
+    torch.manual_seed(0)
+    lens = [7, 5]  # two packed sequences: rows 0-6 and 7-11
+    heads, kv, d = 4, 2, 8
+    q, k, v = torch.randn(12, heads, d), torch.randn(12, kv, d), torch.randn(12, kv, d)
+    queries, keys, starts = [5, 11], [2, 8], [0, 7]  # a slot in each sequence, the audio row it should see
+    store = aligner_script.GuidedAttentionStore(lens, (1,), (3,), queries, keys, starts)
+    plain = aligner_script.PackedCausalStore(lens)
+    assert torch.allclose(store.attend(0, q, k, v, None), plain.attend(0, q, k, v, None))
+    assert store.losses == []  # layer 0 is not guided
+    out = store.attend(1, q, k, v, None)
+    assert torch.allclose(out, plain.attend(1, q, k, v, None))  # the forward is unchanged
+    expected = []
+    for row, key, start in zip(queries, keys, starts, strict=True):
+        scores = k[start:row + 1, 3 // 2] @ q[row, 3] / math.sqrt(d)  # head 3 reads kv head 1; causal, own sequence
+        p = scores.softmax(0)
+        expected.append(-torch.log(p[key - 1 - start:key + 2 - start].sum()))  # one token either side
+    assert float(store.losses[0]) == pytest.approx(float(torch.stack(expected).mean()), rel=1e-5)
+
+
+def test_guided_loss_falls_when_the_head_looks_there(aligner_script: ModuleType) -> None:
+    k = torch.zeros(6, 1, 4)
+    k[4, 0, 0] = 5.0  # only row 4's key matches the query
+    q = torch.zeros(6, 1, 4)
+    q[5, 0, 0] = 5.0
+    v = torch.randn(6, 1, 4)
+    losses = []
+    for target in (4, 1):
+        store = aligner_script.GuidedAttentionStore([6], (0,), (0,), [5], [target], [0])
+        store.attend(0, q, k, v, None)
+        losses.append(float(store.losses[0]))
+    assert losses[0] < 0.1 < 2.0 < losses[1]
+
+
+def _utt(demo_script: ModuleType, seconds: float, text: str, level: float) -> object:
+    wave = (np.random.default_rng(1).standard_normal(int(seconds * SR)) * level).astype(np.int16)
+    return demo_script.Utt(wave, text, "en-us", [(text[0], 0.1, 0.3)], "sentence")
+
+
+def test_joined_clips_get_pauses_within_the_limit(demo_script: ModuleType) -> None:
+    parts = tuple(_utt(demo_script, s, t, 200.0) for s, t in ((3.0, "one two"), (4.0, "three"), (2.0, "four")))
+    assert len(demo_script.join(parts).wave) == 9 * SR  # no gap asked for: back to back
+    rng = np.random.default_rng(0)
+    longer = 0
+    for _ in range(20):
+        joined = demo_script.join(parts, rng, max_s=20.0, gap_s=6.0)
+        n = len(joined.wave)
+        assert 9 * SR <= n <= 20 * SR and joined.text == "one two three four"
+        gaps = [joined.phones[i][1] - p for i, p in ((1, 3.1), (2, 7.1))]  # shift beyond the parts' own lengths
+        assert gaps[0] >= -1e-9 and gaps[1] >= gaps[0] - 1e-9
+        assert math.isclose(gaps[1] * SR, n - 9 * SR, abs_tol=2)  # the shifts add up to the inserted samples
+        filler = joined.wave[3 * SR:3 * SR + int(gaps[0] * SR)].astype(np.float32)
+        if len(filler) > SR:
+            assert 100 < filler.std() < 400  # noise at the level of the clip before it, not silence or a blast
+        longer += n > 9 * SR
+    assert longer >= 10  # about half the joins get a pause
+    capped = demo_script.join(parts, np.random.default_rng(3), max_s=10.0, gap_s=6.0)
+    assert len(capped.wave) <= 10 * SR
