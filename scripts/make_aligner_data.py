@@ -289,9 +289,9 @@ def sentence_split(seed: int, n_train: int, n_val: int) -> tuple[list[str], list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("data/aligner"))
-    ap.add_argument("--sentences", type=int, default=2500, help="training clips of one sentence")
-    ap.add_argument("--multi", type=int, default=800, help="training clips of several sentences (3-30 s)")
-    ap.add_argument("--words", type=int, default=500, help="training clips of random word runs (1-30 s)")
+    ap.add_argument("--sentences", type=int, default=6000, help="training clips of one sentence")
+    ap.add_argument("--multi", type=int, default=3000, help="training clips of several sentences (3-30 s)")
+    ap.add_argument("--words", type=int, default=3000, help="training clips of random word runs (1-30 s)")
     ap.add_argument("--val", type=int, default=200, help="validation clips of one sentence")
     ap.add_argument("--val-long", type=int, default=40, help="validation clips of each long kind")
     ap.add_argument("--seed", type=int, default=7)

@@ -12,12 +12,14 @@ timestamp classifier (class k = k x 80 ms). The encoder and decoder start from t
 the official aligner layout (qasr.align.layout.build_aligner_prompt):
 ``<|audio_start|><|audio_pad|>*T<|audio_end|>w1<timestamp><timestamp>w2...``, one causal forward, and
 the loss is cross-entropy at the ``<timestamp>`` slots, the targets being round(time / 80 ms) of each
-word's true start and end, plus an auxiliary one at the audio positions (see Trainer.logits).
+word's true start and end, plus an auxiliary one at the audio positions (see Trainer.logits) and, with
+--guide-weight, one on where some heads look from each slot (GuidedAttentionStore).
 Augmentation: speed perturbation 0.9-1.1 (times scaled with it), random gain, two frequency masks.
 
     # --init-commit: the ASR demo model as of that commit (a copy under data/; the working copy may change)
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_aligner_model.py --data data/aligner \\
-        --out models/qasr-demo-aligner-en --init-commit 7cffe91 --steps 3000 --time-schedule --max-minutes 28
+        --out models/qasr-demo-aligner-en --init-commit 2cc5869 --steps 6000 --guide-weight 1.0 \\
+        --time-schedule --max-minutes 45
 
 Deterministic for a seed and thread count, unless --time-schedule ties the learning rate to the clock.
 """
