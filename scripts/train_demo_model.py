@@ -614,7 +614,8 @@ def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]
     def text(v: object) -> str:
         return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
-    return [f"--{k.replace('_', '-')} {text(v)}" for k, v in vars(args).items() if v != parser.get_default(k)]
+    return [f"--{k.replace('_', '-')}" + ("" if v is True else f" {text(v)}") for k, v in vars(args).items()
+            if v != parser.get_default(k)]
 
 
 def voice_mix(train: list[Utt]) -> str:
