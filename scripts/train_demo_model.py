@@ -175,6 +175,8 @@ class Trainer:
                 wave = np.clip(wave, -1, 1)
             f = self.logmel(wave)
             if rng is not None:
+                if self.args.warp_range != (1.0, 1.0):
+                    f = warp_mel(f, rng.uniform(*self.args.warp_range))
                 f = spec_augment(f, rng)
             feats.append(f)
             self.speeds.append(speed)
@@ -248,6 +250,22 @@ class Trainer:
             raw = self.tok.decode([t for t in s[n:] if t != self.special.im_end])
             texts.append(raw.split("<asr_text>", 1)[-1].strip())
         return texts
+
+
+def warp_mel(f: torch.Tensor, factor: float) -> torch.Tensor:
+    """Stretch the log-mel spectrogram (bins x frames) along frequency by ``factor`` (> 1 moves energy up).
+
+    Why: speed perturbation moves formants and tempo together; an independent warp of the frequency axis
+    (vocal-tract-length perturbation) also gives the voice of a longer or shorter vocal tract at the same
+    tempo, so that the few hundred synthetic voices stand for more speakers. Bins that would come from above
+    the top bin repeat it.
+    """
+    bins = f.shape[0]
+    src = torch.arange(bins, dtype=torch.float32) / factor
+    lo = src.floor().clamp(max=bins - 1).long()
+    hi = (lo + 1).clamp(max=bins - 1)
+    w = (src - lo.float()).clamp(0, 1)[:, None]
+    return f[lo] * (1 - w) + f[hi] * w
 
 
 def spec_augment(f: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
@@ -465,6 +483,9 @@ def main() -> None:
                     help="extra pauses of up to this long in half the joins of --concat-clips (see join)")
     ap.add_argument("--speed-range", type=lambda t: tuple(float(x) for x in t.split(",")), default=(0.9, 1.1),
                     help="speed perturbation factors, e.g. 0.85,1.15")
+    ap.add_argument("--warp-range", type=lambda t: tuple(float(x) for x in t.split(",")), default=(1.0, 1.0),
+                    help="frequency-warp factors of the log-mel, drawn apart from the speed (see warp_mel), "
+                         "e.g. 0.9,1.1; 1,1: off")
     ap.add_argument("--max-minutes", type=float, default=44.0, help="stop early (and save) past this wall time")
     ap.add_argument("--time-schedule", action="store_true",
                     help="decay the learning rate over --max-minutes when that ends first (on a shared CPU the "
@@ -566,7 +587,7 @@ def main() -> None:
            f"in {minutes:.1f} min on {args.threads} CPU thread(s){early}; seed {args.seed}; "
            f"command: `{' '.join(['scripts/train_demo_model.py', *_cli(args, ap)])}`")
     write_card(args.out, dims, n_params, cfg.decoder.vocab_size, train, hours, run, args.save_dtype,
-               args.speed_range)
+               args.speed_range, args.warp_range)
     print(f"saved {args.out} after {minutes:.1f} min", flush=True)
 
 
@@ -627,9 +648,11 @@ def voice_mix(train: list[Utt]) -> str:
 
 
 def write_card(out: Path, dims: dict[str, int], n_params: int, vocab: int, train: list[Utt], hours: float,
-               run: str, dtype: str, speeds: tuple[float, float] = (0.9, 1.1)) -> None:
+               run: str, dtype: str, speeds: tuple[float, float] = (0.9, 1.1),
+               warp: tuple[float, float] = (1.0, 1.0)) -> None:
     """The model card: what the model is, how it was made, and what it cannot do."""
     card = out / "README.md"
+    warped = "" if warp == (1.0, 1.0) else f"frequency warp of the log-mel {warp[0]:g}-{warp[1]:g} (drawn apart), "
     kinds = Counter(u.kind for u in train)
     seconds = Counter()
     for u in train:
@@ -689,7 +712,7 @@ turn `language English<asr_text>{{text}}<|im_end|>`, or `language None<asr_text>
 without speech), loss on the assistant turn only, plus two auxiliary losses on the audio embeddings whose
 heads are not saved: frame-level phoneme classification against the phoneme times espeak-ng reports, and
 CTC on the transcript tokens. AdamW, warm-up then cosine decay; speed perturbation
-{speeds[0]:g}-{speeds[1]:g}, random gain, SpecAugment masks. {run}.
+{speeds[0]:g}-{speeds[1]:g}, {warped}random gain, SpecAugment masks. {run}.
 
 ## Evaluation
 

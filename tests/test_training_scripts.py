@@ -2,7 +2,8 @@
 
 The scripts themselves run for an hour; these check the two parts whose mistakes would pass silently:
 the aligner's guided-attention loss (it must score the attention the network really computes, and leave
-the forward unchanged) and the ASR script's joined clips with extra pauses (lengths, texts, phoneme times).
+the forward unchanged), the ASR script's joined clips with extra pauses (lengths, texts, phoneme times) and
+its frequency warp.
 """
 
 from __future__ import annotations
@@ -99,3 +100,18 @@ def test_joined_clips_get_pauses_within_the_limit(demo_script: ModuleType) -> No
     assert longer >= 10  # about half the joins get a pause
     capped = demo_script.join(parts, np.random.default_rng(3), max_s=10.0, gap_s=6.0)
     assert len(capped.wave) <= 10 * SR
+
+
+def test_frequency_warp_moves_energy_and_keeps_its_shape(demo_script: ModuleType) -> None:
+    """warp_mel: identity at 1, a peak moves up by the factor (down below 1), the frame count is kept."""
+    f = torch.full((128, 7), -1.0)
+    f[40] = 1.0
+    assert torch.equal(demo_script.warp_mel(f, 1.0), f)
+    up, down = demo_script.warp_mel(f, 1.1), demo_script.warp_mel(f, 0.9)
+    assert up.shape == down.shape == f.shape
+    assert up.argmax(0).tolist() == [44] * 7 and down.argmax(0).tolist() == [36] * 7
+    # values are interpolated between neighbours, never invented outside the input's range
+    assert float(up.min()) >= -1.0 and float(up.max()) <= 1.0
+    # the top bins repeat the last one instead of reading past the spectrogram
+    ramp = torch.arange(128, dtype=torch.float32)[:, None].expand(128, 3)
+    assert float(demo_script.warp_mel(ramp, 0.9).max()) == 127.0
