@@ -60,7 +60,7 @@ def main() -> None:
         assert [w.text for w in words] == [w for w, _, _ in row["words"]], (row["text"], words)
         err = np.abs(np.array([[w.start, w.end] for w in words]) - np.array([[a, b] for _, a, b in row["words"]]))
         group = "training voices" if row["voice"] in train_voices else "held-out voices"
-        for key in (("all", ""), ("voices", group), ("kind", row["kind"])):
+        for key in (("all", ""), ("voices", group), ("kind", row["kind"]), (row["kind"], group)):
             errors.setdefault(key, []).append(err)
     audio = sum(r["duration"] for r in rows)
     kinds = {"sentence": "single sentences", "multi": "several sentences with pauses (up to 30 s)",
@@ -72,9 +72,13 @@ def main() -> None:
     for key in ("training voices", "held-out voices"):
         if ("voices", key) in errors:
             lines.append(f"- {key}: {summary(np.concatenate(errors[('voices', key)]))}")
+    lines.append("- by kind of clip:")
     for kind, label in kinds.items():
         if ("kind", kind) in errors:
             lines.append(f"  - {label}: {summary(np.concatenate(errors[('kind', kind)]))}")
+            groups = [g for g in ("training voices", "held-out voices") if (kind, g) in errors]
+            if len(groups) > 1:  # the word runs are all by held-out voices: no split to show
+                lines += [f"    - {g}: {summary(np.concatenate(errors[(kind, g)]))}" for g in groups]
     lines.append(f"- speed: {audio:.0f} s of audio in {seconds:.1f} s (cpu, bfloat16, {args.threads} thread(s), "
                  f"one batched align() call; {cpu_name()})")
     text = "\n".join(lines)

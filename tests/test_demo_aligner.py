@@ -26,9 +26,9 @@ MODEL = ROOT / "models" / "qasr-demo-aligner-en"
 VOICES = (("en-us-nyc+f5", 150, 55), ("en-gb-x-gbcwmd+m7", 170, 40), ("en-us-nyc+m7", 140, 45),
           ("en-gb-x-gbcwmd+f5", 185, 60))
 # Bounds on the mean absolute start/end error, about 1.5-2x what the model card reports for such clips
-# (single sentences ~40 ms; several sentences with pauses ~300 ms: the demo model's weak spot).
+# (single sentences ~35 ms; several sentences with pauses ~200 ms: the demo model's weak spot).
 SENTENCE_MEAN_S, SENTENCE_WORST_S = 0.08, 0.4
-LONG_MEAN_S = 0.45
+LONG_MEAN_S = 0.35
 
 
 def _data_script() -> ModuleType:
