@@ -1,0 +1,37 @@
+"""Random runs of the demo grammar's words, spoken by voices and at speeds the demo model never trained on.
+
+Why a shared module: the end-to-end test and scripts/eval_word_runs.py must draw exactly the same kinds of
+runs (a number-word run or a letter/digit code, in random order, so there is no sentence to lean on),
+and the held-out voices and speeds must match the demo data script's held-out split.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from qasr.testing.speech import speak
+
+# Accents and variants held out of make_demo_data.py's training data, at speeds outside its 130-190 wpm.
+UNSEEN_VOICES = (("en-us-nyc+f5", 122), ("en-gb-x-gbcwmd+m7", 198), ("en-us-nyc+m7", 200),
+                 ("en-gb-x-gbcwmd+f5", 125))
+NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety").split()
+DIGITS = NUMBER_WORDS[:10]
+LETTERS = list("bcdefghijklmnopqrstuvwxyz")  # no "a": espeak-ng reads it as the article
+FIRST_SEED = 20240611
+
+
+def word_runs(seed: int) -> list[str]:
+    """Eight runs for one seed: four of 6-9 number words, then four codes of 5-7 letters and digits."""
+    r = random.Random(seed)
+    runs = [" ".join(r.choice(NUMBER_WORDS) for _ in range(r.randint(6, 9))) for _ in range(4)]
+    runs += [" ".join(r.choice(LETTERS) if r.random() < 0.5 else r.choice(DIGITS) for _ in range(r.randint(5, 7)))
+             for _ in range(4)]
+    return runs
+
+
+def speak_word_runs(runs: list[str], folder: Path) -> list[Path]:
+    """WAV files of ``runs`` under ``folder``, the voices and speeds of UNSEEN_VOICES taken in turn."""
+    return [speak(text, folder / f"run{i}.wav", voice=UNSEEN_VOICES[i % len(UNSEEN_VOICES)][0],
+                  speed=UNSEEN_VOICES[i % len(UNSEEN_VOICES)][1], pitch=45) for i, text in enumerate(runs)]
