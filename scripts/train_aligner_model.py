@@ -18,7 +18,7 @@ Augmentation: speed perturbation 0.9-1.1 (times scaled with it), random gain, tw
 
     # --init-commit: the ASR demo model as of that commit (a copy under data/; the working copy may change)
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_aligner_model.py --data data/aligner \\
-        --out models/qasr-demo-aligner-en --init-commit 2cc5869 --steps 6000 --guide-weight 1.0 \\
+        --out models/qasr-demo-aligner-en --init-commit 73664e6 --steps 6000 --guide-weight 1.0 \\
         --time-schedule --max-minutes 45
 
 Deterministic for a seed and thread count, unless --time-schedule ties the learning rate to the clock.
