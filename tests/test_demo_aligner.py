@@ -17,8 +17,10 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+import soundfile as sf
 
-from qasr import Aligner
+from qasr import ASR, Aligner
+from qasr.word_timing import LEAD_IN_CLASSES, with_lead_in
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "qasr-demo-aligner-en"
@@ -106,3 +108,32 @@ def test_long_clip_is_roughly_timed(aligner: Aligner, clips: list[tuple[np.ndarr
     """Four sentences with pauses in one 12 s clip: timed less precisely than one sentence (see the model card)."""
     errors = _errors(aligner, clips[-1:])
     assert np.mean(errors) <= LONG_MEAN_S, f"mean boundary error {np.mean(errors) * 1000:.0f} ms"
+
+
+def test_a_segment_cut_at_the_speech_onset_is_timed(aligner: Aligner) -> None:
+    """The bundled example's first VAD segment starts 10 ms before its first word. transcribe gives the
+    aligner a lead-in of silence (qasr.word_timing.with_lead_in); without it the demo aligner put "of july"
+    into the pause after its sentence and "turn" a second early. Its pauses are digital silence, so a word
+    start placed in one is plain to see: every word must start within 0.12 s of sound."""
+    clip = ROOT / "examples" / "briefing.flac"
+    wave, sr = sf.read(clip, dtype="float32")
+    asr = ASR.from_pretrained(ROOT / "models" / "qasr-demo-en", device="cpu", dtype="float32", aligner=aligner)
+    try:
+        [r] = asr.transcribe(clip, timestamps="word")
+    finally:
+        asr.close()
+    first = r.segments[0]
+    assert first.start < 0.1 and len(first.words) == len(first.text.split()) == 28, first
+    silent = [w for w in first.words if np.abs(wave[int(w.start * sr):int((w.start + 0.12) * sr)]).max() < 1e-3]
+    assert not silent, silent
+
+
+def test_lead_in_keeps_the_class_grid_and_the_aligner_limit(aligner: Aligner) -> None:
+    samples = np.ones(16000, np.float32)
+    padded, lead = with_lead_in(samples, aligner)
+    assert lead == pytest.approx(LEAD_IN_CLASSES * aligner.segment_ms / 1000) and lead * 1000 % aligner.segment_ms == 0
+    assert len(padded) == 16000 + round(lead * 16000) and not padded[:round(lead * 16000)].any()
+    assert np.array_equal(padded[round(lead * 16000):], samples)
+    longest = np.ones(int(aligner.max_seconds * 16000), np.float32)  # no room for a lead-in: unchanged
+    same, none = with_lead_in(longest, aligner)
+    assert none == 0.0 and same is longest

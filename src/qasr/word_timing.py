@@ -3,8 +3,8 @@
 ``with_words`` chains the two on the engines' own threads, so a piece's alignment starts the moment its
 transcript exists, batched with the other pieces' work, and the caller waits on one future. When words
 cannot be had (no text, a language the aligner does not cover, a piece longer than it can time, an
-alignment error) the piece keeps its segment times and ``Aligned.note`` says why. Word times are
-clamped to the piece's audio.
+alignment error) the piece keeps its segment times and ``Aligned.note`` says why. The aligner hears the
+piece after a short lead-in of silence (``LEAD_IN_CLASSES``); word times are clamped to the piece's audio.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from qasr.align.languages import normalize_aligner_language
 from qasr.engine.request import GenerationResult
 from qasr.pieces import Piece, read_output
@@ -24,6 +26,23 @@ from qasr.word_text import display_words
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.model.tokenizer import Tokenizer
+
+
+# Timestamp classes of silence put before a piece's audio for the aligner. Why: a VAD segment can start a
+# few ms before its first word, and an aligner that never heard speech begin at the very first frame (the
+# demo aligner's training clips all open with 0.05 s or more of silence) then misplaces the words after
+# it, by up to a second (a word put at the start of a pause). Whole classes keep the time grid on the
+# piece's own; the words are shifted back by the same amount.
+LEAD_IN_CLASSES = 3
+
+
+def with_lead_in(samples: np.ndarray, aligner: Aligner) -> tuple[np.ndarray, float]:
+    """``samples`` after LEAD_IN_CLASSES classes of silence, and that lead in seconds; unchanged (0 s) when
+    the longer audio would exceed what the aligner can time."""
+    lead = LEAD_IN_CLASSES * aligner.segment_ms / 1000.0
+    if len(samples) / 16000 + lead > aligner.max_seconds:
+        return samples, 0.0
+    return np.concatenate([np.zeros(round(lead * 16000), np.float32), samples.astype(np.float32)]), lead
 
 
 @dataclass(frozen=True)
@@ -78,7 +97,8 @@ def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer
             with lock:
                 if out.cancelled():
                     return
-                [job] = aligner.submit_pieces([piece.samples], [text], language, offsets=[piece.offset])
+                samples, lead = with_lead_in(piece.samples, aligner)
+                [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
                 inner.append(job)
         except (ValueError, ImportError) as exc:  # an uncovered language, a piece too long, a missing extra
             settle(Aligned(result, (), str(exc)))
