@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qasr.align.languages import normalize_aligner_language
+from qasr.audio.io import SAMPLE_RATE
 from qasr.engine.request import GenerationResult
 from qasr.pieces import Piece, read_output
 from qasr.results import Word
@@ -40,9 +41,9 @@ def with_lead_in(samples: np.ndarray, aligner: Aligner) -> tuple[np.ndarray, flo
     """``samples`` after LEAD_IN_CLASSES classes of silence, and that lead in seconds; unchanged (0 s) when
     the longer audio would exceed what the aligner can time."""
     lead = LEAD_IN_CLASSES * aligner.segment_ms / 1000.0
-    if len(samples) / 16000 + lead > aligner.max_seconds:
+    if len(samples) / SAMPLE_RATE + lead > aligner.max_seconds:
         return samples, 0.0
-    return np.concatenate([np.zeros(round(lead * 16000), np.float32), samples.astype(np.float32)]), lead
+    return np.concatenate([np.zeros(round(lead * SAMPLE_RATE), np.float32), samples.astype(np.float32)]), lead
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,10 @@ def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer
             return
         try:
             normalize_aligner_language(language, aligner.supported_languages)
+            samples, lead = with_lead_in(piece.samples, aligner)
             with lock:
                 if out.cancelled():
                     return
-                samples, lead = with_lead_in(piece.samples, aligner)
                 [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
                 inner.append(job)
         except (ValueError, ImportError) as exc:  # an uncovered language, a piece too long, a missing extra
