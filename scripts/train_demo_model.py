@@ -456,6 +456,12 @@ def monitor_set(val: list[Utt]) -> list[Utt]:
     return [u for kind, n in first.items() for u in [u for u in short if u.kind == kind][:n]]
 
 
+def float_pair(text: str) -> tuple[float, float]:
+    """A ``lo,hi`` command-line range."""
+    lo, hi = (float(x) for x in text.split(","))
+    return lo, hi
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=Path("data/demo"))
@@ -481,9 +487,9 @@ def main() -> None:
     ap.add_argument("--concat-max-seconds", type=float, default=29.5)
     ap.add_argument("--concat-gap-seconds", type=float, default=0.0,
                     help="extra pauses of up to this long in half the joins of --concat-clips (see join)")
-    ap.add_argument("--speed-range", type=lambda t: tuple(float(x) for x in t.split(",")), default=(0.9, 1.1),
+    ap.add_argument("--speed-range", type=float_pair, default=(0.9, 1.1),
                     help="speed perturbation factors, e.g. 0.85,1.15")
-    ap.add_argument("--warp-range", type=lambda t: tuple(float(x) for x in t.split(",")), default=(1.0, 1.0),
+    ap.add_argument("--warp-range", type=float_pair, default=(1.0, 1.0),
                     help="frequency-warp factors of the log-mel, drawn apart from the speed (see warp_mel), "
                          "e.g. 0.9,1.1; 1,1: off")
     ap.add_argument("--max-minutes", type=float, default=44.0, help="stop early (and save) past this wall time")
