@@ -45,12 +45,12 @@ import soxr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_demo_data import (  # noqa: E402 - the grammar, voices and noise of the ASR demo data
+    FIRST_ACCENTS,
+    FIRST_VARIANTS,
     HELD_OUT_SPEEDS,
     HELD_OUT_VOICES,
     TEST_SENTENCES,
-    TRAIN_ACCENTS,
     TRAIN_SPEEDS,
-    TRAIN_VARIANTS,
     _Event,
     make_noise,
     unique_sentences,
@@ -299,7 +299,8 @@ def main() -> None:
     # The ASR demo data's split: seed 1234, 16000 training and 400 validation sentences.
     train_texts, val_texts = sentence_split(1234, 16000, 400)
     r = random.Random(args.seed)
-    train_voices = [f"{a}+{v}" if v else a for a in TRAIN_ACCENTS for v in TRAIN_VARIANTS]
+    # The bundled aligner was made with the first recipe's voices (two accents held out), so these stay.
+    train_voices = [f"{a}+{v}" if v else a for a in FIRST_ACCENTS for v in FIRST_VARIANTS]
     vocab = words_of(train_texts)
     splits = {
         "train": plan("train", dict(sentence=args.sentences, multi=args.multi, words=args.words), train_texts,

@@ -10,8 +10,8 @@ several sentences in a row with natural pauses (up to 30 s), random orders of th
 sentences, and long stretches without speech (silence, noise, hum; 1-40 s) whose target text is empty.
 
 The split is by sentence AND by voice: validation sentences never occur in training, and half of
-the validation clips use voices (accent + variant combinations, from accents and variants that are
-never trained on) so the measured WER says something about unseen speakers. Validation word runs use
+the validation clips use voices (accent + variant combinations whose variants are never trained on,
+with any accent) so the measured WER says something about unseen speakers. Validation word runs use
 held-out voices AND speeds outside the training range only. Multi-sentence clips are built from their
 split's sentences. The sentences that
 tests/test_demo_model.py speaks are excluded from both sets.
@@ -41,15 +41,24 @@ import soxr
 
 SAMPLE_RATE = 16000
 
-# Accents x variants. Training never sees the held-out accents or variants, so every held-out
-# validation voice is new in both respects.
+# Accents x variants of the first recipe (until 2026-12): two accents and the variants f5 and m7 held out of
+# training. The aligner's data (make_aligner_data.py) still uses these, as its bundled model was made with them.
 # "en" is British English (the CLI's "-v en-gb" resolves to it; the library wants the file name).
-TRAIN_ACCENTS = ("en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan")
-TRAIN_VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m8", "f1", "f2", "f3", "f4", "klatt", "klatt2", "klatt3",
+FIRST_ACCENTS = ("en-us", "en", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan")
+FIRST_VARIANTS = ("", "m1", "m2", "m3", "m4", "m5", "m6", "m8", "f1", "f2", "f3", "f4", "klatt", "klatt2", "klatt3",
                   "klatt4", "adam", "linda", "steph", "steph2", "steph3", "Alex", "Alicia", "Andrea", "Andy", "Annie",
                   "Denis", "Gene", "Henrique", "Hugo", "Jacky", "Lee", "Marco", "Michael", "Mike", "Storm", "aunty",
                   "belinda", "benjamin", "boris", "caleb", "david", "ed", "edward", "iven", "john", "max", "michel",
                   "norbert", "paul", "pedro", "quincy", "rob", "robert", "sandro", "shelby", "travis", "victor", "zac")
+# The ASR demo data trains every English accent espeak-ng has: a user of the demo picks any of them, and the
+# accent the first recipe held out that it could not hear (West Midlands) gave 32-57% WER on random word runs
+# while all the others stayed under 6%. More variants, whispered and creaky ones among them, for the same
+# reason. Validation still holds out the variants f5 and m7 (never trained with any accent) and the speeds
+# outside TRAIN_SPEEDS: every held-out voice is a voice the model never heard, though not an accent.
+TRAIN_ACCENTS = FIRST_ACCENTS + ("en-us-nyc", "en-gb-x-gbcwmd")
+TRAIN_VARIANTS = FIRST_VARIANTS + ("whisper", "whisperf", "croak", "klatt5", "klatt6", "grandma", "grandpa", "anika",
+                                   "announcer", "antonio", "Diogo", "Mario", "Nguyen", "edward2", "gustave", "iven2",
+                                   "iven3", "marcelo", "miguel", "pablo")
 HELD_OUT_VOICES = ("en-us-nyc+f5", "en-gb-x-gbcwmd+m7", "en-us-nyc+m7", "en-gb-x-gbcwmd+f5")
 TRAIN_SPEEDS = (130, 190)  # words per minute; held-out speeds lie outside, e.g. 115-128 and 192-205
 HELD_OUT_SPEEDS = tuple(range(115, 129)) + tuple(range(192, 206))

@@ -708,8 +708,8 @@ Voices: {voice_mix(train)}; speed 130-190 wpm, pitch 25-75; 0.05-0.8 s of
 silence on both sides; random level; white, pink, brown noise or mains hum at 15-40 dB SNR (10% clean).
 Text is lowercase, without punctuation, numbers spelled out. Validation sentences never occur in training
 (multi-sentence validation clips are made of them), half the validation sentence clips use voices never
-heard in training (accents en-us-nyc and en-gb-x-gbcwmd, variants f5 and m7, none of them in the training
-data), and validation word runs use only those voices at speeds outside 130-190 wpm.
+heard in training (the variants f5 and m7, which no training clip uses, with the accents en-us-nyc and
+en-gb-x-gbcwmd), and validation word runs use only those voices at speeds outside 130-190 wpm.
 
 ## Training
 

@@ -1,9 +1,9 @@
 """Pieces of the demo models' training scripts that shape what the bundled models learn.
 
-The scripts themselves run for an hour; these check the two parts whose mistakes would pass silently:
+The scripts themselves run for an hour; these check the parts whose mistakes would pass silently:
 the aligner's guided-attention loss (it must score the attention the network really computes, and leave
 the forward unchanged), the ASR script's joined clips with extra pauses (lengths, texts, phoneme times) and
-its frequency warp.
+its frequency warp; the demo data's voice split and the word-run evaluation's voices.
 """
 
 from __future__ import annotations
@@ -115,3 +115,35 @@ def test_frequency_warp_moves_energy_and_keeps_its_shape(demo_script: ModuleType
     # the top bins repeat the last one instead of reading past the spectrogram
     ramp = torch.arange(128, dtype=torch.float32)[:, None].expand(128, 3)
     assert float(demo_script.warp_mel(ramp, 0.9).max()) == 127.0
+
+
+def test_demo_voices_hold_out_variants_and_keep_the_aligners() -> None:
+    """The ASR data trains every accent but never the held-out variants; the aligner's voices stay the first
+    recipe's (its bundled model was made with them); every voice named exists in this espeak-ng."""
+    data = _script("make_demo_data")
+    held_accents = {v.split("+")[0] for v in data.HELD_OUT_VOICES}
+    held_variants = {v.split("+")[1] for v in data.HELD_OUT_VOICES}
+    assert held_accents <= set(data.TRAIN_ACCENTS)
+    assert not held_variants & set(data.TRAIN_VARIANTS)
+    assert not held_accents & set(data.FIRST_ACCENTS)  # the aligner's validation voices stay unheard
+    assert set(data.FIRST_VARIANTS) <= set(data.TRAIN_VARIANTS)
+    espeak = data.Espeak()
+    for voice in [*data.TRAIN_ACCENTS, *(f"en+{v}" for v in data.TRAIN_VARIANTS if v), *data.HELD_OUT_VOICES]:
+        wave, phones = espeak.synth("nine", voice, 160, 50)
+        assert len(wave) > 1600 and phones, voice
+
+
+def test_word_run_eval_speaks_each_run_by_each_voice(tmp_path: Path) -> None:
+    """eval_word_runs --voice: every run by every voice, labelled; without it, the test's voices in turn."""
+    evaluate = _script("eval_word_runs")
+    assert evaluate.voice_speed("en-gb-x-rp+f2:230") == ("en-gb-x-rp+f2", 230)
+    with pytest.raises(Exception, match="VOICE:WPM"):
+        evaluate.voice_speed("en-us")
+    runs = ["one two", "b four"]
+    refs, paths, labels = evaluate.spoken(runs, [("en-us", 175), ("en+m3", 110)], tmp_path)
+    assert refs == runs * 2 and labels == ["en-us:175"] * 2 + ["en+m3:110"] * 2
+    assert len(set(paths)) == 4 and all(p.stat().st_size > 1000 for p in paths)
+    slow, fast = (p.stat().st_size for p in (paths[3], paths[1]))
+    assert slow > fast  # 110 wpm lasts longer than 175 wpm
+    refs, _, labels = evaluate.spoken(runs, [], tmp_path / "test")
+    assert refs == runs and labels == [f"{v}:{s}" for v, s in evaluate.UNSEEN_VOICES[:2]]

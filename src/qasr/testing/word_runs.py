@@ -12,7 +12,8 @@ from pathlib import Path
 
 from qasr.testing.speech import speak
 
-# Accents and variants held out of make_demo_data.py's training data, at speeds outside its 130-190 wpm.
+# Voices held out of make_demo_data.py's training data (the variants f5 and m7 are never trained; their accents
+# are), at speeds outside its 130-190 wpm.
 UNSEEN_VOICES = (("en-us-nyc+f5", 122), ("en-gb-x-gbcwmd+m7", 198), ("en-us-nyc+m7", 200),
                  ("en-gb-x-gbcwmd+f5", 125))
 NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
