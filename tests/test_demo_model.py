@@ -95,15 +95,25 @@ def _joined(paths: list[Path], pause_s: float, out: Path) -> Path:
     return out
 
 
-# The target, not yet reached: on runs without a sentence to lean on, by voices and at speeds it never heard,
-# the bundled model confuses "-ty" and "-teen", writes a likely word for one it did not hear clearly, or
-# repeats a run's end (20% WER on these 24 runs, 17% on 80 such runs by scripts/eval_word_runs.py, 36% on
-# the validation runs of 2-26 s; four training voices read such runs at 0.7%). Three seeds, not one: the
-# first seed's 8 runs alone come out under 10% by luck. strict: remove the mark when it passes.
-@pytest.mark.xfail(strict=True, reason="the bundled model misreads random word runs by unseen voices (20% WER)")
+# Runs without a sentence to lean on, by voices and at speeds the model never trained on: 1.7% WER on 80 such
+# runs by scripts/eval_word_runs.py, 7.2% on the validation runs of 2-27 s (the model before, which had never
+# heard one of these accents: 20% here). Three seeds, not one: 8 runs are too few to tell a margin from luck.
 def test_random_word_runs_by_unseen_voices(asr: ASR, tmp_path: Path) -> None:
     runs = [text for seed in range(FIRST_SEED, FIRST_SEED + 3) for text in word_runs(seed)]
     hyps = [" ".join(r.text.lower().split()) for r in asr.transcribe(speak_word_runs(runs, tmp_path))]
+    assert jiwer.wer(runs, hyps) <= 0.10, list(zip(runs, hyps, strict=True))
+
+
+# Voices a user might pick that are far from most of the training data: a whispered variant, a fast unseen
+# variant, the accent the model once missed. Measured 1.4%, 5.8% and 1.0% on 32 runs each.
+def test_random_word_runs_by_voices_a_user_picks(asr: ASR, tmp_path: Path) -> None:
+    voices = (("en-gb-scotland+whisper", 160), ("en-us+f5", 260), ("en-gb-x-gbcwmd", 175))
+    runs, paths = [], []
+    for k, (voice, wpm) in enumerate(voices):
+        for i, text in enumerate(word_runs(FIRST_SEED + k)):
+            runs.append(text)
+            paths.append(speak(text, tmp_path / f"v{k}_{i}.wav", voice=voice, speed=wpm, pitch=45))
+    hyps = [" ".join(r.text.lower().split()) for r in asr.transcribe(paths)]
     assert jiwer.wer(runs, hyps) <= 0.10, list(zip(runs, hyps, strict=True))
 
 
