@@ -24,8 +24,7 @@ import jiwer
 import torch
 
 from qasr import ASR
-from qasr.testing.speech import speak
-from qasr.testing.word_runs import FIRST_SEED, UNSEEN_VOICES, speak_word_runs, word_runs
+from qasr.testing.word_runs import FIRST_SEED, UNSEEN_VOICES, speak_runs_by, speak_word_runs, word_runs
 
 
 def part(refs: list[str], hyps: list[str], ids: list[int]) -> float:
@@ -47,14 +46,13 @@ def spoken(runs: list[str], voices: list[tuple[str, int]], folder: Path) -> tupl
     ``voices``: every run by every voice.
     """
     if not voices:
-        paths = speak_word_runs(runs, folder)
-        return runs, paths, [f"{v}:{s}" for i in range(len(runs)) for v, s in [UNSEEN_VOICES[i % len(UNSEEN_VOICES)]]]
+        labels = [":".join(map(str, UNSEEN_VOICES[i % len(UNSEEN_VOICES)])) for i in range(len(runs))]
+        return runs, speak_word_runs(runs, folder), labels
     refs, paths, labels = [], [], []
-    for k, (voice, wpm) in enumerate(voices):
-        for i, text in enumerate(runs):
-            paths.append(speak(text, folder / f"v{k}_run{i}.wav", voice=voice, speed=wpm, pitch=45))
-            refs.append(text)
-            labels.append(f"{voice}:{wpm}")
+    for voice, wpm in voices:
+        paths += speak_runs_by(runs, voice, wpm, folder)
+        refs += runs
+        labels += [f"{voice}:{wpm}"] * len(runs)
     return refs, paths, labels
 
 

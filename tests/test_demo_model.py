@@ -19,7 +19,7 @@ import soundfile as sf
 
 from qasr import ASR
 from qasr.testing.speech import speak
-from qasr.testing.word_runs import FIRST_SEED, speak_word_runs, word_runs
+from qasr.testing.word_runs import FIRST_SEED, speak_runs_by, speak_word_runs, word_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "qasr-demo-en"
@@ -110,9 +110,9 @@ def test_random_word_runs_by_voices_a_user_picks(asr: ASR, tmp_path: Path) -> No
     voices = (("en-gb-scotland+whisper", 160), ("en-us+f5", 260), ("en-gb-x-gbcwmd", 175))
     runs, paths = [], []
     for k, (voice, wpm) in enumerate(voices):
-        for i, text in enumerate(word_runs(FIRST_SEED + k)):
-            runs.append(text)
-            paths.append(speak(text, tmp_path / f"v{k}_{i}.wav", voice=voice, speed=wpm, pitch=45))
+        by_voice = word_runs(FIRST_SEED + k)
+        runs += by_voice
+        paths += speak_runs_by(by_voice, voice, wpm, tmp_path)
     hyps = [" ".join(r.text.lower().split()) for r in asr.transcribe(paths)]
     assert jiwer.wer(runs, hyps) <= 0.10, list(zip(runs, hyps, strict=True))
 

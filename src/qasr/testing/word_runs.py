@@ -21,6 +21,7 @@ NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven tw
 DIGITS = NUMBER_WORDS[:10]
 LETTERS = list("bcdefghijklmnopqrstuvwxyz")  # no "a": espeak-ng reads it as the article
 FIRST_SEED = 20240611
+PITCH = 45  # espeak-ng's 0-100 scale, inside the training data's 25-75
 
 
 def word_runs(seed: int) -> list[str]:
@@ -34,5 +35,11 @@ def word_runs(seed: int) -> list[str]:
 
 def speak_word_runs(runs: list[str], folder: Path) -> list[Path]:
     """WAV files of ``runs`` under ``folder``, the voices and speeds of UNSEEN_VOICES taken in turn."""
-    return [speak(text, folder / f"run{i}.wav", voice=UNSEEN_VOICES[i % len(UNSEEN_VOICES)][0],
-                  speed=UNSEEN_VOICES[i % len(UNSEEN_VOICES)][1], pitch=45) for i, text in enumerate(runs)]
+    return [speak(text, folder / f"run{i}.wav", voice=voice, speed=wpm, pitch=PITCH)
+            for i, text in enumerate(runs) for voice, wpm in [UNSEEN_VOICES[i % len(UNSEEN_VOICES)]]]
+
+
+def speak_runs_by(runs: list[str], voice: str, wpm: int, folder: Path) -> list[Path]:
+    """WAV files of ``runs`` under ``folder``, all by one espeak-ng voice at one speed (a voice a user picks)."""
+    return [speak(text, folder / f"{voice}_{wpm}_run{i}.wav", voice=voice, speed=wpm, pitch=PITCH)
+            for i, text in enumerate(runs)]
