@@ -118,7 +118,7 @@ def test_random_word_runs_by_voices_a_user_picks(asr: ASR, tmp_path: Path) -> No
 
 
 # A segment as the segmenter cuts them (25-30 s, several sentences) comes back whole: the bundled model
-# was fine-tuned on such segments (6.5% WER on validation 21-28 s segments, 39 of 40 with >= 90% of their
+# was fine-tuned on such segments (2.2% WER on validation 21-28 s segments, 38 of 40 with >= 90% of their
 # words).
 def test_thirty_second_segment_is_transcribed_whole(asr: ASR, tmp_path: Path) -> None:
     parts = [speak(t, tmp_path / f"p{i}.wav", voice="en-us-nyc+m7", speed=150, pitch=50)
