@@ -81,8 +81,9 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
 
     ``pieces_of(i)`` segments input i (raising AudioError for a bad input); ``finish(i, pieces, futures,
     duration)`` assembles a finished input, ``fail(i, message)`` a failed one. ``progress`` receives the
-    audio seconds of every piece as it finishes. Closing the generator early (or an exception in the
-    caller, Ctrl-C included) cancels every unfinished request and stops the decode thread.
+    audio seconds of every piece as it finishes, and an input's skipped audio (silence) when it completes.
+    Closing the generator early (or an exception in the caller, Ctrl-C included) cancels every unfinished
+    request and stops the decode thread.
     """
     events: queue.SimpleQueue = queue.SimpleQueue()
     budget = _AudioBudget(max_in_flight_s)
@@ -157,6 +158,10 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
             if st.error is not None:
                 yield i, fail(i, st.error)
             else:
+                # audio the segmenter left out (silence) is done too: without it a bar ends short of 100%
+                skipped = st.duration - sum(p.duration for p in st.pieces)
+                if progress is not None and skipped > 0:
+                    progress(skipped)
                 yield i, finish(i, st.pieces, st.futures, st.duration)
     finally:
         with handover:
