@@ -138,6 +138,15 @@ def transcribe_command(args: argparse.Namespace) -> int:
         from qasr.distributed.job import run_on_ray
 
         return run_on_ray(todo, args, total_inputs=len(jobs))
+    missing = [job.source for job in todo if not os.path.exists(job.source)]
+    if len(missing) == len(todo):  # nothing to transcribe: say so now rather than after loading the model
+        failures = [(source, f"{source}: file not found") for source in missing]
+        for _, message in failures:
+            print(f"qasr: error: {message}", file=sys.stderr)
+        update_failed_list(args.output_dir, failures)
+        if len(failures) > 1:
+            print(f"qasr: {len(failures)} of {len(jobs)} inputs failed", file=sys.stderr)
+        return EXIT_FAILED
 
     from qasr.api import ASR
     from qasr.engine.engine import EngineConfig

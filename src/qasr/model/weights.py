@@ -45,8 +45,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
             raise FileNotFoundError(f"{path} has no config.json: not a Qwen3-ASR checkpoint directory")
         return path
     name = str(name_or_path)
-    if path.exists() or name.count("/") != 1:
-        raise FileNotFoundError(f"model {name!r}: no such checkpoint directory, and not a hub id (owner/name)")
+    if path.exists():
+        raise FileNotFoundError(f"model {name}: a file, not a checkpoint directory")
+    if not _looks_like_hub_id(name):  # '/models/x', './x', '~/x': a local path, never a hub look-up
+        raise FileNotFoundError(f"model {name}: no such checkpoint directory")
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model"]
@@ -58,10 +60,17 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as exc:
         raise FileNotFoundError(
-            f"model {name!r} is not in the local Hugging Face cache and could not be downloaded "
-            f"({type(exc).__name__}). On an offline machine, copy the checkpoint directory here and pass "
+            f"model {name}: no such local directory, not in the local Hugging Face cache, and it could not be "
+            f"downloaded ({type(exc).__name__}). On an offline machine, copy the checkpoint directory here and pass "
             f"its path, e.g. ASR.from_pretrained('/models/{name.split('/')[-1]}') or `qasr ... -m PATH`."
         ) from exc
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """``owner/name`` as the hub spells ids; anything path-like (absolute, relative with dots, home, more or
+    fewer parts) is taken for a local path, so its error talks about the path and not about a hub cache."""
+    owner, _, repo = name.partition("/")
+    return name.count("/") == 1 and bool(owner) and bool(repo) and not owner.startswith((".", "~")) and "\\" not in name
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
