@@ -56,8 +56,10 @@ def open_page(browser: webdriver.Chrome, srv: ServerProcess) -> None:
     key.clear()  # the page remembers the last key (localStorage)
     key.send_keys(KEY)
     # the language menu is refilled from /v1/models (which needs the key): only English for the demo model
-    browser.execute_script("showModel()")
-    WebDriverWait(browser, 30).until(lambda d: len(Select(d.find_element(By.ID, "language")).options) == 2)
+    # wait for this call to finish: the page's own call at load may still be refilling the menu otherwise
+    browser.set_script_timeout(30)
+    browser.execute_async_script("showModel().then(arguments[arguments.length - 1])")
+    assert len(Select(browser.find_element(By.ID, "language")).options) == 2
     Select(browser.find_element(By.ID, "language")).select_by_value("English")
 
 
@@ -81,3 +83,44 @@ def test_page_uploads_and_shows_the_transcript(tmp_path, browser, srv, fmt) -> N
         assert shown == "call anna on the ninth of july"
     else:
         assert '"text": "call anna on the ninth of july"' in shown and '"segments"' in shown
+
+
+def test_page_before_the_key_lists_no_languages_and_says_why(browser, srv) -> None:
+    browser.execute_script("localStorage.clear()")
+    browser.get(srv.url + "/")
+    WebDriverWait(browser, 10).until(lambda d: "API key" in d.find_element(By.ID, "status").text)
+    # no guessed list: only "detect" until /v1/models (which needs the key) names the model's own languages
+    assert [o.text for o in Select(browser.find_element(By.ID, "language")).options] == ["detect"]
+    open_page(browser, srv)  # typing the key fills the menu: only English for the demo model
+    assert [o.get_attribute("value") for o in Select(browser.find_element(By.ID, "language")).options] == ["", "English"]
+    assert not browser.find_element(By.ID, "status").text  # the hint is gone once the key works
+
+
+def test_page_shows_errors_in_the_error_colour(browser, srv) -> None:
+    open_page(browser, srv)
+    browser.execute_script("document.getElementById('file').value = ''; recorded = null;")
+    browser.find_element(By.ID, "go").click()  # no file chosen: an error
+    status = browser.find_element(By.ID, "status")
+    assert status.text == "Choose a file or record first." and status.get_attribute("class") == "error"
+    assert status.value_of_css_property("color") in ("rgba(176, 0, 32, 1)", "rgb(176, 0, 32)")
+    browser.execute_script("setStatus('fine', false)")
+    assert status.value_of_css_property("color") in ("rgba(102, 102, 102, 1)", "rgb(102, 102, 102)")
+
+
+def test_page_puts_each_finished_caption_turn_on_its_own_line(browser, srv) -> None:
+    open_page(browser, srv)
+    browser.execute_script("document.getElementById('captions').hidden = false;"
+                           "document.getElementById('finals').textContent = '';"
+                           "onLiveMessage({type: 'final', text: 'set an alarm'});"
+                           "onLiveMessage({type: 'final', text: ''});"
+                           "onLiveMessage({type: 'final', text: 'call anna'});")
+    assert browser.find_element(By.ID, "finals").text.splitlines() == ["set an alarm", "call anna"]
+
+
+def test_favicon_is_open_and_an_image(srv) -> None:
+    import httpx
+
+    icon = httpx.get(srv.url + "/favicon.ico", timeout=10)  # no key: browsers never send one here
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+    assert icon.text.startswith("<svg")
+    assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401  # the rest still needs the key

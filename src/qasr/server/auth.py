@@ -8,7 +8,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from qasr.server.errors import error_response
 
-OPEN_PATHS = frozenset({"/", "/health"})  # the page (it asks for the key itself) and load balancers' probe
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/health"})  # the page (it asks for the key itself), its icon
+# (browsers fetch it unasked) and load balancers' probe
 
 
 class ApiKeyAuth:

@@ -5,10 +5,6 @@
 
 const TRANSCRIBE_URL = "/v1/audio/transcriptions";
 const MODELS_URL = "/v1/models";
-const LANGUAGES = ["English", "Chinese", "Cantonese", "Arabic", "German", "French", "Spanish", "Portuguese",
-  "Indonesian", "Italian", "Korean", "Russian", "Thai", "Vietnamese", "Japanese", "Turkish", "Hindi", "Malay",
-  "Dutch", "Swedish", "Danish", "Finnish", "Polish", "Czech", "Filipino", "Persian", "Greek", "Romanian",
-  "Hungarian", "Macedonian"];
 
 const $ = (id) => document.getElementById(id);
 let recorded = null;  // a Blob from the microphone, used instead of the file input when set
@@ -199,7 +195,11 @@ function onLiveMessage(m) {
   if (m.type === "ready") { if (live) live.ready = true; setStatus("Listening ..."); }
   else if (m.type === "partial") { $("stable").textContent = m.stable; $("unstable").textContent = m.unstable; }
   else if (m.type === "final") {
-    if (m.text) $("finals").textContent += m.text + "\n";
+    if (m.text) {  // one paragraph per finished turn
+      const turn = document.createElement("p");
+      turn.textContent = m.text;
+      $("finals").appendChild(turn);
+    }
     $("stable").textContent = "";
     $("unstable").textContent = "";
   } else if (m.type === "error") setStatus(m.message, true);
@@ -226,12 +226,17 @@ function endLive() {
 async function showModel() {
   try {
     const response = await fetch(MODELS_URL, { headers: headers() });
+    if (response.status === 401) {
+      setStatus("This server needs an API key: type it above to list the model's languages.");
+      return;
+    }
     if (!response.ok) return;
     const first = (await response.json()).data[0];
     if (!first) return;
     $("model").textContent = "Model: " + first.id;
     $("model").dataset.id = first.id;
     if (first.languages) fillLanguages(first.languages);
+    if ($("status").textContent.startsWith("This server needs an API key")) setStatus("");
     canTimeWords = first.word_timestamps === true;
     updateWordsBox();
   } catch (e) { /* the page still works without it */ }
@@ -250,7 +255,7 @@ function fillLanguages(names) {
 
 function init() {
   $("apikey").value = localStorage.getItem("qasr-api-key") || "";
-  fillLanguages(LANGUAGES);
+  // the language menu holds only "detect" until /v1/models lists the model's own languages
   $("file").addEventListener("change", () => { recorded = null; $("recording").textContent = ""; });
   $("record").addEventListener("click", toggleRecording);
   $("live").addEventListener("click", toggleLive);
