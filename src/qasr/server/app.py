@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from qasr.server.auth import ApiKeyAuth
 from qasr.server.config import ServerConfig
 from qasr.server.errors import install_handlers
+from qasr.server.icon import router as icon_router
 from qasr.server.lifecycle import DrainGate
 from qasr.server.metrics import Metrics, ObserveRequests
 from qasr.server.native_stream import router as native_stream_router
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qasr.server")
 WARMUP_SECONDS = 1.0
+CUT_GRACE_S = 2.0  # after the drain deadline: time for the cut requests' error answers to go out
+ENGINE_CLOSE_S = 10.0  # after a drain: the engine holds nothing a client waits for, only what a cut left
 
 
 def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
