@@ -192,3 +192,31 @@ def test_progress_bar_counts_audio_files_and_speed(folder, tmp_path) -> None:
     last = out.stderr.replace("\r", "\n").splitlines()
     bars = [line for line in last if "s of audio" in line]
     assert bars and "100%" in bars[-1] and "4/4 files" in bars[-1] and "RTFx" in bars[-1], out.stderr
+
+
+def test_progress_bar_counts_skipped_silence_as_done(folder, tmp_path) -> None:
+    # 40 s of silence: VAD leaves none of it for the engine; the bar must still end at 100% of 42 s, not ~5%
+    args = [a for a in DEMO if a != "--no-progress"]
+    out = qasr("transcribe", str(folder / "b" / "silence.wav"), str(folder / "b" / "clip.wav"), "-o", str(tmp_path),
+               "--progress", "--segmentation", "vad", *args)
+    assert out.returncode == 0, out.stderr
+    bars = [line for line in out.stderr.replace("\r", "\n").splitlines() if "s of audio" in line]
+    assert bars and "100%" in bars[-1] and "2/2 files" in bars[-1], out.stderr
+
+
+def test_missing_inputs_fail_before_the_model_loads(tmp_path) -> None:
+    # the model path is wrong too: a run that loaded the model first would stop on it (exit 2, "checkpoint")
+    out = qasr("transcribe", str(tmp_path / "nothere.wav"), str(tmp_path / "nor.mp3"), "-m", "/no/such/model",
+               "-o", str(tmp_path / "out"), "--no-progress")
+    assert out.returncode == 1, out.stderr
+    assert f"qasr: error: {tmp_path / 'nothere.wav'}: file not found" in out.stderr
+    assert "2 of 2 inputs failed" in out.stderr and "checkpoint" not in out.stderr
+    assert (tmp_path / "out" / "failed.tsv").read_text().count("file not found") == 2
+
+
+@pytest.mark.parametrize("model", ["/nonexistent", "./missing/model", "~/missing-model"])
+def test_a_missing_local_model_path_is_reported_as_a_path(folder, model) -> None:
+    out = qasr("transcribe", str(folder / "a" / "clip.wav"), "-m", model, "--no-progress", timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"qasr: error: model {model}: no such checkpoint directory" in out.stderr
+    assert "Hugging Face" not in out.stderr and "HFValidationError" not in out.stderr
