@@ -92,7 +92,8 @@ def test_page_before_the_key_lists_no_languages_and_says_why(browser, srv) -> No
     # no guessed list: only "detect" until /v1/models (which needs the key) names the model's own languages
     assert [o.text for o in Select(browser.find_element(By.ID, "language")).options] == ["detect"]
     open_page(browser, srv)  # typing the key fills the menu: only English for the demo model
-    assert [o.get_attribute("value") for o in Select(browser.find_element(By.ID, "language")).options] == ["", "English"]
+    menu = Select(browser.find_element(By.ID, "language"))
+    assert [o.get_attribute("value") for o in menu.options] == ["", "English"]
     assert not browser.find_element(By.ID, "status").text  # the hint is gone once the key works
 
 
