@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from qasr.stream_cli import add_stream_parser
 
     add_stream_parser(sub)
+    from qasr.kernels_cli import add_kernels_parser
+
+    add_kernels_parser(sub)
     return parser
 
 
@@ -206,12 +209,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return stream_command(args)
     _log_to_stderr()
-    if args.command != "transcribe":
+    if args.command not in ("transcribe", "kernels"):
         return EXIT_USAGE
     # SIGTERM (a scheduler or `kill`) stops like Ctrl-C: cancel the work, keep only complete outputs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if args.command == "kernels":
+            from qasr.kernels_cli import kernels_command
+
+            return kernels_command(args)
         return transcribe_command(args)
+    except KeyboardInterrupt:  # during a model load or a kernel build (run_jobs reports its own)
+        print("qasr: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

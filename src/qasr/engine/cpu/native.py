@@ -1,5 +1,6 @@
-"""The optional C++ kernels, built once per machine with torch's extension loader, each proved by a
-self-test (selftest.py) on the CPU it runs on before anything uses it.
+"""The optional C++ kernels, built once per environment and CPU with torch's extension loader (build.py:
+where, under which lock, with which messages), each proved by a self-test (selftest.py) on the CPU it runs on
+before anything uses it.
 
 - decode attention: streams every cached key and value once per step; torch's GEMM kernels run the
   (2 query heads x context) shape far below memory bandwidth on CPUs, so a small loop does it instead.
@@ -14,33 +15,40 @@ to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_N
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
-from qasr.engine.cpu import selftest
+from qasr.engine.cpu import build, selftest
+from qasr.engine.cpu.build import cpu_flags
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 # -march=native enables AMX on AMX CPUs with recent compilers; naming it keeps older defaults honest.
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
+# (module name, source, flags) of each build; `qasr kernels build` builds the same ones
+DECODE_ATTENTION = ("qasr_decode_attention", "decode_attention.cpp", ("-ffast-math",))
+DECODER_OPS = ("qasr_decoder_ops", "decoder_ops.cpp", ())
+AMX_LINEAR = ("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
+BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
+# the CPU flags without which a kernel is not even built (it would compile to supported() == False)
+AMX_CPU = frozenset({"amx_bf16", "amx_tile"})
+AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 
 
 @functools.cache
 def decode_kernel() -> ModuleType | None:
     """Batched single-token attention over the KV pool (decode_attention.cpp)."""
-    mod = _build("qasr_decode_attention", "decode_attention.cpp", ("-ffast-math",))
+    mod = _build(*DECODE_ATTENTION)
     return selftest.verified("decode attention", mod, selftest.check_decode_attention)
 
 
 @functools.cache
 def decoder_ops_kernel() -> ModuleType | None:
     """Fused bf16 RMSNorm and q/k-norm + rotary (decoder_ops.cpp)."""
-    mod = _build("qasr_decoder_ops", "decoder_ops.cpp")
+    mod = _build(*DECODER_OPS)
     return selftest.verified("decoder ops", mod, selftest.check_decoder_ops)
 
 
@@ -56,9 +64,9 @@ def linear_kernel() -> ModuleType | None:
 def amx_kernel() -> ModuleType | None:
     """The AMX-BF16 GEMM module, or None: QASR_NO_AMX=1, no AMX in /proc/cpuinfo, no build, the OS refused
     tile data, or the self-test failed."""
-    if os.environ.get("QASR_NO_AMX") == "1" or not {"amx_bf16", "amx_tile"} <= cpu_flags():
+    if os.environ.get("QASR_NO_AMX") == "1" or not AMX_CPU <= cpu_flags():
         return None  # not built at all: -march=native would compile it to supported() == False anyway
-    mod = _build("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
+    mod = _build(*AMX_LINEAR)
     if mod is None:
         return None
     if not mod.supported():
@@ -89,21 +97,10 @@ def clear_caches() -> None:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.cache
 def _bf16_module() -> ModuleType | None:
-    mod = _build("qasr_bf16_linear", "bf16_linear.cpp")
+    if not AVX512_BF16_CPU <= cpu_flags():
+        return None  # not built at all, as the AMX one: a minute's compile of a kernel that cannot run here
+    mod = _build(*BF16_LINEAR)
     return mod if mod is not None and mod.supported() else None
 
 
@@ -114,31 +111,11 @@ def _build(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[s
     return _compile(name, source, flags, include)
 
 
+def spec(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> build.KernelSpec:
+    """The build of csrc/``source`` with the base flags plus ``flags``."""
+    return build.KernelSpec(name, CSRC / source, (*BASE_FLAGS, *flags), ("-fopenmp",), include)
+
+
 @functools.cache
 def _compile(name: str, source: str, flags: tuple[str, ...], include: tuple[str, ...]) -> ModuleType | None:
-    try:
-        from torch.utils.cpp_extension import load
-
-        _put_ninja_on_path()
-        # The build directory is named after the source and flags: checkouts with different kernel sources
-        # (or flags) then keep separate builds instead of rebuilding over each other in the shared cache.
-        digest = hashlib.sha256((CSRC / source).read_bytes() + "\0".join([*BASE_FLAGS, *flags, *include]).encode())
-        name = f"{name}_{digest.hexdigest()[:10]}"
-        return load(name=name, sources=[str(CSRC / source)], extra_cflags=[*BASE_FLAGS, *flags],
-                    extra_ldflags=["-fopenmp"], extra_include_paths=list(include), verbose=False)
-    except Exception as exc:  # no compiler, no headers: the torch path is correct, only slower
-        log.warning("qasr: native kernel %s unavailable (%s); using the torch fallback", name, exc)
-        return None
-
-
-def _put_ninja_on_path() -> None:
-    """torch's loader runs `ninja` from PATH; the pip-installed one lives next to this interpreter."""
-    dirs = [os.path.dirname(sys.executable)]
-    try:
-        import ninja
-
-        dirs.insert(0, ninja.BIN_DIR)
-    except (ImportError, AttributeError):
-        pass
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([*dirs, path]) if path else os.pathsep.join(dirs)
+    return build.build(spec(name, source, flags, include))
