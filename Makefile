@@ -2,11 +2,12 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qasr-installed
+KERNELS := $(VENV)/.qasr-kernels-built
 TORCH_CPU := torch==2.13.0
 
 .PHONY: demo test test-ray lint bench setup clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 $(STAMP): pyproject.toml
 	@# espeak-ng and ffmpeg make test speech; chromium (+ its driver) runs the web page in the server tests
@@ -26,10 +27,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps "silero-vad>=6"
 	@touch $(STAMP)
 
-demo: $(STAMP)
+# qasr's C++ CPU kernels for this machine now, so the first transcription need not compile (docs/kernels.md);
+# again when a kernel's source changes. A kernel this CPU cannot run is reported, not an error.
+$(KERNELS): $(STAMP) $(wildcard src/qasr/engine/cpu/csrc/*.cpp) src/qasr/engine/cpu/native.py src/qasr/engine/cpu/build.py
+	$(VENV)/bin/qasr kernels build
+	@touch $(KERNELS)
+
+demo: $(STAMP) $(KERNELS)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q
 
 # the Ray tests (pytest marker `ray`, left out of `make test`): the ray extra first, keeping the torch installed
