@@ -245,7 +245,7 @@ def median_round(rounds: list[dict], side: str) -> dict:
 
 
 def report(rounds: list[dict], args: argparse.Namespace) -> dict:
-    from qasr.perf.machine import cpu_info
+    from qasr.bench.perf.machine import cpu_info
 
     print(f"{cpu_info()['model']}, model {args.model}, {args.dtype}, {args.clients} clients, "
           f"{args.requests} requests per side, {len(rounds)} rounds (median round shown)")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     summary = report(rounds, args)
     stem = args.out / f"server_load_c{args.clients}"
-    from qasr.perf.machine import cpu_info
+    from qasr.bench.perf.machine import cpu_info
 
     meta = {"model": args.model, "language": args.language, "clients": args.clients, "requests": args.requests,
             "rounds": args.rounds,

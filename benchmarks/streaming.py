@@ -238,7 +238,7 @@ def naive_step(asr, audio: np.ndarray, settings: dict, t: int, state: dict, repe
     """Step t of the naive algorithm from ``state`` (after step t-1), ``repeats`` times, each by a fresh
     OracleStream (the same work; the median is reported). ``res`` (the last StepResult) is returned
     for the comparison with ours and dropped before the row is stored."""
-    from qasr.perf.machine import ForeignCpu
+    from qasr.bench.perf.machine import ForeignCpu
 
     cs = int(settings["chunk_size_sec"] * SR)
     hop = asr.checkpoint.features.hop_length
@@ -267,7 +267,7 @@ def step_cost(asr, audio: np.ndarray, settings: dict, steps: int, naive_times: l
     steps k whose state before step k is returned; ``keep_tokens``: steps whose generated ids are
     returned (for run 2). ``partial``: where the rows so far are written every minute (a long run on a
     shared machine may be cut short)."""
-    from qasr.perf.machine import ForeignCpu
+    from qasr.bench.perf.machine import ForeignCpu
 
     cs = int(settings["chunk_size_sec"] * SR)
     s = asr.stream(**settings)
@@ -350,7 +350,7 @@ class TurnWatch:
 def timed_push(asr, live, watch: TurnWatch, chunk: np.ndarray) -> tuple[dict, list]:  # noqa: ANN001
     """Push one chunk into ``live``; its wall time, and the work of the turn steps it caused (a push can
     finish one turn, whose last step decodes the tail, and open another)."""
-    from qasr.perf.machine import ForeignCpu
+    from qasr.bench.perf.machine import ForeignCpu
     from qasr.streaming import TurnFinal
 
     before = live._turn  # (private: the open turn's Session, read only)
@@ -433,7 +433,7 @@ def drive(n: int, measure: int, chunk_s: float, limit: float, push: Callable[[in
     """n threads; thread i calls push(i, j) at the moment chunk j of its stream is complete (phase i/n
     of a chunk) for j < measure; latency = that moment to push's return. Stops every thread once more
     steps are over ``limit`` than 95% allows."""
-    from qasr.perf.machine import ForeignCpu
+    from qasr.bench.perf.machine import ForeignCpu
 
     total = n * measure
     allowed = total - math.ceil(0.95 * total)  # more steps over the limit than this: p95 is over it
@@ -584,7 +584,7 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
     import torch
 
     from qasr import ASR
-    from qasr.perf.machine import probe
+    from qasr.bench.perf.machine import probe
 
     budget = Budget(args.get("deadline"))
     machine = probe()
@@ -944,8 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--at must be at least 3")
     if args.live_only and args.model:
         p.error("--live-only needs --dims: its naive states are synthetic, exact only for the random checkpoints")
-    from qasr.bench import in_subprocess
-    from qasr.perf.machine import cpu_info
+    from qasr.bench.cpu import in_subprocess
+    from qasr.bench.perf.machine import cpu_info
 
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.model:

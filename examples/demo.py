@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from qasr import ASR
-from qasr.outputs import render, write_atomic
+from qasr.outputs.writers import render, write_atomic
 
 HERE = Path(__file__).resolve().parent
 BUNDLED = HERE.parent / "models" / "qasr-demo-en"

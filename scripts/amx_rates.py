@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from qasr.bench.perf.machine import cpu_info, gemm_rates
 from qasr.engine.cpu import native
-from qasr.perf.machine import cpu_info, gemm_rates
 
 # (M, K, N): the benchmark's peak shape, then decoder-like shapes at decode and prefill row counts
 SHAPES = ((1024, 1024, 3072), (16, 1024, 3072), (64, 1024, 3072), (256, 1024, 2048), (1, 1024, 151936))

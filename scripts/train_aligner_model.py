@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.align.layout import build_aligner_prompt
-from qasr.features import LogMel
+from qasr.audio.features import LogMel
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import ModelConfig, post_conv_length
 from qasr.model.prompt import SpecialTokens

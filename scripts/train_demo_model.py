@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.features import LogMel
+from qasr.audio.features import LogMel
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import ModelConfig, post_conv_length
 from qasr.model.prompt import SpecialTokens, build_prompt

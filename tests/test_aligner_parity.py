@@ -14,9 +14,9 @@ from conftest import noise
 from safetensors.torch import load_file, save_file
 
 from qasr.align.aligner import Aligner
+from qasr.audio.features import LogMel
 from qasr.engine.engine import EngineConfig
 from qasr.engine.kv_cache import KVPool
-from qasr.features import LogMel
 from qasr.model.decoder import AttentionMeta
 from qasr.testing import make_tiny_aligner_checkpoint
 

@@ -21,7 +21,7 @@ from qasr.engine.engine import EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.weights import resolve_model_dir
-from qasr.outputs import render
+from qasr.outputs.writers import render
 from qasr.testing import make_tiny_checkpoint
 from qasr.testing.speech import convert, speak
 

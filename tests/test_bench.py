@@ -10,10 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qasr.bench import PeakRss, clip_lengths, summary_line
-from qasr.bench_aligner import WORDS_PER_SECOND, agreement, workload
-from qasr.model.config import DecoderConfig, EncoderConfig, ModelConfig
-from qasr.perf.flops import (
+from qasr.bench.aligner import WORDS_PER_SECOND, agreement, workload
+from qasr.bench.cpu import PeakRss, clip_lengths, summary_line
+from qasr.bench.perf.flops import (
     PhaseFlops,
     Utterance,
     decode_flops,
@@ -22,9 +21,10 @@ from qasr.perf.flops import (
     prefill_flops,
     workload_flops,
 )
-from qasr.perf.machine import ForeignCpu, cpu_info, gemm_peak, read_bandwidth
-from qasr.perf.phases import ForwardLog, efficiency_report
-from qasr.perf.report import draw_roofline, machine_line, phase_table
+from qasr.bench.perf.machine import ForeignCpu, cpu_info, gemm_peak, read_bandwidth
+from qasr.bench.perf.phases import ForwardLog, efficiency_report
+from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
+from qasr.model.config import DecoderConfig, EncoderConfig, ModelConfig
 from qasr.testing import QWEN3_ASR_0_6B_DIMS, TINY_DIMS
 
 
@@ -211,8 +211,8 @@ def test_aligner_sides_run_and_agree_in_float32_on_a_tiny_checkpoint(tmp_path) -
     pytest.importorskip("transformers")
     import torch
 
-    from qasr.bench_aligner import build_aligner_checkpoint, plot, run_qasr_aligner, run_reference_aligner, table
-    from qasr.bench_aligner import summary_line as aligner_line
+    from qasr.bench.aligner import build_aligner_checkpoint, plot, run_qasr_aligner, run_reference_aligner, table
+    from qasr.bench.aligner import summary_line as aligner_line
 
     ckpt = build_aligner_checkpoint(tmp_path, dims=TINY_DIMS, dtype=torch.float32)
     _, clips, texts = workload(3, seed=2)

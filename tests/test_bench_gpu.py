@@ -1,4 +1,4 @@
-"""The GPU mode of the throughput benchmark (qasr.bench_gpu), checked on CPU: the closed loop's accounting
+"""The GPU mode of the throughput benchmark (qasr.bench.gpu), checked on CPU: the closed loop's accounting
 and time budget, both sides run end to end on a tiny checkpoint, the report. The mode itself runs on a
 GPU through scripts/gpu_check.sh."""
 
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qasr.bench import main as bench_main
-from qasr.bench_gpu import (
+from qasr.bench.cpu import main as bench_main
+from qasr.bench.gpu import (
     CLIP_RANGE,
     LEVELS,
     GpuPlan,

@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 
 from qasr import ASR, Aligner
-from qasr.word_timing import LEAD_IN_CLASSES, with_lead_in
+from qasr.transcribe.words import LEAD_IN_CLASSES, with_lead_in
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "qasr-demo-aligner-en"
@@ -112,7 +112,7 @@ def test_long_clip_is_roughly_timed(aligner: Aligner, clips: list[tuple[np.ndarr
 
 def test_a_segment_cut_at_the_speech_onset_is_timed(aligner: Aligner) -> None:
     """The bundled example's first VAD segment starts 10 ms before its first word. transcribe gives the
-    aligner a lead-in of silence (qasr.word_timing.with_lead_in); without it the demo aligner put "of july"
+    aligner a lead-in of silence (qasr.transcribe.words.with_lead_in); without it the demo aligner put "of july"
     into the pause after its sentence and "turn" a second early. Its pauses are digital silence, so a word
     start placed in one is plain to see: every word must start within 0.12 s of sound."""
     clip = ROOT / "examples" / "briefing.flac"

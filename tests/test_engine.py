@@ -155,7 +155,7 @@ def test_packed_encoder_output_is_bit_identical_to_alone(ck_bf16) -> None:
     (float32 on CPU uses torch's GEMMs, which may round a row differently by batch size.)"""
     import torch
 
-    from qasr.features import LogMel
+    from qasr.audio.features import LogMel
 
     ck = ck_bf16
     kernels = Engine(ck, EngineConfig(kv_cache_bytes=1 << 24)).prepared.kernels  # the engine's CPU kernels

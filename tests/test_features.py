@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import noise
 
-from qasr.features import LogMel
+from qasr.audio.features import LogMel
 
 transformers = pytest.importorskip("transformers")
 

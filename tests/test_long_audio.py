@@ -11,8 +11,8 @@ import soundfile as sf
 import soxr
 
 from qasr import ASR
-from qasr.stitch import join_segment_texts
 from qasr.testing.speech import speak
+from qasr.transcribe.text import join_segment_texts
 
 ROOT = Path(__file__).resolve().parent.parent
 SR = 16000

@@ -14,9 +14,9 @@ import srt
 import webvtt
 from test_subtitles import assert_follows_rules, words_text
 
-from qasr.outputs import FORMATS, output_path, render, write_atomic
+from qasr.outputs.subtitles import CueRules
+from qasr.outputs.writers import FORMATS, output_path, render, write_atomic
 from qasr.results import Segment, Transcription, Word
-from qasr.subtitles import CueRules
 
 WORDS = tuple(Word(w, 3600.0 + 0.4 * i, 3600.0 + 0.4 * i + 0.3) for i, w in enumerate(words_text(50, 2).split()))
 SEGMENTS = (

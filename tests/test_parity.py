@@ -13,13 +13,13 @@ import torch
 from conftest import noise
 from devices import DEVICES, exact_float32
 
-from qasr.engine.generate import GenRequest, generate
+from qasr.audio.features import LogMel
 from qasr.engine.kv_cache import KVPool
-from qasr.features import LogMel
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.decoder import AttentionMeta
 from qasr.model.prompt import build_prompt
+from qasr.testing.generate import GenRequest, generate
 
 transformers = pytest.importorskip("transformers")
 

@@ -118,17 +118,17 @@ def test_forty_files_through_two_actors_match_the_single_process_run(runtime, fo
 
 def test_an_actor_killed_mid_job_loses_and_repeats_nothing(runtime, folder, reference, tmp_path, capfd,
                                                            monkeypatch) -> None:
-    import qasr.job_runner
+    import qasr.jobs.runner
 
     out = tmp_path / "out"
     writes: Counter[str] = Counter()
-    write = qasr.job_runner.write_atomic
+    write = qasr.jobs.runner.write_atomic
 
     def counted(path: Path, text: str) -> None:
         writes[str(path.relative_to(out))] += 1
         write(path, text)
 
-    monkeypatch.setattr(qasr.job_runner, "write_atomic", counted)
+    monkeypatch.setattr(qasr.jobs.runner, "write_atomic", counted)
     killed: list[str] = []
 
     def asr_actors() -> set[str]:

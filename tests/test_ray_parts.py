@@ -15,7 +15,7 @@ from qasr.distributed import rows
 from qasr.distributed.assemble import Collector, merge_parts
 from qasr.engine.request import GenerationResult
 from qasr.results import Transcription, Word
-from qasr.word_timing import Aligned
+from qasr.transcribe.words import Aligned
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ final text takes back, and segments join as join_segment_texts joins them."""
 from __future__ import annotations
 
 from qasr.server.textstream import Joiner, PieceText
-from qasr.stitch import join_segment_texts
+from qasr.transcribe.text import join_segment_texts
 
 
 def _stream(pieces: list[str], forced: bool = False) -> tuple[list[str], str]:

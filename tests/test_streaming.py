@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from qasr.features import LogMel
+from qasr.audio.features import LogMel
 from qasr.model.prompt import build_prompt
 from qasr.streaming import OracleStream, Session, StreamConfig
 from qasr.streaming.logmel import StreamingLogMel

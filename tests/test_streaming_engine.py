@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from qasr.features import LogMel
+from qasr.audio.features import LogMel
 from qasr.model.prompt import build_prompt
 from tests.conftest import noise
 

@@ -1,11 +1,11 @@
-"""Cue rules (qasr.subtitles): line length and count, duration, order, no overlap, and no text lost."""
+"""Cue rules (qasr.outputs.subtitles): line length and count, duration, order, no overlap, and no text lost."""
 
 from __future__ import annotations
 
 import random
 
+from qasr.outputs.subtitles import CueRules, cues
 from qasr.results import Segment, Word
-from qasr.subtitles import CueRules, cues
 
 RULES = CueRules()
 EPS = 1e-3  # writers keep milliseconds: parsed-back times may be off by rounding

@@ -17,11 +17,11 @@ import soundfile as sf
 import soxr
 
 from qasr import ASR, Aligner
-from qasr.outputs import render
+from qasr.align.spelling import display_words
+from qasr.outputs.writers import render
 from qasr.results import Word
 from qasr.testing.checkpoint import make_tiny_aligner_checkpoint
 from qasr.testing.speech import speak
-from qasr.word_text import display_words
 
 ROOT = Path(__file__).resolve().parent.parent
 SR = 16000

@@ -9,8 +9,9 @@ __version__ = "0.1.0"
 
 # Public names load on first use (PEP 562), so `qasr --help`, `--version` and usage errors answer
 # without importing torch.
-_HOMES = {"ASR": "qasr.api", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io", "Piece": "qasr.pieces",
-          "Segment": "qasr.results", "Transcription": "qasr.results", "Word": "qasr.results"}
+_HOMES = {"ASR": "qasr.api", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io",
+          "Piece": "qasr.transcribe.pieces", "Segment": "qasr.results", "Transcription": "qasr.results",
+          "Word": "qasr.results"}
 
 __all__ = ["ASR", "Aligner", "AudioError", "Piece", "Segment", "Transcription", "Word", "__version__"]
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.api import ASR
     from qasr.audio.io import AudioError
-    from qasr.pieces import Piece
     from qasr.results import Segment, Transcription, Word
+    from qasr.transcribe.pieces import Piece
 
 
 def __getattr__(name: str) -> object:

@@ -26,11 +26,11 @@ from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language
-from qasr.pieces import Piece, make_piece, make_pieces, read_output
 from qasr.pipeline import stream_results
 from qasr.results import Segment, Transcription, Word, worst_finish_reason
-from qasr.stitch import join_segment_texts
-from qasr.word_timing import Aligned
+from qasr.transcribe.pieces import Piece, make_piece, make_pieces, read_output
+from qasr.transcribe.text import join_segment_texts
+from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
@@ -246,7 +246,7 @@ class ASR:
         fut = self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
                                  ignore_eos=ignore_eos, on_token=on_token)
         if words and self.aligner is not None:
-            from qasr.word_timing import with_words
+            from qasr.transcribe.words import with_words
 
             return with_words(piece, fut, self.aligner, self.checkpoint.tokenizer)
         return fut

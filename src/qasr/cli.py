@@ -116,8 +116,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.ray is not None:  # inputs may also be URIs of any pyarrow filesystem
         from qasr.distributed.inputs import find_inputs, plan_jobs
     else:
-        from qasr.folder import find_inputs, plan_jobs
-    from qasr.folder import update_failed_list
+        from qasr.jobs.plan import find_inputs, plan_jobs
+    from qasr.jobs.plan import update_failed_list
     from qasr.model.prompt import normalize_language
 
     inputs = find_inputs(args.paths, args.recursive)
@@ -161,7 +161,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"qasr: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from qasr.job_runner import run_jobs
+    from qasr.jobs.runner import run_jobs
 
     try:
         return run_jobs(asr, todo, args, total_inputs=len(jobs))
@@ -194,7 +194,7 @@ def _log_to_stderr() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark has its own parser; pass everything through, -h included
-        from qasr.bench import main as bench_main
+        from qasr.bench.cpu import main as bench_main
 
         return bench_main(argv[1:])
     from qasr.distributed.options import split_ray_address

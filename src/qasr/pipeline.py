@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from qasr.audio.io import AudioError
-from qasr.pieces import Piece
+from qasr.transcribe.pieces import Piece
 
 _NO_SAMPLES = np.zeros(0, dtype=np.float32)
 _POLL_S = 0.25  # the consumer wakes this often, so Ctrl-C is seen even while the engine is busy

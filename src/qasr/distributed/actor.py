@@ -21,7 +21,7 @@ from concurrent.futures import Future, wait
 from qasr.audio.io import AudioError
 from qasr.distributed import rows
 from qasr.distributed.config import CallOptions, EngineSpec
-from qasr.pieces import Piece, make_piece, make_pieces
+from qasr.transcribe.pieces import Piece, make_piece, make_pieces
 
 log = logging.getLogger("qasr.distributed")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from qasr.distributed import rows
 from qasr.model.prompt import merge_languages
 from qasr.results import Transcription, worst_finish_reason
-from qasr.stitch import join_segment_texts
+from qasr.transcribe.text import join_segment_texts
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""Inputs of a Ray job: local paths as in ``qasr.folder``, plus URIs of any pyarrow filesystem.
+"""Inputs of a Ray job: local paths as in ``qasr.jobs.plan``, plus URIs of any pyarrow filesystem.
 
 ``s3://bucket/talks/``, ``gs://...``, ``hdfs://...``, ``abfs://...`` or ``file:///...`` name a file or a
 folder; folders are listed with pyarrow (sorted, media extensions only, subfolders with ``--recursive``)
 exactly as local folders are. On a cluster a local path must be visible to every node (a shared mount);
 a URI is read by whichever worker decodes it.
 
-Output paths come from ``qasr.folder.plan_jobs``: a URI takes part as the path ``/<scheme>/<rest>``, so a
+Output paths come from ``qasr.jobs.plan.plan_jobs``: a URI takes part as the path ``/<scheme>/<rest>``, so a
 folder of URIs mirrors under OUT like a local folder does, and the stem rules are the same.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qasr.folder import MEDIA_EXTENSIONS, Job
-from qasr.folder import find_inputs as find_local_inputs
-from qasr.folder import plan_jobs as plan_local_jobs
+from qasr.jobs.plan import MEDIA_EXTENSIONS, Job
+from qasr.jobs.plan import find_inputs as find_local_inputs
+from qasr.jobs.plan import plan_jobs as plan_local_jobs
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 
@@ -58,7 +58,7 @@ def _list_uri(uri: str, recursive: bool) -> list[str]:
 
 
 def find_inputs(args: list[str], recursive: bool = False) -> list[str]:
-    """``qasr.folder.find_inputs`` for local paths, pyarrow listings for URIs; order kept, duplicates dropped."""
+    """``qasr.jobs.plan.find_inputs`` for local paths, pyarrow listings for URIs; order kept, duplicates dropped."""
     found: list[str] = []
     for arg in args:
         found += _list_uri(arg, recursive) if is_uri(arg) else find_local_inputs([arg], recursive)
@@ -78,6 +78,6 @@ def _key(source: str) -> str:
 
 
 def plan_jobs(sources: list[str], out_dir: Path | None) -> list[Job]:
-    """``qasr.folder.plan_jobs`` with URIs placed as ``/<scheme>/<rest>``; each Job keeps its real source."""
+    """``qasr.jobs.plan.plan_jobs`` with URIs placed as ``/<scheme>/<rest>``; each Job keeps its real source."""
     planned = plan_local_jobs([_key(s) for s in sources], out_dir)
     return [Job(source, job.base) for source, job in zip(sources, planned, strict=True)]

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from qasr.distributed.config import EngineSpec, engine_threads, pool_config, portable
-from qasr.folder import Job
+from qasr.jobs.plan import Job
 
 EXIT_FAILED = 1
 
@@ -26,7 +26,7 @@ def run_on_ray(todo: list[Job], args: argparse.Namespace, total_inputs: int) -> 
 def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) -> int:  # noqa: ANN001
     from qasr.distributed.ray_data import RayTranscriber
     from qasr.distributed.runtime import usage_error
-    from qasr.job_runner import run_jobs
+    from qasr.jobs.runner import run_jobs
 
     pool = pool_config(cluster, actors=args.ray_actors, cpus=args.ray_actor_cpus, gpus=args.ray_actor_gpus,
                        decode_cpus=args.ray_decode_cpus, batch_size=args.ray_batch)

@@ -5,7 +5,7 @@
 
 Rows are segments, not files, so a long recording is spread over every actor and nothing waits on one
 big file; the driver regroups them (no shuffle: it only counts) and yields each input the moment its last
-segment arrives. ``qasr.job_runner.run_jobs`` takes this object in place of an ``ASR`` and does what it
+segment arrives. ``qasr.jobs.runner.run_jobs`` takes this object in place of an ``ASR`` and does what it
 does on one machine: atomic writes, progress, failed.tsv, Ctrl-C.
 
 When an actor dies, Ray restarts it and retries its calls (a crash, a lost node); one killed for good

@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 import torch
 
+from qasr.audio.features import LogMel
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
@@ -36,7 +37,6 @@ from qasr.engine.request import GenerationResult, KVLease, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from qasr.engine.validate import Limits, check_embeds, check_positions, check_request
-from qasr.features import LogMel
 from qasr.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)

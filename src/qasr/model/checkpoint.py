@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from qasr.features import FeatureConfig
+from qasr.audio.features import FeatureConfig
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import GenerationDefaults, ModelConfig
 from qasr.model.device import resolve_device, resolve_dtype

@@ -6,7 +6,7 @@ import zlib
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from qasr.outputs import render
+from qasr.outputs.writers import render
 from qasr.results import Segment
 from qasr.server.work import Finished
 

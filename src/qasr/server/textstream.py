@@ -4,7 +4,7 @@ The model writes ``language X<asr_text>`` before the transcript (unless the prom
 already ends with the tag), so nothing is emitted before the tag. Trailing whitespace and a trailing
 incomplete character (a byte-level token that ends mid UTF-8 sequence decodes to U+FFFD) are held back until
 later text settles them, because the final text is stripped and never holds a half character. Segments are
-joined as ``qasr.stitch.join_segment_texts`` joins them.
+joined as ``qasr.transcribe.text.join_segment_texts`` joins them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from qasr.model.prompt import ASR_TEXT_TAG
-from qasr.stitch import is_unspaced
+from qasr.transcribe.text import is_unspaced
 
 _REPLACEMENT = "\ufffd"
 

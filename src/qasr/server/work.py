@@ -20,12 +20,12 @@ from qasr.results import Transcription
 from qasr.server.errors import ApiError
 from qasr.server.handoff import TokenHandoff
 from qasr.server.textstream import Joiner, PieceText
-from qasr.word_timing import Aligned
+from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
     from qasr.api import ASR
     from qasr.audio.vad import VadConfig
-    from qasr.pieces import Piece
+    from qasr.transcribe.pieces import Piece
 
 
 @dataclass(frozen=True)

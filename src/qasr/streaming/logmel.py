@@ -1,4 +1,4 @@
-"""Log-mel of a growing stream, bit-identical to ``qasr.features.LogMel`` on all the audio so far.
+"""Log-mel of a growing stream, bit-identical to ``qasr.audio.features.LogMel`` on all the audio so far.
 
 A frame (centre t * hop) is final once the audio reaches past its window (t * hop + n_fft / 2 < N):
 it then reads only real samples, never the reflect padding of the stream's end, so its raw log10 mel
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qasr.features import FeatureConfig, log10_mel, mel_filterbank
+from qasr.audio.features import FeatureConfig, log10_mel, mel_filterbank
 
 
 class StreamingLogMel:

@@ -9,11 +9,11 @@ import logging
 import weakref
 from typing import TYPE_CHECKING
 
+from qasr.audio.features import FeatureConfig
 from qasr.engine.cuda.attention import choose_attention, flash_attention
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.runner import CudaRunner
 from qasr.engine.device import PreparedModel
-from qasr.features import FeatureConfig
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS
 

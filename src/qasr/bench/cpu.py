@@ -7,9 +7,9 @@ batch: clips sorted by length, batch 8, features from its own extractor, left-pa
 transformers is needed only here (a test extra), never by qasr at run time.
 
 The machines are shared and their speed moves 2x from hour to hour, so the run starts by measuring this
-machine (CPU model, best bf16 GEMM rate, read bandwidth; qasr.perf.machine) and reports qasr's
-efficiency against it: model FLOP for the workload (qasr.perf.flops) per wall second over the peak,
-overall and per phase, with a roofline panel (qasr.perf.phases, qasr.perf.report). The last line is
+machine (CPU model, best bf16 GEMM rate, read bandwidth; qasr.bench.perf.machine) and reports qasr's
+efficiency against it: model FLOP for the workload (qasr.bench.perf.flops) per wall second over the peak,
+overall and per phase, with a roofline panel (qasr.bench.perf.phases, qasr.bench.perf.report). The last line is
 ``speedup=<x> rtfx=<y> efficiency=<z>``.
 """
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qasr.bench.perf.flops import Utterance, workload_flops
+from qasr.bench.perf.machine import ForeignCpu, probe
+from qasr.bench.perf.phases import ForwardLog, efficiency_report, timing_delta
+from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
 from qasr.model.config import ModelConfig
-from qasr.perf.flops import Utterance, workload_flops
-from qasr.perf.machine import ForeignCpu, probe
-from qasr.perf.phases import ForwardLog, efficiency_report, timing_delta
-from qasr.perf.report import draw_roofline, machine_line, phase_table
 
 TOKENS_PER_SECOND = 4
 SR = 16000
@@ -327,14 +327,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="number of 2-120 s clips (2-60 s with --aligner; default 16 quick, 48 full)")
     p.add_argument("--aligner", action="store_true",
                    help="forced alignment instead: qasr.Aligner against transformers' token classification "
-                        "(qasr.bench_aligner; ends with aligner_speedup=<x> aligner_rtfx=<y>)")
+                        "(qasr.bench.aligner; ends with aligner_speedup=<x> aligner_rtfx=<y>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-gib", type=float, default=6.0, help="qasr KV-cache budget")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the GPU mode (qasr.bench_gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
+                   help="cuda: the GPU mode (qasr.bench.gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
                         "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
                         "ends with gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>")
     p.add_argument("--gpu-budgets", default=None,
@@ -347,11 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         if args.aligner:
             p.error("--aligner has no GPU mode yet")
-        from qasr.bench_gpu import main as gpu_main  # imports this module: kept out of the top
+        from qasr.bench.gpu import main as gpu_main  # imports this module: kept out of the top
 
         return gpu_main(args)
     if args.aligner:
-        from qasr.bench_aligner import main as aligner_main  # imports this module: kept out of the top
+        from qasr.bench.aligner import main as aligner_main  # imports this module: kept out of the top
 
         return aligner_main(args)
     wl = QUICK if args.quick else FULL

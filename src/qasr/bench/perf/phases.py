@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qasr.model.config import ModelConfig, audio_token_count
-from qasr.perf.flops import (
+from qasr.bench.perf.flops import (
     PhaseFlops,
     Utterance,
     decode_row_flops,
@@ -23,6 +22,7 @@ from qasr.perf.flops import (
     encoder_weight_bytes,
     kv_bytes_per_position,
 )
+from qasr.model.config import ModelConfig, audio_token_count
 
 PHASES = ("encoder", "prefill", "decode")
 

@@ -1,6 +1,6 @@
 """Writers for transcription results (docs/output-formats.md); files are written atomically.
 
-txt and json write the result itself; srt, vtt and tsv write subtitle cues (qasr.subtitles).
+txt and json write the result itself; srt, vtt and tsv write subtitle cues (qasr.outputs.subtitles).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 import secrets
 from pathlib import Path
 
+from qasr.outputs.subtitles import DEFAULT_RULES, Cue, CueRules, cues
 from qasr.results import Segment, Transcription
-from qasr.subtitles import DEFAULT_RULES, Cue, CueRules, cues
 
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qasr.align.languages import normalize_aligner_language
+from qasr.align.spelling import display_words
 from qasr.audio.io import SAMPLE_RATE
 from qasr.engine.request import GenerationResult
-from qasr.pieces import Piece, read_output
 from qasr.results import Word
-from qasr.word_text import display_words
+from qasr.transcribe.pieces import Piece, read_output
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qasr.bench import CONTENDED, SR, PeakRss, clip_lengths, in_subprocess, make_clip
-from qasr.perf.machine import ForeignCpu, probe
-from qasr.perf.report import machine_line
+from qasr.bench.cpu import CONTENDED, SR, PeakRss, clip_lengths, in_subprocess, make_clip
+from qasr.bench.perf.machine import ForeignCpu, probe
+from qasr.bench.perf.report import machine_line
 
 WORDS_PER_SECOND = 2.5  # a brisk speaker: what a transcript of real speech carries
 MIN_S, MAX_S = 2.0, 60.0  # the aligner's pieces: the official pipeline aligns at most 180 s at a time
@@ -109,9 +109,9 @@ def decorrelate_head(path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     from safetensors.torch import load_file, save_file
 
     from qasr.align.aligner import Aligner
+    from qasr.audio.features import LogMel
     from qasr.engine.engine import EngineConfig
     from qasr.engine.kv_cache import KVPool
-    from qasr.features import LogMel
     from qasr.model.decoder import AttentionMeta
 
     # its engine is never used: the smallest KV pool (256 tokens) instead of the default gibibytes

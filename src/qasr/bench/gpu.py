@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qasr.bench import SR, TOKENS_PER_SECOND, ReferenceGenerate, build_checkpoint, in_subprocess
+from qasr.bench.cpu import SR, TOKENS_PER_SECOND, ReferenceGenerate, build_checkpoint, in_subprocess
 
 CLIP_RANGE = (100.0, 140.0)  # the official protocol's ~2-minute clips
 LEVELS = ((1, 3), (16, 32), (128, 128), (512, 512))  # (concurrency, requests)
@@ -181,11 +181,11 @@ def _write(path: Path | None, data: dict) -> None:
 def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: Path | None = None) -> dict:
     """qasr's engine through the levels, then the batch-invariance check. ``device="cpu"`` runs the same
     code on CPU tensors (the tests do, on a tiny checkpoint)."""
+    from qasr.bench.perf.phases import timing_delta
     from qasr.engine.engine import Engine
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
     from qasr.model.prompt import build_prompt
-    from qasr.perf.phases import timing_delta
 
     dev = torch.device(device)
     ck = load_checkpoint(ckpt_dir, device=device, dtype=plan.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qasr.perf.phases import PHASES
+from qasr.bench.perf.phases import PHASES
 
 
 def machine_line(machine: dict) -> str:

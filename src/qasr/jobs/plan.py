@@ -102,7 +102,7 @@ def probe_duration(path: str) -> float | None:
 
 def update_failed_list(out_dir: Path | None, failures: list[tuple[str, str]]) -> None:
     """Write ``OUT/failed.tsv`` for this run's failures, or remove a stale one when there are none."""
-    from qasr.outputs import write_atomic
+    from qasr.outputs.writers import write_atomic
 
     if out_dir is None:
         return
