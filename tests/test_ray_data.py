@@ -99,7 +99,7 @@ def reference(folder, tmp_path_factory) -> dict[str, str]:
 
 def run_in_process(args: list[str], capfd) -> tuple[int, str]:  # noqa: ANN001
     """The command run in this process, on this module's Ray runtime: ``(exit status, stderr)``."""
-    from qasr.cli import main
+    from qasr.cli.main import main
 
     code = main(args)
     return code, capfd.readouterr().err
@@ -232,7 +232,7 @@ def test_usage_errors_and_a_missing_ray(folder, tmp_path) -> None:
 
 
 def test_ray_address_or_input() -> None:
-    from qasr.distributed.options import is_ray_address, split_ray_address
+    from qasr.cli.ray_options import is_ray_address, split_ray_address
 
     assert [is_ray_address(a) for a in ("auto", "local", "ray://head:10001", "10.0.0.5:6379", "in/", "s3://b/x")] \
         == [True, True, True, True, False, False]

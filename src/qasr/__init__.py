@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 # Public names load on first use (PEP 562), so `qasr --help`, `--version` and usage errors answer
 # without importing torch.
-_HOMES = {"ASR": "qasr.api", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io",
+_HOMES = {"ASR": "qasr.transcribe.asr", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io",
           "Piece": "qasr.transcribe.pieces", "Segment": "qasr.results", "Transcription": "qasr.results",
           "Word": "qasr.results"}
 
@@ -17,9 +17,9 @@ __all__ = ["ASR", "Aligner", "AudioError", "Piece", "Segment", "Transcription", 
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
-    from qasr.api import ASR
     from qasr.audio.io import AudioError
     from qasr.results import Segment, Transcription, Word
+    from qasr.transcribe.asr import ASR
     from qasr.transcribe.pieces import Piece
 
 

@@ -1,6 +1,6 @@
 """``python -m qasr ...``: the ``qasr`` command, for environments where its script is not on PATH."""
 
-from qasr.cli import main
+from qasr.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

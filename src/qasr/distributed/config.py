@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qasr.api import ASR
+    from qasr.transcribe.asr import ASR
 
 # an engine on CPUs gains little from more than 4 threads at these model sizes (docs/benchmarks.md);
 # more cores are better spent on more engines
@@ -35,8 +35,8 @@ class EngineSpec:
     def load(self) -> ASR:
         import torch
 
-        from qasr.api import ASR
         from qasr.engine.engine import EngineConfig
+        from qasr.transcribe.asr import ASR
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)

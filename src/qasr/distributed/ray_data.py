@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from qasr.api import SEGMENTATIONS, TIMESTAMPS
 from qasr.distributed import rows
 from qasr.distributed.actor import Transcriber
 from qasr.distributed.assemble import Collector
@@ -35,6 +34,7 @@ from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
 from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
 from qasr.results import Transcription
+from qasr.transcribe.asr import SEGMENTATIONS, TIMESTAMPS
 
 log = logging.getLogger("qasr.distributed")
 ACTOR_PREFIX = "qasr-asr"  # ASR actors are named qasr-asr-<run>-p<pass>-<n>: findable in `ray list actors`

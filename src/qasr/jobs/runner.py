@@ -11,10 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 
-from qasr.api import ASR
 from qasr.jobs.plan import FAILED_LIST, Job, probe_duration, update_failed_list
 from qasr.outputs.writers import render, write_atomic
 from qasr.results import Transcription
+from qasr.transcribe.asr import ASR
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 

@@ -29,7 +29,7 @@ from qasr.server.state import ServerState
 from qasr.server.upload import UploadLimit
 
 if TYPE_CHECKING:
-    from qasr.api import ASR
+    from qasr.transcribe.asr import ASR
 
 log = logging.getLogger("qasr.server")
 WARMUP_SECONDS = 1.0

@@ -13,8 +13,8 @@ from qasr.align.languages import normalize_aligner_language
 from qasr.server.errors import ApiError
 
 if TYPE_CHECKING:
-    from qasr.api import ASR
     from qasr.audio.vad import VadConfig
+    from qasr.transcribe.asr import ASR
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 STREAM_FORMATS = ("json", "text")  # a stream is transcript events whatever the format; these two make sense

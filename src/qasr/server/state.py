@@ -14,7 +14,7 @@ from qasr.server.limits import AudioBudget
 from qasr.server.metrics import Metrics
 
 if TYPE_CHECKING:
-    from qasr.api import ASR
+    from qasr.transcribe.asr import ASR
 
 
 class ServerState:

@@ -23,8 +23,8 @@ from qasr.server.textstream import Joiner, PieceText
 from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
-    from qasr.api import ASR
     from qasr.audio.vad import VadConfig
+    from qasr.transcribe.asr import ASR
     from qasr.transcribe.pieces import Piece
 
 

@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 
-from qasr.argtypes import positive_float, positive_int
+from qasr.cli.argtypes import positive_float, positive_int
 
 # what `ray.init(address=...)` accepts: auto, local, ray://host:port (Ray Client), host:port (GCS)
 _ADDRESS = re.compile(r"^(auto|local|(ray|anyscale)://\S+|\[[0-9A-Fa-f:]+\]:\d+|[A-Za-z0-9._-]+:\d+)$")

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from qasr.argtypes import positive_float, positive_int
+from qasr.cli.argtypes import positive_float, positive_int
 
 if TYPE_CHECKING:
     from qasr.server.config import ServerConfig
@@ -58,7 +58,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
                    help="audio per live decoding step (default 1.0; the official default is 2.0)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    from qasr.distributed.options import add_serve_options  # argparse only: nothing heavy loads
+    from qasr.cli.ray_options import add_serve_options  # argparse only: nothing heavy loads
 
     add_serve_options(s)
     return s
@@ -99,8 +99,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return serve_on_ray(args, config)
 
     def load():  # noqa: ANN202 - runs in a worker thread once the server listens
-        from qasr.api import ASR
         from qasr.engine.engine import EngineConfig
+        from qasr.transcribe.asr import ASR
 
         return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
                                    engine=EngineConfig(max_running=args.max_running))

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from qasr import __version__
-from qasr.argtypes import positive_float, positive_int, probability
+from qasr.cli.argtypes import positive_float, positive_int, probability
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.FORMATS (a test checks)
@@ -68,19 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="cap on generated tokens per piece (default: ceil(15 x seconds) + 24 for each piece; "
                         "a piece cut at the cap is reported with a warning)")
-    from qasr.distributed.options import add_transcribe_options  # argparse only: nothing heavy loads
+    from qasr.cli.ray_options import add_transcribe_options  # argparse only: nothing heavy loads
 
     add_transcribe_options(t)
     b = sub.add_parser("bench", help="throughput benchmark against transformers (needs the test extras)",
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see qasr bench -h)")
-    from qasr.serve_cli import add_serve_parser  # argparse only: nothing heavy loads
+    from qasr.cli.serve import add_serve_parser  # argparse only: nothing heavy loads
 
     add_serve_parser(sub)
-    from qasr.stream_cli import add_stream_parser
+    from qasr.cli.stream import add_stream_parser
 
     add_stream_parser(sub)
-    from qasr.kernels_cli import add_kernels_parser
+    from qasr.cli.kernels import add_kernels_parser
 
     add_kernels_parser(sub)
     return parser
@@ -151,8 +151,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
             print(f"qasr: {len(failures)} of {len(jobs)} inputs failed", file=sys.stderr)
         return EXIT_FAILED
 
-    from qasr.api import ASR
     from qasr.engine.engine import EngineConfig
+    from qasr.transcribe.asr import ASR
 
     try:
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
@@ -197,15 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         from qasr.bench.cpu import main as bench_main
 
         return bench_main(argv[1:])
-    from qasr.distributed.options import split_ray_address
+    from qasr.cli.ray_options import split_ray_address
 
     args = build_parser().parse_args(split_ray_address(argv))
     if args.command == "serve":
-        from qasr.serve_cli import serve_command
+        from qasr.cli.serve import serve_command
 
         return serve_command(args)
     if args.command == "stream":
-        from qasr.stream_cli import stream_command
+        from qasr.cli.stream import stream_command
 
         return stream_command(args)
     _log_to_stderr()
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.command == "kernels":
-            from qasr.kernels_cli import kernels_command
+            from qasr.cli.kernels import kernels_command
 
             return kernels_command(args)
         return transcribe_command(args)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from typing import TextIO
 
-from qasr.argtypes import positive_int
+from qasr.cli.argtypes import positive_int
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 GREY, RESET, CLEAR_LINE = "\033[90m", "\033[0m", "\r\033[K"
@@ -57,7 +57,7 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from websockets.exceptions import WebSocketException
 
-    from qasr.stream_client import Final, Partial, ServerError, capture_chunks, file_chunks, stream
+    from qasr.cli.stream_client import Final, Partial, ServerError, capture_chunks, file_chunks, stream
 
     if args.input == "mic":
         chunks = capture_chunks(args.mic_format, args.mic_device, args.chunk_ms)

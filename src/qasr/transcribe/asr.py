@@ -26,8 +26,8 @@ from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language
-from qasr.pipeline import stream_results
 from qasr.results import Segment, Transcription, Word, worst_finish_reason
+from qasr.transcribe.feed import stream_results
 from qasr.transcribe.pieces import Piece, make_piece, make_pieces, read_output
 from qasr.transcribe.text import join_segment_texts
 from qasr.transcribe.words import Aligned
