@@ -1,37 +1,19 @@
 """The one place where the engine prepares a model for its device.
 
-``prepare_model`` returns what the engine runs with: the model (never modified), the ``Kernels`` its
-forwards are handed, the attention kernels for the KV pool, and a hook for submitting threads. CPU
+``prepare_model`` returns what the engine runs with, a ``PreparedModel`` (engine/backend.py): the model
+(never modified), the ``Kernels`` its forwards are handed, the attention kernels for the KV pool, and a
+hook for submitting threads. CPU
 specifics live in ``engine/cpu/``, CUDA specifics in ``engine/cuda/`` (a token-major KV pool read in place
 by varlen attention, pinned uploads, decode graphs in batch buckets), chosen here and nowhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
-
+from qasr.engine.backend import PreparedModel
 from qasr.model.asr_model import Qwen3ASRModel
-from qasr.model.kernels import TORCH_KERNELS, Kernels
+from qasr.model.kernels import TORCH_KERNELS
 
 BACKENDS = ("auto", "cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class PreparedModel:
-    model: Qwen3ASRModel
-    kernels: Kernels  # handed to every model forward
-    decode_attention: ModuleType | None = None  # native decode attention (also stores the new K/V)
-    prefill_attention: ModuleType | None = None  # native prompt-chunk attention
-    release_caller_threads: Callable[[], None] = lambda: None  # called by submitting threads
-    description: str = "torch"  # which kernels run, for logs and benchmarks
-    # the backend's own KV pool and runner, (decoder config, tokens, device, dtype) -> pool and
-    # (prepared, pool, feature config, engine config) -> runner; None: engine/kv_cache.KVPool and engine/runner.Runner
-    make_pool: Callable[..., Any] | None = None
-    make_runner: Callable[..., Any] | None = None
-    backend: str = "cpu"
 
 
 def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:

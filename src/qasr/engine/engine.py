@@ -23,13 +23,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 import psutil
 import torch
 
 from qasr.audio.features import LogMel
+from qasr.engine.config import EngineConfig, EngineStats
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
@@ -41,32 +41,6 @@ from qasr.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0  # the rolling tokens/s in stats() counts the steps of the last 10 s
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    kv_cache_bytes: int | None = None  # None: 40% of available memory on CPU, capped at 8 GiB
-    max_running: int = 64
-    prefill_tokens: int = 512  # prompt tokens per step (whole chunks), riding along with the decode rows
-    prefill_chunk: int = 256  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
-    encoder_tokens: int = 512  # encoder output tokens per step (whole 8 s windows, at least one)
-    conv_batch: int = 8  # 1 s chunks per conv call: small groups keep the activations in cache
-    native_kernels: bool = True  # qasr's C++ CPU kernels (each self-tested; torch ops where they fail)
-    backend: str = "auto"  # the device backend (engine/device.py): auto = the model's device type
-    cuda_graphs: bool = True  # CUDA backend: replay pure decode steps as graphs per batch bucket
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    waiting: int  # submitted, not yet holding a KV region
-    running: int  # holding a KV region (encoding, prefilling or decoding)
-    kv_tokens_used: int
-    kv_tokens_total: int
-    steps: int
-    generated_tokens: int
-    tokens_per_s: float  # generated tokens per second over the last RATE_WINDOW_S seconds
-    broken: bool
-    closed: bool
 
 
 def default_kv_bytes(device: torch.device) -> int:

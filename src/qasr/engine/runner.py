@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from qasr.audio.features import LogMel
-from qasr.engine.device import PreparedModel
+from qasr.engine.backend import PreparedModel
 from qasr.engine.kv_cache import KVPool
 from qasr.engine.request import Request
 from qasr.engine.scheduler import StepPlan

@@ -9,11 +9,11 @@ import weakref
 
 import torch
 
+from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
 from qasr.engine.cpu.conv import CpuConvs
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
-from qasr.engine.device import PreparedModel
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 

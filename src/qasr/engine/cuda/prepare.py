@@ -10,15 +10,15 @@ import weakref
 from typing import TYPE_CHECKING
 
 from qasr.audio.features import FeatureConfig
+from qasr.engine.backend import PreparedModel
 from qasr.engine.cuda.attention import choose_attention, flash_attention
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.runner import CudaRunner
-from qasr.engine.device import PreparedModel
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS
 
 if TYPE_CHECKING:
-    from qasr.engine.engine import EngineConfig
+    from qasr.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 _prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[bool, PreparedModel]] = weakref.WeakKeyDictionary()

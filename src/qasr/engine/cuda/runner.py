@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from qasr.audio.features import FeatureConfig, LogMel
+from qasr.engine.backend import PreparedModel
 from qasr.engine.cuda.graphs import DecodeGraphs
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.plan import VarlenMeta, decode_buckets, upload, varlen_host
-from qasr.engine.device import PreparedModel
 from qasr.engine.runner import Runner, StepBatch
 
 

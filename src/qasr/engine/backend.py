@@ -1,0 +1,69 @@
+"""The device seam: what a backend (engine/cpu/, engine/cuda/) hands the engine, typed.
+
+A backend prepares a model once (``PreparedModel``): the kernels every forward is handed, optionally its
+own KV pool layout and its own step runner. The engine only sees the protocols below, so the backends
+import this module and never the engine or the module that chooses among them (engine/device.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from qasr.model.asr_model import Qwen3ASRModel
+from qasr.model.kernels import Kernels
+
+if TYPE_CHECKING:
+    from qasr.audio.features import FeatureConfig
+    from qasr.engine.config import EngineConfig
+    from qasr.engine.kv_cache import RegionAllocator
+    from qasr.engine.request import Request
+    from qasr.engine.scheduler import StepPlan
+    from qasr.model.config import DecoderConfig
+
+
+class KVCache(Protocol):
+    """A pool of keys and values for ``tokens`` positions, handed out in regions by ``allocator``."""
+
+    tokens: int
+    allocator: RegionAllocator
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def move(self, src: int, dst: int, n: int) -> None: ...
+
+
+class StepRunner(Protocol):
+    """Runs one engine step on the device: an encoder call over audio slices, then a decoder forward."""
+
+    def encode(self, slices: list[tuple[Request, int]]) -> float: ...
+
+    def forward(self, plan: StepPlan) -> list[tuple[Request, int]]: ...
+
+
+class PoolFactory(Protocol):
+    def __call__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype) -> KVCache: ...
+
+
+class RunnerFactory(Protocol):
+    def __call__(self, prepared: PreparedModel, pool: KVCache, features: FeatureConfig,
+                 config: EngineConfig) -> StepRunner: ...
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    model: Qwen3ASRModel
+    kernels: Kernels  # handed to every model forward
+    decode_attention: ModuleType | None = None  # native decode attention (also stores the new K/V)
+    prefill_attention: ModuleType | None = None  # native prompt-chunk attention
+    release_caller_threads: Callable[[], None] = lambda: None  # called by submitting threads
+    description: str = "torch"  # which kernels run, for logs and benchmarks
+    # the backend's own KV pool and runner; None: engine/kv_cache.KVPool and engine/runner.Runner
+    make_pool: PoolFactory | None = None
+    make_runner: RunnerFactory | None = None
+    backend: str = "cpu"
