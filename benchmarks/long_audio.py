@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from qasr.bench.cpu import PeakRss, build_checkpoint, in_subprocess
+from qasr.bench.common import PeakRss, build_checkpoint, in_subprocess
 from qasr.bench.perf.machine import ForeignCpu, cpu_info
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def run_serial(model: str, dtype: str, path: str) -> dict:
 def run_rss(model: str, dtype: str, path: str) -> dict:
     """Peak RSS of transcribing one long file, against the process before it and the waveform's size."""
     asr = _asr(model, dtype)
-    from qasr.bench.cpu import _vm_hwm
+    from qasr.bench.common import _vm_hwm
 
     base = _vm_hwm()
     t0 = time.perf_counter()

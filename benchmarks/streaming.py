@@ -944,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--at must be at least 3")
     if args.live_only and args.model:
         p.error("--live-only needs --dims: its naive states are synthetic, exact only for the random checkpoints")
-    from qasr.bench.cpu import in_subprocess
+    from qasr.bench.common import in_subprocess
     from qasr.bench.perf.machine import cpu_info
 
     args.cache.mkdir(parents=True, exist_ok=True)

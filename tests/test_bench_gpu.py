@@ -14,21 +14,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qasr.bench.cpu import main as bench_main
+from qasr.bench.common import closed_loop, percentile
 from qasr.bench.gpu import (
     CLIP_RANGE,
     LEVELS,
     GpuPlan,
-    closed_loop,
     gpu_engine_config,
     lengths_for,
-    percentile,
     plot,
     run_qasr_gpu,
     run_reference_gpu,
     summary_line,
     table,
 )
+from qasr.bench.main import main as bench_main
 from qasr.model.config import audio_token_count
 
 

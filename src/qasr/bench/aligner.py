@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qasr.bench.cpu import CONTENDED, SR, PeakRss, clip_lengths, in_subprocess, make_clip
+from qasr.bench.common import CONTENDED, SR, PeakRss, clip_lengths, in_subprocess, make_clip
 from qasr.bench.perf.machine import ForeignCpu, probe
 from qasr.bench.perf.report import machine_line
 
@@ -260,7 +260,7 @@ def summary_line(report: dict) -> str:
     return f"aligner_speedup={report['speedup']:.2f} aligner_rtfx={report['qasr']['rtfx']:.1f}"
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the aligner mode with ``qasr bench``'s parsed arguments (its thread count already set)."""
     n = args.clips or (16 if args.quick else 48)
     lengths, clips, texts = workload(n, args.seed)

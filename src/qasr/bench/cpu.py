@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,15 +24,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qasr.bench.common import (
+    CONTENDED,
+    SR,
+    TOKENS_PER_SECOND,
+    PeakRss,
+    ReferenceGenerate,
+    build_checkpoint,
+    clip_lengths,
+    closed_loop,
+    in_subprocess,
+    make_clip,
+)
 from qasr.bench.perf.flops import Utterance, workload_flops
 from qasr.bench.perf.machine import ForeignCpu, probe
 from qasr.bench.perf.phases import ForwardLog, efficiency_report, timing_delta
 from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
 from qasr.model.config import ModelConfig
-
-TOKENS_PER_SECOND = 4
-SR = 16000
-CONTENDED = 0.1  # other processes' share of the CPUs above which a side's figures get a warning
 
 
 @dataclass(frozen=True)
@@ -48,74 +52,6 @@ class Workload:
 
 QUICK = Workload(clips_s=(), ttft_levels=((1, 3), (4, 8), (16, 16), (64, 64)), ttft_clip_range=(1.0, 4.0))
 FULL = Workload(clips_s=(), ttft_levels=((1, 8), (4, 16), (16, 48), (64, 128)), ttft_clip_range=(2.0, 20.0))
-
-
-def clip_lengths(n: int, seed: int, lo: float = 2.0, hi: float = 120.0) -> list[float]:
-    """n lengths spread over lo-hi s, log-uniformly (stratified, then shuffled), rounded to 0.01 s.
-
-    Log-uniform: real archives hold many short utterances and a few long ones (mean about 29 s over
-    the default 2-120 s; the aligner mode uses 2-60 s)."""
-    rng = np.random.default_rng(seed)
-    edges = np.geomspace(lo, hi, n + 1)
-    lengths = [round(float(np.exp(rng.uniform(np.log(edges[i]), np.log(edges[i + 1])))), 2) for i in range(n)]
-    rng.shuffle(lengths)
-    return lengths
-
-
-def make_clip(seconds: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (0.1 * rng.standard_normal(int(seconds * SR))).astype(np.float32)
-
-
-class PeakRss:
-    """Peak resident memory of this process over a phase, from the kernel's high-water mark.
-
-    No sampling thread: on a 2-core machine a thread waking every 20 ms preempts the OpenMP workers
-    and slowed the engine by ~7% (measured). Linux resets the mark through /proc/self/clear_refs and
-    reports it as VmHWM; elsewhere the process-lifetime peak (ru_maxrss) is reported instead."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-
-    def __enter__(self) -> PeakRss:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.peak = _vm_hwm() or _ru_maxrss()
-
-
-def _vm_hwm() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _ru_maxrss() -> int:
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
-
-
-def build_checkpoint(cache_dir: Path) -> Path:
-    from qasr.testing import QWEN3_ASR_0_6B_DIMS, make_tiny_checkpoint
-
-    path = cache_dir / "qwen3-asr-0.6b-dims-random-hf"
-    if not (path / "model.safetensors").exists():
-        print(f"building a random checkpoint with the real 0.6B dimensions in {path} ...", flush=True)
-        make_tiny_checkpoint(path, layout="hf", seed=0, dtype=torch.bfloat16, std=0.02, **QWEN3_ASR_0_6B_DIMS)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------- qasr
@@ -162,89 +98,25 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     return out
 
 
-def measure_ttft(submit, wl: Workload, seed: int) -> dict:
-    """Closed loop: c clients each submit their next clip as soon as the previous one finishes."""
+def measure_ttft(submit, wl: Workload, seed: int) -> dict:  # noqa: ANN001 - the engine's submit
+    """Closed loop (common.closed_loop): c clients each submit their next clip as soon as the previous one
+    finishes; TTFT p50 / p95 per concurrency level."""
     rng = np.random.default_rng(seed + 7)
     report = {}
     for conc, n_req in wl.ttft_levels:
         lengths = [float(rng.uniform(*wl.ttft_clip_range)) for _ in range(n_req)]
         waves = [make_clip(s, 1000 + k) for k, s in enumerate(lengths)]
-        ttfts: list[float] = []
-        lock = threading.Lock()
-        queue_ = list(waves)
-
-        def client(queue_: list = queue_, lock: threading.Lock = lock, ttfts: list = ttfts) -> None:
-            while True:
-                with lock:
-                    if not queue_:
-                        return
-                    w = queue_.pop()
-                r = submit(w).result()
-                with lock:
-                    ttfts.append(r.ttft_s)
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(conc)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        wall = time.perf_counter() - t0
-        ttfts.sort()
-        report[str(conc)] = dict(requests=n_req, p50_s=statistics.median(ttfts),
-                                 p95_s=ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))],
-                                 rtfx=sum(lengths) / wall)
+        level = closed_loop(lambda k, waves=waves: submit(waves[k]), lengths, conc)
+        if level["error_count"]:
+            raise RuntimeError(f"TTFT level {conc}: {level['errors'][0]}")
+        report[str(conc)] = dict(requests=n_req, p50_s=level["ttft_p50_s"], p95_s=level["ttft_p95_s"],
+                                 rtfx=level["rtfx"])
         print(f"  qasr TTFT conc {conc:3d}: p50 {report[str(conc)]['p50_s']*1e3:7.0f} ms  "
               f"p95 {report[str(conc)]['p95_s']*1e3:7.0f} ms", flush=True)
     return report
 
 
 # ---------------------------------------------------------------------------------------- reference
-class ReferenceGenerate:
-    """transformers' qwen3_asr generate, batched the way its users batch: features from its own extractor
-    (on the model's device), left-padded prompts, and every row of a batch forced to the batch's mean of
-    TOKENS_PER_SECOND tokens per audio second (equal total work). Calling it with clips returns the
-    number of generated tokens."""
-
-    def __init__(self, ckpt_dir: Path, device: str = "cpu") -> None:
-        import transformers
-        from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
-
-        from qasr.model.prompt import SpecialTokens
-        from qasr.model.tokenizer import Tokenizer
-
-        self.device = device
-        model = transformers.Qwen3ASRForConditionalGeneration.from_pretrained(ckpt_dir, dtype=torch.bfloat16)
-        self.model = model.to(device).eval()
-        cfg = json.loads((ckpt_dir / "config.json").read_text())
-        self.tok = Tokenizer.from_dir(ckpt_dir)
-        self.special = SpecialTokens.resolve(self.tok, cfg["audio_token_id"])
-        self.fe = Qwen3ASRFeatureExtractor()
-        self.pad_id = cfg.get("pad_token_id", self.special.im_end)
-        self.kw = dict(sampling_rate=SR, padding=True, truncation=False, return_attention_mask=True,
-                       return_tensors="pt", device=device)
-
-    def __call__(self, waves: list[np.ndarray]) -> int:
-        from qasr.model.config import audio_token_count
-        from qasr.model.prompt import build_prompt
-
-        dev = self.device
-        feats = self.fe(waves, **self.kw)
-        mask = feats["attention_mask"]
-        prompts = [build_prompt(self.tok, self.special, audio_token_count(int(m.sum()))) for m in mask]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        # equal total work: every row of a forced batch gets the batch's mean of 4 tokens per second
-        n_new = max(1, round(statistics.mean(TOKENS_PER_SECOND * len(w) / SR for w in waves)))
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
-                                      input_features=feats["input_features"].to(dev, torch.bfloat16),
-                                      input_features_mask=mask.to(dev), do_sample=False, max_new_tokens=n_new,
-                                      min_new_tokens=n_new)
-        return (out.shape[1] - width) * len(waves)
-
-
 def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> dict:
     generate = ReferenceGenerate(ckpt_dir)
     order = sorted(range(len(clips)), key=lambda i: len(clips[i]))
@@ -260,35 +132,6 @@ def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> di
     audio_s = sum(len(w) for w in clips) / SR
     return dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, peak_rss_gib=rss.peak / 2**30,
                 batch=batch, foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
-
-
-def _child(conn, fn, threads, args) -> None:  # noqa: ANN001 - multiprocessing plumbing
-    torch.set_num_threads(threads)
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException as exc:  # noqa: BLE001 - report any failure to the parent
-        conn.send(("error", repr(exc)))
-    conn.close()
-
-
-def in_subprocess(fn, threads: int, *args: object) -> dict:  # noqa: ANN001
-    """Run ``fn(*args)`` in a fresh spawned process with ``threads`` torch threads; return its result."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, fn, threads, args))
-    proc.start()
-    child.close()
-    while not parent.poll(1.0):  # a child that dies without answering (a crash, the OOM killer) is an error
-        if not proc.is_alive() and not parent.poll(0.1):
-            proc.join()
-            raise RuntimeError(f"{fn.__name__} failed: its process ended with exit code {proc.exitcode}")
-    status, value = parent.recv()
-    proc.join()
-    if status != "ok":
-        raise RuntimeError(f"{fn.__name__} failed: {value}")
-    return value
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -320,40 +163,8 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qasr bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small workload, finishes in under 5 minutes on 2 cores")
-    p.add_argument("--clips", type=int, default=None,
-                   help="number of 2-120 s clips (2-60 s with --aligner; default 16 quick, 48 full)")
-    p.add_argument("--aligner", action="store_true",
-                   help="forced alignment instead: qasr.Aligner against transformers' token classification "
-                        "(qasr.bench.aligner; ends with aligner_speedup=<x> aligner_rtfx=<y>)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-gib", type=float, default=6.0, help="qasr KV-cache budget")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the GPU mode (qasr.bench.gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
-                        "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
-                        "ends with gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>")
-    p.add_argument("--gpu-budgets", default=None,
-                   help="cuda: seconds per concurrency level, comma-separated (default 20,30,45,60)")
-    p.add_argument("--gpu-reference-budget", type=float, default=None,
-                   help="cuda: seconds for transformers' batches (default 50)")
-    p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="cuda: KV-cache budget (default: 60%% of free memory)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    if args.device == "cuda":
-        if args.aligner:
-            p.error("--aligner has no GPU mode yet")
-        from qasr.bench.gpu import main as gpu_main  # imports this module: kept out of the top
-
-        return gpu_main(args)
-    if args.aligner:
-        from qasr.bench.aligner import main as aligner_main  # imports this module: kept out of the top
-
-        return aligner_main(args)
+def run(args: argparse.Namespace) -> int:
+    """The CPU mode: both sides on the CPU, each in its own process; the machine probed first."""
     wl = QUICK if args.quick else FULL
     lengths = clip_lengths(args.clips or (16 if args.quick else 48), args.seed)
     clips = [make_clip(s, args.seed * 1000 + k) for k, s in enumerate(lengths)]
@@ -409,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_line(report: dict) -> str:
-    """The benchmark's last line, the one scripts read."""
+    """The CPU mode's last line, the one scripts read."""
     return (f"speedup={report['speedup']:.2f} rtfx={report['qasr']['rtfx']:.1f} "
             f"efficiency={report['efficiency']['overall']:.3f}")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,18 +23,23 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qasr.bench.cpu import SR, TOKENS_PER_SECOND, ReferenceGenerate, build_checkpoint, in_subprocess
+from qasr.bench.common import (
+    SR,
+    TOKENS_PER_SECOND,
+    ReferenceGenerate,
+    build_checkpoint,
+    closed_loop,
+    in_subprocess,
+)
 
 CLIP_RANGE = (100.0, 140.0)  # the official protocol's ~2-minute clips
 LEVELS = ((1, 3), (16, 32), (128, 128), (512, 512))  # (concurrency, requests)
@@ -78,79 +83,6 @@ def lengths_for(n: int, seed: int, clip_range: tuple[float, float]) -> list[floa
 def clip_pool(n: int, seconds: float, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [0.1 * rng.standard_normal(int(seconds * SR), dtype=np.float32) for _ in range(n)]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]) of a non-empty list; NaN for an empty one."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
-def closed_loop(submit: Callable[[int], Future], lengths: Sequence[float], concurrency: int,
-                budget_s: float) -> dict:
-    """c clients; each submits the next request (``submit(k)`` for request k, a clip of lengths[k] s) when
-    its previous one is done, until all are done or the budget is spent; then what still runs is
-    cancelled and the level is partial. Throughput counts completed requests over the wall time from
-    the first submit to the last completion (to the budget's end when partial)."""
-    lock = threading.Lock()
-    t0 = time.perf_counter()
-    deadline = t0 + budget_s
-    state = dict(next=0)
-    done: list[tuple[int, object, float]] = []
-    running: dict[int, Future] = {}
-    errors: list[str] = []
-
-    def client() -> None:
-        while True:
-            with lock:
-                k = state["next"]
-                if k >= len(lengths) or time.perf_counter() >= deadline:
-                    return
-                state["next"] = k + 1
-            try:
-                future = submit(k)
-            except Exception as exc:  # noqa: BLE001 - report, keep the other clients going
-                with lock:
-                    errors.append(repr(exc))
-                continue
-            with lock:
-                running[k] = future
-            try:
-                result = future.result(timeout=max(0.0, deadline - time.perf_counter()))
-            except (FutureTimeout, CancelledError):
-                return
-            except Exception as exc:  # noqa: BLE001
-                with lock:
-                    errors.append(repr(exc))
-                    running.pop(k, None)
-                continue
-            with lock:
-                running.pop(k, None)
-                done.append((k, result, time.perf_counter()))
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(max(1, concurrency))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    with lock:
-        left = list(running.values())
-    for future in left:
-        future.cancel()
-    partial = len(done) < len(lengths)
-    end = time.perf_counter() if partial else max(t for _, _, t in done)
-    wall = max(end - t0, 1e-9)
-    audio = sum(lengths[k] for k, _, _ in done)
-    ttft = [r.ttft_s for _, r, _ in done]
-    latency = [r.latency_s for _, r, _ in done]
-    return dict(concurrency=concurrency, requests=len(lengths), completed=len(done), partial=partial,
-                cancelled=len(left), errors=errors[:5], error_count=len(errors), wall_s=wall, audio_s=audio,
-                rtfx=audio / wall, tokens=sum(len(r.token_ids) for _, r, _ in done),
-                ttft_p50_s=percentile(ttft, 0.5), ttft_p95_s=percentile(ttft, 0.95),
-                latency_p50_s=percentile(latency, 0.5), latency_p95_s=percentile(latency, 0.95),
-                rtf_mean=statistics.mean(r.latency_s / lengths[k] for k, r, _ in done) if done else math.nan)
 
 
 def gpu_engine_config(max_running: int, kv_bytes: int | None) -> object:
@@ -389,7 +321,7 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(args) -> int:  # noqa: ANN001 - the argparse namespace of qasr.bench.main
+def run(args) -> int:  # noqa: ANN001 - the argparse namespace of qasr.bench.main
     if not torch.cuda.is_available():
         print("--device cuda: no CUDA device here")
         return 2

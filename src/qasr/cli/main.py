@@ -194,7 +194,7 @@ def _log_to_stderr() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark has its own parser; pass everything through, -h included
-        from qasr.bench.cpu import main as bench_main
+        from qasr.bench.main import main as bench_main
 
         return bench_main(argv[1:])
     from qasr.cli.ray_options import split_ray_address

@@ -1,0 +1,59 @@
+"""Side-by-side throughput benchmark: qasr's engine against transformers' qwen3_asr generate.
+
+``qasr bench`` (and benchmarks/throughput.py): one parser for the three modes, each in its own module:
+cpu.py (the default), gpu.py (``--device cuda``) and aligner.py (``--aligner``); what they share is in
+common.py, the FLOP model, machine probes and report in perf/. A mode loads only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``qasr bench``: parse the flags, set the threads, run the chosen mode."""
+    p = argparse.ArgumentParser(prog="qasr bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small workload, finishes in under 5 minutes on 2 cores")
+    p.add_argument("--clips", type=int, default=None,
+                   help="number of 2-120 s clips (2-60 s with --aligner; default 16 quick, 48 full)")
+    p.add_argument("--aligner", action="store_true",
+                   help="forced alignment instead: qasr.Aligner against transformers' token classification "
+                        "(qasr.bench.aligner; ends with aligner_speedup=<x> aligner_rtfx=<y>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-gib", type=float, default=6.0, help="qasr KV-cache budget")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the GPU mode (qasr.bench.gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
+                        "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
+                        "ends with gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>")
+    p.add_argument("--gpu-budgets", default=None,
+                   help="cuda: seconds per concurrency level, comma-separated (default 20,30,45,60)")
+    p.add_argument("--gpu-reference-budget", type=float, default=None,
+                   help="cuda: seconds for transformers' batches (default 50)")
+    p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="cuda: KV-cache budget (default: 60%% of free memory)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.device == "cuda":
+        if args.aligner:
+            p.error("--aligner has no GPU mode yet")
+        from qasr.bench import gpu
+
+        return gpu.run(args)
+    if args.aligner:
+        from qasr.bench import aligner
+
+        return aligner.run(args)
+    from qasr.bench import cpu
+
+    return cpu.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
