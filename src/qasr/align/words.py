@@ -11,8 +11,9 @@ import unicodedata
 from types import ModuleType
 
 # CJK ideograph blocks that become one unit per character: URO, Ext A, Ext B, Ext C, Ext D, Ext E-F,
-# Compatibility Ideographs (the official aligner's list).
-_CJK_RANGES: tuple[tuple[int, int], ...] = (
+# Compatibility Ideographs (the official aligner's list). The one table of ideographs: transcribe/text.py
+# builds its unspaced scripts on it.
+CJK_IDEOGRAPHS: tuple[tuple[int, int], ...] = (
     (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
     (0x2B820, 0x2CEAF), (0xF900, 0xFAFF),
 )  # fmt: skip
@@ -20,7 +21,7 @@ _CJK_RANGES: tuple[tuple[int, int], ...] = (
 
 def is_cjk(char: str) -> bool:
     cp = ord(char)
-    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
+    return any(lo <= cp <= hi for lo, hi in CJK_IDEOGRAPHS)
 
 
 def is_kept(char: str) -> bool:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Unicode blocks of scripts written without spaces between words. Hangul is deliberately absent:
-# Korean separates words with spaces.
-_UNSPACED_RANGES = (
+from qasr.align.words import CJK_IDEOGRAPHS
+
+# Scripts written without spaces between words: the CJK ideographs (align/words.py) and the blocks below.
+# Hangul is deliberately absent: Korean separates words with spaces.
+_UNSPACED_RANGES = CJK_IDEOGRAPHS + (
     (0x0E00, 0x0EFF),  # Thai, Lao
     (0x1000, 0x109F),  # Myanmar
     (0x1780, 0x17FF),  # Khmer
@@ -20,11 +22,8 @@ _UNSPACED_RANGES = (
     (0x3040, 0x30FF),  # Hiragana, Katakana
     (0x3100, 0x312F),  # Bopomofo
     (0x31F0, 0x31FF),  # Katakana phonetic extensions
-    (0x3400, 0x4DBF),  # CJK extension A
-    (0x4E00, 0x9FFF),  # CJK unified ideographs
-    (0xF900, 0xFAFF),  # CJK compatibility ideographs
     (0xFF00, 0xFFEF),  # full-width forms (，！？)
-    (0x20000, 0x3134F),  # CJK extensions B-H
+    (0x20000, 0x3134F),  # CJK extensions B-H (the ideograph table stops at F)
 )
 
 
