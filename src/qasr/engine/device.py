@@ -9,11 +9,14 @@ by varlen attention, pinned uploads, decode graphs in batch buckets), chosen her
 
 from __future__ import annotations
 
+import weakref
+
 from qasr.engine.backend import PreparedModel
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS
 
 BACKENDS = ("auto", "cpu", "cuda")
+_prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[tuple[str, bool], PreparedModel]] = weakref.WeakKeyDictionary()
 
 
 def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
@@ -29,8 +32,18 @@ def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
 
 
 def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto") -> PreparedModel:
-    """Choose the kernels for the model's device. ``native=False`` keeps to torch ops (same maths)."""
+    """Choose the kernels for the model's device. ``native=False`` keeps to torch ops (same maths).
+
+    Kept per model (and choice), so a second engine on the same model shares the prepared kernels and
+    packed weights instead of making another copy."""
     chosen = backend_for(model, backend)
+    cached = _prepared.setdefault(model, {})
+    if (chosen, native) not in cached:
+        cached[chosen, native] = _prepare(model, native, chosen)
+    return cached[chosen, native]
+
+
+def _prepare(model: Qwen3ASRModel, native: bool, chosen: str) -> PreparedModel:
     if chosen == "cuda":
         from qasr.engine.cuda.prepare import prepare_cuda
 

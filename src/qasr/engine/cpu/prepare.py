@@ -1,11 +1,10 @@
 """CPU preparation: pick the native kernels this CPU passed its self-tests with, pack the weights for
-them, and describe the result. Packed weights are cached per model, so a second engine on the same
-checkpoint reuses them instead of packing (and holding) another copy."""
+them, and describe the result. engine/device.py keeps the result per model, so a second engine on the
+same checkpoint reuses the packed weights instead of packing (and holding) another copy."""
 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
@@ -18,18 +17,9 @@ from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 log = logging.getLogger(__name__)
-_prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[bool, PreparedModel]] = weakref.WeakKeyDictionary()
 
 
 def prepare_cpu(model: Qwen3ASRModel, use_native: bool) -> PreparedModel:
-    cached = _prepared.setdefault(model, {})
-    if use_native not in cached:
-        cached[use_native] = _prepare(model, use_native)
-        log.info("qasr: CPU kernels: %s", cached[use_native].description)
-    return cached[use_native]
-
-
-def _prepare(model: Qwen3ASRModel, use_native: bool) -> PreparedModel:
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
     gemm = native.linear_kernel() if use_native and bf16 else None
@@ -58,4 +48,6 @@ def _prepare(model: Qwen3ASRModel, use_native: bool) -> PreparedModel:
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None
     parts += ["native decode attention"] if decode is not None else []
     parts += ["native prefill attention"] if prefill is not None else []
-    return PreparedModel(model, kernels, decode, prefill, release_idle_workers, ", ".join(parts))
+    prepared = PreparedModel(model, kernels, decode, prefill, release_idle_workers, ", ".join(parts))
+    log.info("qasr: CPU kernels: %s", prepared.description)
+    return prepared

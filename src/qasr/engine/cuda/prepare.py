@@ -1,12 +1,11 @@
 """CUDA preparation: choose the pool's attention (flash varlen where it passes its self-test on this
 device, else the portable reference) and hand the engine the token-major pool and the CUDA runner.
-Linears and convolutions stay torch's (cuBLAS / cuDNN). The choice is cached per model."""
+Linears and convolutions stay torch's (cuBLAS / cuDNN). engine/device.py keeps the choice per model."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from typing import TYPE_CHECKING
 
 from qasr.audio.features import FeatureConfig
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from qasr.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
-_prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[bool, PreparedModel]] = weakref.WeakKeyDictionary()
 
 
 def graphs_mode(device_type: str, flash: bool, wanted: bool) -> str:
@@ -42,14 +40,6 @@ def make_runner(prepared: PreparedModel, pool: TokenKVPool, features: FeatureCon
 
 def prepare_cuda(model: Qwen3ASRModel, native: bool = True) -> PreparedModel:
     """``native=False`` keeps to the portable attention (no flash, no graphs): plain torch ops."""
-    cached = _prepared.setdefault(model, {})
-    if native not in cached:
-        cached[native] = _prepare(model, native)
-        log.info("qasr: CUDA backend on %s: %s", model.device, cached[native].description)
-    return cached[native]
-
-
-def _prepare(model: Qwen3ASRModel, native: bool) -> PreparedModel:
     dec = model.cfg.decoder
     if native:
         attention, what = choose_attention(model.device, model.dtype, dec.num_attention_heads,
@@ -59,6 +49,8 @@ def _prepare(model: Qwen3ASRModel, native: bool) -> PreparedModel:
 
         attention, what = reference_attention, "portable padded attention (native kernels off)"
     flash = attention is flash_attention
-    return PreparedModel(model, TORCH_KERNELS, description=f"torch GEMM, {what}",
-                         make_pool=functools.partial(TokenKVPool, attention=attention),
-                         make_runner=functools.partial(make_runner, flash=flash), backend="cuda")
+    prepared = PreparedModel(model, TORCH_KERNELS, description=f"torch GEMM, {what}",
+                             make_pool=functools.partial(TokenKVPool, attention=attention),
+                             make_runner=functools.partial(make_runner, flash=flash), backend="cuda")
+    log.info("qasr: CUDA backend on %s: %s", model.device, prepared.description)
+    return prepared
