@@ -1,6 +1,6 @@
-"""Side-by-side throughput benchmark: qasr's engine against transformers' qwen3_asr generate.
+"""CPU mode of the throughput benchmark (``qasr bench``): qasr's engine against transformers' generate.
 
-Both sides run in this process on the same random checkpoint with the real Qwen3-ASR-0.6B dimensions,
+Both sides run on the same random checkpoint with the real Qwen3-ASR-0.6B dimensions,
 the same dtype, the same seeded clips, and a forced output of 4 tokens per audio second (EOS ignored),
 so they do equal work and the ratio is what we report. The reference is batched the way its users
 batch: clips sorted by length, batch 8, features from its own extractor, left-padded prompts.
