@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,7 +29,16 @@ class ApiKeyAuth:
         await response(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        # compare_digest: the time taken does not reveal how much of a guessed key was right
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        token = bearer_token(scope["headers"])
+        return token is not None and key_matches(token, self._key)
+
+
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (HTTP and WebSocket alike), or None."""
+    scheme, _, token = dict(headers).get(b"authorization", b"").partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
+
+
+def key_matches(candidate: bytes, key: bytes) -> bool:
+    # compare_digest: the time taken does not reveal how much of a guessed key was right
+    return hmac.compare_digest(candidate, key)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from qasr.server.auth import bearer_token, key_matches
 from qasr.server.state import ServerState
 
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: OpenAI's page clients send it so
@@ -62,12 +62,11 @@ def refusal(ws: WebSocket, state: ServerState) -> Refusal | None:
 
 
 def _authorized(ws: WebSocket, key: str) -> bool:
-    header = dict(ws.scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-    scheme, _, token = header.partition(" ")
-    candidates = [token.strip()] if scheme.lower() == "bearer" else []
-    candidates += [p[len(BROWSER_KEY_PREFIX):] for p in offered_subprotocols(ws) if p.startswith(BROWSER_KEY_PREFIX)]
-    # compare_digest: the time taken does not reveal how much of a guessed key was right
-    return any(hmac.compare_digest(c.encode(), key.encode()) for c in candidates)
+    token = bearer_token(ws.scope.get("headers") or [])
+    candidates = [] if token is None else [token]
+    candidates += [p[len(BROWSER_KEY_PREFIX):].encode() for p in offered_subprotocols(ws)
+                   if p.startswith(BROWSER_KEY_PREFIX)]
+    return any(key_matches(c, key.encode()) for c in candidates)
 
 
 class Channel:
