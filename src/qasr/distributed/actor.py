@@ -70,12 +70,7 @@ class Transcriber:
         return [make_piece(self.asr.checkpoint, samples, offset=r["offset"], duration=r["duration"], **common)]
 
     def _submit(self, piece: Piece) -> Future:
-        try:
-            return self.asr.submit(piece, words=self.options.words, ignore_eos=self.options.ignore_eos)
-        except Exception as exc:  # noqa: BLE001 - a refusal at submit is this segment's error, like one later
-            refused: Future = Future()
-            refused.set_exception(exc)
-            return refused
+        return self.asr.submit_or_refuse(piece, words=self.options.words, ignore_eos=self.options.ignore_eos)
 
 
 def _outcome(fut: Future) -> object:

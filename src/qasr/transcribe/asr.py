@@ -251,7 +251,9 @@ class ASR:
             return with_words(piece, fut, self.aligner, self.checkpoint.tokenizer)
         return fut
 
-    def _submit(self, piece: Piece, ignore_eos: bool, words: bool = False) -> Future:
+    def submit_or_refuse(self, piece: Piece, ignore_eos: bool = False, words: bool = False) -> Future:
+        """``submit`` that never raises: a refusal at submit becomes the future's error, so a caller with
+        many pieces handles every failure in one place."""
         try:
             return self.submit(piece, words=words, ignore_eos=ignore_eos)
         except Exception as exc:  # noqa: BLE001 - a refusal at submit is this input's error, like one later
@@ -323,7 +325,7 @@ class ASR:
             return _failed(_name(call.items, i), message)
 
         results = stream_results(len(call.items), pieces_of=lambda i: self._pieces_of(call, i),
-                                 submit=lambda piece: self._submit(piece, ignore_eos, call.words),
+                                 submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
                                  progress=progress)
         yield from results  # type: ignore[misc]
@@ -354,7 +356,7 @@ class ASR:
                     pieces, duration = await asyncio.to_thread(decode, i)
                 except AudioError as exc:
                     return _failed(_name(call.items, i), str(exc))
-                futures = [self._submit(piece, ignore_eos, call.words) for piece in pieces]
+                futures = [self.submit_or_refuse(piece, ignore_eos, call.words) for piece in pieces]
                 waiters = [asyncio.wrap_future(fut) for fut in futures]
                 if progress is not None:
                     for piece, waiter in zip(pieces, waiters, strict=True):
