@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     # every request of the default checkpoint runs to its cap by design (it never picks EOS): the API's
     # "cut at max_new_tokens" warning would print once per request on that side
-    logging.getLogger("qasr.api").setLevel(logging.ERROR)
+    logging.getLogger("qasr.transcribe.asr").setLevel(logging.ERROR)
     from qasr import ASR
 
     rounds: list[dict] = []

@@ -17,7 +17,7 @@ from qasr import __version__
 from qasr.cli.argtypes import positive_float, positive_int, probability
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
-FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.FORMATS (a test checks)
+FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.writers.FORMATS (a test checks)
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 
 

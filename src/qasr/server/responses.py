@@ -63,5 +63,5 @@ def render_response(done: Finished, fmt: str, words: bool = False, segments: boo
         return JSONResponse({"text": t.text, "usage": duration_usage(t.duration), "language": t.language})
     if fmt == "verbose_json":
         return JSONResponse(verbose_json(done, words, segments))
-    # srt and vtt: cues break at word times when the transcription has them (see qasr.outputs)
+    # srt and vtt: cues break at word times when the transcription has them (see qasr.outputs.writers)
     return PlainTextResponse(render(t, {"text": "txt"}.get(fmt, fmt)), media_type=_MEDIA[fmt])

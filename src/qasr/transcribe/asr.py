@@ -1,7 +1,7 @@
 """The ASR facade: load a checkpoint once, transcribe files, bytes or arrays.
 
 Every input is decoded and cut into segments (see ``segmentation`` in ``transcribe``); each segment
-becomes a piece (audio, prompt, token cap; see ``qasr.pieces``), and all pieces go to the engine as
+becomes a piece (audio, prompt, token cap; see ``qasr.transcribe.pieces``), and all pieces go to the engine as
 soon as they exist, so the segments of one long file are transcribed together. A bad input yields a
 Transcription with ``error`` set; the other inputs in the same call still finish.
 """
