@@ -16,8 +16,7 @@ from safetensors.torch import load_file, save_file
 from qasr.align.aligner import Aligner
 from qasr.audio.features import LogMel
 from qasr.engine.engine import EngineConfig
-from qasr.engine.kv_cache import KVPool
-from qasr.model.decoder import AttentionMeta
+from qasr.engine.kv_cache import AttentionMeta, KVPool
 from qasr.testing import make_tiny_aligner_checkpoint
 
 transformers = pytest.importorskip("transformers")

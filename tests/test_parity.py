@@ -14,10 +14,9 @@ from conftest import noise
 from devices import DEVICES, exact_float32
 
 from qasr.audio.features import LogMel
-from qasr.engine.kv_cache import KVPool
+from qasr.engine.kv_cache import AttentionMeta, KVPool
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
-from qasr.model.decoder import AttentionMeta
 from qasr.model.prompt import build_prompt
 from qasr.testing.generate import GenRequest, generate
 

@@ -111,8 +111,7 @@ def decorrelate_head(path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     from qasr.align.aligner import Aligner
     from qasr.audio.features import LogMel
     from qasr.engine.engine import EngineConfig
-    from qasr.engine.kv_cache import KVPool
-    from qasr.model.decoder import AttentionMeta
+    from qasr.engine.kv_cache import AttentionMeta, KVPool
 
     # its engine is never used: the smallest KV pool (256 tokens) instead of the default gibibytes
     with Aligner.from_pretrained(path, device="cpu", dtype=dtype, engine_config=EngineConfig(kv_cache_bytes=1)) \

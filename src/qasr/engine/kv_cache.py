@@ -14,13 +14,44 @@ request ends. Admission waits while no region is free, so memory never exceeds t
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from qasr.model.config import DecoderConfig
-from qasr.model.decoder import AttentionMeta
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """Where each packed sequence lives in this pool and how many tokens it brings: the metadata
+    ``KVPool.attend`` reads for one forward (the model passes it through unread).
+
+    Sequences that bring exactly one token (decode) come first; the decode tensors are built once per
+    forward so the cache does no host work per layer.
+    """
+
+    starts: tuple[int, ...]  # first cache token of each sequence's region
+    query_lens: tuple[int, ...]  # new tokens per sequence in this forward
+    context_lens: tuple[int, ...]  # tokens already cached per sequence before this forward
+    num_decode: int = 0  # leading sequences with exactly one new token
+    decode_starts: torch.Tensor | None = None  # (num_decode,) int64
+    decode_lens: torch.Tensor | None = None  # (num_decode,) tokens attended (context + 1)
+    decode_write_index: torch.Tensor | None = None  # (num_decode,) cache index of the new token
+
+    @classmethod
+    def build(cls, starts: list[int], query_lens: list[int], context_lens: list[int],
+              device: torch.device, num_decode: int = 0) -> AttentionMeta:
+        """``num_decode``: how many leading sequences are decode steps. A one-token prefill chunk is
+        not counted among them even when it follows the decode rows: it must take the prefill path in
+        every batch, or its result would depend on whether other chunks precede it."""
+        nd = num_decode
+        assert all(n == 1 for n in query_lens[:nd]), "decode rows bring exactly one token"
+        st = torch.tensor(starts[:nd], dtype=torch.int64)
+        ctx = torch.tensor(context_lens[:nd], dtype=torch.int64)
+        return cls(tuple(starts), tuple(query_lens), tuple(context_lens), nd,
+                   st.to(device), (ctx + 1).to(device), (st + ctx).to(device))
 
 
 def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype) -> int:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from qasr.model.config import ModelConfig
-from qasr.model.decoder import AttentionMeta, KVStore, TextModel
+from qasr.model.decoder import KVStore, Meta, TextModel
 from qasr.model.encoder import AudioEncoder
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
@@ -55,7 +55,7 @@ class Qwen3ASRModel(nn.Module):
             x[where] = audio_embeds.to(x.dtype)
         return x
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVStore, meta: AttentionMeta,
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVStore[Meta], meta: Meta,
                 logits_rows: torch.Tensor | None = None, audio_embeds: torch.Tensor | None = None,
                 kernels: Kernels = TORCH_KERNELS, audio_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Packed decoder forward. Returns logits (len(logits_rows), head_size) in float32.

@@ -7,8 +7,7 @@ loop and no scheduling: the engine decides which tokens go into each forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,42 +16,19 @@ from torch import nn
 from qasr.model.config import DecoderConfig
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
-
-@dataclass(frozen=True)
-class AttentionMeta:
-    """Where each packed sequence lives in the cache and how many tokens it brings.
-
-    Sequences that bring exactly one token (decode) come first; the decode tensors are built once per
-    forward so the cache does no host work per layer.
-    """
-
-    starts: tuple[int, ...]  # first cache token of each sequence's region
-    query_lens: tuple[int, ...]  # new tokens per sequence in this forward
-    context_lens: tuple[int, ...]  # tokens already cached per sequence before this forward
-    num_decode: int = 0  # leading sequences with exactly one new token
-    decode_starts: torch.Tensor | None = None  # (num_decode,) int64
-    decode_lens: torch.Tensor | None = None  # (num_decode,) tokens attended (context + 1)
-    decode_write_index: torch.Tensor | None = None  # (num_decode,) cache index of the new token
-
-    @classmethod
-    def build(cls, starts: list[int], query_lens: list[int], context_lens: list[int],
-              device: torch.device, num_decode: int = 0) -> AttentionMeta:
-        """``num_decode``: how many leading sequences are decode steps. A one-token prefill chunk is
-        not counted among them even when it follows the decode rows: it must take the prefill path in
-        every batch, or its result would depend on whether other chunks precede it."""
-        nd = num_decode
-        assert all(n == 1 for n in query_lens[:nd]), "decode rows bring exactly one token"
-        st = torch.tensor(starts[:nd], dtype=torch.int64)
-        ctx = torch.tensor(context_lens[:nd], dtype=torch.int64)
-        return cls(tuple(starts), tuple(query_lens), tuple(context_lens), nd,
-                   st.to(device), (ctx + 1).to(device), (st + ctx).to(device))
+Meta = TypeVar("Meta")  # a cache's own per-forward metadata, which the decoder passes through unread
+_MetaIn = TypeVar("_MetaIn", contravariant=True)
 
 
-class KVStore(Protocol):
-    """What the decoder needs from a cache: store this layer's new k/v, attend, return (N, heads*hd)."""
+class KVStore(Protocol[_MetaIn]):
+    """What the decoder needs from a cache: store this layer's new k/v, attend, return (N, heads*hd).
+
+    ``meta`` says where each packed sequence lives in the cache; its type belongs to the cache's layout,
+    which the engine owns (engine/kv_cache.AttentionMeta, engine/cuda/plan.VarlenMeta). The decoder never
+    reads it: a forward takes a cache and that cache's metadata, typed together."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMeta) -> torch.Tensor: ...
+               meta: _MetaIn) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -90,8 +66,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
-                meta: AttentionMeta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore[Meta],
+                meta: Meta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         n = x.shape[0]
         linear = kernels.linear
         q = linear(self.q_proj, x).view(n, self.heads, self.head_dim)
@@ -116,8 +92,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore,
-                meta: AttentionMeta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore[Meta],
+                meta: Meta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x, kernels), cos, sin, cache, meta, kernels)
         return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
 
@@ -157,8 +133,8 @@ class TextModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVStore,
-                meta: AttentionMeta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVStore[Meta],
+                meta: Meta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta, kernels)
