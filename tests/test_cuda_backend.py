@@ -31,7 +31,6 @@ from qasr.engine.cuda.plan import (
     decode_buckets,
     pack,
     pad_decode,
-    padded_plan,
     upload,
     varlen_host,
 )
@@ -39,6 +38,7 @@ from qasr.engine.cuda.prepare import graphs_mode
 from qasr.engine.device import backend_for, prepare_model
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import KVPool
+from qasr.engine.padded_attention import padded_plan
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import DecoderConfig, audio_token_count
 from qasr.model.prompt import build_prompt

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from qasr.engine.padded_attention import PaddedPlan, padded_attention, padded_plan
 from qasr.model.config import DecoderConfig
 
 
@@ -52,6 +54,13 @@ class AttentionMeta:
         ctx = torch.tensor(context_lens[:nd], dtype=torch.int64)
         return cls(tuple(starts), tuple(query_lens), tuple(context_lens), nd,
                    st.to(device), (ctx + 1).to(device), (st + ctx).to(device))
+
+    @cached_property
+    def padded(self) -> PaddedPlan:
+        """The decode rows' gather plan for the portable attention, built once per forward on first use."""
+        nd = self.num_decode
+        assert self.decode_starts is not None and nd, "only decode rows take the padded path"
+        return padded_plan(self.starts[:nd], self.query_lens[:nd], self.context_lens[:nd], self.decode_starts.device)
 
 
 def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype) -> int:
@@ -139,7 +148,9 @@ class KVPool:
                 idx = meta.decode_write_index
                 kc[:, idx] = k[:nd].transpose(0, 1)
                 vc[:, idx] = v[:nd].transpose(0, 1)
-                outs.append(self._decode_padded(q[:nd], kc, vc, meta))
+                # the portable path (GPUs, or CPUs without the kernel), over the pool seen token-major
+                outs.append(padded_attention(q[:nd], kc.transpose(0, 1), vc.transpose(0, 1), meta.padded,
+                                             self.scale))
         row = nd
         for i in range(nd, len(meta.starts)):
             n, ctx, start = meta.query_lens[i], meta.context_lens[i], meta.starts[i]
@@ -148,25 +159,6 @@ class KVPool:
             outs.append(self._one(q[row:row + n], kc, vc, start, ctx, n))
             row += n
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
-
-    def _decode_padded(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                       meta: AttentionMeta) -> torch.Tensor:
-        """Portable decode attention (GPUs, or CPUs without the kernel): gather each sequence's keys
-        into a (B, kv_heads, longest, hd) batch and run one masked SDPA. The gather costs one extra
-        pass over the cache, which GPU bandwidth absorbs."""
-        nd = q.shape[0]
-        lens = meta.decode_lens
-        longest = int(max(meta.context_lens[:nd])) + 1
-        offs = torch.arange(longest, device=q.device)
-        # pad positions point at the sequence's own last key: the pool is uninitialised memory (may hold
-        # NaN), and a masked NaN key would still poison the softmax
-        index = meta.decode_starts[:, None] + torch.minimum(offs[None, :], (lens - 1)[:, None])  # (B, longest)
-        keys = kc[:, index].permute(1, 0, 2, 3)  # (B, kv_heads, longest, hd)
-        values = vc[:, index].permute(1, 0, 2, 3)
-        mask = (offs[None, :] < lens[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=True)
-        return o.reshape(nd, -1)
 
     def _one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, ctx: int,
              n: int) -> torch.Tensor:

@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from qasr.engine.cuda.plan import VarlenMeta, varlen_host
+from qasr.engine.padded_attention import padded_attention
 
 log = logging.getLogger(__name__)
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, float], torch.Tensor]
@@ -25,15 +25,8 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, floa
 
 def reference_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,
                         scale: float) -> torch.Tensor:
-    """One masked SDPA over an (S, max_q) x (S, max_k) padded batch gathered from the pool."""
-    plan = meta.padded
-    s, max_q = plan.q_index.shape
-    n, heads, hd = q.shape
-    qp = q[plan.q_index].transpose(1, 2)  # (S, heads, max_q, hd)
-    keys = kc[plan.k_index].transpose(1, 2)  # (S, kv_heads, max_k, hd)
-    values = vc[plan.k_index].transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    return o.transpose(1, 2).reshape(s * max_q, heads * hd)[plan.out_index]
+    """The portable padded attention (engine/padded_attention.py) over the token-major slabs."""
+    return padded_attention(q, kc, vc, meta.padded, scale)
 
 
 def flash_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,

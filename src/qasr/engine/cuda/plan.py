@@ -23,6 +23,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from qasr.engine.padded_attention import PaddedPlan, padded_plan
+
 
 @dataclass(frozen=True)
 class VarlenHost:
@@ -79,36 +81,6 @@ class VarlenMeta:
     def padded(self) -> PaddedPlan:
         """The gather plan of the portable (reference) attention, built once per forward on first use."""
         return padded_plan(self.starts, self.query_lens, self.context_lens, self.cu_q.device)
-
-
-@dataclass(frozen=True)
-class PaddedPlan:
-    """Index tensors that lay the packed rows out as an (S, max_q) x (S, max_k) padded batch."""
-
-    q_index: torch.Tensor  # (S, max_q) int64: packed query row per slot (pad slots repeat the last row)
-    k_index: torch.Tensor  # (S, max_k) int64: pool row per key slot (pad slots repeat the last key)
-    mask: torch.Tensor  # (S, 1, max_q, max_k) bool: key j visible to query slot i
-    out_index: torch.Tensor  # (N,) int64: flat (S * max_q) slot of each packed query row
-
-
-def padded_plan(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
-                device: torch.device | str = "cpu") -> PaddedPlan:
-    """Pad slots point at real rows of the sequence itself (never at unwritten pool memory, which may
-    hold NaN: a masked NaN key still poisons a softmax), and every query slot sees at least one key."""
-    ql = torch.tensor(query_lens, dtype=torch.int64)
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
-    st = torch.tensor(starts, dtype=torch.int64)
-    used = ctx + ql
-    max_q, max_k = int(ql.max()), int(used.max())
-    first = torch.cumsum(ql, 0) - ql
-    i = torch.arange(max_q)[None, :]
-    j = torch.arange(max_k)[None, :]
-    q_index = first[:, None] + torch.minimum(i, (ql - 1)[:, None])
-    k_index = st[:, None] + torch.minimum(j, (used - 1)[:, None])
-    # bottom-right causal: query i of n new tokens over ctx cached ones sees keys 0 .. ctx + i
-    mask = (j[:, None, :] <= (ctx[:, None] + i)[:, :, None]) & (j < used[:, None])[:, None, :]
-    out_index = torch.cat([b * max_q + torch.arange(n) for b, n in enumerate(query_lens)])
-    return PaddedPlan(q_index.to(device), k_index.to(device), mask[:, None].to(device), out_index.to(device))
 
 
 # ------------------------------------------------------------------------------------------ decode buckets
