@@ -32,6 +32,7 @@ from qasr.engine.cuda.plan import (
     pack,
     pad_decode,
     upload,
+    upload_meta,
     varlen_host,
 )
 from qasr.engine.cuda.prepare import graphs_mode
@@ -104,8 +105,7 @@ def _random_pool(starts, qlens, ctxs, tokens=300, kv_heads=2, hd=16, heads=4, se
 def test_reference_attention_matches_a_float64_loop_and_reads_nothing_outside_the_regions() -> None:
     starts, qlens, ctxs = [200, 5, 60, 120], [1, 1, 9, 17], [30, 0, 40, 0]
     q, kc, vc = _random_pool(starts, qlens, ctxs)
-    pool = TokenKVPool(_dec(), 300, torch.device("cpu"), torch.float32)
-    meta = pool.build_meta(starts, qlens, ctxs, num_decode=2)
+    meta, _ = upload_meta(starts, qlens, ctxs, 2, torch.device("cpu"))
     got = reference_attention(q, kc, vc, meta, 0.25)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), _naive(q, kc, vc, starts, qlens, ctxs, 0.25), atol=1e-5, rtol=1e-5)
@@ -158,7 +158,7 @@ def test_token_major_pool_attends_and_stores_like_the_cpu_pool() -> None:
             k = torch.randn(n, 2, 16, generator=gen)
             v = torch.randn(n, 2, 16, generator=gen)
             want = ref.attend(layer, q, k, v, ref.build_meta(starts, qlens, ctxs, nd))
-            got = ours.attend(layer, q, k, v, ours.build_meta(starts, qlens, ctxs, nd))
+            got = ours.attend(layer, q, k, v, upload_meta(starts, qlens, ctxs, nd, ours.device)[0])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for s, length in ((0, 27), (200, 45), (300, 50)):
         assert torch.equal(ours.k[:, s:s + length], ref.k[:, :, s:s + length].transpose(1, 2))
@@ -286,7 +286,7 @@ def test_cuda_flash_varlen_matches_the_reference_on_a_large_mixed_batch() -> Non
         at += c + n + 17
     q, kc, vc = _random_pool(starts, qlens, ctxs, tokens=at, kv_heads=8, hd=128, heads=16, seed=5)
     dev = torch.device("cuda")
-    meta = TokenKVPool(_dec(), at, dev, torch.bfloat16).build_meta(starts, qlens, ctxs, num_decode=16)
+    meta, _ = upload_meta(starts, qlens, ctxs, 16, dev)
     got = flash_attention(q.to(dev, torch.bfloat16), kc.to(dev, torch.bfloat16), vc.to(dev, torch.bfloat16), meta,
                           128 ** -0.5).float()
     want = reference_attention(q.to(dev), kc.to(dev), vc.to(dev), meta, 128 ** -0.5)  # float32

@@ -122,7 +122,3 @@ class LogMel:
         log_spec = log10_mel(self._filters, spec[:, :frames].abs() ** 2)
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
         return (log_spec + 4.0) / 4.0
-
-    def batch(self, waveforms: list[np.ndarray]) -> list[torch.Tensor]:
-        """Per-utterance features for several clips (each computed on its own: no cross-talk)."""
-        return [self(w) for w in waveforms]

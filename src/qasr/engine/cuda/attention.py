@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from qasr.engine.cuda.plan import VarlenMeta, varlen_host
+from qasr.engine.cuda.plan import VarlenMeta, upload_meta
 from qasr.engine.padded_attention import padded_attention
 
 log = logging.getLogger(__name__)
@@ -61,18 +61,14 @@ def self_test(attention: Attention, device: torch.device, dtype: torch.dtype, he
     kc = torch.full((tokens + 1, kv_heads, head_dim), float("nan"))
     vc = torch.full((tokens + 1, kv_heads, head_dim), float("nan"))
     starts, qlens, ctxs = [400, 10, 150, 600], [1, 1, 37, 64], [70, 5, 120, 0]
-    host = varlen_host(starts, qlens, ctxs)
     for s, q_n, c in zip(starts, qlens, ctxs, strict=True):  # every key the sequences read, written
         kc[s:s + c + q_n] = torch.randn(c + q_n, kv_heads, head_dim, generator=gen)
         vc[s:s + c + q_n] = torch.randn(c + q_n, kv_heads, head_dim, generator=gen)
-    q = torch.randn(int(host.cu_q[-1]), heads, head_dim, generator=gen)
+    q = torch.randn(sum(qlens), heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
 
     def meta_on(dev: torch.device) -> VarlenMeta:
-        return VarlenMeta(tuple(starts), tuple(qlens), tuple(ctxs), 2,
-                          torch.from_numpy(host.cu_q).to(dev), torch.from_numpy(host.k_starts).to(dev),
-                          torch.from_numpy(host.used_k).to(dev), torch.from_numpy(host.write_index).to(dev),
-                          host.max_q, host.max_k)
+        return upload_meta(starts, qlens, ctxs, 2, dev)[0]
 
     want = reference_attention(q, kc, vc, meta_on(torch.device("cpu")), scale)
     try:

@@ -3,16 +3,15 @@ out token-major, ``(layers, tokens + 1, kv_heads, head_dim)``, the packed-key la
 kernels read in place (the CPU pool is head-major, which its decode kernel streams best).
 
 The extra last row is scratch: the pad rows of a bucketed decode graph write their keys there and
-attend only to it, so padding never touches a request's region. The allocator hands out [0, tokens)."""
+attend only to it, so padding never touches a request's region. The allocator hands out [0, tokens).
+A forward's metadata comes from ``plan.upload_meta`` (the runner uploads it with the step's other arrays)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
 from qasr.engine.cuda.attention import Attention, reference_attention
-from qasr.engine.cuda.plan import VarlenMeta, upload, varlen_host
+from qasr.engine.cuda.plan import VarlenMeta
 from qasr.engine.kv_cache import RegionAllocator
 from qasr.model.config import DecoderConfig
 
@@ -39,15 +38,6 @@ class TokenKVPool:
         """Copy the keys and values of n tokens from one region to another (non-overlapping)."""
         self.k[:, dst:dst + n] = self.k[:, src:src + n]
         self.v[:, dst:dst + n] = self.v[:, src:src + n]
-
-    def build_meta(self, starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
-                   num_decode: int = 0) -> VarlenMeta:
-        """Attention metadata for one packed forward, uploaded in two copies (int32 and int64)."""
-        host = varlen_host(starts, query_lens, context_lens)
-        cu_q, k_starts, used = upload([host.cu_q, host.k_starts, host.used_k], torch.int32, self.device)
-        (write,) = upload([host.write_index], torch.int64, self.device)
-        return VarlenMeta(tuple(starts), tuple(query_lens), tuple(context_lens), num_decode, cu_q, k_starts, used,
-                          write, host.max_q, host.max_k)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: VarlenMeta) -> torch.Tensor:

@@ -154,3 +154,18 @@ def upload(arrays: Sequence[Sequence[int] | np.ndarray], dtype: torch.dtype,
     else:
         dev = host.to(device)
     return [dev[o:o + n] for o, n in spans]
+
+
+def upload_meta(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int], num_decode: int,
+                device: torch.device, *ride_along: Sequence[int] | np.ndarray) -> tuple[VarlenMeta, list[torch.Tensor]]:
+    """One packed forward's ``VarlenMeta`` on ``device``, in one int32 copy and one int64 copy.
+
+    ``ride_along``: other per-step int64 arrays (the runner's ids, positions, logit rows, audio rows) that
+    travel in the same int64 copy as the write rows, returned on the device in order; so a step uploads
+    once per dtype."""
+    host = varlen_host(starts, query_lens, context_lens)
+    cu_q, k_starts, used = upload([host.cu_q, host.k_starts, host.used_k], torch.int32, device)
+    *extra, write = upload([*ride_along, host.write_index], torch.int64, device)
+    meta = VarlenMeta(tuple(starts), tuple(query_lens), tuple(context_lens), num_decode, cu_q, k_starts, used,
+                      write, host.max_q, host.max_k)
+    return meta, extra

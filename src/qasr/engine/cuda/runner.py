@@ -19,7 +19,7 @@ from qasr.audio.features import FeatureConfig, LogMel
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cuda.graphs import DecodeGraphs
 from qasr.engine.cuda.kv_cache import TokenKVPool
-from qasr.engine.cuda.plan import VarlenMeta, decode_buckets, upload, varlen_host
+from qasr.engine.cuda.plan import decode_buckets, upload_meta
 from qasr.engine.runner import Runner, StepBatch
 
 
@@ -56,12 +56,9 @@ class CudaRunner(Runner):
                 return tokens
         self.eager_steps += 1
         dev = self.model.device
-        host = varlen_host(batch.starts, batch.qlens, batch.ctxs)
-        cu_q, k_starts, used = upload([host.cu_q, host.k_starts, host.used_k], torch.int32, dev)
-        ids, positions, rows, audio_rows, write = upload(
-            [batch.ids, batch.positions, batch.rows, batch.audio_rows, host.write_index], torch.int64, dev)
-        meta = VarlenMeta(tuple(batch.starts), tuple(batch.qlens), tuple(batch.ctxs), batch.num_decode, cu_q,
-                          k_starts, used, write, host.max_q, host.max_k)
+        meta, (ids, positions, rows, audio_rows) = upload_meta(
+            batch.starts, batch.qlens, batch.ctxs, batch.num_decode, dev,
+            batch.ids, batch.positions, batch.rows, batch.audio_rows)
         logits = self.model(ids, positions, self.pool, meta, logits_rows=rows,
                             audio_embeds=torch.cat(batch.audio) if batch.audio else None, kernels=self.kernels,
                             audio_rows=audio_rows if batch.audio else None)
