@@ -14,14 +14,13 @@ reported, not asserted: bf16 sums in a different order can move an argmax by a c
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qasr.bench.common import CONTENDED, SR, PeakRss, clip_lengths, in_subprocess, make_clip
+from qasr.bench.common import CONTENDED, SR, PeakRss, clip_lengths, in_subprocess, make_clip, save_report
 from qasr.bench.perf.machine import ForeignCpu, probe
 from qasr.bench.perf.report import machine_line
 
@@ -283,13 +282,8 @@ def run(args: argparse.Namespace) -> int:
                                 language=LANGUAGE),
                   machine=machine, qasr=ours, reference=ref, speedup=ours["rtfx"] / ref["rtfx"], agreement=agree,
                   total_wall_s=time.perf_counter() - t0)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "aligner_quick" if args.quick else "aligner"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plot(report, args.out / f"{stem}.png")
-    print()
-    print(machine_line(machine))
-    print()
+    save_report(report, args.out, stem, plot, machine)
     print(table(report))
     print(f"\nword times, qasr against transformers ({agree['words']} words of {agree['clips']} clips): "
           f"{100 * agree['exact']:.1f}% equal, {100 * agree['within_80ms']:.1f}% within 80 ms; "

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qasr.bench.perf.report import machine_line
+
 TOKENS_PER_SECOND = 4
 SR = 16000
 CONTENDED = 0.1  # other processes' share of the CPUs above which a side's figures get a warning
@@ -221,3 +223,14 @@ def in_subprocess(fn: Callable, threads: int, *args: object) -> dict:
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1]) of a non-empty list; NaN for an empty one."""
     return float(np.quantile(values, q, method="inverted_cdf")) if len(values) else math.nan
+
+
+def save_report(report: dict, out: Path, stem: str, plot: Callable[[dict, Path], None], machine: dict) -> None:
+    """Write ``stem.json`` and the plot ``stem.png`` under ``out``, then print the machine's line between
+    blank lines (the mode's table follows)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / f"{stem}.png")
+    print()
+    print(machine_line(machine))
+    print()

@@ -16,7 +16,6 @@ overall and per phase, with a roofline panel (qasr.bench.perf.phases, qasr.bench
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from qasr.bench.common import (
     closed_loop,
     in_subprocess,
     make_clip,
+    save_report,
 )
 from qasr.bench.perf.flops import Utterance, workload_flops
 from qasr.bench.perf.machine import ForeignCpu, probe
@@ -193,13 +193,8 @@ def run(args: argparse.Namespace) -> int:
                   f"peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s, {machine['bandwidth_Bps'] / 1e9:.1f} GB/s",
                   workload=dict(clips_s=lengths, tokens_per_second=TOKENS_PER_SECOND), machine=machine,
                   qasr=ours, reference=ref, speedup=speedup, efficiency=eff, total_wall_s=time.perf_counter() - t0)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "throughput_quick" if args.quick else "throughput"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plot(report, args.out / f"{stem}.png")
-    print()
-    print(machine_line(machine))
-    print()
+    save_report(report, args.out, stem, plot, machine)
     print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency | others' CPU |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r, e in (("transformers generate, batch 8", ref, eff["reference_overall"]),
