@@ -133,34 +133,29 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        aligner = _aligner_fields(d)
-        if "thinker_config" in d:
+        if "thinker_config" in d:  # the release layout: the network's fields under thinker_config
             th = d["thinker_config"]
             tie = bool(d.get("tie_word_embeddings", th.get("tie_word_embeddings", True)))
-            return cls(
-                layout="original",
-                encoder=EncoderConfig.from_dict(th["audio_config"]),
-                decoder=DecoderConfig.from_dict(th["text_config"], tie),
-                audio_token_id=int(th["audio_token_id"]),
-                audio_start_token_id=_opt_int(th.get("audio_start_token_id")),
-                audio_end_token_id=_opt_int(th.get("audio_end_token_id")),
-                support_languages=tuple(d.get("support_languages") or ()),
-                **aligner,
-            )
+            return cls._read("original", th, d, tie)
         if "audio_config" in d and "text_config" in d:
-            tie = bool(d.get("tie_word_embeddings", True))
-            return cls(
-                layout="hf",
-                encoder=EncoderConfig.from_dict(d["audio_config"]),
-                decoder=DecoderConfig.from_dict(d["text_config"], tie),
-                audio_token_id=int(d["audio_token_id"]),
-                audio_start_token_id=_opt_int(d.get("audio_start_token_id")),
-                audio_end_token_id=_opt_int(d.get("audio_end_token_id")),
-                support_languages=tuple(d.get("support_languages") or ()),
-                **aligner,
-            )
+            return cls._read("hf", d, d, bool(d.get("tie_word_embeddings", True)))
         raise ValueError("config.json is neither the Qwen3-ASR release layout (thinker_config) "
                          "nor the transformers layout (audio_config + text_config)")
+
+    @classmethod
+    def _read(cls, layout: str, net: dict, top: dict, tie: bool) -> ModelConfig:
+        """``net``: the dict holding audio_config, text_config and the audio token ids; ``top``: the whole
+        config.json (languages and the aligner's fields)."""
+        return cls(
+            layout=layout,
+            encoder=EncoderConfig.from_dict(net["audio_config"]),
+            decoder=DecoderConfig.from_dict(net["text_config"], tie),
+            audio_token_id=int(net["audio_token_id"]),
+            audio_start_token_id=_opt_int(net.get("audio_start_token_id")),
+            audio_end_token_id=_opt_int(net.get("audio_end_token_id")),
+            support_languages=tuple(top.get("support_languages") or ()),
+            **_aligner_fields(top),
+        )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
