@@ -35,28 +35,26 @@ class FeatureConfig:
         )
 
 
+# Slaney's Auditory Toolbox mel scale: linear below 1 kHz, logarithmic above
+_F_SP = 200.0 / 3
+_MIN_LOG_HZ = 1000.0
+_MIN_LOG_MEL = _MIN_LOG_HZ / _F_SP
+_LOGSTEP = np.log(6.4) / 27.0
+
+
 def _hz_to_mel_slaney(hz: np.ndarray) -> np.ndarray:
-    # Linear below 1 kHz, logarithmic above (Slaney's Auditory Toolbox convention).
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
     hz = np.asarray(hz, dtype=np.float64)
-    mel = hz / f_sp
-    above = hz >= min_log_hz
-    mel[above] = min_log_mel + np.log(hz[above] / min_log_hz) / logstep
+    mel = hz / _F_SP
+    above = hz >= _MIN_LOG_HZ
+    mel[above] = _MIN_LOG_MEL + np.log(hz[above] / _MIN_LOG_HZ) / _LOGSTEP
     return mel
 
 
 def _mel_to_hz_slaney(mel: np.ndarray) -> np.ndarray:
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
     mel = np.asarray(mel, dtype=np.float64)
-    hz = mel * f_sp
-    above = mel >= min_log_mel
-    hz[above] = min_log_hz * np.exp(logstep * (mel[above] - min_log_mel))
+    hz = mel * _F_SP
+    above = mel >= _MIN_LOG_MEL
+    hz[above] = _MIN_LOG_HZ * np.exp(_LOGSTEP * (mel[above] - _MIN_LOG_MEL))
     return hz
 
 

@@ -139,14 +139,7 @@ class Segmenter:
             raise RuntimeError("Segmenter.feed after flush()")
         chunk = np.asarray(chunk, dtype=np.float32).reshape(-1)
         self._buf.append(chunk)
-        out: list[AudioSegment] = []
-        if self.mode == "fixed":
-            self._fixed(out, final=False)
-        elif self.mode == "none":
-            self._none(out, final=False)
-        else:
-            assert self._detector is not None
-            self._vad(self._detector.feed(chunk), out, final=False)
+        out = self._cut(final=False, chunk=chunk)
         self._buf.drop_before(self._keep_from())
         return out
 
@@ -155,14 +148,19 @@ class Segmenter:
         if self._flushed:
             return []
         self._flushed = True
+        return self._cut(final=True)
+
+    def _cut(self, final: bool, chunk: np.ndarray | None = None) -> list[AudioSegment]:
+        """The segments the audio so far closes (all that remain when ``final``); ``chunk``: the audio
+        just fed, which the VAD scores (None at the flush)."""
         out: list[AudioSegment] = []
         if self.mode == "fixed":
-            self._fixed(out, final=True)
+            self._fixed(out, final=final)
         elif self.mode == "none":
-            self._none(out, final=True)
+            self._none(out, final=final)
         else:
             assert self._detector is not None
-            self._vad(self._detector.flush(), out, final=True)
+            self._vad(self._detector.flush() if chunk is None else self._detector.feed(chunk), out, final=final)
         return out
 
     # -- modes "fixed" and "none" -------------------------------------------------------------------
