@@ -150,9 +150,9 @@ def wait_limit_s() -> float:
 def build(spec: KernelSpec) -> ModuleType | None:
     """The extension for ``spec``, built here if this environment and CPU never built it; None (with one
     warning) when it cannot be built or another process's build outlasts the wait."""
-    name = module_name(spec)
-    folder = kernel_root() / name
     try:
+        name = module_name(spec)
+        folder = kernel_root() / name
         folder.mkdir(parents=True, exist_ok=True)
         with _lock(folder, spec.name) as held:
             if not held:
@@ -173,7 +173,7 @@ def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
     # Nobody else can be building here now: a torch marker left by a killed build would make load() wait
     # on it forever.
     (folder / "lock").unlink(missing_ok=True)
-    fresh = not (folder / DONE_FILE).exists()
+    fresh = not (folder / DONE_FILE).exists() or not (folder / f"{name}.so").exists()  # (or someone deleted it)
     if fresh:
         _announce_first_build()
         (folder / "key.json").write_text(json.dumps(build_key(spec), indent=1) + "\n")
