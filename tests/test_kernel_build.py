@@ -26,7 +26,7 @@ from qasr.engine.cpu import build, native
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "qasr-demo-en"
 REAL_CXX = shutil.which(os.environ.get("CXX", "c++"))
-BUILD_S = 400  # a real compile of decoder_ops, bounded generously for a loaded machine
+BUILD_S = 600  # a real compile of decoder_ops: ~65 s alone here, 340 s seen with load average 9 on 2 vCPUs
 pytestmark = pytest.mark.skipif(REAL_CXX is None or "CXX" in os.environ,
                                 reason="needs the default `c++` compiler (the wrappers stand in for it)")
 LOAD = "from qasr.engine.cpu import native; print('kernel', native.decoder_ops_kernel() is not None)"

@@ -10,8 +10,8 @@ and every later load waits on it forever).
 So each kernel is built in ``<root>/<name>_<key>/``, root = $QASR_KERNEL_DIR, else
 ${XDG_CACHE_HOME:-~/.cache}/qasr/kernels; the key hashes the kernel's source (and headers), flags, torch's
 version and install path, the interpreter and sys.prefix, the compiler and the CPU's instruction-set flags
-(key.json in the folder lists them). The build runs under fcntl.flock on ``qasr.lock`` there: the kernel
-closes the lock when its holder dies, however it dies, so a killed build never blocks a later one. A process
+(key.json in the folder lists them). The build runs under fcntl.flock on ``qasr.lock`` there: the OS
+releases it when its holder dies, however it dies, so a killed build never blocks a later one. A process
 that finds another one building waits up to $QASR_KERNEL_BUILD_WAIT_S (default 300) seconds, then uses the
 torch fallback for that kernel.
 
@@ -48,7 +48,8 @@ DONE_FILE = "built"  # written once a build loaded: its absence means the next l
 # gets its own build (flags like "ht" or "hypervisor" do not change the code and stay out of the key)
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "popcnt", "abm", "movbe", "adx", "gfni",
                 "vaes", "vpclmulqdq", "sha_ni", "aes", "pclmulqdq")
-WAIT_NOTICE_S = 1.0  # a cached load holds the lock well under this: only a real build makes us say "waiting"
+# a cached load holds the lock well under this (0.1-0.8 s here): only a real build makes a waiter say so
+WAIT_NOTICE_S = 2.0
 
 
 @dataclass(frozen=True)
