@@ -105,6 +105,8 @@ async def _decode(request: Request, admission: UploadAdmission, work: Callable[[
         if not task.done():  # the client left, or this request is cancelled (shutdown)
             admission.leave()
             await asyncio.wait({task})  # a stopped decode holds its memory until its thread ends
+            if not task.cancelled():
+                task.exception()  # retrieved: a stopped decode's error is no one's to report
     if left:
         task.exception()  # retrieved: its error is the client's departure, not worth a warning
         raise ClientGone()
@@ -172,11 +174,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        left = watch.done()
         watch.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone()
+            if left:  # otherwise this request itself is cancelled (a drain past its deadline): let that through
+                raise ClientGone()
     return task.result()
 
 
