@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -298,6 +299,36 @@ def test_cancelling_transcribe_async_cancels_its_requests(tiny_asr, monkeypatch)
     monkeypatch.undo()
     r = tiny_asr.transcribe(inputs[0], max_new_tokens=4)[0]
     assert r.error is None and len(r.token_ids) >= 1
+
+
+def test_transcribe_async_bounds_the_audio_in_flight_in_seconds(tiny_asr, monkeypatch) -> None:
+    """transcribe_async holds at most max_in_flight_s of audio submitted and unfinished, as transcribe does:
+    across inputs, and across the pieces of one long input (it used to bound inputs by count only)."""
+    in_flight, peak = [0.0], [0.0]
+    lock = threading.Lock()
+    real_submit = tiny_asr.engine.submit
+
+    def submit(*args, waveform, **kwargs):
+        seconds = len(waveform) / 16000
+        with lock:
+            in_flight[0] += seconds
+            peak[0] = max(peak[0], in_flight[0])
+        fut = real_submit(*args, waveform=waveform, **kwargs)
+
+        def done(_) -> None:
+            with lock:
+                in_flight[0] -= seconds
+        fut.add_done_callback(done)  # before the pipeline's own release: this count never lags the budget
+        return fut
+
+    monkeypatch.setattr(tiny_asr.engine, "submit", submit)
+    monkeypatch.setattr(tiny_asr, "max_in_flight_s", 1.5)  # one 1 s piece at a time
+    inputs = [(noise(1.0, seed=k), 16000) for k in range(4)] + [(noise(4.0, seed=9), 16000)]
+    got = asyncio.run(tiny_asr.transcribe_async(inputs, max_new_tokens=3, segmentation="fixed", max_segment_s=1.0))
+    assert all(r.ok for r in got) and [len(r.segments) for r in got] == [1, 1, 1, 1, 4]
+    assert 0 < peak[0] <= 1.5, f"{peak[0]} s of audio in flight"
+    monkeypatch.undo()
+    assert got == tiny_asr.transcribe(inputs, max_new_tokens=3, segmentation="fixed", max_segment_s=1.0)
 
 
 def test_results_come_per_input_while_later_inputs_are_decoded(tiny_asr, monkeypatch) -> None:

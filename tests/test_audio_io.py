@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, audio_duration, load_audio
+from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, audio_duration, load_audio
+from qasr.audio.stream import iter_segments
 from qasr.testing.speech import convert, speak
 
 pytestmark = pytest.mark.skipif(
@@ -165,3 +167,52 @@ def test_bad_bytes_and_types() -> None:
 
 def test_audio_duration() -> None:
     assert audio_duration(np.zeros(24000, dtype=np.float32)) == 1.5
+
+
+def encoded(path: Path, name: str | None = None, watch=None) -> EncodedAudio:  # noqa: ANN001
+    data = path.read_bytes()
+    return EncodedAudio(name or path.name, lambda: io.BytesIO(data), len(data), watch)
+
+
+def test_an_empty_file_has_one_wording_everywhere(tmp_path: Path) -> None:
+    """Path, bytes, upload, whole or streamed: the same words (the CLI and the server print these)."""
+    path = tmp_path / "empty.wav"
+    path.write_bytes(b"")
+    for source, name in ((path, str(path)), (b"", "bytes input"), (encoded(path, "up.wav"), "up.wav")):
+        for decode in (load_audio, iter_segments):
+            with pytest.raises(AudioError) as err:
+                decode(source)
+            assert str(err.value) == f"{name}: the file is empty (0 bytes)"
+
+
+def test_decoder_messages_name_the_input_not_a_handle(tmp_path: Path) -> None:
+    """libsndfile names a file object by its repr and FFmpeg by '<none>': neither reaches a message."""
+    junk = tmp_path / "junk.mp3"
+    junk.write_bytes(b"this is not audio at all " * 200)
+    for source, name in ((junk.read_bytes(), "bytes input"), (encoded(junk), "junk.mp3"), (junk, str(junk))):
+        with pytest.raises(AudioError) as err:
+            load_audio(source)
+        message = str(err.value)
+        assert message.startswith(f"{name}: cannot be decoded as audio (soundfile: "), message
+        assert "object at 0x" not in message and "<none>" not in message and "Errno" not in message, message
+
+
+@pytest.mark.parametrize("fmt", ["flac", "webm"])  # libsndfile reads one, only FFmpeg the other
+def test_a_watch_sees_every_decoded_second_and_can_stop_the_decoding(speech_files: dict[str, Path],
+                                                                      fmt: str) -> None:
+    seen: list[float] = []
+    whole = load_audio(encoded(speech_files[fmt], watch=seen.append))
+    assert max(seen) == pytest.approx(audio_duration(whole), abs=0.03)
+    seen.clear()
+    list(iter_segments(encoded(speech_files[fmt], watch=seen.append), mode="fixed", block_s=0.5))
+    assert max(seen) == pytest.approx(audio_duration(whole), abs=0.03) and len(seen) > 2
+
+    def stop_past_one_second(seconds: float) -> None:
+        seen.append(seconds)
+        if seconds > 1.0:
+            raise AudioError("up: stopped")
+
+    seen.clear()
+    with pytest.raises(AudioError, match="^up: stopped$"):
+        list(iter_segments(encoded(speech_files[fmt], "up", stop_past_one_second), mode="fixed", block_s=0.5))
+    assert max(seen) <= 1.6  # the block that passed 1 s was the last one decoded

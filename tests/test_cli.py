@@ -84,8 +84,9 @@ def test_failed_input_exits_nonzero_with_one_message(tiny_original, clips, tmp_p
     assert len(errors) == 1 and "nope.wav" in errors[0]
 
 
-def test_bad_language_and_missing_model() -> None:
-    out = run("transcribe", "x.wav", "-m", "/no/such/model")
+def test_bad_language_and_missing_model(tmp_path) -> None:
+    clip = speak("hello", tmp_path / "x.wav")  # an input that exists: a missing one fails before the model
+    out = run("transcribe", str(clip), "-m", "/no/such/model")
     assert out.returncode == 2 and "/no/such/model" in out.stderr
     out = run("transcribe", "x.wav", "--language", "Klingon")
     assert out.returncode == 2 and "supported" in out.stderr

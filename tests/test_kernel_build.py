@@ -26,7 +26,7 @@ from qasr.engine.cpu import build, native
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "qasr-demo-en"
 REAL_CXX = shutil.which(os.environ.get("CXX", "c++"))
-BUILD_S = 400  # a real compile of decoder_ops, bounded generously for a loaded machine
+BUILD_S = 600  # a real compile of decoder_ops: ~65 s alone here, 340 s seen with load average 9 on 2 vCPUs
 pytestmark = pytest.mark.skipif(REAL_CXX is None or "CXX" in os.environ,
                                 reason="needs the default `c++` compiler (the wrappers stand in for it)")
 LOAD = "from qasr.engine.cpu import native; print('kernel', native.decoder_ops_kernel() is not None)"
@@ -237,9 +237,17 @@ def _interrupted(args: list[str], tmp_path: Path) -> tuple[int, str]:
     return code, (tmp_path / "err").read_text()
 
 
+def _is_130(code: int) -> bool:
+    """Exit status 130 as a shell reports it: 130, or death by SIGINT. Now and then (2 of ~30 tries, the
+    interrupt landing inside `import torch`) CPython ends the process by SIGINT after our handler printed
+    its line and returned 130 (its flag for an interrupt that escaped code it ran through PyRun_*, we
+    believe); a shell shows that as 130 too."""
+    return code in (130, -signal.SIGINT)
+
+
 def test_ctrl_c_during_kernels_build_exits_130_with_one_line(tmp_path: Path) -> None:
     code, err = _interrupted([sys.executable, "-m", "qasr", "kernels", "build"], tmp_path)
-    assert code == 130, err
+    assert _is_130(code), err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "qasr: interrupted", err
 
 
@@ -251,5 +259,5 @@ def test_ctrl_c_during_model_load_exits_130_with_one_line(tmp_path: Path) -> Non
     sf.write(wav, np.zeros(16000, np.float32), 16000)
     code, err = _interrupted([sys.executable, "-m", "qasr", "transcribe", str(wav), "-m", str(DEMO),
                               "--device", "cpu"], tmp_path)
-    assert code == 130, err
+    assert _is_130(code), err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "qasr: interrupted", err

@@ -295,8 +295,8 @@ def test_disconnects_cancel_their_requests(server, clips) -> None:
     # a plain request whose client gives up while the engine works on it
     with pytest.raises(httpx.ReadTimeout):
         post(server, files={"file": open(clips["long"], "rb")}, timeout=httpx.Timeout(60, read=0.3))
-    # the server notices the hang-up only once the upload is decoded (off the engine, so "idle" can come
-    # first on a busy machine): wait for the 499 itself
+    # the server notices the hang-up while decoding (off the engine) or transcribing, so "idle" can come
+    # first on a busy machine: wait for the 499 itself
     deadline = time.monotonic() + 60
     after = _engine_idle(server)
     while (metric(after, "qasr_http_requests_total", route="/v1/audio/transcriptions", status="499") < 1

@@ -38,14 +38,17 @@ class BlockDecoder:
     say), ``bounded`` (True when decoded samples cannot exceed 1 in magnitude), ``method``: "soundfile"
     (libsndfile, block by block), "soundfile-whole" (libsndfile, one read: compressed codecs up to
     ONE_SHOT_MAX_S, bit-exact with load_audio), "pyav" (FFmpeg, frame by frame).
-    ``block_s``: seconds of audio per decoded block. Raises AudioError naming the input when neither
-    decoder can open it.
+    ``block_s``: seconds of audio per decoded block. ``watch``: called with the seconds decoded so far in
+    the current pass after each block (see :class:`qasr.audio.io.EncodedAudio`). Raises AudioError naming
+    the input when neither decoder can open it.
     """
 
-    def __init__(self, opener: Callable[[], Any], name: str, block_s: float) -> None:
+    def __init__(self, opener: Callable[[], Any], name: str, block_s: float,
+                 watch: Callable[[float], None] | None = None) -> None:
         self._opener = opener
         self.name = name
         self._block_s = block_s
+        self._watch = watch
         self._empty = False
         self.duration: float | None = None
         try:
@@ -90,11 +93,17 @@ class BlockDecoder:
         """Mono float32 blocks at ``rate``; decoding errors surface as AudioError naming the input."""
         try:
             if self.method == "soundfile":
-                yield from self._sf_blocks()
+                blocks = self._sf_blocks()
             elif self.method == "soundfile-whole":
-                yield from self._sf_whole()
-            elif not self._empty:
-                yield from self._av_blocks()
+                blocks = self._sf_whole()
+            else:
+                blocks = iter(()) if self._empty else self._av_blocks()
+            samples = 0
+            for block in blocks:
+                samples += block.size
+                if self._watch is not None:  # before the block is handed on: a refused block goes nowhere
+                    self._watch(samples / self.rate)
+                yield block
         except AudioError:
             raise
         except Exception as exc:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import IO, Any
 
 import av
 import numpy as np
@@ -24,14 +26,35 @@ SAMPLE_RATE = 16000
 # is far more likely to be time (or a batch of clips), and silently averaging it would be garbage.
 MAX_CHANNELS = 8
 
-AudioSource = str | os.PathLike | bytes | bytearray | memoryview | np.ndarray | tuple
+# How every front end describes a 0-byte input (CLI path, server upload, bytes), after the input's name.
+EMPTY_FILE = "the file is empty (0 bytes)"
+
+
+@dataclass(frozen=True)
+class EncodedAudio:
+    """Encoded audio that has no path of its own (an HTTP upload): decoded like a file, named by ``name``.
+
+    ``opener()`` returns a readable, seekable binary handle positioned at the start, once per decoding
+    pass (passes never overlap, so it may hand out the same rewound file each time). ``watch``, when set,
+    is called with the seconds decoded so far (at the input's own rate) after each decoded block of every
+    pass; it may raise AudioError to stop decoding there (a server stops an upload that decodes to more
+    audio than it admitted).
+    """
+
+    name: str
+    opener: Callable[[], IO[bytes]]
+    size: int  # bytes; 0 is refused with EMPTY_FILE before any decoder sees it
+    watch: Callable[[float], None] | None = None
+
+
+AudioSource = str | os.PathLike | bytes | bytearray | memoryview | np.ndarray | tuple | EncodedAudio
 
 
 class AudioError(ValueError):
     """Raised when an input cannot be turned into a usable waveform.
 
-    The message always starts with the input's name (the path, ``"bytes input"`` or ``"array input"``)
-    so a failure in a batch of hundreds of files points at the culprit.
+    The message always starts with the input's name (the path, an upload's name, ``"bytes input"`` or
+    ``"array input"``) so a failure in a batch of hundreds of files points at the culprit.
     """
 
 
@@ -52,6 +75,7 @@ def load_audio(source: AudioSource, sample_rate: int | None = None) -> np.ndarra
       For these encoded inputs the file's own sample rate is authoritative and ``sample_rate`` is ignored.
     * a numpy array; ``sample_rate`` (the array's rate) is then required.
     * a tuple ``(array, sr)``. If ``sample_rate`` is also given it must agree with ``sr``.
+    * an :class:`EncodedAudio` (an upload without a path), decoded like a file.
 
     Array conventions: signed integers are scaled by ``2**(bits-1)`` (int16 / 32768, int32 / 2**31),
     unsigned integers are centred first (uint8: (x - 128) / 128), floats are cast to float32. See
@@ -69,10 +93,13 @@ def load_audio(source: AudioSource, sample_rate: int | None = None) -> np.ndarra
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
-            raise AudioError("bytes input: cannot be decoded: the byte string is empty")
+            raise AudioError(f"bytes input: {EMPTY_FILE}")
         return _load_encoded(lambda: io.BytesIO(data), "bytes input")
     if isinstance(source, (str, os.PathLike)):
         return _load_path(source)
+    if isinstance(source, EncodedAudio):
+        checked_encoded(source)
+        return _load_encoded(source.opener, source.name, source.watch)
     raise AudioError(
         f"input of type {type(source).__name__}: unsupported audio source "
         "(expected a path, bytes, a numpy array or an (array, sample_rate) tuple)"
@@ -110,30 +137,47 @@ def checked_path(source: str | os.PathLike) -> str:
         raise AudioError(f"{path}: file not found")
     if os.path.isdir(path):
         raise AudioError(f"{path}: is a directory, not an audio file")
+    if os.path.getsize(path) == 0:  # said plainly, not as two decoders' "format not recognised"
+        raise AudioError(f"{path}: {EMPTY_FILE}")
     return path
 
 
-def _load_encoded(opener: Callable[[], Any], name: str) -> np.ndarray:
+def checked_encoded(source: EncodedAudio) -> EncodedAudio:
+    """The upload itself, or AudioError when it is empty (the same words as for an empty path)."""
+    if source.size == 0:
+        raise AudioError(f"{source.name}: {EMPTY_FILE}")
+    return source
+
+
+def _load_encoded(opener: Callable[[], Any], name: str, watch: Callable[[float], None] | None = None) -> np.ndarray:
     """Decode with libsndfile, falling back to PyAV; ``opener()`` yields a fresh path or file object.
 
     A fresh handle per attempt matters for BytesIO: a failed decoder leaves the stream position anywhere.
+    ``watch``: see :class:`EncodedAudio`. libsndfile reads only the frames its header declares, so it is
+    watched once after its read; PyAV decodes whatever the file holds, so it is watched frame by frame.
     """
     try:
         data, sr = sf.read(opener(), dtype="float32", always_2d=True)
     except Exception as sf_exc:
         try:
-            channels_first, sr = _decode_with_av(opener())
+            channels_first, sr = _decode_with_av(opener(), watch)
+        except AudioError:
+            raise
         except Exception as av_exc:
             raise AudioError(
                 f"{name}: cannot be decoded as audio (soundfile: {_short(sf_exc)}; pyav: {_short(av_exc)})"
             ) from av_exc
         mono = channels_first.mean(axis=0, dtype=np.float32) if channels_first.size else np.zeros(0, "f4")
         return _finish(mono, sr, name)
+    if watch is not None:
+        watch(data.shape[0] / sr)
     if data.shape[0] == 0:
         # libsndfile can report zero frames for streams whose length it cannot determine (e.g. some
         # VBR mp3); FFmpeg scans to the end, so give it a chance before declaring the input empty.
         try:
-            channels_first, av_sr = _decode_with_av(opener())
+            channels_first, av_sr = _decode_with_av(opener(), watch)
+        except AudioError:
+            raise
         except Exception:
             channels_first, av_sr = np.zeros((1, 0), dtype=np.float32), sr
         if channels_first.size:
@@ -141,11 +185,11 @@ def _load_encoded(opener: Callable[[], Any], name: str) -> np.ndarray:
     return _finish(data.mean(axis=1, dtype=np.float32), sr, name)
 
 
-def _decode_with_av(handle: Any) -> tuple[np.ndarray, int]:
+def _decode_with_av(handle: Any, watch: Callable[[float], None] | None = None) -> tuple[np.ndarray, int]:
     """Decode the first audio stream with FFmpeg; returns (channels, samples) float32 and its rate.
 
     The resampler only converts the sample format to planar float; rate and layout are kept so the
-    resampling to 16 kHz is done by soxr, identically for every decoder.
+    resampling to 16 kHz is done by soxr, identically for every decoder. ``watch``: see EncodedAudio.
     """
     with av.open(handle, mode="r") as container:
         if not container.streams.audio:
@@ -154,10 +198,14 @@ def _decode_with_av(handle: Any) -> tuple[np.ndarray, int]:
         resampler = av.AudioResampler(format="fltp")
         blocks: list[np.ndarray] = []
         rate = 0
+        samples = 0
         for frame in container.decode(stream):
             for out in resampler.resample(frame):
                 rate = out.sample_rate
                 blocks.append(out.to_ndarray())
+                samples += out.samples
+            if watch is not None and rate:
+                watch(samples / rate)
         for out in resampler.resample(None):
             rate = out.sample_rate
             blocks.append(out.to_ndarray())
@@ -230,8 +278,14 @@ def _check_rate(sample_rate: Any) -> int:
     return rate
 
 
+# What decoders put in their messages about a file object: libsndfile its repr ("Error opening
+# <_io.BytesIO object at 0x7efe...>: "), FFmpeg its placeholder name (": '<none>'") and an errno. The
+# message already starts with the input's own name, so these say nothing and are dropped.
+_HANDLE_NOISE = re.compile(r"(Error opening )?<[\w.]+ object at 0x[0-9a-fA-F]+>(: )?|:? ?'<none>'|\[Errno -?\d+\] ")
+
+
 def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    text = _HANDLE_NOISE.sub("", str(exc)).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 

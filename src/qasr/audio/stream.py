@@ -23,7 +23,16 @@ import numpy as np
 import soxr
 
 from qasr.audio.decode_blocks import BlockDecoder
-from qasr.audio.io import SAMPLE_RATE, AudioError, AudioSource, checked_path, load_audio
+from qasr.audio.io import (
+    EMPTY_FILE,
+    SAMPLE_RATE,
+    AudioError,
+    AudioSource,
+    EncodedAudio,
+    checked_encoded,
+    checked_path,
+    load_audio,
+)
 from qasr.audio.segments import AudioSegment, Segmenter, SegmentMode
 from qasr.audio.vad import VadConfig
 
@@ -83,11 +92,12 @@ def iter_segments(
     """Segments of ``source`` (see :mod:`qasr.audio.segments` for the modes), decoded as they are consumed.
 
     ``source`` and ``sample_rate`` are as for :func:`qasr.audio.io.load_audio` (a path, encoded bytes, an
-    array with ``sample_rate``, or an ``(array, sr)`` tuple). ``vad`` configures speech detection in mode
-    "vad" (default :class:`VadConfig`). ``block_s``: seconds of audio decoded per step; it changes memory
-    and latency, never the result. Arrays are converted with load_audio up front (they are in memory
-    anyway); paths and bytes are decoded block by block. Input errors that show without decoding (missing
-    file, undecodable container, bad array) raise AudioError here; later ones from iteration.
+    EncodedAudio, an array with ``sample_rate``, or an ``(array, sr)`` tuple). ``vad`` configures speech
+    detection in mode "vad" (default :class:`VadConfig`). ``block_s``: seconds of audio decoded per step;
+    it changes memory and latency, never the result. Arrays are converted with load_audio up front (they
+    are in memory anyway); paths, bytes and EncodedAudio are decoded block by block. Input errors that
+    show without decoding (missing file, undecodable container, bad array) raise AudioError here; later
+    ones from iteration.
     """
     segmenter = Segmenter(mode, max_segment_s, vad or VadConfig())
     if block_s <= 0:
@@ -98,7 +108,7 @@ def iter_segments(
         stream._segments = _from_blocks(_array_blocks(wave, block_s), segmenter, stream)
         return stream
     opener, name = _opener(source)
-    decoder = BlockDecoder(opener, name, block_s)
+    decoder = BlockDecoder(opener, name, block_s, source.watch if isinstance(source, EncodedAudio) else None)
     stream = SegmentStream(iter(()), decoder.duration, segmenter)
     stream._segments = _from_blocks(_decoded_blocks(decoder), segmenter, stream)
     return stream
@@ -109,11 +119,13 @@ def _opener(source: AudioSource) -> tuple[Callable[[], object], str]:
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
-            raise AudioError("bytes input: cannot be decoded: the byte string is empty")
+            raise AudioError(f"bytes input: {EMPTY_FILE}")
         return (lambda: io.BytesIO(data)), "bytes input"
     if isinstance(source, (str, os.PathLike)):
         path = checked_path(source)
         return (lambda: path), path
+    if isinstance(source, EncodedAudio):
+        return checked_encoded(source).opener, source.name
     raise AudioError(
         f"input of type {type(source).__name__}: unsupported audio source "
         "(expected a path, bytes, a numpy array or an (array, sample_rate) tuple)"

@@ -27,7 +27,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve", help="serve an OpenAI-compatible transcription API (needs the server extra)",
         description="Serve POST /v1/audio/transcriptions (OpenAI-compatible), /v1/models, /health, /metrics and "
                     "a web page at /. One model is loaded and shared by every request. SIGTERM or Ctrl-C: new "
-                    "requests get 503 while the accepted ones finish, then the server exits 0.")
+                    "requests get 503 while the accepted ones (live sessions included) finish, for at most "
+                    "--drain-timeout seconds; then the server exits: 0 when everything finished, 1 when the "
+                    "deadline cut requests short (they get an error) or a second signal stopped it at once.")
     s.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -57,6 +59,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="audio a live session may have waiting; later appends are refused (default 30)")
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
                    help="audio per live decoding step (default 1.0; the official default is 2.0)")
+    s.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long accepted requests and live sessions may take to finish; "
+                        "past it they end with a 'shutting_down' error and the server exits 1 (default 30)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from qasr.cli.ray_options import add_serve_options  # argparse only: nothing heavy loads
 
@@ -80,7 +85,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_queue_audio_s=args.max_queue_audio_s,
                         max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner,
                         max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
-                        live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s)
+                        live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s,
+                        drain_timeout_s=args.drain_timeout)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -107,24 +113,29 @@ def serve_command(args: argparse.Namespace) -> int:
 
     app = create_app(config, load)
     # uvicorn's own access log would print query strings; qasr's (logger qasr.server.access) prints no more
-    # than method, path, status and time
+    # than method, path, status and time. Its graceful shutdown starts only once our drain has ended every
+    # request (or cut it at --drain-timeout), so it has only closed connections to wait for.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                                           log_level=args.log_level, timeout_graceful_shutdown=30))
+                                           log_level=args.log_level, timeout_graceful_shutdown=5))
     state = app.state.qasr
     state.on_drained = lambda: setattr(server, "should_exit", True)
+    stopped_at_once: list[int] = []  # a second signal came
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
-        """First signal: drain (new requests 503, accepted ones finish, then exit 0). Second: stop now."""
+        """First signal: drain (new requests 503, accepted ones finish within --drain-timeout, then exit).
+        Second: stop now."""
         if state.draining:
+            stopped_at_once.append(sig)
             server.should_exit = True
             server.force_exit = True
             return
-        logging.getLogger("qasr.server").info("%s: finishing %d accepted requests, refusing new ones",
-                                              signal.Signals(sig).name, state.in_flight)
-        state.draining = True
+        logging.getLogger("qasr.server").info(
+            "%s: finishing %d accepted requests and live sessions (at most %g s), refusing new ones",
+            signal.Signals(sig).name, state.in_flight, config.drain_timeout_s)
+        state.start_drain()
 
     # uvicorn installs server.handle_exit for SIGINT/SIGTERM; ours drains first and, unlike uvicorn's, does
     # not re-raise the signal after shutdown, so a drained server exits 0
     server.handle_exit = on_signal  # type: ignore[method-assign]
     server.run()
-    return 0
+    return 1 if stopped_at_once or state.drain_cut.is_set() else 0

@@ -4,19 +4,27 @@ the live transcript.
 On a terminal the current turn is redrawn in place (stable text, then the unstable tail in grey) and each
 finished turn stays on its own line with its times; piped, only finished turns are printed, one per line
 (``--partials`` prints every update too, ``--json`` prints events as JSON lines).
+
+The first Ctrl-C ends the input (a microphone's capture, or a file's playback) and the final transcript
+of what was sent still comes; a second one quits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterable
 from dataclasses import asdict
+from types import FrameType
 from typing import TextIO
 
-from qasr.cli.argtypes import positive_int
+from qasr.cli.argtypes import positive_float, positive_int
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 GREY, RESET, CLEAR_LINE = "\033[90m", "\033[0m", "\r\033[K"
 
 
@@ -34,12 +42,16 @@ def add_stream_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     s.add_argument("--no-turn-detection", action="store_true",
                    help="one turn for the whole input instead of turns cut at pauses by the server's VAD")
     s.add_argument("--speed", type=_non_negative, default=1.0,
-                   help="playback speed of a file: 1 = real time (default), 0 = as fast as the server takes it")
+                   help="playback speed of a file: 1 = real time (default), 0 = as fast as the server takes it "
+                        "(the client waits on the server's backlog: no audio is dropped)")
     s.add_argument("--chunk-ms", type=positive_int, default=100, help="audio per message in ms (default 100)")
     s.add_argument("--mic-format", default="pulse" if sys.platform.startswith("linux") else "avfoundation",
                    help="ffmpeg input format for 'mic' (pulse, alsa, avfoundation, dshow, lavfi, ...)")
     s.add_argument("--mic-device", default="default", help="ffmpeg input device for 'mic' (default: 'default')")
     s.add_argument("--api-key", default=None, help="the server's API key (default: $QASR_API_KEY)")
+    s.add_argument("--keepalive", type=positive_float, default=20.0, metavar="SECONDS",
+                   help="ping the server this often; one that has not answered a ping within as long is taken "
+                        "as gone (default 20). There is no other timeout: silence and a busy server are waited for")
     s.add_argument("--partials", action="store_true", help="when piped, also print every partial update")
     s.add_argument("--json", action="store_true", help="print the events as JSON lines")
     return s
@@ -53,43 +65,97 @@ def _non_negative(text: str) -> float:
 
 
 def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    import os
-
     from websockets.exceptions import WebSocketException
 
-    from qasr.cli.stream_client import Final, Partial, ServerError, capture_chunks, file_chunks, stream
+    from qasr.audio.io import AudioError
+    from qasr.cli.stream_client import Capture, capture_chunks, file_chunks
 
+    capture: Capture | None = None
     if args.input == "mic":
-        chunks = capture_chunks(args.mic_format, args.mic_device, args.chunk_ms)
+        try:
+            chunks = capture = capture_chunks(args.mic_format, args.mic_device, args.chunk_ms)
+        except RuntimeError as exc:  # no ffmpeg
+            print(f"qasr stream: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
     else:
         if not os.path.isfile(args.input):
             print(f"qasr stream: error: no such file: {args.input}", file=sys.stderr)
             return EXIT_USAGE
-        chunks = file_chunks(args.input, args.chunk_ms)
+        try:  # decoded before connecting: a file that is not audio fails now, not after a session
+            chunks = file_chunks(args.input, args.chunk_ms)
+        except AudioError as exc:
+            print(f"qasr stream: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:  # while a long file decodes
+            return EXIT_INTERRUPTED
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, _first_interrupt(stop, capture))
+    try:
+        failed = _print_events(args, chunks, stop, out)
+    except KeyboardInterrupt:  # the second Ctrl-C
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except (OSError, RuntimeError, ValueError, TimeoutError, WebSocketException) as exc:
+        print(f"qasr stream: error: {_describe(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if capture is not None:
+            capture.stop()
+    if stop.is_set():
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _first_interrupt(stop: threading.Event, capture: object):  # noqa: ANN202 - a signal handler
+    """The first Ctrl-C ends the input (the transcript of what was sent still comes); the next one raises
+    KeyboardInterrupt as usual."""
+
+    def handler(sig: int, frame: FrameType | None) -> None:
+        stop.set()
+        stop_capture = getattr(capture, "stop", None)
+        if stop_capture is not None:
+            stop_capture()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # os.write: a print here could re-enter a print the main thread is in
+        os.write(2, b"qasr stream: input ended; waiting for the last transcript (Ctrl-C again quits now)\n")
+
+    return handler
+
+
+def _print_events(args: argparse.Namespace, chunks: Iterable[bytes], stop: threading.Event, out: TextIO) -> bool:
+    """Stream and print; True when the server reported an error."""
+    from qasr.cli.stream_client import Final, Partial, ServerError, stream
+
     live = out.isatty() and not args.json
     failed = False
-    try:
-        for event in stream(chunks, args.server, args.protocol, args.language, not args.no_turn_detection,
-                            args.speed, args.api_key or os.environ.get("QASR_API_KEY")):
-            if args.json:
-                print(json.dumps({"event": type(event).__name__.lower(), **asdict(event)}, ensure_ascii=False),
-                      file=out, flush=True)
-            elif isinstance(event, Partial):
-                if live:
-                    print(f"{CLEAR_LINE}{event.stable}{GREY}{event.unstable}{RESET}", end="", file=out, flush=True)
-                elif args.partials:
-                    print(f"~ {event.stable}|{event.unstable}", file=out, flush=True)
-            elif isinstance(event, Final):
-                print(f"{CLEAR_LINE if live else ''}{_times(event)}{event.text}", file=out, flush=True)
-            if isinstance(event, ServerError):
-                failed = True
-                print(f"qasr stream: server error {event.code}: {event.message}", file=sys.stderr)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    except (OSError, RuntimeError, ValueError, TimeoutError, WebSocketException) as exc:
-        print(f"qasr stream: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_FAILED if failed else EXIT_OK
+    for event in stream(chunks, args.server, args.protocol, args.language, not args.no_turn_detection,
+                        args.speed, args.api_key or os.environ.get("QASR_API_KEY"), keepalive_s=args.keepalive,
+                        stop=stop):
+        if args.json:
+            print(json.dumps({"event": type(event).__name__.lower(), **asdict(event)}, ensure_ascii=False),
+                  file=out, flush=True)
+        elif isinstance(event, Partial):
+            if live:
+                print(f"{CLEAR_LINE}{event.stable}{GREY}{event.unstable}{RESET}", end="", file=out, flush=True)
+            elif args.partials:
+                print(f"~ {event.stable}|{event.unstable}", file=out, flush=True)
+        elif isinstance(event, Final):
+            print(f"{CLEAR_LINE if live else ''}{_times(event)}{event.text}", file=out, flush=True)
+        if isinstance(event, ServerError):
+            failed = True
+            print(f"qasr stream: server error {event.code}: {event.message}", file=sys.stderr)
+    return failed
+
+
+def _describe(exc: BaseException) -> str:
+    from websockets.exceptions import ConnectionClosedError
+
+    if isinstance(exc, ConnectionClosedError) and exc.rcvd is None:
+        return f"the connection to the server was lost ({exc})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _times(event: object) -> str:

@@ -10,7 +10,7 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -21,6 +21,9 @@ from qasr.audio.io import SAMPLE_RATE, load_audio
 
 Protocol = Literal["native", "openai"]
 BYTES_PER_SAMPLE = 2  # the client always sends 16 kHz pcm16
+KEEPALIVE_S = 20.0  # a ping this often; a server that has not answered one within as long is gone
+CONNECT_TIMEOUT_S = 10.0
+WINDOW_SHARE = 0.5  # of the server's backlog that may be in flight: it never fills, so it never holds reads
 
 
 @dataclass(frozen=True)
@@ -48,34 +51,54 @@ StreamEvent = Partial | Final | ServerError
 
 
 def file_chunks(path: str, chunk_ms: int) -> Iterator[bytes]:
-    """A file decoded to 16 kHz pcm16, in chunks of ``chunk_ms``."""
+    """A file decoded to 16 kHz pcm16, in chunks of ``chunk_ms``. The file is decoded here, at once, so
+    a file that is not audio fails (AudioError) before anything is sent."""
     pcm = (np.clip(load_audio(path), -1.0, 1.0) * 32767).astype("<i2").tobytes()
     step = SAMPLE_RATE * chunk_ms // 1000 * BYTES_PER_SAMPLE
-    for i in range(0, len(pcm), step):
-        yield pcm[i:i + step]
+    return (pcm[i:i + step] for i in range(0, len(pcm), step))
 
 
-def capture_chunks(input_format: str, device: str, chunk_ms: int) -> Iterator[bytes]:
+class Capture:
     """Audio captured by ffmpeg (``-f input_format -i device``: alsa/pulse on Linux, avfoundation on macOS,
-    dshow on Windows, lavfi for generated test signals) as 16 kHz pcm16 chunks."""
-    step = SAMPLE_RATE * chunk_ms // 1000 * BYTES_PER_SAMPLE
-    cmd = ["ffmpeg", "-nostdin", "-loglevel", "error", "-f", input_format, "-i", device, "-ac", "1",
-           "-ar", str(SAMPLE_RATE), "-f", "s16le", "-"]
-    try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    except FileNotFoundError as exc:
-        raise RuntimeError("capturing audio needs ffmpeg on PATH") from exc
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        while chunk := proc.stdout.read(step):
-            yield chunk
-        if proc.wait() != 0:
-            raise RuntimeError(f"ffmpeg could not capture from {input_format}:{device}: "
-                               f"{proc.stderr.read().decode(errors='replace').strip()}")
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
+    dshow on Windows, lavfi for generated test signals), iterated as 16 kHz pcm16 chunks until ``stop()``.
+
+    ffmpeg runs in a session of its own, so a Ctrl-C at the terminal reaches only qasr, which then ends
+    the capture itself (``stop()``) and still sends what was captured and reads the final transcript."""
+
+    def __init__(self, input_format: str, device: str, chunk_ms: int) -> None:
+        self.source = f"{input_format}:{device}"
+        self._step = SAMPLE_RATE * chunk_ms // 1000 * BYTES_PER_SAMPLE
+        cmd = ["ffmpeg", "-nostdin", "-loglevel", "error", "-f", input_format, "-i", device, "-ac", "1",
+               "-ar", str(SAMPLE_RATE), "-f", "s16le", "-"]
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          start_new_session=True)
+        except FileNotFoundError as exc:
+            raise RuntimeError("capturing audio needs ffmpeg on PATH") from exc
+        self.stopped = False
+
+    def stop(self) -> None:
+        """End the capture: the iteration ends after what ffmpeg already gave (safe in a signal handler)."""
+        self.stopped = True
+        if self._proc.poll() is None:
+            self._proc.terminate()
+
+    def __iter__(self) -> Iterator[bytes]:
+        proc = self._proc
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            while chunk := proc.stdout.read(self._step):
+                yield chunk
+            if proc.wait() != 0 and not self.stopped:
+                raise RuntimeError(f"ffmpeg could not capture from {self.source}: "
+                                   f"{proc.stderr.read().decode(errors='replace').strip()}")
+        finally:
+            self.stop()
             proc.wait()
+
+
+def capture_chunks(input_format: str, device: str, chunk_ms: int) -> Capture:
+    return Capture(input_format, device, chunk_ms)
 
 
 def websocket_url(server: str, protocol: Protocol) -> str:
@@ -88,61 +111,119 @@ def websocket_url(server: str, protocol: Protocol) -> str:
     return urlunsplit((scheme, parts.netloc, parts.path.rstrip("/") + path, query, ""))
 
 
-def stream(chunks: Iterator[bytes], server: str, protocol: Protocol = "native", language: str | None = None,
+def stream(chunks: Iterable[bytes], server: str, protocol: Protocol = "native", language: str | None = None,
            turn_detection: bool = True, speed: float = 1.0, api_key: str | None = None,
-           timeout: float = 60.0) -> Iterator[StreamEvent]:
-    """Send ``chunks`` (16 kHz pcm16) paced at ``speed`` x real time (0: as fast as possible) and yield
-    the transcript events until the server has answered the end of the stream."""
+           keepalive_s: float = KEEPALIVE_S, stop: threading.Event | None = None) -> Iterator[StreamEvent]:
+    """Send ``chunks`` (16 kHz pcm16) paced at ``speed`` x real time (0: as fast as the server takes
+    them) and yield the transcript events until the server has answered the end of the stream.
+
+    There is no overall timeout: a long silence (no events) or a busy server is waited for, and only a
+    server that does not answer a ping within ``keepalive_s`` (pings go every ``keepalive_s``) is taken
+    as gone (websockets then raises ConnectionClosedError). The sender keeps the audio the server has not
+    reported processed (its ``progress`` events) under half the server's backlog, so nothing is ever
+    refused and pings never wait behind audio. ``stop`` set: the input ends there (``end`` is sent) and
+    the transcript of what was sent still comes."""
     from websockets.sync.client import connect
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    with connect(websocket_url(server, protocol), additional_headers=headers, open_timeout=timeout,
-                 max_size=None) as ws:
+    with connect(websocket_url(server, protocol), additional_headers=headers, open_timeout=CONNECT_TIMEOUT_S,
+                 ping_interval=keepalive_s, ping_timeout=keepalive_s, close_timeout=keepalive_s, max_size=None) as ws:
         wire = _OpenAIWire(ws, language, turn_detection) if protocol == "openai" else _NativeWire(
             ws, language, turn_detection)
         wire.start()
         sender_error: list[BaseException] = []
-        sender = threading.Thread(target=_send_all, args=(wire, chunks, speed, sender_error), daemon=True)
+        sender = threading.Thread(target=_send_all, args=(wire, chunks, speed, stop or threading.Event(),
+                                                          sender_error), daemon=True)
         sender.start()
         try:
             while True:
-                message = json.loads(ws.recv(timeout=timeout))
+                message = json.loads(ws.recv())
                 yield from wire.events(message)
                 if wire.done:
                     break
         finally:
-            wire.stopped = True
+            wire.halt()
             sender.join(timeout=5)
         if sender_error:
             raise sender_error[0]
 
 
-def _send_all(wire: _NativeWire | _OpenAIWire, chunks: Iterator[bytes], speed: float,
+def _send_all(wire: _Wire, chunks: Iterable[bytes], speed: float, stop: threading.Event,
               error: list[BaseException]) -> None:
     started = time.monotonic()
-    sent = 0
     try:
         for chunk in chunks:
-            if wire.stopped:
-                return
+            if stop.is_set() or wire.stopped:
+                break
             if speed > 0:  # real time: a chunk goes out once its audio would have been spoken
-                ahead = started + sent / (SAMPLE_RATE * BYTES_PER_SAMPLE) / speed - time.monotonic()
-                if ahead > 0:
-                    time.sleep(ahead)
+                ahead = started + wire.sent_s / speed - time.monotonic()
+                if ahead > 0 and stop.wait(ahead):
+                    break
+            if not wire.wait_for_room(len(chunk) / (SAMPLE_RATE * BYTES_PER_SAMPLE)):
+                return  # the session ended while the audio waited
             wire.audio(chunk)
-            sent += len(chunk)
-        wire.end()
+        if not wire.stopped:
+            wire.end()
     except BaseException as exc:  # noqa: BLE001 - re-raised by stream() on the caller's thread
         error.append(exc)
 
 
-class _NativeWire:
+class _Wire:
+    """What both protocols' clients share: the flow control. Audio waits until the session is open (the
+    server answered the settings); ``sent_s`` is the audio sent, ``processed_s`` what the server reported
+    processed, and audio waits while the difference would pass ``window_s`` (None: a server that does not
+    report progress, and is not waited for)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.stopped = False
+        self.sent_s = 0.0
+        self.processed_s = 0.0
+        self.window_s: float | None = None
+        self._open = False
+        self._room = threading.Condition()
+
+    def _fits(self, seconds: float) -> bool:
+        in_flight = self.sent_s - self.processed_s
+        return self.window_s is None or in_flight <= 0 or in_flight + seconds <= self.window_s
+
+    def wait_for_room(self, seconds: float) -> bool:
+        """Block until the session is open and ``seconds`` more audio fits in the window (always, when
+        nothing is in flight); False when the session stopped meanwhile."""
+        with self._room:
+            self._room.wait_for(lambda: self.stopped or self._open and self._fits(seconds))
+            if self.stopped:
+                return False
+            self.sent_s += seconds
+            return True
+
+    def opened(self) -> None:
+        with self._room:
+            self._open = True
+            self._room.notify_all()
+
+    def processed(self, seconds: float, max_backlog_s: float | None) -> None:
+        with self._room:
+            self.processed_s = max(self.processed_s, seconds)
+            if max_backlog_s:
+                self.window_s = max_backlog_s * WINDOW_SHARE
+            self._room.notify_all()
+
+    def halt(self) -> None:
+        with self._room:
+            self.stopped = True
+            self._room.notify_all()
+
+
+class _NativeWire(_Wire):
+    FATAL = frozenset({"session_idle", "shutting_down", "server_error", "invalid_start", "unsupported_language",
+                       "model_loading", "too_many_sessions", "invalid_api_key", "model_not_loaded"})
+
     def __init__(self, ws, language: str | None, turn_detection: bool) -> None:  # noqa: ANN001 - websockets type
+        super().__init__()
         self.ws = ws
         self.settings = {"type": "start", "sample_rate": SAMPLE_RATE, "format": "pcm16", "language": language,
                          "turn_detection": turn_detection}
-        self.done = False
-        self.stopped = False
 
     def start(self) -> None:
         self.ws.send(json.dumps(self.settings))
@@ -159,27 +240,32 @@ class _NativeWire:
             yield Partial(m["turn"], m["stable"], m["unstable"])
         elif kind == "final":
             yield Final(m["turn"], m["text"], m["start"], m["end"])
+        elif kind == "progress":
+            self.processed(m["audio_seconds"], m.get("max_backlog_seconds"))
+        elif kind == "ready":
+            self.processed(0.0, (m.get("config") or {}).get("max_backlog_seconds"))
+            self.opened()
         elif kind == "error":
             yield ServerError(m.get("code", ""), m.get("message", ""))
-            self.done = m.get("code") in ("session_idle", "shutting_down", "server_error", "invalid_start") or (
-                m.get("code") in ("model_loading", "too_many_sessions", "invalid_api_key", "model_not_loaded"))
+            self.done = m.get("code") in self.FATAL
         elif kind == "done":
             self.done = True
 
 
-class _OpenAIWire:
+class _OpenAIWire(_Wire):
     """OpenAI's event names. The end of the stream is a commit followed by a clear: the server handles
-    both in order after all the audio, so its ``cleared`` comes after every transcript of the stream."""
+    both in order after all the audio, so its ``cleared`` comes after every transcript of the stream.
+    A settings error (an unsupported language: the session would go on without it) ends the stream."""
 
     FATAL = frozenset({"session_idle", "shutting_down", "server_error", "model_loading", "too_many_sessions",
-                       "invalid_api_key", "model_not_loaded", "unsupported_intent"})
+                       "invalid_api_key", "model_not_loaded", "unsupported_intent", "unsupported_language",
+                       "unsupported_format", "invalid_session", "invalid_turn_detection"})
 
     def __init__(self, ws, language: str | None, turn_detection: bool) -> None:  # noqa: ANN001
+        super().__init__()
         self.ws = ws
         self.language = language
         self.turn_detection = turn_detection
-        self.done = False
-        self.stopped = False
         self._ended = False
         self._turns: dict[str, int] = {}
 
@@ -207,6 +293,10 @@ class _OpenAIWire:
             yield Partial(self._turn(m["item_id"]), m["stable"], m["unstable"])
         elif kind == "conversation.item.input_audio_transcription.completed":
             yield Final(self._turn(m["item_id"]), m["transcript"], m.get("start"), m.get("end"))
+        elif kind == "input_audio_buffer.progress":
+            self.processed(m["audio_processed_ms"] / 1000, m.get("max_backlog_ms", 0) / 1000)
+        elif kind in ("session.updated", "transcription_session.updated"):
+            self.opened()  # a qasr server announced its backlog (a progress event) before this
         elif kind == "input_audio_buffer.cleared":
             self.done = self._ended
         elif kind == "error":

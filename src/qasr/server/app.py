@@ -52,10 +52,11 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
         finally:
             loader.cancel()
             watcher.cancel()
-            if state.asr is not None:  # finish whatever the engines still hold, then stop their threads
-                await asyncio.to_thread(state.asr.engine.close, True, 60)
+            if state.asr is not None:  # stop the engines' threads; after a cut drain, drop what they hold
+                finish = not state.drain_cut.is_set()
+                await asyncio.to_thread(state.asr.engine.close, finish, ENGINE_CLOSE_S)
                 if state.asr.aligner is not None:
-                    await asyncio.to_thread(state.asr.aligner.engine.close, True, 60)
+                    await asyncio.to_thread(state.asr.aligner.engine.close, finish, ENGINE_CLOSE_S)
 
     # no /docs or /openapi.json: the transcription route reads its form by hand, so the schema says little
     app = FastAPI(title="qasr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -63,6 +64,7 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
     app.state.page = _page()
     install_handlers(app)
     app.include_router(router)
+    app.include_router(icon_router)  # /favicon.ico, open like the page
     app.include_router(realtime_router)  # WebSocket /v1/realtime (OpenAI Realtime transcription)
     app.include_router(native_stream_router)  # WebSocket /v1/stream (raw PCM)
     # added innermost first: requests pass ObserveRequests, DrainGate, ApiKeyAuth, UploadLimit, then the routes
@@ -101,8 +103,20 @@ def _load_and_release(load: Callable[[], ASR]) -> ASR:
 
 
 async def _stop_when_drained(state: ServerState) -> None:
-    while not (state.draining and state.in_flight == 0):
+    """Once a drain starts, stop the HTTP server when nothing is in flight, or at the drain's deadline:
+    then what is left is cut (``state.drain_cut``: DrainGate answers each request an error, live sessions
+    get theirs) and given a moment to say so before the server stops."""
+    while not state.draining:
         await asyncio.sleep(0.05)
+    while state.in_flight and not state.drain_overdue():
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        log.warning("drain timeout (%g s): ending %d requests and sessions unfinished",
+                    state.config.drain_timeout_s, state.in_flight)
+        state.drain_cut.set()
+        cut_at = time.monotonic()
+        while state.in_flight and time.monotonic() - cut_at < CUT_GRACE_S:
+            await asyncio.sleep(0.05)
     if state.on_drained is not None:
         state.on_drained()
 

@@ -14,6 +14,7 @@ class ServerConfig:
     max_upload_bytes: int = 100 * 2**20
     aligner: str | None = None  # --aligner: a forced-aligner checkpoint, for word timestamps
     warmup: bool = True  # one short request before /health says ready
+    drain_timeout_s: float = 30.0  # SIGTERM: the accepted work gets this long to finish, then it is cut
     # live sessions (WebSocket /v1/realtime and /v1/stream)
     max_live_sessions: int = 64  # open at once; more are refused with an error event
     live_idle_timeout_s: float = 60.0  # a session that sends nothing for this long is closed and freed

@@ -1,7 +1,9 @@
 """Admission by queued audio: requests whose audio would push the backlog past the limit get 429.
 
 The backlog is the audio admitted and not yet transcribed. Retry-After estimates how long the excess
-takes to clear at the throughput measured over the last minute.
+takes to clear at the throughput measured over the last minute. An upload is admitted by the duration
+its header states (or an estimate when it states none) before a sample is decoded, and its decoding is
+watched so it never holds more audio than it was admitted for (:class:`UploadAdmission`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,18 @@ import threading
 import time
 from collections import deque
 
+from qasr.audio.io import AudioError
+from qasr.audio.probe import Duration
 from qasr.server.errors import ApiError
 
 WINDOW_S = 60.0
+# Decoded audio may run this far past a stated duration before the header counts as wrong: containers
+# round (MP3 padding, Ogg granules) and FFmpeg estimates some durations from the bitrate.
+SLACK_FRACTION = 0.02
+SLACK_S = 2.0
+# An estimated duration that turns out short is extended by steps this large (a fraction of what is
+# decoded so far), so a long upload asks the budget a few times, not at every block.
+GROWTH = 0.25
 
 
 class AudioBudget:
@@ -31,13 +42,30 @@ class AudioBudget:
         """Reserve ``seconds`` of backlog or raise a 429 ApiError with Retry-After. A request is always
         admitted into an empty backlog, so one file longer than the limit is slow, never refused forever."""
         with self._lock:
-            if self._queued > 0 and self._queued + seconds > self.max_queued_s:
-                wait = self._retry_after(self._queued + seconds - self.max_queued_s)
-                raise ApiError(429, f"the server's queue is full ({self._queued:.0f} s of audio waiting, limit "
-                                    f"{self.max_queued_s:g} s); retry in {wait} s", code="rate_limit_exceeded",
-                               headers={"Retry-After": str(wait)})
+            self._check(self._queued, seconds)
             self._queued += seconds
         return Ticket(self, seconds)
+
+    def grow(self, ticket: Ticket, seconds: float) -> None:
+        """Add ``seconds`` to an admitted ticket by the rule of ``admit`` (the ticket's own share does not
+        count as others waiting), or raise its 429."""
+        with self._lock:
+            self._check(self._queued - ticket.seconds, ticket.seconds + seconds)
+            self._queued += seconds
+            ticket.seconds += seconds
+
+    def resize(self, ticket: Ticket, seconds: float) -> None:
+        """Set an admitted ticket to the audio its upload really decoded to (never refused: it is decoded)."""
+        with self._lock:
+            self._queued = max(0.0, self._queued + seconds - ticket.seconds)
+            ticket.seconds = seconds
+
+    def _check(self, others: float, seconds: float) -> None:
+        if others > 0 and others + seconds > self.max_queued_s:
+            wait = self._retry_after(others + seconds - self.max_queued_s)
+            raise ApiError(429, f"the server's queue is full ({others:.0f} s of audio waiting, limit "
+                                f"{self.max_queued_s:g} s); retry in {wait} s", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(wait)})
 
     def release(self, seconds: float, transcribed: bool) -> None:
         now = time.monotonic()
@@ -71,3 +99,52 @@ class Ticket:
         if self._open:
             self._open = False
             self._budget.release(self.seconds, transcribed)
+
+    def resize(self, seconds: float) -> None:
+        """Hold the audio the upload really decoded to instead of its probed duration."""
+        if self._open:
+            self._budget.resize(self, seconds)
+
+
+class UploadAdmission:
+    """One upload's ticket, taken from its probed duration before decoding, and the ``watch`` its decoding
+    calls (see :class:`qasr.audio.io.EncodedAudio`) to stay within it.
+
+    Past a stated duration (plus slack) the decoding stops with 413: the header lied. Past an estimate it
+    asks the budget for more, by ``admit``'s rule, and stops with that 429 when the queue has no room.
+    ``leave()`` (the client went away) stops it at its next block. Why it stopped is ``refusal``, the
+    ApiError the request answers with (None for a leave or an ordinary decoding error).
+    """
+
+    def __init__(self, budget: AudioBudget, duration: Duration, name: str) -> None:
+        self.ticket = budget.admit(duration.seconds)  # the 429, before a sample is decoded
+        self.budget = budget
+        self.name = name
+        self.declared = duration.declared
+        self.stated_s = duration.seconds
+        self.allowed_s = duration.seconds * (1 + SLACK_FRACTION) + SLACK_S
+        self.refusal: ApiError | None = None
+        self._left = threading.Event()
+
+    def leave(self) -> None:
+        self._left.set()
+
+    def watch(self, seconds: float) -> None:
+        """Called on the decoding thread with the seconds decoded so far in the current pass."""
+        if self._left.is_set():
+            raise AudioError(f"{self.name}: decoding stopped: the client went away")
+        if seconds <= self.allowed_s:
+            return
+        if self.declared:
+            self.refusal = ApiError(
+                413, f"{self.name}: decodes to more audio than its header states ({self.stated_s:.1f} s, what "
+                     f"was admitted); decoding stopped at {seconds:.1f} s. Re-encode the file so its header is "
+                     "right (e.g. ffmpeg -i IN OUT)", param="file", code="audio_too_long")
+            raise AudioError(self.refusal.message)
+        extra = seconds * (1 + GROWTH) - self.ticket.seconds
+        try:
+            self.budget.grow(self.ticket, extra)
+        except ApiError as exc:
+            self.refusal = exc
+            raise AudioError(f"{self.name}: {exc.message}") from exc
+        self.allowed_s = self.ticket.seconds

@@ -6,9 +6,12 @@ audio, commit, clear, finish. Operations run in arrival order on a worker thread
 ``emit`` in that order. Encoding runs on the worker thread; decoding runs on the shared engine, where the
 steps of every session batch with each other and with file transcriptions.
 
-Backlog policy: audio received but not yet processed is counted; an append that would take it past
-``max_backlog_s`` is refused (the protocol reports an error and the samples are dropped), so a client
-that sends faster than the server keeps up is told so instead of growing the server's memory.
+Flow control, not data loss: audio received and not yet processed (the backlog) is counted, and while it
+is at ``max_backlog_s`` the connection reads no further message (``has_room``), so a client that sends
+faster than the server transcribes is slowed down by TCP instead of having audio dropped; memory stays
+bounded by the backlog plus one message. So that a client can pace itself without ever filling the
+backlog (its pings then never wait behind audio), ``progress`` reports the audio processed after every
+``progress_every_s`` of it.
 """
 
 from __future__ import annotations
@@ -26,22 +29,36 @@ from qasr.streaming.live import LiveEvent, LiveSession
 
 log = logging.getLogger("qasr.server")
 Op = Literal["audio", "commit", "clear", "finish"]
+PROGRESS_EVERY_S = 1.0  # a client learns what was processed at least this often (in audio seconds)
+PIECE = SAMPLE_RATE  # audio is processed in pieces of at most 1 s (the default step)
 
 
-class BacklogFull(Exception):
-    """The client sends audio faster than it is transcribed."""
+_background: set[asyncio.Future] = set()  # closes still running after their session answered its client
+
+
+def _closed(closing: asyncio.Future) -> None:
+    _background.discard(closing)
+    if not closing.cancelled() and closing.exception() is not None:  # the engine may be closed by now
+        log.debug("an abandoned live session's close failed: %r", closing.exception())
 
 
 class LiveRunner:
     def __init__(self, session: LiveSession, ingest: PcmIngest, emit: Callable[[Op, list[LiveEvent]], Awaitable[None]],
-                 fail: Callable[[Exception], Awaitable[None]], max_backlog_s: float) -> None:
+                 fail: Callable[[Exception], Awaitable[None]], max_backlog_s: float,
+                 progress: Callable[[], Awaitable[None]] | None = None) -> None:
         """``emit(op, events)`` gets each operation's events; ``fail(exc)`` an operation's exception (the
-        session is closed after it and later operations are dropped)."""
+        session is closed after it and later operations are dropped); ``progress()`` is called after every
+        ``progress_every_s`` of audio processed."""
         self.session = session
         self.ingest = ingest
         self._emit = emit
         self._fail = fail
+        self._progress = progress
+        self.max_backlog_s = max_backlog_s
         self._max_backlog = int(max_backlog_s * SAMPLE_RATE)
+        # reports come at least twice per backlog, so a client keeping half the backlog in flight never stalls
+        self._progress_every = int(min(PROGRESS_EVERY_S, max_backlog_s / 4) * SAMPLE_RATE)
+        self._reported = 0  # audio_samples at the last progress report
         self.backlog = 0  # samples queued and not yet processed
         self.audio_samples = 0  # samples processed (16 kHz)
         self._queue: asyncio.Queue[tuple[Op, np.ndarray | None] | None] = asyncio.Queue()
@@ -55,15 +72,18 @@ class LiveRunner:
         """Work is queued or running (a client waiting for it is not idle)."""
         return self._working or not self._queue.empty()
 
+    def has_room(self) -> bool:
+        """Whether the connection may read its next message: the backlog is under its limit (a message
+        larger than the whole limit is still taken, alone)."""
+        return self.backlog < self._max_backlog or self.failed or self._abandoned
+
     def audio(self, pcm: bytes) -> None:
-        """Queue wire PCM; raises BacklogFull (nothing queued) past the backlog limit."""
+        """Queue wire PCM (raises ValueError for samples that are not audio: NaN, infinite), in pieces of
+        at most ``PIECE_S``: a session is abandoned (a cut drain) between pieces, not after a long message."""
         samples = self.ingest.feed(pcm)
-        if self.backlog + samples.size > self._max_backlog:
-            limit = self._max_backlog / SAMPLE_RATE
-            raise BacklogFull(f"audio arrives faster than it is transcribed: over {limit:g} s are waiting; "
-                              "this append was dropped")
         self.backlog += samples.size
-        self._queue.put_nowait(("audio", samples))
+        for i in range(0, samples.size, PIECE):
+            self._queue.put_nowait(("audio", samples[i:i + PIECE]))
 
     def commit(self) -> None:
         self._queue.put_nowait(("commit", None))
@@ -81,6 +101,25 @@ class LiveRunner:
         self._queue.put_nowait(None)
         await asyncio.shield(self._worker)
 
+    async def finish_by(self, cut: asyncio.Event) -> bool:
+        """``finish()``, unless ``cut`` is set first: then abandon (``close()``). True when it finished."""
+        finishing = asyncio.ensure_future(self.finish())
+        stop = asyncio.ensure_future(cut.wait())
+        try:
+            await asyncio.wait({finishing, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if finishing.done():
+            finishing.result()
+            return True
+        finishing.cancel()  # only the shield: the worker is stopped below
+        # the client hears now; the piece being processed ends in the background (the engine, closed
+        # after a cut drain, fails it at once), then the session's engine state is freed
+        closing = asyncio.ensure_future(self.close())
+        _background.add(closing)
+        closing.add_done_callback(_closed)
+        return False
+
     async def close(self) -> None:
         """Abandon: skip what is queued, stop the worker, free the session's engine state."""
         self._abandoned = True
@@ -97,6 +136,9 @@ class LiveRunner:
             try:
                 events = await asyncio.to_thread(self._apply, op, samples)
             except Exception as exc:  # noqa: BLE001 - reported to the client, then the session is closed
+                if self._abandoned:  # e.g. a cut drain closed the engine under it: its client was told already
+                    log.debug("an abandoned live session's last operation failed: %r", exc)
+                    continue
                 log.exception("live session failed")
                 self.failed = True
                 await asyncio.to_thread(self.session.close)
@@ -104,13 +146,19 @@ class LiveRunner:
                 continue
             finally:
                 self._working = False
+                if samples is not None:  # counted here, on the event loop's thread, like the additions
+                    self.backlog -= samples.size
+                    self.audio_samples += samples.size
+            if self._abandoned:  # closed while this operation ran: its client hears no more of it
+                continue
             await self._emit(op, events)
+            if self._progress is not None and self.audio_samples - self._reported >= self._progress_every:
+                self._reported = self.audio_samples
+                await self._progress()
 
     def _apply(self, op: Op, samples: np.ndarray | None) -> list[LiveEvent]:
         if op == "audio":
             assert samples is not None
-            self.backlog -= samples.size
-            self.audio_samples += samples.size
             return self.session.push(samples)
         if op == "commit":
             return self.session.commit()

@@ -1,9 +1,12 @@
 """What both live WebSocket protocols share: admission (API key, readiness, draining, the session limit),
-a serialised JSON sender, and a receive loop that closes idle sessions and notices a server drain.
+a serialised JSON sender, and a receive loop that closes idle sessions, notices a server drain and holds
+back while the session's backlog is full.
 
 Errors are reported inside the protocol after the handshake (a WebSocket client sees an event with a
 message, where a refused handshake would only show HTTP 403), then the socket is closed with a code:
-1008 (policy: bad key), 1013 (try again later: loading, draining, full), 1011 (server error).
+1008 (policy: bad key, and only that), 4400 (a bad request: settings the session cannot take, such as
+an unsupported language), 1013 (try again later: loading, draining, full), 1011 (server error), 1001
+(the server shut down).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from dataclasses import dataclass
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from qasr.server.auth import bearer_token, key_matches
+from qasr.server.live_runner import LiveRunner
 from qasr.server.state import ServerState
 
 BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: OpenAI's page clients send it so
 DRAIN_POLL_S = 0.25
+CLOSE_BAD_KEY, CLOSE_BAD_REQUEST, CLOSE_GOING_AWAY = 1008, 4400, 1001
+DRAIN_CUT = "the server is shutting down and its drain timeout passed before this session's last audio was transcribed"
 
 
 class Idle(Exception):
@@ -48,7 +54,7 @@ def refusal(ws: WebSocket, state: ServerState) -> Refusal | None:
     key = state.config.api_key
     if key and not _authorized(ws, key):
         return Refusal("invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer KEY' (or, from "
-                       f"a browser, the subprotocol '{BROWSER_KEY_PREFIX}KEY')", 1008)
+                       f"a browser, the subprotocol '{BROWSER_KEY_PREFIX}KEY')", CLOSE_BAD_KEY)
     if state.draining:
         return Refusal("shutting_down", "the server is shutting down", 1013)
     if state.load_error is not None:
@@ -71,7 +77,7 @@ def _authorized(ws: WebSocket, key: str) -> bool:
 
 class Channel:
     """Sends JSON (one send at a time: the worker's events and the receive loop's replies interleave
-    whole) and receives with the session's idle timeout, watching for a drain."""
+    whole) and receives with the session's idle timeout, watching for a drain and the backlog."""
 
     def __init__(self, ws: WebSocket, state: ServerState) -> None:
         self.ws = ws
@@ -83,9 +89,17 @@ class Channel:
             if self.ws.application_state == WebSocketState.CONNECTED:
                 await self.ws.send_text(json.dumps(message, ensure_ascii=False))
 
-    async def receive(self, busy: Callable[[], bool] = lambda: False) -> dict:
+    async def receive(self, busy: Callable[[], bool] = lambda: False, room: Callable[[], bool] = lambda: True) -> dict:
         """The next message (``{"text": ...}`` or ``{"bytes": ...}``); raises WebSocketDisconnect,
-        Idle or Draining. Time while ``busy()`` (the session still works on what was sent) is not idle."""
+        Idle or Draining. Time while ``busy()`` (the session still works on what was sent) is not idle.
+        While ``room()`` is false (the backlog is full) nothing is read: the client's sends wait in TCP.
+        A drain is noticed before every message, so a client that never stops sending is still closed."""
+        while not room():
+            if self.state.draining:
+                raise Draining()
+            await asyncio.sleep(DRAIN_POLL_S / 5)  # a full backlog is being worked on: never idle
+        if self.state.draining:
+            raise Draining()
         timeout = self.state.config.live_idle_timeout_s
         waited = 0.0
         pending = asyncio.ensure_future(self.ws.receive())
@@ -126,3 +140,12 @@ async def hold_session(state: ServerState, body: Callable[[], Awaitable[None]]) 
         state.live_sessions -= 1
         state.in_flight -= 1
         state.metrics.live_sessions.set(state.live_sessions)
+
+
+async def drain_session(runner: LiveRunner | None, state: ServerState) -> str:
+    """A session's end in a server drain: the audio received is transcribed and the open turn finished
+    (its events go out as usual) unless the drain's deadline comes first. Returns the message of the
+    ``shutting_down`` error event that comes next."""
+    if runner is None or runner.failed or await runner.finish_by(state.drain_cut):
+        return "the server is shutting down"
+    return DRAIN_CUT

@@ -12,7 +12,14 @@
    the turn now), ``{"type": "clear"}`` (drop the turn's audio) and ``{"type": "end"}`` (end of stream).
 3. The server sends ``speech_started``, ``partial`` (``stable``, ``unstable``, ``delta``: the text that
    became stable), ``speech_stopped``, ``final`` (``text``, ``start``, ``end``, ``reason``) per turn,
-   ``error`` (``code``, ``message``), and after ``end`` ``{"type": "done", ...}``, then closes.
+   ``progress`` (``audio_seconds`` processed, ``backlog_seconds``, ``max_backlog_seconds``) after every
+   second of audio processed, ``error`` (``code``, ``message``), and after ``end`` ``{"type": "done",
+   ...}``, then closes.
+
+Audio is never dropped: while the session's backlog is full the server reads nothing more (the client's
+sends wait); a client that keeps what it sent minus ``progress.audio_seconds`` under the backlog never
+waits there. Bad settings (unknown key, wrong type, unsupported language) are an error event and close
+code 4400; see docs/streaming.md for the others.
 """
 
 from __future__ import annotations
@@ -24,8 +31,19 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from qasr.audio.io import SAMPLE_RATE
-from qasr.server.live_runner import BacklogFull, LiveRunner, Op
-from qasr.server.live_ws import Channel, Draining, Idle, hold_session, offered_subprotocols, refusal
+from qasr.server.live_runner import LiveRunner, Op
+from qasr.server.live_ws import (
+    CLOSE_BAD_REQUEST,
+    CLOSE_GOING_AWAY,
+    DRAIN_CUT,
+    Channel,
+    Draining,
+    Idle,
+    drain_session,
+    hold_session,
+    offered_subprotocols,
+    refusal,
+)
 from qasr.server.state import ServerState
 from qasr.streaming import (
     LiveConfig,
@@ -45,7 +63,9 @@ _LIVE_KEYS = {"turn_detection": bool, "vad_threshold": float, "silence_ms": int,
 
 
 class StartError(ValueError):
-    pass
+    def __init__(self, message: str, code: str = "invalid_start") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @router.websocket("/v1/stream")
@@ -82,30 +102,37 @@ async def _serve(channel: Channel, state: ServerState) -> None:
     try:
         first = await channel.receive()
         settings: dict = {}
-        if first.get("text") is not None:
-            try:
-                settings = _settings(first["text"])
-            except StartError as exc:
-                await channel.send({"type": "error", "code": "invalid_start", "message": str(exc)})
-                await channel.close(1008, "invalid start message")
-                return
         try:
+            if first.get("text") is not None:
+                settings = _settings(first["text"])
             live, ingest = _session_config(settings, state)
-        except (StartError, ValueError) as exc:
-            await channel.send({"type": "error", "code": "invalid_start", "message": str(exc)})
-            await channel.close(1008, "invalid start message")
+        except ValueError as exc:  # StartError, or a setting a config refused: a bad request (4400)
+            code = exc.code if isinstance(exc, StartError) else "invalid_start"
+            await channel.send({"type": "error", "code": code, "message": str(exc)})
+            await channel.close(CLOSE_BAD_REQUEST, "invalid start message")
             return
         asr = state.asr
         assert asr is not None
+
+        async def progress() -> None:
+            assert runner is not None
+            await channel.send({"type": "progress", "audio_seconds": round(runner.audio_samples / SAMPLE_RATE, 3),
+                                "backlog_seconds": round(runner.backlog / SAMPLE_RATE, 3),
+                                "max_backlog_seconds": runner.max_backlog_s})
+
         runner = LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), ingest, emit, fail,
-                            state.config.live_max_backlog_s)
-        await channel.send({"type": "ready", "session": session_id, "config": _describe(live, ingest)})
+                            state.config.live_max_backlog_s, progress)
+        config = {**_describe(live, ingest), "max_backlog_seconds": state.config.live_max_backlog_s}
+        await channel.send({"type": "ready", "session": session_id, "config": config})
         message = first if first.get("bytes") is not None else None
         while not runner.failed:
             if message is None:
-                message = await channel.receive(lambda: runner.busy)
+                message = await channel.receive(lambda: runner.busy, runner.has_room)
             if await _handle(message, runner, channel):
-                await runner.finish()
+                if not await runner.finish_by(state.drain_cut):  # a drain's deadline came first
+                    await channel.send({"type": "error", "code": "shutting_down", "message": DRAIN_CUT})
+                    await channel.close(CLOSE_GOING_AWAY, "server shutting down")
+                    return
                 if not runner.failed:
                     await channel.send({"type": "done", "session": session_id, "turns": runner.session.turns,
                                         "audio_seconds": round(runner.audio_samples / SAMPLE_RATE, 3)})
@@ -121,11 +148,10 @@ async def _serve(channel: Channel, state: ServerState) -> None:
         if runner is not None:
             await runner.close()
         await channel.close(1000, "idle")
-    except Draining:
-        if runner is not None:
-            await runner.finish()
-        await channel.send({"type": "error", "code": "shutting_down", "message": "the server is shutting down"})
-        await channel.close(1001, "server shutting down")
+    except Draining:  # the audio received gets its transcript (within the drain's deadline), then 1001
+        why = await drain_session(runner, state)
+        await channel.send({"type": "error", "code": "shutting_down", "message": why})
+        await channel.close(CLOSE_GOING_AWAY, "server shutting down")
     except BaseException:
         if runner is not None:
             await runner.close()
@@ -137,8 +163,6 @@ async def _handle(message: dict, runner: LiveRunner, channel: Channel) -> bool:
     if message.get("bytes") is not None:
         try:
             runner.audio(message["bytes"])
-        except BacklogFull as exc:
-            await channel.send({"type": "error", "code": "backlog_full", "message": str(exc)})
         except ValueError as exc:
             await channel.send({"type": "error", "code": "invalid_audio", "message": str(exc)})
         return False
@@ -176,7 +200,10 @@ def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]
         raise StartError(f"unknown settings {unknown}; known: {sorted(known - {'type'})}")
     asr = state.asr
     assert asr is not None
-    language = asr.canonical_language(s.get("language") or None)
+    try:
+        language = asr.canonical_language(s.get("language") or None)
+    except ValueError as exc:
+        raise StartError(str(exc), "unsupported_language") from exc
     stream = StreamConfig(chunk_size_sec=float(s.get("chunk_size_sec", state.config.live_chunk_s)),
                           language=language, context=str(s.get("context") or ""))
     live = {}

@@ -99,7 +99,7 @@ def parse_params(form: FormData, asr: ASR) -> TranscriptionParams:
     if "logprobs" in _list(form, "include"):
         raise ApiError(400, "logprobs are not available from this server", param="include")
     segmentation, vad = _chunking(form)
-    return TranscriptionParams(upload, upload.filename or "upload", _text(form, "model") or "", language,
+    return TranscriptionParams(upload, upload.filename or "the upload", _text(form, "model") or "", language,
                                _text(form, "prompt") or "", fmt, stream, segmentation, vad,
                                words=words_shown,
                                segments="segment" in granularities or not granularities)

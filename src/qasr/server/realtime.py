@@ -10,7 +10,10 @@ and ``conversation.item.input_audio_transcription.partial`` (ours: OpenAI client
 with the stable text and the unstable tail; then ``input_audio_buffer.speech_stopped``, the turn's last
 delta, ``input_audio_buffer.committed``, ``conversation.item.added`` and
 ``conversation.item.input_audio_transcription.completed``, whose transcript equals the turn's deltas
-joined. Errors are ``error`` events. See docs/streaming.md.
+joined. Errors are ``error`` events. After every second of audio processed the server sends
+``input_audio_buffer.progress`` (ours, like the partials) with the audio processed and the backlog; while
+the backlog is full the server reads no further event (the client's sends wait), so no append is ever
+dropped. See docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -25,8 +28,19 @@ from dataclasses import dataclass, field, replace
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from qasr.server.live_runner import BacklogFull, LiveRunner, Op
-from qasr.server.live_ws import Channel, Draining, Idle, hold_session, offered_subprotocols, refusal
+from qasr.audio.io import SAMPLE_RATE
+from qasr.server.live_runner import LiveRunner, Op
+from qasr.server.live_ws import (
+    CLOSE_BAD_REQUEST,
+    CLOSE_GOING_AWAY,
+    Channel,
+    Draining,
+    Idle,
+    drain_session,
+    hold_session,
+    offered_subprotocols,
+    refusal,
+)
 from qasr.server.state import ServerState
 from qasr.streaming import (
     LiveConfig,
@@ -42,6 +56,7 @@ from qasr.streaming import (
 
 router = APIRouter()
 PARTIAL = "conversation.item.input_audio_transcription.partial"
+PROGRESS = "input_audio_buffer.progress"
 SERVER_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}
 
 
@@ -78,7 +93,7 @@ async def realtime(ws: WebSocket) -> None:
     if why is None and ws.query_params.get("intent", "transcription") != "transcription":
         await channel.send(_error("unsupported_intent", "this server only transcribes: connect with "
                                   "?intent=transcription"))
-        await channel.close(1008)
+        await channel.close(CLOSE_BAD_REQUEST, "unsupported intent")
         return
     if why is not None:
         await channel.send(_error(why.code, why.message))
@@ -102,9 +117,10 @@ class RealtimeConnection:
 
     async def run(self) -> None:
         await self._send("session.created", session=self._session())
+        await self._progress()  # announces the backlog, so a client can pace itself from its first append
         try:
             while not self.runner.failed:  # a failed session was reported and closed by _fail
-                message = await self.channel.receive(lambda: self.runner.busy)
+                message = await self.channel.receive(lambda: self.runner.busy, lambda: self.runner.has_room())
                 if message.get("text") is None:
                     await self._send_error("invalid_event", "send JSON text events; audio goes base64-encoded in "
                                            "input_audio_buffer.append")
@@ -117,10 +133,9 @@ class RealtimeConnection:
                                    "the session is closed")
             await self.runner.close()
             await self.channel.close(1000, "idle")
-        except Draining:
-            await self.runner.finish()  # the open turn still gets its final transcript
-            await self._send_error("shutting_down", "the server is shutting down")
-            await self.channel.close(1001, "server shutting down")
+        except Draining:  # the audio received and the open turn still get their transcripts (by the deadline)
+            await self._send_error("shutting_down", await drain_session(self.runner, self.state))
+            await self.channel.close(CLOSE_GOING_AWAY, "server shutting down")
         except BaseException:
             await self.runner.close()
             raise
@@ -157,10 +172,7 @@ class RealtimeConnection:
             pcm = base64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise RequestError("invalid_audio", f"'audio' is not valid base64: {exc}", "audio") from exc
-        try:
-            self.runner.audio(pcm)
-        except BacklogFull as exc:
-            raise RequestError("input_audio_buffer_overflow", str(exc), "audio") from exc
+        self.runner.audio(pcm)  # never refused: a full backlog holds the next read back instead
 
     async def _update(self, event: dict, beta: bool) -> None:
         session = event.get("session")
@@ -190,7 +202,12 @@ class RealtimeConnection:
                           prefix_padding_ms=int(vad.get("prefix_padding_ms", 300)),
                           silence_ms=int(vad.get("silence_duration_ms", 500)))
         return LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), PcmIngest("pcm16", s.rate),
-                          self._emit, self._fail, cfg.live_max_backlog_s)
+                          self._emit, self._fail, cfg.live_max_backlog_s, self._progress)
+
+    async def _progress(self) -> None:
+        r = self.runner
+        await self._send(PROGRESS, audio_processed_ms=round(r.audio_samples * 1000 / SAMPLE_RATE),
+                         backlog_ms=round(r.backlog * 1000 / SAMPLE_RATE), max_backlog_ms=round(r.max_backlog_s * 1000))
 
     async def _emit(self, op: Op, events: list[LiveEvent]) -> None:
         if op == "commit" and not any(isinstance(e, TurnFinal) for e in events):

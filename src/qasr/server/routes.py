@@ -4,7 +4,8 @@ and the web page."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -17,14 +18,15 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect
 
 from qasr.audio.io import AudioError
+from qasr.audio.probe import probe_duration
 from qasr.server import sse
 from qasr.server.errors import ApiError, error_body
-from qasr.server.limits import Ticket
+from qasr.server.limits import Ticket, UploadAdmission
 from qasr.server.params import parse_params
 from qasr.server.responses import render_response, token_usage
 from qasr.server.state import ServerState
-from qasr.server.upload import UploadTooLarge
-from qasr.server.work import EngineRun, Finished, prepare_upload
+from qasr.server.upload import UploadTooLarge, upload_audio
+from qasr.server.work import EngineRun, Finished, Upload, prepare_upload
 
 router = APIRouter()
 T = TypeVar("T")
@@ -49,18 +51,26 @@ async def transcriptions(request: Request) -> Response:
         return Response(status_code=CLIENT_GONE)
     try:
         params = parse_params(form, asr)
-        data = await params.file.read()  # spooled to disk past 1 MB while parsing; size capped by UploadLimit
-        if not data:
-            raise ApiError(400, f"{params.filename}: the file is empty (0 bytes)", param="file", code="invalid_audio")
-        try:  # decoding and segmenting take real CPU time: off the event loop
-            upload = await asyncio.to_thread(prepare_upload, asr, data, params.filename, params.language,
-                                             params.context, params.segmentation, params.vad)
+        source = upload_audio(params.file, params.filename)
+        try:  # the header only (or a bounded demux), off the event loop: FFmpeg may read a few MB
+            duration = await asyncio.to_thread(probe_duration, source)
         except AudioError as exc:
             raise ApiError(400, str(exc), param="file", code="invalid_audio") from exc
-        del data
+        admission = UploadAdmission(state.budget, duration, params.filename)  # the 429, before any decoding
+        state.metrics.queued_audio.set(state.budget.queued_s)
+        try:
+            upload = await _decode(request, admission, lambda: prepare_upload(
+                asr, replace(source, watch=admission.watch), params.language, params.context,
+                params.segmentation, params.vad))
+        except BaseException:
+            _release(state, admission.ticket, None)
+            raise
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
     finally:
         await form.close()
-    ticket = state.budget.admit(upload.duration)
+    ticket = admission.ticket
+    ticket.resize(upload.duration)  # the header's figure was a promise; the decoded audio is the fact
     state.metrics.queued_audio.set(state.budget.queued_s)
     try:
         run = EngineRun(asr, upload, stream=params.stream, words=params.words, handoff=state.token_handoff())
@@ -79,6 +89,33 @@ async def transcriptions(request: Request) -> Response:
     finally:
         _release(state, ticket, done)
     return render_response(done, params.response_format, params.words, params.segments)
+
+
+async def _decode(request: Request, admission: UploadAdmission, work: Callable[[], Upload]) -> Upload:
+    """Run ``work`` (the upload's decoding) on a worker thread. A client that leaves meanwhile stops it at
+    its next block; we wait for the thread to let go before the admission is released. A stop by the
+    admission answers with its refusal (413, 429); any other decoding error is the upload's 400."""
+    task = asyncio.ensure_future(asyncio.to_thread(work))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left = watch.done()
+        watch.cancel()
+        if not task.done():  # the client left, or this request is cancelled (shutdown)
+            admission.leave()
+            await asyncio.wait({task})  # a stopped decode holds its memory until its thread ends
+            if not task.cancelled():
+                task.exception()  # retrieved: a stopped decode's error is no one's to report
+    if left:
+        task.exception()  # retrieved: its error is the client's departure, not worth a warning
+        raise ClientGone()
+    try:
+        return task.result()
+    except AudioError as exc:
+        if admission.refusal is not None:
+            raise admission.refusal from exc
+        raise ApiError(400, str(exc), param="file", code="invalid_audio") from exc
 
 
 async def _events(state: ServerState, run: EngineRun, ticket: Ticket) -> AsyncIterator[bytes]:
@@ -137,11 +174,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        left = watch.done()
         watch.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone()
+            if left:  # otherwise this request itself is cancelled (a drain past its deadline): let that through
+                raise ClientGone()
     return task.result()
 
 

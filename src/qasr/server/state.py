@@ -1,4 +1,5 @@
-"""What the routes share: the loaded ASR (once ready), the backlog, the draining flag, requests in flight."""
+"""What the routes share: the loaded ASR (once ready), the backlog, the drain (its flag and deadline),
+requests in flight."""
 
 from __future__ import annotations
 
@@ -26,11 +27,24 @@ class ServerState:
         self.ready = False  # loaded and warmed up
         self.load_error: str | None = None
         self.draining = False  # SIGTERM/SIGINT: refuse new requests, finish the accepted ones
+        self.drain_deadline: float | None = None  # time.monotonic() by which the drain ends, done or not
+        # set by the drain's watcher at the deadline: what is still in flight ends with an error, now
+        self.drain_cut = asyncio.Event()
         self.in_flight = 0  # requests accepted and not yet answered in full (streams included)
         self.live_sessions = 0  # WebSocket live sessions open (also counted in in_flight)
         self.on_drained: Callable[[], None] | None = None  # set by the runner: stop the HTTP server
         self.started = int(time.time())  # /v1/models' "created"
         self._handoff: TokenHandoff | None = None
+
+    def start_drain(self) -> None:
+        """Refuse new work and give the accepted work ``config.drain_timeout_s`` to finish. Called from
+        a signal handler: it only sets plain attributes (the watcher on the loop does the rest)."""
+        if not self.draining:
+            self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            self.draining = True
+
+    def drain_overdue(self) -> bool:
+        return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
 
     def token_handoff(self) -> TokenHandoff:
         """The one token handoff of the running loop, shared by every streamed request."""

@@ -1,4 +1,5 @@
-"""The upload size limit, enforced before and while the body is read, never after buffering it all.
+"""The upload size limit, enforced before and while the body is read, never after buffering it all; and
+the uploaded file as an input the decoders read in place.
 
 A declared ``Content-Length`` over the limit is refused before a byte is read; a body without one (chunked)
 is counted as it streams into the form parser (which spools files to disk past 1 MB), and the request fails
@@ -7,8 +8,12 @@ the moment the count passes the limit.
 
 from __future__ import annotations
 
+from typing import IO
+
+from starlette.datastructures import UploadFile
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qasr.audio.io import EncodedAudio
 from qasr.server.errors import error_response
 
 
@@ -49,3 +54,18 @@ class UploadLimit:
             return message
 
         await self.app(scope, counting_receive, send)
+
+
+def upload_audio(upload: UploadFile, name: str) -> EncodedAudio:
+    """The form's spooled file as an input for the decoders, read where the form parser put it (memory up to
+    1 MB, else a temporary file) rather than copied into a bytes object. Each decoding pass rewinds it;
+    the passes of one upload run one after another on one thread, so sharing the handle is safe."""
+    file = upload.file
+
+    def rewound() -> IO[bytes]:
+        file.seek(0)
+        return file
+
+    file.seek(0, 2)
+    size = file.tell()
+    return EncodedAudio(name, rewound, size)

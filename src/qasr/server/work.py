@@ -1,5 +1,8 @@
 """One request's work: decode the upload into pieces, submit them to the shared engine, collect the result.
 
+The upload is decoded where the form parser left it, block by block (long inputs) or whole (up to 30 s),
+never as one native-rate array of a long file; its ``watch`` (the admission's) sees every block.
+
 Every piece goes to the engine at once (the segments of a long file are transcribed together), and the
 same pieces give the plain and the streamed answer, so both carry the same text. Cancelling a run cancels
 its engine requests, which stop at the next step and free their KV cache.
@@ -13,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
+from qasr.audio.io import EncodedAudio
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.request import GenerationResult
 from qasr.results import Transcription
@@ -47,26 +50,25 @@ class Finished:
     ttft_s: float | None  # engine: submit -> first token of the earliest piece
 
 
-def prepare_upload(asr: ASR, data: bytes, name: str, language: str | None, context: str, segmentation: str,
+def prepare_upload(asr: ASR, source: EncodedAudio, language: str | None, context: str, segmentation: str,
                    vad: VadConfig | None) -> Upload:
-    """Decode and segment an upload (blocking: run it in a worker thread). Raises AudioError naming it."""
+    """Decode and segment an upload (blocking: run it in a worker thread). Raises AudioError naming it,
+    or whatever its ``watch`` raises to stop it."""
+    decoded = 0.0  # seconds at the input's own rate: every decoder reports them, the last pass has them all
+    outer = source.watch
+
+    def watch(seconds: float) -> None:
+        nonlocal decoded
+        decoded = max(decoded, seconds)
+        if outer is not None:
+            outer(seconds)
+
     try:
-        wave = load_audio(data)
-        # an in-memory (array, rate) input: no second decode, and the input's duration is known exactly
-        pieces = asr.prepare((wave, SAMPLE_RATE), language=language, context=context, segmentation=segmentation,
-                             vad=vad)
-    except AudioError as exc:
-        raise AudioError(_renamed(str(exc), name)) from exc
+        pieces = asr.prepare(replace(source, watch=watch), language=language, context=context,
+                             segmentation=segmentation, vad=vad)
     finally:  # this executor thread stays alive: free any OpenMP pool it made (see engine/cpu/openmp.py)
         asr.engine.prepared.release_caller_threads()
-    return Upload(name, len(wave) / SAMPLE_RATE, tuple(sorted(pieces, key=lambda p: p.offset)))
-
-
-def _renamed(message: str, name: str) -> str:
-    for generic in ("bytes input", "array input"):
-        if message.startswith(generic):
-            return name + message[len(generic):]
-    return message
+    return Upload(source.name, decoded, tuple(sorted(pieces, key=lambda p: p.offset)))
 
 
 class EngineRun:
@@ -143,7 +145,7 @@ class EngineRun:
         if up.pieces:
             t = self.asr.assemble(up.pieces, outcomes)
             if t.error is not None:
-                raise ApiError(500, f"transcription failed: {_renamed(t.error, up.name)}")
+                raise ApiError(500, f"transcription failed: {t.error}")
             t = replace(t, duration=round(up.duration, 3), source=up.name)
         else:  # no speech found (VAD segmentation of silence): an empty transcript
             t = Transcription("", "", round(up.duration, 3), source=up.name, finish_reason="stop",

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, checked_segments, load_audio, named_audio_error
+from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, load_audio, named_audio_error
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AudioInput = str | os.PathLike | bytes | np.ndarray | tuple
+AudioInput = str | os.PathLike | bytes | np.ndarray | tuple | EncodedAudio
 Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request (Aligned: with words)
 
 SEGMENTATIONS = ("auto", "vad", "fixed", "none")
@@ -90,9 +91,11 @@ class ASR:
                  max_tokens_per_second: float = 15.0, max_in_flight_s: float = 1800.0,
                  aligner: Aligner | None = None) -> None:
         """``max_chunk_sec``: the longest piece of an unsegmented input (``segmentation="none"``), cut
-        at the quietest spot near each limit as the official package does. ``max_pending`` bounds the
-        inputs decoded at once by ``transcribe_async``; ``max_in_flight_s`` bounds the audio submitted
-        and not yet transcribed by ``transcribe`` (memory for huge inputs and folders).
+        at the quietest spot near each limit as the official package does. ``max_in_flight_s`` bounds the
+        audio submitted and not yet transcribed by one ``transcribe``, ``transcribe_iter`` or
+        ``transcribe_async`` call (memory for huge inputs and folders). ``max_pending`` is no longer used
+        (it bounded ``transcribe_async`` by inputs, whatever their length); it is accepted so existing
+        calls still work.
         ``max_tokens_per_second`` sets each piece's default generation cap from its duration (see
         ``prepare``), so a repetition loop stops early instead of running on. ``aligner`` (a
         ``qasr.Aligner``) gives ``transcribe(..., timestamps="word")`` its word times."""
@@ -209,7 +212,7 @@ class ASR:
             if isinstance(item, str) and _URL.match(item):
                 raise AudioError(f"{item}: URLs are not fetched; download the file and pass its path")
             mode, wave, stream = call.segmentation, None, None
-            if isinstance(item, (str, os.PathLike)):
+            if isinstance(item, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
                 if mode == "auto":  # the container's duration decides, without decoding the file
                     stream = _segment_stream(item, None, "vad", call)
                     known = stream.duration
@@ -311,11 +314,17 @@ class ASR:
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
                           timestamps)
-        warn = not ignore_eos
         # requests are submitted from the decode thread, so the engine's own release of the submitting
         # thread's idle OpenMP pool never reaches this one, which loaded the model: an idle pool here makes
         # every parallel region on the engine thread pay a wake-up (measured 1.6x slower at the 0.6B dims)
         self.engine.prepared.release_caller_threads()
+        yield from self._results(call, ignore_eos, progress)
+
+    def _results(self, call: _Call, ignore_eos: bool, progress: Callable[[float], None] | None,
+                 stop: threading.Event | None = None) -> Iterator[tuple[int, Transcription]]:
+        """The pipeline behind transcribe_iter and transcribe_async: one decode thread, at most
+        ``max_in_flight_s`` of audio submitted and unfinished; ``stop`` ends it from another thread."""
+        warn = not ignore_eos
 
         def finish(i: int, pieces: list[Piece], futures: list[Future], duration: float) -> Transcription:
             return self._assemble(pieces, [_outcome(f) for f in futures], warn=warn, duration=duration,
@@ -327,7 +336,7 @@ class ASR:
         results = stream_results(len(call.items), pieces_of=lambda i: self._pieces_of(call, i),
                                  submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
-                                 progress=progress)
+                                 progress=progress, stop=stop)
         yield from results  # type: ignore[misc]
 
     async def transcribe_async(self, audio: AudioInput | Sequence[AudioInput],
@@ -338,41 +347,38 @@ class ASR:
                                vad: VadConfig | None = None, timestamps: str = "segment") -> list[Transcription]:
         """``transcribe`` for asyncio: same arguments, same results, the event loop never blocks.
 
-        Audio is decoded and segmented in worker threads; at most ``max_pending`` inputs are in flight at
-        once. Cancelling the awaiting task cancels its engine requests. ``progress`` runs on the event loop.
+        The inputs go through ``transcribe``'s own pipeline, on a thread of this call's: one input decoded
+        at a time, and at most ``max_in_flight_s`` seconds of audio submitted and not yet transcribed, so a
+        long file or a long list never sits in memory at once. Cancelling the awaiting task cancels its
+        engine requests (before the cancellation reaches the caller). ``progress`` runs on the event loop.
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
                           timestamps)
-        slots = asyncio.Semaphore(self.max_pending)
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[list[Transcription]] = loop.create_future()
+        stop = threading.Event()
+        tick = None if progress is None else (lambda seconds: loop.call_soon_threadsafe(progress, seconds))
 
-        def decode(i: int) -> tuple[list[Piece], float]:
-            source = self._pieces_of(call, i)
-            pieces = list(source)
-            return pieces, source.duration
+        def run() -> None:
+            results: list[Transcription | None] = [None] * len(call.items)
+            try:
+                for i, result in self._results(call, ignore_eos, tick, stop):
+                    results[i] = result
+                settle = (_resolve, outcome, results)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which raises it
+                settle = (_reject, outcome, exc)
+            try:
+                loop.call_soon_threadsafe(*settle)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
 
-        async def one(i: int) -> Transcription:
-            async with slots:
-                try:
-                    pieces, duration = await asyncio.to_thread(decode, i)
-                except AudioError as exc:
-                    return _failed(_name(call.items, i), str(exc))
-                futures = [self.submit_or_refuse(piece, ignore_eos, call.words) for piece in pieces]
-                waiters = [asyncio.wrap_future(fut) for fut in futures]
-                if progress is not None:
-                    for piece, waiter in zip(pieces, waiters, strict=True):
-                        waiter.add_done_callback(lambda _, s=piece.duration: progress(s))
-                try:
-                    # wait() rather than gather(): a piece's error or cancellation is an outcome, and only
-                    # our own cancellation raises here
-                    if waiters:
-                        await asyncio.wait(waiters)
-                finally:
-                    for fut in futures:  # no-op for finished requests; stops the rest when we are cancelled
-                        fut.cancel()
-                return self._assemble(pieces, [_outcome(w) for w in waiters], warn=not ignore_eos,
-                                      duration=duration, source=_name(call.items, i), words=call.words)
-
-        return list(await asyncio.gather(*(one(i) for i in range(len(call.items)))))
+        threading.Thread(target=run, name="qasr-async", daemon=True).start()
+        try:
+            return await asyncio.shield(outcome)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait({outcome})  # the pipeline has cancelled its requests once it settles this
+            raise
 
     # ------------------------------------------------------------------ results
     def assemble(self, pieces: Sequence[Piece], results: Sequence[Outcome]) -> Transcription:
@@ -446,6 +452,16 @@ def _segment_stream(item: object, sample_rate: int | None, mode: str, call: _Cal
     return iter_segments(item, sample_rate=sample_rate, mode=mode, max_segment_s=call.max_segment_s, **extra)
 
 
+def _resolve(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
 def _outcome(fut: Future | asyncio.Future) -> Outcome:
     """The future's result or its error (waiting for it when it is a pending concurrent future)."""
     try:
@@ -459,7 +475,7 @@ def _failed(source: str, error: str) -> Transcription:
 
 
 def _as_list(audio: AudioInput | Sequence[AudioInput]) -> list[AudioInput]:
-    if isinstance(audio, (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, tuple)):
+    if isinstance(audio, (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, tuple, EncodedAudio)):
         return [audio]  # a tuple is one (array, sample_rate) input
     return list(audio)
 
@@ -478,5 +494,7 @@ def _name(items: Sequence[AudioInput], i: int) -> str:
     item = items[i]
     if isinstance(item, (str, os.PathLike)):
         return str(Path(item))
+    if isinstance(item, EncodedAudio):
+        return item.name
     kind = "bytes input" if isinstance(item, (bytes, bytearray, memoryview)) else "array input"
     return kind if len(items) == 1 else f"{kind} #{i + 1}"

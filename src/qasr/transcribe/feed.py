@@ -76,18 +76,20 @@ class _AudioBudget:
 def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submit: Callable[[Piece], Future],
                    finish: Callable[[int, list[Piece], list[Future], float], object],
                    fail: Callable[[int, str], object], max_in_flight_s: float,
-                   progress: Callable[[float], None] | None = None) -> Iterator[tuple[int, object]]:
+                   progress: Callable[[float], None] | None = None,
+                   stop: threading.Event | None = None) -> Iterator[tuple[int, object]]:
     """Yield ``(i, result)`` for inputs ``0..count-1`` as each one completes.
 
     ``pieces_of(i)`` segments input i (raising AudioError for a bad input); ``finish(i, pieces, futures,
     duration)`` assembles a finished input, ``fail(i, message)`` a failed one. ``progress`` receives the
     audio seconds of every piece as it finishes, and an input's skipped audio (silence) when it completes.
     Closing the generator early (or an exception in the caller, Ctrl-C included) cancels every unfinished
-    request and stops the decode thread.
+    request and stops the decode thread; so does setting ``stop``, from any thread (the generator ends
+    within ``_POLL_S``), for a consumer on another thread that cannot close it.
     """
     events: queue.SimpleQueue = queue.SimpleQueue()
     budget = _AudioBudget(max_in_flight_s)
-    stop = threading.Event()
+    halt = threading.Event()  # the decode thread's own stop
     handover = threading.Lock()
 
     def settled(i: int, seconds: float) -> Callable[[Future], None]:
@@ -99,17 +101,17 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
     def produce() -> None:
         try:
             for i in range(count):
-                if stop.is_set():
+                if halt.is_set():
                     return
                 n = 0
                 try:
                     source = pieces_of(i)
                     for piece in source:
-                        if not budget.acquire(piece.duration, stop):
+                        if not budget.acquire(piece.duration, halt):
                             return
                         fut = submit(piece)
                         with handover:  # the consumer either sees this request or we cancel it here
-                            if stop.is_set():
+                            if halt.is_set():
                                 fut.cancel()
                                 return
                             events.put(("submitted", i, replace(piece, samples=_NO_SAMPLES), fut))
@@ -127,6 +129,8 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
     thread.start()
     try:
         while len(finished) < count:
+            if stop is not None and stop.is_set():
+                return
             try:
                 event = events.get(timeout=_POLL_S)
             except queue.Empty:
@@ -165,7 +169,7 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                 yield i, finish(i, st.pieces, st.futures, st.duration)
     finally:
         with handover:
-            stop.set()
+            halt.set()
         budget.wake()
         for st in states.values():
             for fut in st.futures:

@@ -10,8 +10,8 @@ and every later load waits on it forever).
 So each kernel is built in ``<root>/<name>_<key>/``, root = $QASR_KERNEL_DIR, else
 ${XDG_CACHE_HOME:-~/.cache}/qasr/kernels; the key hashes the kernel's source (and headers), flags, torch's
 version and install path, the interpreter and sys.prefix, the compiler and the CPU's instruction-set flags
-(key.json in the folder lists them). The build runs under fcntl.flock on ``qasr.lock`` there: the kernel
-closes the lock when its holder dies, however it dies, so a killed build never blocks a later one. A process
+(key.json in the folder lists them). The build runs under fcntl.flock on ``qasr.lock`` there: the OS
+releases it when its holder dies, however it dies, so a killed build never blocks a later one. A process
 that finds another one building waits up to $QASR_KERNEL_BUILD_WAIT_S (default 300) seconds, then uses the
 torch fallback for that kernel.
 
@@ -48,7 +48,8 @@ DONE_FILE = "built"  # written once a build loaded: its absence means the next l
 # gets its own build (flags like "ht" or "hypervisor" do not change the code and stay out of the key)
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "popcnt", "abm", "movbe", "adx", "gfni",
                 "vaes", "vpclmulqdq", "sha_ni", "aes", "pclmulqdq")
-WAIT_NOTICE_S = 1.0  # a cached load holds the lock well under this: only a real build makes us say "waiting"
+# a cached load holds the lock well under this (0.1-0.8 s here): only a real build makes a waiter say so
+WAIT_NOTICE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -150,9 +151,9 @@ def wait_limit_s() -> float:
 def build(spec: KernelSpec) -> ModuleType | None:
     """The extension for ``spec``, built here if this environment and CPU never built it; None (with one
     warning) when it cannot be built or another process's build outlasts the wait."""
-    name = module_name(spec)
-    folder = kernel_root() / name
     try:
+        name = module_name(spec)
+        folder = kernel_root() / name
         folder.mkdir(parents=True, exist_ok=True)
         with _lock(folder, spec.name) as held:
             if not held:
@@ -173,7 +174,7 @@ def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
     # Nobody else can be building here now: a torch marker left by a killed build would make load() wait
     # on it forever.
     (folder / "lock").unlink(missing_ok=True)
-    fresh = not (folder / DONE_FILE).exists()
+    fresh = not (folder / DONE_FILE).exists() or not (folder / f"{name}.so").exists()  # (or someone deleted it)
     if fresh:
         _announce_first_build()
         (folder / "key.json").write_text(json.dumps(build_key(spec), indent=1) + "\n")
