@@ -34,7 +34,7 @@ from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
 from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
 from qasr.results import Transcription
-from qasr.transcribe.asr import SEGMENTATIONS, TIMESTAMPS
+from qasr.transcribe.asr import check_options
 
 log = logging.getLogger("qasr.distributed")
 ACTOR_PREFIX = "qasr-asr"  # ASR actors are named qasr-asr-<run>-p<pass>-<n>: findable in `ray list actors`
@@ -117,14 +117,7 @@ class RayTranscriber:
                  segmentation: str, max_segment_s: float, vad: object | None, timestamps: str) -> CallOptions:
         """``ASR._call``'s checks, made before any work starts."""
         self.check_language(language)
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if segmentation not in SEGMENTATIONS:
-            raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
-        if not max_segment_s > 0:
-            raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
-        if timestamps not in TIMESTAMPS:
-            raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
+        check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
         words = timestamps == "word"
         if words and self.spec.aligner is None:
             log.warning("word timestamps need a forced aligner (--aligner PATH): giving segment times instead")

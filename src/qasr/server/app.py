@@ -79,7 +79,7 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
 async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
     started = time.perf_counter()
     try:
-        asr = await asyncio.to_thread(_load_and_release, load)
+        asr = await asyncio.to_thread(load)
         if state.config.warmup:  # the first request pays for lazy set-up (kernels, allocator): not a client's
             noise = (np.random.default_rng(0).standard_normal(int(16000 * WARMUP_SECONDS)) * 0.01).astype(np.float32)
             # word times too when an aligner is loaded: its engine warms up on whatever text the noise gives
@@ -91,15 +91,6 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
     state.asr = asr
     state.ready = True
     log.info("model %s ready in %.1f s", state.config.model, time.perf_counter() - started)
-
-
-def _load_and_release(load: Callable[[], ASR]) -> ASR:
-    """Load in this worker thread, then free the OpenMP pool that loading gave it: the executor keeps the
-    thread, and an idle pool in any thread makes the engine's parallel regions sleep and wake (see
-    engine/cpu/openmp.py)."""
-    asr = load()
-    asr.engine.prepared.release_caller_threads()
-    return asr
 
 
 async def _stop_when_drained(state: ServerState) -> None:

@@ -93,25 +93,11 @@ async def transcriptions(request: Request) -> Response:
 
 async def _decode(request: Request, admission: UploadAdmission, work: Callable[[], Upload]) -> Upload:
     """Run ``work`` (the upload's decoding) on a worker thread. A client that leaves meanwhile stops it at
-    its next block; we wait for the thread to let go before the admission is released. A stop by the
-    admission answers with its refusal (413, 429); any other decoding error is the upload's 400."""
-    task = asyncio.ensure_future(asyncio.to_thread(work))
-    watch = asyncio.ensure_future(_disconnected(request))
+    its next block (through the admission); we wait for the thread to let go before the admission is
+    released. A stop by the admission answers with its refusal (413, 429); any other decoding error is the
+    upload's 400."""
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left = watch.done()
-        watch.cancel()
-        if not task.done():  # the client left, or this request is cancelled (shutdown)
-            admission.leave()
-            await asyncio.wait({task})  # a stopped decode holds its memory until its thread ends
-            if not task.cancelled():
-                task.exception()  # retrieved: a stopped decode's error is no one's to report
-    if left:
-        task.exception()  # retrieved: its error is the client's departure, not worth a warning
-        raise ClientGone()
-    try:
-        return task.result()
+        return await _unless_disconnected(request, asyncio.to_thread(work), stop=admission.leave)
     except AudioError as exc:
         if admission.refusal is not None:
             raise admission.refusal from exc
@@ -167,8 +153,11 @@ async def _read_form(request: Request) -> FormData:
         raise ClientGone() from exc
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it (freeing its engine requests)."""
+async def _unless_disconnected(request: Request, work: Awaitable[T], stop: Callable[[], None] | None = None) -> T:
+    """Await ``work`` unless the client disconnects first (ClientGone) or this request is cancelled (a drain
+    past its deadline: the cancellation goes through). Either way ``work`` is stopped and waited for first:
+    cancelled (freeing its engine requests), or by ``stop()`` for work on a thread, which cannot be
+    cancelled and holds its memory until it ends."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -177,9 +166,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         left = watch.done()
         watch.cancel()
         if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            if left:  # otherwise this request itself is cancelled (a drain past its deadline): let that through
+            (stop or task.cancel)()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: the error of work stopped halfway is no one's to report
+            if left:
                 raise ClientGone()
     return task.result()
 

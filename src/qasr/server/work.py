@@ -63,11 +63,8 @@ def prepare_upload(asr: ASR, source: EncodedAudio, language: str | None, context
         if outer is not None:
             outer(seconds)
 
-    try:
-        pieces = asr.prepare(replace(source, watch=watch), language=language, context=context,
-                             segmentation=segmentation, vad=vad)
-    finally:  # this executor thread stays alive: free any OpenMP pool it made (see engine/cpu/openmp.py)
-        asr.engine.prepared.release_caller_threads()
+    pieces = asr.prepare(replace(source, watch=watch), language=language, context=context,
+                         segmentation=segmentation, vad=vad)
     return Upload(source.name, decoded, tuple(sorted(pieces, key=lambda p: p.offset)))
 
 

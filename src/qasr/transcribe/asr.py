@@ -46,6 +46,19 @@ Outcome = GenerationResult | Aligned | BaseException  # what became of one piece
 
 SEGMENTATIONS = ("auto", "vad", "fixed", "none")
 TIMESTAMPS = ("segment", "word")
+
+
+def check_options(max_new_tokens: int | None, segmentation: str, max_segment_s: float, timestamps: str) -> None:
+    """The checks of a call's options that need no model: ``transcribe`` and the Ray job make them before any
+    work starts (ValueError naming the option)."""
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if segmentation not in SEGMENTATIONS:
+        raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
+    if not max_segment_s > 0:
+        raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
+    if timestamps not in TIMESTAMPS:
+        raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
 _FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
 # a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -106,6 +119,15 @@ class ASR:
         self.max_tokens_per_second = max_tokens_per_second
         self.engine = Engine(checkpoint, engine or EngineConfig())
         self.aligner = aligner
+        self._release_idle_threads()  # this thread loaded the model (and the aligner)
+
+    def _release_idle_threads(self) -> None:
+        """Free the calling thread's idle OpenMP pool (engine/cpu/openmp.py). Any thread other than the
+        engine's that ran torch owns one, and an idle pool anywhere makes every parallel region on the engine
+        thread sleep and wake (measured 1.6x slower decode at the 0.6B dims). The engine does it for the
+        threads that submit; the facade does it for the threads it runs torch on without submitting (the one
+        that loaded the model, the ones that segment), so no front end has to know."""
+        self.engine.prepared.release_caller_threads()
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "Qwen/Qwen3-ASR-0.6B", device: str = "auto",
@@ -169,7 +191,10 @@ class ASR:
         the input's name. ``assemble`` turns a piece list and its results into a Transcription.
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
-        return [piece for i in range(len(call.items)) for piece in self._pieces_of(call, i)]
+        try:
+            return [piece for i in range(len(call.items)) for piece in self._pieces_of(call, i)]
+        finally:  # the server runs this on executor threads that live on (VAD and resampling ran torch here)
+            self._release_idle_threads()
 
     def _call(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence,
               context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None,
@@ -177,14 +202,7 @@ class ASR:
         items = _as_list(audio)
         languages = [self.canonical_language(lang) for lang in _broadcast(language, len(items), "language")]
         contexts = [c or "" for c in _broadcast(context, len(items), "context")]
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if segmentation not in SEGMENTATIONS:
-            raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
-        if not max_segment_s > 0:
-            raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
-        if timestamps not in TIMESTAMPS:
-            raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
+        check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
         words = timestamps == "word"
         if words and self.aligner is None:
             log.warning("word timestamps need a forced aligner (ASR.from_pretrained(..., aligner=PATH), or "
@@ -314,10 +332,9 @@ class ASR:
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
                           timestamps)
-        # requests are submitted from the decode thread, so the engine's own release of the submitting
-        # thread's idle OpenMP pool never reaches this one, which loaded the model: an idle pool here makes
-        # every parallel region on the engine thread pay a wake-up (measured 1.6x slower at the 0.6B dims)
-        self.engine.prepared.release_caller_threads()
+        # requests are submitted from the decode thread, so the engine's own release never reaches this
+        # one, which may have run torch since the model loaded
+        self._release_idle_threads()
         yield from self._results(call, ignore_eos, progress)
 
     def _results(self, call: _Call, ignore_eos: bool, progress: Callable[[float], None] | None,
