@@ -1,6 +1,6 @@
 """The pipeline's CPU stage: decode an input, resample it to 16 kHz, find speech, cut it into segments.
 
-The rules are ``ASR.transcribe``'s (qasr.api, ``_pieces_of``), applied with the same building blocks, so
+The rules are ``ASR.transcribe``'s (``qasr.transcribe.inputs.input_pieces``), applied with the same building blocks, so
 every segment carries exactly the samples, offset and duration a single-machine run would submit:
 "auto" asks the container for its duration without decoding and sends inputs up to ``max_segment_s``
 whole and longer ones through the VAD; "vad" and "fixed" stream segments out of

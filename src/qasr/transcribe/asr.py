@@ -11,25 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, load_audio, named_audio_error
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language
 from qasr.results import Segment, Transcription, Word, worst_finish_reason
 from qasr.transcribe.feed import stream_results
-from qasr.transcribe.pieces import Piece, make_piece, make_pieces, read_output
+from qasr.transcribe.inputs import AudioInput, InputPieces, Segmenting, as_inputs, input_names, input_pieces
+from qasr.transcribe.pieces import Piece, read_output
 from qasr.transcribe.text import join_segment_texts
 from qasr.transcribe.words import Aligned
 
@@ -41,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AudioInput = str | os.PathLike | bytes | np.ndarray | tuple | EncodedAudio
 Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request (Aligned: with words)
 
 SEGMENTATIONS = ("auto", "vad", "fixed", "none")
@@ -61,41 +57,18 @@ def check_options(max_new_tokens: int | None, segmentation: str, max_segment_s: 
         raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
 _FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
 # a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass(frozen=True)
 class _Call:
-    """One call's inputs with its per-input options, validated before any audio is touched."""
+    """One call's inputs with their names and per-input options, validated before any audio is touched."""
 
     items: list[AudioInput]
+    names: list[str]  # how messages and results name each input
     languages: list[str | None]  # canonical names
     contexts: list[str]
-    sample_rate: int | None
-    max_new_tokens: int | None
-    segmentation: str
-    max_segment_s: float
-    vad: VadConfig | None  # None: the detector's defaults
+    how: Segmenting
     words: bool  # word timestamps requested and an aligner loaded
-
-
-class _Pieces:
-    """One input's pieces as its segments are decoded; ``duration`` (seconds) is final once exhausted."""
-
-    def __init__(self, pieces: Iterator[Piece], duration: float | None = None,
-                 stream: object | None = None) -> None:
-        self._pieces = pieces
-        self._stream = stream  # the segment stream whose duration becomes final at its end
-        self._duration = duration
-
-    @property
-    def duration(self) -> float:
-        if self._duration is not None:
-            return self._duration
-        return float(self._stream.duration or 0.0)  # type: ignore[union-attr]
-
-    def __iter__(self) -> Iterator[Piece]:
-        return self._pieces
 
 
 class ASR:
@@ -199,7 +172,7 @@ class ASR:
     def _call(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence,
               context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None,
               segmentation: str, max_segment_s: float, vad: VadConfig | None, timestamps: str = "segment") -> _Call:
-        items = _as_list(audio)
+        items = as_inputs(audio)
         languages = [self.canonical_language(lang) for lang in _broadcast(language, len(items), "language")]
         contexts = [c or "" for c in _broadcast(context, len(items), "context")]
         check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
@@ -208,8 +181,9 @@ class ASR:
             log.warning("word timestamps need a forced aligner (ASR.from_pretrained(..., aligner=PATH), or "
                         "--aligner PATH): giving segment times instead")
             words = False
-        return _Call(items, languages, contexts, sample_rate, max_new_tokens, segmentation, float(max_segment_s),
-                     vad, words)
+        how = Segmenting(sample_rate, segmentation, float(max_segment_s), vad, max_new_tokens,
+                         self.max_tokens_per_second, self.max_chunk_sec)
+        return _Call(items, input_names(items), languages, contexts, how, words)
 
     def canonical_language(self, lang: str | None) -> str | None:
         """The canonical name of a language name or ISO code (None for None or blank: detect).
@@ -221,40 +195,10 @@ class ASR:
             raise ValueError(f"language {lang!r} is not supported by this model; supported: {', '.join(supported)}")
         return name
 
-    def _pieces_of(self, call: _Call, i: int) -> _Pieces:
+    def _pieces_of(self, call: _Call, i: int) -> InputPieces:
         """Input ``i``'s pieces, decoded and segmented lazily; any failure is an AudioError naming the input."""
-        item, name = call.items[i], _name(call.items, i)
-        make = {"source": name, "item": i, "context": call.contexts[i], "language": call.languages[i],
-                "max_new_tokens": call.max_new_tokens, "tokens_per_second": self.max_tokens_per_second}
-        try:
-            if isinstance(item, str) and _URL.match(item):
-                raise AudioError(f"{item}: URLs are not fetched; download the file and pass its path")
-            mode, wave, stream = call.segmentation, None, None
-            if isinstance(item, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
-                if mode == "auto":  # the container's duration decides, without decoding the file
-                    stream = _segment_stream(item, None, "vad", call)
-                    known = stream.duration
-                    mode = "none" if known is not None and known <= call.max_segment_s else "vad"
-                if mode == "none":
-                    wave = load_audio(item)
-            else:  # bytes and arrays are decoded in memory either way
-                wave = load_audio(item, call.sample_rate)
-                if mode == "auto":
-                    mode = "none" if len(wave) / SAMPLE_RATE <= call.max_segment_s else "vad"
-            if mode == "none":
-                assert wave is not None
-                pieces = make_pieces(self.checkpoint, wave, max_chunk_sec=self.max_chunk_sec, **make)
-                return _Pieces(iter(pieces), duration=len(wave) / SAMPLE_RATE)
-            if stream is None or mode != "vad":
-                stream = _segment_stream(item if wave is None else (wave, SAMPLE_RATE), None, mode, call)
-            segments = checked_segments(stream, name)
-            pieces = (make_piece(self.checkpoint, seg.samples, offset=seg.start, duration=seg.end - seg.start,
-                                 **make) for seg in segments)
-            return _Pieces(pieces, stream=stream)
-        except ValueError as exc:  # AudioError included
-            raise named_audio_error(exc, name) from exc
-        except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
-            raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
+        return input_pieces(self.checkpoint, call.items[i], call.how, name=call.names[i], index=i,
+                            context=call.contexts[i], language=call.languages[i])
 
     def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None) -> Future:
@@ -309,7 +253,7 @@ class ASR:
         spelled as in the text; without an aligner, or for a language it does not cover, a warning says
         so and segments keep their own times only. ``Transcription.timestamps`` records what was given.
         """
-        results: list[Transcription | None] = [None] * len(_as_list(audio))
+        results: list[Transcription | None] = [None] * len(as_inputs(audio))
         for i, result in self.transcribe_iter(audio, language=language, context=context, sample_rate=sample_rate,
                                               max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                                               progress=progress, segmentation=segmentation,
@@ -345,10 +289,10 @@ class ASR:
 
         def finish(i: int, pieces: list[Piece], futures: list[Future], duration: float) -> Transcription:
             return self._assemble(pieces, [_outcome(f) for f in futures], warn=warn, duration=duration,
-                                  source=_name(call.items, i), words=call.words)
+                                  source=call.names[i], words=call.words)
 
         def fail(i: int, message: str) -> Transcription:
-            return _failed(_name(call.items, i), message)
+            return _failed(call.names[i], message)
 
         results = stream_results(len(call.items), pieces_of=lambda i: self._pieces_of(call, i),
                                  submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
@@ -461,14 +405,6 @@ class ASR:
                              timestamps="word" if all_timed else "segment")
 
 
-def _segment_stream(item: object, sample_rate: int | None, mode: str, call: _Call):  # noqa: ANN202
-    """The segment stream of one input (imported here: the VAD's runtime loads only when segmenting)."""
-    from qasr.audio.stream import iter_segments
-
-    extra = {} if call.vad is None else {"vad": call.vad}
-    return iter_segments(item, sample_rate=sample_rate, mode=mode, max_segment_s=call.max_segment_s, **extra)
-
-
 def _resolve(fut: asyncio.Future, value: object) -> None:
     if not fut.done():
         fut.set_result(value)
@@ -491,12 +427,6 @@ def _failed(source: str, error: str) -> Transcription:
     return Transcription("", "", 0.0, error=error, source=source)
 
 
-def _as_list(audio: AudioInput | Sequence[AudioInput]) -> list[AudioInput]:
-    if isinstance(audio, (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, tuple, EncodedAudio)):
-        return [audio]  # a tuple is one (array, sample_rate) input
-    return list(audio)
-
-
 def _broadcast(value: object, n: int, what: str) -> list:
     if value is None or isinstance(value, str):
         return [value] * n
@@ -504,14 +434,3 @@ def _broadcast(value: object, n: int, what: str) -> list:
     if len(values) != n:
         raise ValueError(f"{what}: got {len(values)} values for {n} inputs")
     return values
-
-
-def _name(items: Sequence[AudioInput], i: int) -> str:
-    """How messages and results name input ``i``: its path, or "bytes input #k" / "array input #k"."""
-    item = items[i]
-    if isinstance(item, (str, os.PathLike)):
-        return str(Path(item))
-    if isinstance(item, EncodedAudio):
-        return item.name
-    kind = "bytes input" if isinstance(item, (bytes, bytearray, memoryview)) else "array input"
-    return kind if len(items) == 1 else f"{kind} #{i + 1}"
