@@ -176,7 +176,7 @@ def test_urls_and_pipes_closed_early(folder) -> None:
 
 
 def test_help_answers_without_importing_torch() -> None:
-    code = ("import sys, contextlib, io\nfrom qasr.cli import main\n"
+    code = ("import sys, contextlib, io\nfrom qasr.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    try: main(['transcribe', '--help'])\n    except SystemExit: pass\n"
             "print('torch' in sys.modules)")

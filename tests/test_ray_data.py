@@ -223,7 +223,7 @@ def test_usage_errors_and_a_missing_ray(folder, tmp_path) -> None:
     clip = str(folder / "a" / "clip00.wav")
     missing = qasr("transcribe", "--ray", clip, "-m", str(tmp_path / "nothing"), "-o", str(tmp_path / "o"))
     assert missing.returncode == 2 and "no such checkpoint directory" in missing.stderr, missing.stderr
-    code = ("import sys; sys.modules['ray'] = None\nfrom qasr.cli import main\n"
+    code = ("import sys; sys.modules['ray'] = None\nfrom qasr.cli.main import main\n"
             f"sys.exit(main(['transcribe', '--ray', {clip!r}, '-o', {str(tmp_path / 'o')!r}, "
             f"'-m', {MODEL[1]!r}]))")
     no_ray = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
