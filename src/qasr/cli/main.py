@@ -141,7 +141,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
         from qasr.distributed.job import run_on_ray
 
         return run_on_ray(todo, args, total_inputs=len(jobs))
-    missing = [job.source for job in todo if not os.path.exists(job.source)]
+    # a URL is not a missing file: the run reports it with its own message (URLs are not fetched)
+    missing = [job.source for job in todo if not os.path.exists(job.source) and "://" not in job.source]
     if len(missing) == len(todo):  # nothing to transcribe: say so now rather than after loading the model
         failures = [(source, f"{source}: file not found") for source in missing]
         for _, message in failures:
