@@ -46,7 +46,7 @@ OTHER_CPU = ("from qasr.engine.cpu import build; real = build.cpu_flags(); "
 KERNELS_BUILD = f"""
 import sys
 from qasr.engine.cpu import native, selftest
-from qasr.cli import main
+from qasr.cli.main import main
 
 def check(module):
     assert module.add(2, 3) == 5
