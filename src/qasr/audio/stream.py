@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import soxr
@@ -112,6 +113,41 @@ def iter_segments(
     stream = SegmentStream(iter(()), decoder.duration, segmenter)
     stream._segments = _from_blocks(_decoded_blocks(decoder), segmenter, stream)
     return stream
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How one input is cut: whole (``wave``: 16 kHz samples) or as segments (``stream``)."""
+
+    wave: np.ndarray | None
+    stream: SegmentStream | None
+
+
+def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, vad: VadConfig | None = None,
+              sample_rate: int | None = None) -> Cut:
+    """Choose how to cut ``source`` and start: "none" decodes it whole; "vad" and "fixed" stream its
+    segments; "auto" keeps an input of up to ``max_segment_s`` whole and sends a longer one through the
+    VAD, reading a file's duration from its container, without decoding, where the container states it.
+    Bytes and arrays are decoded in memory either way. Input errors raise AudioError (or the decoders'
+    OSError / RuntimeError) here or while the stream is read."""
+    mode, wave, stream = segmentation, None, None
+    if isinstance(source, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
+        if mode == "auto":
+            stream = iter_segments(source, mode="vad", max_segment_s=max_segment_s, vad=vad)
+            known = stream.duration
+            mode = "none" if known is not None and known <= max_segment_s else "vad"
+        if mode == "none":
+            return Cut(load_audio(source), None)
+    else:
+        wave = load_audio(source, sample_rate)
+        if mode == "auto":
+            mode = "none" if len(wave) / SAMPLE_RATE <= max_segment_s else "vad"
+        if mode == "none":
+            return Cut(wave, None)
+    if stream is None or mode != "vad":
+        stream = iter_segments(source if wave is None else (wave, SAMPLE_RATE), mode=mode,  # type: ignore[arg-type]
+                               max_segment_s=max_segment_s, vad=vad)
+    return Cut(None, stream)
 
 
 def _opener(source: AudioSource) -> tuple[Callable[[], object], str]:

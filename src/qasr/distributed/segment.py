@@ -1,7 +1,7 @@
 """The pipeline's CPU stage: decode an input, resample it to 16 kHz, find speech, cut it into segments.
 
-The rules are ``ASR.transcribe``'s (``qasr.transcribe.inputs.input_pieces``), applied with the same building blocks, so
-every segment carries exactly the samples, offset and duration a single-machine run would submit:
+The rules are ``ASR.transcribe``'s: both cut an input with ``qasr.audio.stream.cut_input``, so every
+segment carries exactly the samples, offset and duration a single-machine run would submit:
 "auto" asks the container for its duration without decoding and sends inputs up to ``max_segment_s``
 whole and longer ones through the VAD; "vad" and "fixed" stream segments out of
 ``qasr.audio.stream.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qasr.audio.io import SAMPLE_RATE, checked_segments, load_audio, named_audio_error
-from qasr.audio.stream import iter_segments
+from qasr.audio.io import SAMPLE_RATE, checked_segments, named_audio_error
+from qasr.audio.stream import cut_input
 from qasr.distributed import rows
 from qasr.distributed.config import CallOptions
 from qasr.distributed.inputs import is_uri, read_uri
@@ -55,27 +55,16 @@ def input_rows(item: int, given: str, source: str, options: CallOptions,
     count = 0
     try:
         data: str | bytes = read_uri(source) if is_uri(source) else source
-        mode, wave, stream = options.segmentation, None, None
-        if isinstance(data, str):
-            if mode == "auto":  # the container's duration decides, without decoding the file
-                stream = _stream(data, "vad", options)
-                known = stream.duration
-                mode = "none" if known is not None and known <= options.max_segment_s else "vad"
-            if mode == "none":
-                wave = load_audio(data)
-        else:  # bytes are decoded in memory either way
-            wave = load_audio(data)
-            if mode == "auto":
-                mode = "none" if len(wave) / SAMPLE_RATE <= options.max_segment_s else "vad"
-        if mode == "none":
-            assert wave is not None
-            duration = len(wave) / SAMPLE_RATE
+        cut = cut_input(data, segmentation=options.segmentation, max_segment_s=options.max_segment_s,
+                        vad=options.vad)
+        if cut.wave is not None:
+            duration = len(cut.wave) / SAMPLE_RATE
             if 0 not in skip:
-                yield rows.row(item, name, rows.WHOLE, k=0, duration=duration, samples=_bytes(wave))
+                yield rows.row(item, name, rows.WHOLE, k=0, duration=duration, samples=_bytes(cut.wave))
             yield rows.row(item, name, rows.END, count=1, duration=duration)
             return
-        if stream is None or mode != "vad":
-            stream = _stream(data if wave is None else (wave, SAMPLE_RATE), mode, options)
+        stream = cut.stream
+        assert stream is not None
         for seg in checked_segments(stream, name):
             if count not in skip:
                 yield rows.row(item, name, rows.PIECE, k=count, offset=seg.start, duration=seg.end - seg.start,
@@ -95,11 +84,6 @@ def _renamed(exc: Exception, source: str, given: str) -> ValueError:
     if is_uri(given) and message.startswith("bytes input"):
         message = given + message[len("bytes input"):]
     return ValueError(message)
-
-
-def _stream(item: object, mode: str, options: CallOptions):  # noqa: ANN202 - a SegmentStream
-    extra = {} if options.vad is None else {"vad": options.vad}
-    return iter_segments(item, sample_rate=None, mode=mode, max_segment_s=options.max_segment_s, **extra)
 
 
 def _bytes(samples: np.ndarray) -> bytes:

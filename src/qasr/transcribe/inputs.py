@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, load_audio, named_audio_error
+from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, named_audio_error
+from qasr.audio.stream import cut_input
 from qasr.model.checkpoint import Checkpoint
 from qasr.transcribe.pieces import Piece, make_piece, make_pieces
 
@@ -88,37 +89,17 @@ def input_pieces(checkpoint: Checkpoint, item: AudioInput, how: Segmenting, *, n
     try:
         if isinstance(item, str) and _URL.match(item):
             raise AudioError(f"{item}: URLs are not fetched; download the file and pass its path")
-        mode, wave, stream = how.segmentation, None, None
-        if isinstance(item, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
-            if mode == "auto":  # the container's duration decides, without decoding the file
-                stream = _segment_stream(item, "vad", how)
-                known = stream.duration
-                mode = "none" if known is not None and known <= how.max_segment_s else "vad"
-            if mode == "none":
-                wave = load_audio(item)
-        else:  # bytes and arrays are decoded in memory either way
-            wave = load_audio(item, how.sample_rate)
-            if mode == "auto":
-                mode = "none" if len(wave) / SAMPLE_RATE <= how.max_segment_s else "vad"
-        if mode == "none":
-            assert wave is not None
-            pieces = make_pieces(checkpoint, wave, max_chunk_sec=how.max_chunk_sec, **make)
-            return InputPieces(iter(pieces), duration=len(wave) / SAMPLE_RATE)
-        if stream is None or mode != "vad":
-            stream = _segment_stream(item if wave is None else (wave, SAMPLE_RATE), mode, how)
-        segments = checked_segments(stream, name)
+        cut = cut_input(item, segmentation=how.segmentation, max_segment_s=how.max_segment_s, vad=how.vad,
+                        sample_rate=how.sample_rate)
+        if cut.wave is not None:
+            pieces = make_pieces(checkpoint, cut.wave, max_chunk_sec=how.max_chunk_sec, **make)
+            return InputPieces(iter(pieces), duration=len(cut.wave) / SAMPLE_RATE)
+        assert cut.stream is not None
+        segments = checked_segments(cut.stream, name)
         pieces = (make_piece(checkpoint, seg.samples, offset=seg.start, duration=seg.end - seg.start, **make)
                   for seg in segments)
-        return InputPieces(pieces, stream=stream)
+        return InputPieces(pieces, stream=cut.stream)
     except ValueError as exc:  # AudioError included
         raise named_audio_error(exc, name) from exc
     except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
         raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc
-
-
-def _segment_stream(item: object, mode: str, how: Segmenting):  # noqa: ANN202
-    """The segment stream of one input (imported here: the VAD's runtime loads only when segmenting)."""
-    from qasr.audio.stream import iter_segments
-
-    extra = {} if how.vad is None else {"vad": how.vad}
-    return iter_segments(item, sample_rate=None, mode=mode, max_segment_s=how.max_segment_s, **extra)
