@@ -112,8 +112,11 @@ def test_request_larger_than_cache_is_refused_at_submit(ck) -> None:
     engine.close()
 
 
-def test_thousand_queued_long_clips_stay_within_memory_budget(ck) -> None:
-    """1,000 queued 60 s clips: features exist only for admitted requests, so memory stays bounded."""
+def test_hundreds_of_queued_long_clips_stay_within_memory_budget(ck) -> None:
+    """400 queued 60 s clips: features exist only for admitted requests, so memory stays bounded. (It was
+    1,000 clips, 113 s of the suite on an AVX2 EPYC; 400 take 31 s and prove the same: holding every clip's
+    features would cost 1.2 GB against the 300 MiB bound.)"""
+    CLIPS = 400  # noqa: N806
     wave = noise(60.0)  # shared by every request: the queue itself adds no audio
     prompt = prompt_for(ck, wave)
     budget = 8 * (len(prompt) + 2) * kv_bytes_per_token(ck.config.decoder, ck.dtype)
@@ -121,16 +124,16 @@ def test_thousand_queued_long_clips_stay_within_memory_budget(ck) -> None:
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = base
-    futures = [engine.submit(prompt, waveform=wave, max_new_tokens=1) for _ in range(1000)]
-    while not all(f.done() for f in futures[::50]) or not futures[-1].done():
+    futures = [engine.submit(prompt, waveform=wave, max_new_tokens=1) for _ in range(CLIPS)]
+    while not all(f.done() for f in futures[::20]) or not futures[-1].done():
         peak = max(peak, proc.memory_info().rss)
         time.sleep(0.01)
     results = [f.result() for f in futures]
     engine.close()
     assert len({tuple(r.token_ids) for r in results}) == 1
-    features_all = 1000 * 128 * 6000 * 4  # what holding every clip's features would cost: 3 GB
+    features_all = CLIPS * 128 * 6000 * 4  # what holding every clip's features would cost: 1.2 GB
     assert peak - base < 300 << 20, f"RSS grew by {(peak - base) / 2**20:.0f} MiB"
-    assert peak - base < features_all / 10
+    assert peak - base < features_all / 4
 
 
 def test_portable_decode_path_matches_native(ck) -> None:
