@@ -80,24 +80,15 @@ def plan_jobs(sources: list[str], out_dir: Path | None) -> list[Job]:
 
 
 def probe_duration(path: str) -> float | None:
-    """The input's duration from its header (no decoding), or None when the container does not say."""
-    import av
-    import soundfile as sf
+    """The input's duration from its header (no decoding), or None when the container does not say or
+    cannot be opened: the duration the block decoder, and so the progress it reports, starts from."""
+    from qasr.audio.decode_blocks import BlockDecoder  # imported here: --help stays free of the decoders
+    from qasr.audio.io import AudioError
 
     try:
-        return float(sf.info(path).duration)
-    except Exception:  # noqa: BLE001 - not a libsndfile format: ask FFmpeg
-        pass
-    try:
-        with av.open(path) as container:
-            if container.duration:
-                return container.duration / 1_000_000  # microseconds
-            stream = container.streams.audio[0]
-            if stream.duration and stream.time_base:
-                return float(stream.duration * stream.time_base)
-    except Exception:  # noqa: BLE001 - unreadable: the transcription reports why
+        return BlockDecoder(lambda: path, path, block_s=1.0).duration
+    except (AudioError, OSError):  # unreadable: the transcription reports why
         return None
-    return None
 
 
 def update_failed_list(out_dir: Path | None, failures: list[tuple[str, str]]) -> None:
