@@ -30,7 +30,7 @@ from qasr.streaming.live import LiveEvent, LiveSession
 log = logging.getLogger("qasr.server")
 Op = Literal["audio", "commit", "clear", "finish"]
 PROGRESS_EVERY_S = 1.0  # a client learns what was processed at least this often (in audio seconds)
-PIECE = SAMPLE_RATE  # audio is processed in pieces of at most 1 s (the default step)
+CHUNK = SAMPLE_RATE  # audio is queued in chunks of at most 1 s (the default step)
 
 
 _background: set[asyncio.Future] = set()  # closes still running after their session answered its client
@@ -79,11 +79,12 @@ class LiveRunner:
 
     def audio(self, pcm: bytes) -> None:
         """Queue wire PCM (raises ValueError for samples that are not audio: NaN, infinite), in pieces of
-        at most ``PIECE_S``: a session is abandoned (a cut drain) between pieces, not after a long message."""
+        at most ``CHUNK`` samples: a session is abandoned (a cut drain) between chunks, not after a long
+        message."""
         samples = self.ingest.feed(pcm)
         self.backlog += samples.size
-        for i in range(0, samples.size, PIECE):
-            self._queue.put_nowait(("audio", samples[i:i + PIECE]))
+        for i in range(0, samples.size, CHUNK):
+            self._queue.put_nowait(("audio", samples[i:i + CHUNK]))
 
     def commit(self) -> None:
         self._queue.put_nowait(("commit", None))
