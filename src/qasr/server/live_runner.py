@@ -78,7 +78,7 @@ class LiveRunner:
         return self.backlog < self._max_backlog or self.failed or self._abandoned
 
     def audio(self, pcm: bytes) -> None:
-        """Queue wire PCM (raises ValueError for samples that are not audio: NaN, infinite), in pieces of
+        """Queue wire PCM (raises ValueError for samples that are not audio: NaN, infinite), in chunks of
         at most ``CHUNK`` samples: a session is abandoned (a cut drain) between chunks, not after a long
         message."""
         samples = self.ingest.feed(pcm)
