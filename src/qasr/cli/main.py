@@ -86,9 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
-
-
 def _formats(text: str) -> tuple[str, ...]:
     formats = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",") if f.strip()))
     unknown = [f for f in formats if f not in FORMATS]
@@ -117,7 +114,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         from qasr.distributed.inputs import find_inputs, plan_jobs
     else:
         from qasr.jobs.plan import find_inputs, plan_jobs
-    from qasr.jobs.plan import update_failed_list
+    from qasr.jobs.plan import report_failures, update_failed_list
     from qasr.model.prompt import normalize_language
 
     inputs = find_inputs(args.paths, args.recursive)
@@ -147,9 +144,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         failures = [(source, f"{source}: file not found") for source in missing]
         for _, message in failures:
             print(f"qasr: error: {message}", file=sys.stderr)
-        update_failed_list(args.output_dir, failures)
-        if len(failures) > 1:
-            print(f"qasr: {len(failures)} of {len(jobs)} inputs failed", file=sys.stderr)
+        report_failures(args.output_dir, failures, len(jobs))
         return EXIT_FAILED
 
     from qasr.engine.engine import EngineConfig

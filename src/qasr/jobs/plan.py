@@ -11,6 +11,7 @@ when all of its requested outputs exist: a rerun skips it, and an interrupted on
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,15 @@ def update_failed_list(out_dir: Path | None, failures: list[tuple[str, str]]) ->
         write_atomic(path, failed_list_text(failures))
     else:
         path.unlink(missing_ok=True)  # a list from an earlier run would name inputs that are now done
+
+
+def report_failures(out_dir: Path | None, failures: list[tuple[str, str]], count: int) -> None:
+    """The end of a run: ``OUT/failed.tsv`` written (or a stale one removed), and one line on stderr saying
+    how many of the ``count`` inputs failed and where they are listed."""
+    update_failed_list(out_dir, failures)
+    if failures:
+        where = f" (listed in {out_dir / FAILED_LIST})" if out_dir is not None else ""
+        print(f"qasr: {len(failures)} of {count} inputs failed{where}", file=sys.stderr)
 
 
 def failed_list_text(failures: list[tuple[str, str]]) -> str:

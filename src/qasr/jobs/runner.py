@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from qasr.jobs.plan import FAILED_LIST, Job, probe_duration, update_failed_list
+from qasr.jobs.plan import Job, probe_duration, report_failures, update_failed_list
 from qasr.outputs.writers import render, write_atomic
 from qasr.results import Transcription
 from qasr.transcribe.asr import ASR
@@ -91,12 +91,8 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
     finally:
         sys.stdout.flush()
     progress.close()
-    update_failed_list(args.output_dir, failures)
-    if failures:
-        where = f" (listed in {args.output_dir / FAILED_LIST})" if to_files else ""
-        print(f"qasr: {len(failures)} of {len(jobs)} inputs failed{where}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    report_failures(args.output_dir, failures, len(jobs))
+    return EXIT_FAILED if failures else EXIT_OK
 
 
 def _vad_config(args: argparse.Namespace) -> dict:
