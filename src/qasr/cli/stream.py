@@ -20,9 +20,12 @@ import threading
 from collections.abc import Iterable
 from dataclasses import asdict
 from types import FrameType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from qasr.cli.argtypes import positive_float, positive_int
+
+if TYPE_CHECKING:  # the client (and numpy, the decoders) load only when streaming
+    from qasr.cli.stream_client import Capture
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 GREY, RESET, CLEAR_LINE = "\033[90m", "\033[0m", "\r\033[K"
@@ -68,12 +71,12 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from websockets.exceptions import WebSocketException
 
     from qasr.audio.io import AudioError
-    from qasr.cli.stream_client import Capture, capture_chunks, file_chunks
+    from qasr.cli.stream_client import Capture, file_chunks
 
     capture: Capture | None = None
     if args.input == "mic":
         try:
-            chunks = capture = capture_chunks(args.mic_format, args.mic_device, args.chunk_ms)
+            chunks = capture = Capture(args.mic_format, args.mic_device, args.chunk_ms)
         except RuntimeError as exc:  # no ffmpeg
             print(f"qasr stream: error: {exc}", file=sys.stderr)
             return EXIT_FAILED
@@ -109,15 +112,14 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _first_interrupt(stop: threading.Event, capture: object):  # noqa: ANN202 - a signal handler
+def _first_interrupt(stop: threading.Event, capture: Capture | None):  # noqa: ANN202 - a signal handler
     """The first Ctrl-C ends the input (the transcript of what was sent still comes); the next one raises
     KeyboardInterrupt as usual."""
 
     def handler(sig: int, frame: FrameType | None) -> None:
         stop.set()
-        stop_capture = getattr(capture, "stop", None)
-        if stop_capture is not None:
-            stop_capture()
+        if capture is not None:
+            capture.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # os.write: a print here could re-enter a print the main thread is in
         os.write(2, b"qasr stream: input ended; waiting for the last transcript (Ctrl-C again quits now)\n")

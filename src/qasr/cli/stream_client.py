@@ -97,10 +97,6 @@ class Capture:
             proc.wait()
 
 
-def capture_chunks(input_format: str, device: str, chunk_ms: int) -> Capture:
-    return Capture(input_format, device, chunk_ms)
-
-
 def websocket_url(server: str, protocol: Protocol) -> str:
     parts = urlsplit(server if "://" in server else f"http://{server}")
     scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
