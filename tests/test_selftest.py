@@ -138,7 +138,9 @@ def test_amx_is_preferred_and_qasr_no_amx_turns_it_off(fresh: None, monkeypatch:
     if avx512 is None or amx is None:
         pytest.skip("needs the AVX512-BF16 kernel and the emulated AMX build (compiler, AVX512-BF16 CPU)")
     real_build = native._build
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile", "avx512_bf16"}))
+    # this CPU's own flags plus AMX: the AVX512-BF16 kernel must stay buildable after clear_caches() below
+    flags = native.cpu_flags() | {"amx_bf16", "amx_tile"}
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
     monkeypatch.setattr(native, "_build", lambda name, *a: amx if name == "qasr_amx_linear" else real_build(name, *a))
     monkeypatch.delenv("QASR_NO_AMX", raising=False)
     chosen = native.linear_kernel()
