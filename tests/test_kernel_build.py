@@ -256,6 +256,33 @@ def test_a_waiting_process_goes_on_once_the_build_ends(scenario: Scenario, tmp_p
     assert "qasr: building" not in err and "qasr: built" not in err, err  # it loaded the build it waited for
 
 
+def test_a_header_beside_the_source_is_in_the_key_and_the_build(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied csrc folder: the tiny kernel including a header of its own folder with "..." (as the GEMM
+    kernels include gemm_common.h). Editing the header changes the key (a new folder, a new build that
+    sees the new header); rewriting it with the same bytes does not."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    source = TINY.read_text().replace("#include <Python.h>", '#include <Python.h>\n#include "tiny_offset.h"')
+    (csrc / "tiny_ext.cpp").write_text(source.replace("a + b)", "a + b + TINY_OFFSET)"))
+    header = csrc / "tiny_offset.h"
+    header.write_text("#define TINY_OFFSET 0\n")
+    spec = native.spec("qasr_tiny_header", str(csrc / "tiny_ext.cpp"))
+    monkeypatch.setenv("QASR_KERNEL_DIR", str(tmp_path / "kernels"))
+    first = build.kernel_dir(spec)
+    mod = build.build(spec)
+    assert mod is not None and mod.add(2, 3) == 5
+    assert (first / "tiny_offset.h").read_text() == header.read_text()  # built from a copy beside the source's
+    header.write_text("#define TINY_OFFSET 0\n")  # touched, same bytes (as a git checkout does)
+    assert build.kernel_dir(spec) == first
+    header.write_text("#define TINY_OFFSET 100\n")
+    second = build.kernel_dir(spec)
+    assert second != first
+    mod = build.build(spec)
+    assert mod is not None and mod.add(2, 3) == 105
+    assert (first / build.DONE_FILE).exists() and (second / build.DONE_FILE).exists()
+
+
 def test_kernels_build_reports_each_kernel(scenario: Scenario, tmp_path: Path) -> None:
     """The tiny kernel (as decoder_ops) is built already; every other compile is refused at once (as on a
     machine where it cannot build): reported, and still exit 0; the built one loads without a compile and
