@@ -62,7 +62,8 @@ def _compile_only(out: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_amx_path_compiles_with_explicit_flags() -> None:
     """Catches a syntax or type error in the AMX path on machines that cannot run it (compile only)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(EXPLICIT_FLAGS).encode() + torch.__version__.encode())
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h")))  # gemm_common.h
+    key = hashlib.sha256(SOURCE.read_bytes() + headers + " ".join(EXPLICIT_FLAGS).encode() + torch.__version__.encode())
     out = Path(tempfile.gettempdir()) / f"qasr_amx_check_{key.hexdigest()[:16]}.o"
     if not out.exists():  # the same source was checked before: reuse the object (compiling takes ~30 s)
         result = _compile_only(out.with_suffix(".tmp.o"))
