@@ -161,9 +161,9 @@ def test_fallback_by_request_kind_gives_the_one_padded_batchs_results(key_slots:
 
 def test_fallback_memory_stays_bounded_on_a_large_mixed_step() -> None:
     """512 decode rows over 1,500-2,100 cached tokens beside a 2048-token prefill chunk after 14,000: the one
-    padded batch of every row would take ~90 GiB at the 0.6B dims in bf16 (out of memory at any
-    concurrency >= 128); the plan by request kind stays under 1 GiB. Computed from the plan's shapes on
-    the CPU, nothing allocated on a device."""
+    padded batch of every row would gather 17 GB of mask and 34 GB of keys and values at the 0.6B dims in
+    bf16, before its scores (out of memory); the plan by request kind stays under 1 GiB (0.77). Computed
+    from the plan's shapes on the CPU, nothing allocated on a device."""
     rng = np.random.default_rng(0)
     starts, qlens, ctxs, _ = _mixed_step([int(c) for c in rng.integers(1500, 2100, 512)], [(2048, 14000)])
     dims = dict(heads=16, kv_heads=8, head_dim=128, elem=2)  # Qwen3-ASR-0.6B's decoder, bf16

@@ -2,8 +2,8 @@
 
 One padded batch of every row of a step (``padded_attention`` over all sequences) pads each sequence to
 the longest query and the longest key range of the step: with a 2048-token prefill chunk after a long
-context beside 512 decode rows, that is 513 x 2048 x 16k mask slots and 513 x 16k gathered keys, tens of
-GB. So the rows run in groups, one after another, each a small padded batch:
+context beside 512 decode rows, that is 513 x 2048 x 16k mask slots and 513 x 16k gathered keys, over
+50 GB before any score. So the rows run in groups, one after another, each a small padded batch:
 
 - single-token rows (decode rows, and one-token prefill chunks: the same computation) are sorted by
   context length and grouped so that rows x padded keys stays under ``MAX_KEY_SLOTS``; a row is padded
