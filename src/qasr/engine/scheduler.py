@@ -93,6 +93,17 @@ class Scheduler:
             self.active.append(req)
         return impossible
 
+    def drop_cancelled(self) -> list[Request]:
+        """Take the cancelled requests out of the waiting queue wherever they stand (not only at its head),
+        returning any kept KV region they were to continue to the pool; the caller resolves them."""
+        dropped = [r for r in self.waiting if r.cancelled]
+        if dropped:  # keep exactly the others (a request cancelled meanwhile waits for the next step's sweep)
+            gone = {id(r) for r in dropped}
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+            for req in dropped:
+                self._drop_lease(req)
+        return dropped
+
     def _take_over(self, req: Request) -> bool:
         """Give a request the kept region it continues (its first ``prefilled`` positions are reused):
         in place when the region is big enough, else a region half again as large (so a growing
