@@ -76,7 +76,7 @@ class Engine:
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
-                             checkpoint.features.hop_length, enc.num_mel_bins, enc.chunk_frames, tokens)
+                             checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, tokens)
         self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
