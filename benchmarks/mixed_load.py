@@ -517,7 +517,8 @@ def summarize(run: dict, ref: dict, audio: dict, args: argparse.Namespace, serve
         else (0.0, 0.0)
     during = [m for m in minutes if m["minute"] * 60 < file_span[1]] or minutes
     worst = max(during, key=lambda m: m["p95_ms"]) if during else None
-    return {"live_minutes": minutes, "live_samples": len(samples), "live_sessions": live_rows, "file": file,
+    return {"samples": samples, "live_minutes": minutes, "live_samples": len(samples), "live_sessions": live_rows,
+            "file": file,
             "http": {"completed": len(done), "cancelled": sum(h["status"] == "cancelled" for h in http),
                      "failed": sum(h["status"] == "failed" for h in http),
                      "errors": [h["error"] for h in http if h["status"] == "failed"][:10],
@@ -576,7 +577,7 @@ def report(s: dict, gauges: dict, args: argparse.Namespace, meta: dict) -> None:
               f"with {args.live} sessions while the file runs)")
 
 
-def plot(s: dict, metrics: list[dict], path: Path) -> None:
+def plot(s: dict, metrics: list[dict], samples: list[tuple[float, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -584,28 +585,27 @@ def plot(s: dict, metrics: list[dict], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     m = s["live_minutes"]
-    x = [r["minute"] for r in m]
-    a.plot(x, [r["p50_ms"] for r in m], "o-", label="p50")
-    a.plot(x, [r["p95_ms"] for r in m], "s-", label="p95")
+    x = [r["minute"] + 0.5 for r in m]  # a minute's figures at its middle, over its samples
+    a.scatter([at / 60 for at, _ in samples], [1e3 * lat for _, lat in samples], s=2, color="lightgray",
+              label="each sample")
+    a.plot(x, [r["p50_ms"] for r in m], "o-", label="p50 per minute")
+    a.plot(x, [r["p95_ms"] for r in m], "s-", label="p95 per minute")
     a.axhline(TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms")
     a.set_xlabel("minute of the run (by send time)")
     a.set_ylabel("live push latency (ms)")
+    a.set_yscale("log")
     a.set_title("live: 100 ms message sent -> progress event")
-    a.legend()
-    t = [r["t_s"] for r in metrics if "qasr_engine_kv_tokens_used" in r]
-    used = [r["qasr_engine_kv_tokens_used"] for r in metrics if "qasr_engine_kv_tokens_used" in r]
-    total = max((r.get("qasr_engine_kv_tokens_total", 0) for r in metrics), default=0)
-    b.plot(t, used, label="KV tokens used")
-    if total:
-        b.axhline(total, color="gray", ls=":", label="KV tokens total")
+    a.legend(fontsize=8)
+    rows = [r for r in metrics if "qasr_engine_kv_tokens_used" in r]
+    t = [r["t_s"] for r in rows]
+    total = max((r.get("qasr_engine_kv_tokens_total", 0) for r in rows), default=0)
+    b.plot(t, [r["qasr_engine_kv_tokens_used"] for r in rows], label=f"KV tokens used (of {total:,.0f})")
     b.axvspan(*s["file_span_s"], color="orange", alpha=0.15, label="the file's request")
     b.set_xlabel("seconds of the run")
     b.set_ylabel("KV tokens")
     c = b.twinx()
-    c.plot(t, [r.get("qasr_engine_running_requests", 0) for r in metrics if "qasr_engine_kv_tokens_used" in r],
-           color="green", lw=0.8, label="running")
-    c.plot(t, [r.get("qasr_engine_waiting_requests", 0) for r in metrics if "qasr_engine_kv_tokens_used" in r],
-           color="purple", lw=0.8, label="waiting")
+    c.plot(t, [r.get("qasr_engine_running_requests", 0) for r in rows], color="green", lw=0.8, label="running")
+    c.plot(t, [r.get("qasr_engine_waiting_requests", 0) for r in rows], color="purple", lw=0.8, label="waiting")
     c.set_ylabel("requests")
     b.legend(loc="upper left", fontsize=8)
     c.legend(loc="upper right", fontsize=8)
@@ -668,7 +668,7 @@ def main_mixed(args: argparse.Namespace) -> int:
               "metrics": run["metrics"], "http_requests": [{k: v for k, v in h.items() if k != "text"}
                                                           for h in run["http"]]}
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    plot(s, run["metrics"], stem.with_suffix(".png"))
+    plot(s, run["metrics"], s.pop("samples"), stem.with_suffix(".png"))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')} ({meta['wall_s']:.0f} s in all)")
     return 0 if not s["mismatches"] and s["nothing_lost"] else 1
 
