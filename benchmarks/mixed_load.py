@@ -3,7 +3,7 @@
 One ``qasr serve`` process serves, at the same time:
 
 * **the file**: ``--file-minutes`` (20) of espeak-ng speech with pauses (distinct sentences of the demo
-  model's grammar, four voices, 140-180 words per minute; made once and cached in ``--cache``) posted as one
+  model's grammar, six voices, 130-190 words per minute; made once and cached in ``--cache``) posted as one
   ``POST /v1/audio/transcriptions`` (``response_format=verbose_json``), started with the live sessions
   (``--file-loop``: posted again as soon as it is answered, until they end, so that it runs in every
   minute; its throughput figure is the first request's);
