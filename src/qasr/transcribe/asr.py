@@ -21,8 +21,8 @@ import torch
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.prompt import SUPPORTED_LANGUAGES
-from qasr.results import Transcription
-from qasr.transcribe.assemble import Outcome, assemble, failed, outcome_of
+from qasr.results import Segment, Transcription
+from qasr.transcribe.assemble import Outcome, assemble, failed, outcome_of, read_piece
 from qasr.transcribe.feed import stream_results
 from qasr.transcribe.inputs import (
     SEGMENTATIONS,
@@ -36,6 +36,7 @@ from qasr.transcribe.inputs import (
     plan_call,
 )
 from qasr.transcribe.pieces import Piece
+from qasr.transcribe.segment_stream import SegmentStream
 from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
@@ -228,28 +229,62 @@ class ASR:
                         progress: Callable[[float], None] | None = None, segmentation: str = "auto",
                         max_segment_s: float = 30.0,
                         vad: VadConfig | None = None,
-                        timestamps: str = "segment") -> Iterator[tuple[int, Transcription]]:
+                        timestamps: str = "segment",
+                        segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
         """``transcribe``, yielding ``(input index, Transcription)`` as each input completes.
 
         Arguments are those of ``transcribe``. Inputs are decoded one after another on a background
         thread while the engine works; results come in completion order. Closing the iterator early (or
         Ctrl-C while it waits) cancels the unfinished requests and frees their KV cache.
+
+        ``segments=True`` also yields ``(input index, Segment)`` for each segment of an input, in time
+        order, as soon as it and every segment before it are transcribed (the later ones run meanwhile),
+        and then the input's Transcription, whose segments are those. A failed input stops its segments
+        there; its Transcription carries the error. For one input, ``transcribe_segments`` is simpler.
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
                           timestamps)
         # requests are submitted from the decode thread, so the engine's own release never reaches this
         # one, which may have run torch since the model loaded
         self._release_idle_threads()
-        yield from self._results(call, ignore_eos, progress)
+        yield from self._results(call, ignore_eos, progress, segments=segments)
+
+    def transcribe_segments(self, audio: AudioInput, language: str | None = None, context: str = "",
+                            sample_rate: int | None = None, max_new_tokens: int | None = None,
+                            ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
+                            segmentation: str = "auto", max_segment_s: float = 30.0,
+                            vad: VadConfig | None = None, timestamps: str = "segment") -> SegmentStream:
+        """One input's segments, in time order, each as soon as it and every one before it are done:
+
+            for segment in asr.transcribe_segments("talk.mp3"):
+                print(f"[{segment.start:.1f} -> {segment.end:.1f}] {segment.text}")
+
+        Arguments are those of ``transcribe``, for a single input. The segments of a long file are still
+        transcribed together; this only hands each one over as early as its order allows. The returned
+        ``SegmentStream`` holds the whole Transcription in ``.transcription`` once exhausted, and raises
+        ``TranscriptionFailed`` at the end if the input failed. Nothing runs until it is iterated."""
+        if len(as_inputs(audio)) != 1:
+            raise ValueError("transcribe_segments takes one input; use transcribe_iter(..., segments=True) "
+                             "for several")
+        return SegmentStream(self.transcribe_iter(
+            audio, language=language, context=context, sample_rate=sample_rate, max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos, progress=progress, segmentation=segmentation, max_segment_s=max_segment_s,
+            vad=vad, timestamps=timestamps, segments=True))
 
     def _results(self, call: Call, ignore_eos: bool, progress: Callable[[float], None] | None,
-                 stop: threading.Event | None = None) -> Iterator[tuple[int, Transcription]]:
+                 stop: threading.Event | None = None, segments: bool = False) -> Iterator[tuple[int, object]]:
         """The pipeline behind transcribe_iter and transcribe_async: one decode thread, at most
-        ``max_in_flight_s`` of audio submitted and unfinished; ``stop`` ends it from another thread."""
+        ``max_in_flight_s`` of audio submitted and unfinished; ``stop`` ends it from another thread.
+        ``segments``: also each input's segments in order, as they are ready (``transcribe_iter``)."""
         warn = not ignore_eos
+        tok = self.checkpoint.tokenizer
+
+        def segment(i: int, piece: Piece, fut: Future) -> Segment | None:
+            read = read_piece(tok, piece, outcome_of(fut), call.names[i], warn=False)  # assemble warns, once
+            return None if isinstance(read, str) else read.segment
 
         def finish(i: int, pieces: list[Piece], futures: list[Future], duration: float) -> Transcription:
-            return assemble(self.checkpoint.tokenizer, pieces, [outcome_of(f) for f in futures], warn=warn,
+            return assemble(tok, pieces, [outcome_of(f) for f in futures], warn=warn,
                             duration=duration, source=call.names[i], words=call.words)
 
         def fail(i: int, message: str) -> Transcription:
@@ -258,8 +293,13 @@ class ASR:
         results = stream_results(len(call.items), pieces_of=call.pieces_of,
                                  submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
-                                 progress=progress, stop=stop)
-        yield from results  # type: ignore[misc]
+                                 progress=progress, stop=stop, piece_done=segment if segments else None)
+        try:
+            for i, item in results:
+                if item is not None:  # a failed piece has no segment: its input's Transcription says why
+                    yield i, item
+        finally:
+            results.close()  # an early exit here cancels the unfinished requests at once
 
     async def transcribe_async(self, audio: AudioInput | Sequence[AudioInput],
                                language: str | None | Sequence = None, context: str | Sequence[str] = "",
