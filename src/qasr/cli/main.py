@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long inputs are cut: vad = speech regions merged into segments cut at the longest "
                         "pauses (silence skipped); fixed = consecutive windows; none = whole (cut only past "
                         "20 minutes); auto (default) = none up to --max-segment-s, vad beyond")
-    t.add_argument("--max-segment-s", type=positive_float, default=30.0, metavar="S",
-                   help="longest segment in seconds (default 30)")
+    t.add_argument("--max-segment-s", type=positive_float, default=None, metavar="S",
+                   help="longest segment in seconds (default: what the model's config.json declares, "
+                        "\"qasr\": {\"max_segment_s\": S}, else 30)")
     t.add_argument("--vad-backend", default="auto", choices=("auto", "silero", "energy"),
                    help="speech detector: silero (needs the vad extra), energy, or auto (silero when installed)")
     t.add_argument("--vad-threshold", type=probability, default=None, metavar="P",

@@ -32,6 +32,7 @@ from qasr.distributed.actor import Transcriber
 from qasr.distributed.assemble import Collector
 from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
+from qasr.model.config import DEFAULT_MAX_SEGMENT_S, declared_max_segment_s
 from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
 from qasr.results import Transcription
 from qasr.transcribe.inputs import check_options
@@ -56,6 +57,7 @@ class RayTranscriber:
         self.passes = 0
         self.redone = 0  # segments transcribed again after their first pass lost them
         self.repeats = 0  # result rows that arrived twice (ignored)
+        self._max_segment_s: float | None = None  # the checkpoint's, read once when a call needs it
 
     def check_language(self, language: str | None) -> str | None:
         """The canonical language name, refused as ``ASR`` would when a local checkpoint does not list it
@@ -69,10 +71,39 @@ class RayTranscriber:
                                  f"{', '.join(listed)}")
         return name
 
+    @property
+    def max_segment_s(self) -> float:
+        """``ASR.max_segment_s`` for this checkpoint, found on the driver, since the decode tasks cut the
+        segments before any actor has loaded the model: its config.json's ``"qasr": {"max_segment_s": S}``,
+        else 30 s. A local folder is read; a hub id from the local Hugging Face cache, else its config.json
+        alone is fetched; when neither works, 30 s with a warning (the released checkpoints declare none)."""
+        if self._max_segment_s is None:
+            self._max_segment_s = self._declared_max_segment_s() or DEFAULT_MAX_SEGMENT_S
+        return self._max_segment_s
+
+    def _declared_max_segment_s(self) -> float | None:
+        config = Path(self.spec.model).expanduser() / "config.json"
+        if not config.is_file():
+            try:
+                from huggingface_hub import hf_hub_download
+
+                try:
+                    config = Path(hf_hub_download(self.spec.model, "config.json", local_files_only=True))
+                except Exception:  # noqa: BLE001 - not cached: fetch the one small file
+                    config = Path(hf_hub_download(self.spec.model, "config.json"))
+            except Exception as exc:  # noqa: BLE001 - offline, unknown id: the actors will say so if it matters
+                log.warning("%s: could not read its config.json on the driver (%s); segments of at most %g s",
+                            self.spec.model, type(exc).__name__, DEFAULT_MAX_SEGMENT_S)
+                return None
+        try:
+            return declared_max_segment_s(json.loads(config.read_text()))
+        except ValueError as exc:
+            raise ValueError(f"{config}: {exc}") from exc
+
     def transcribe_iter(self, audio: str | Sequence[str], language: str | None = None, context: str = "",
                         sample_rate: int | None = None, max_new_tokens: int | None = None,
                         ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
-                        segmentation: str = "auto", max_segment_s: float = 30.0, vad: object | None = None,
+                        segmentation: str = "auto", max_segment_s: float | None = None, vad: object | None = None,
                         timestamps: str = "segment") -> Iterator[tuple[int, Transcription]]:
         """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs (``sample_rate`` is
         accepted for the same signature, and unused: encoded files carry their own rate)."""
@@ -114,9 +145,12 @@ class RayTranscriber:
                                          f"({len(held)} segments done); its workers kept dying, see the Ray logs")
 
     def _options(self, language: str | None, context: str, max_new_tokens: int | None, ignore_eos: bool,
-                 segmentation: str, max_segment_s: float, vad: object | None, timestamps: str) -> CallOptions:
-        """``plan_call``'s checks, made before any work starts."""
+                 segmentation: str, max_segment_s: float | None, vad: object | None,
+                 timestamps: str) -> CallOptions:
+        """``plan_call``'s checks, made before any work starts; ``max_segment_s=None``: the model's own."""
         self.check_language(language)
+        if max_segment_s is None:
+            max_segment_s = self.max_segment_s
         check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
         words = timestamps == "word"
         if words and self.spec.aligner is None:

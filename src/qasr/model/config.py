@@ -3,13 +3,22 @@
 Two layouts exist: the original release (``thinker_config`` nested, keys under ``thinker.*``) and the
 transformers-native "-hf" conversion (flat ``audio_config`` / ``text_config``, keys under ``model.*``).
 Both are read into the same dataclasses so nothing downstream cares which one was loaded.
+
+qasr's own settings for a checkpoint live in the same file, in a top-level ``"qasr"`` object that no other
+reader looks at (transformers keeps an unknown top-level key as a plain attribute): today only
+``"qasr": {"max_segment_s": S}``, the segment length the model transcribes best (docs/segmentation.md).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+
+# The longest segment when a call names none and the checkpoint declares none: the released models take
+# 30 s whole, as the official package sends them.
+DEFAULT_MAX_SEGMENT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,13 @@ class ModelConfig:
     classify_num: int | None = None
     timestamp_token_id: int | None = None
     timestamp_segment_time: float = 80.0
+    # "qasr": {"max_segment_s": S} in config.json: the segment length this model prefers; None: not declared
+    declared_max_segment_s: float | None = None
+
+    @property
+    def max_segment_s(self) -> float:
+        """The segment length a call gets when it names none: the declared one, else 30 s."""
+        return self.declared_max_segment_s or DEFAULT_MAX_SEGMENT_S
 
     @property
     def is_aligner(self) -> bool:
@@ -154,12 +170,16 @@ class ModelConfig:
             audio_start_token_id=_opt_int(net.get("audio_start_token_id")),
             audio_end_token_id=_opt_int(net.get("audio_end_token_id")),
             support_languages=tuple(top.get("support_languages") or ()),
+            declared_max_segment_s=declared_max_segment_s(top),
             **_aligner_fields(top),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except ValueError as exc:  # json's errors included: say which file
+            raise ValueError(f"{path}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -204,6 +224,23 @@ def _aligner_fields(d: dict) -> dict:
         raise ValueError("forced-aligner config.json has no timestamp_token_id")
     return dict(classify_num=classes, timestamp_token_id=int(ts),
                 timestamp_segment_time=float(d.get("timestamp_segment_time", 80)))
+
+
+def declared_max_segment_s(top: dict) -> float | None:
+    """``config.json``'s ``"qasr": {"max_segment_s": S}`` (seconds, a positive number), None when absent;
+    ValueError for anything else, so a malformed model folder fails at load, not at its first long input.
+    Other keys of the ``"qasr"`` object are left for later versions."""
+    own = top.get("qasr")
+    if own is None:
+        return None
+    if not isinstance(own, dict):
+        raise ValueError(f'"qasr" must be an object such as {{"max_segment_s": 12}}, got {own!r}')
+    if "max_segment_s" not in own or own["max_segment_s"] is None:
+        return None
+    value = own["max_segment_s"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f'"qasr": {{"max_segment_s": ...}} must be a positive number of seconds, got {value!r}')
+    return float(value)
 
 
 def _opt_int(v: object) -> int | None:

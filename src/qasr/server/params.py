@@ -119,7 +119,8 @@ def _check_temperature(value: str | None) -> None:
 
 
 def _chunking(form: FormData) -> tuple[str, VadConfig | None]:
-    """chunking_strategy: absent -> "auto" (whole up to 30 s, VAD segments beyond); "auto" -> VAD segments;
+    """chunking_strategy: absent -> "auto" (whole up to the model's max_segment_s, VAD segments beyond; the
+    segment length is always the model's, ASR.max_segment_s); "auto" -> VAD segments;
     a server_vad object (JSON text, or bracketed fields) -> VAD segments tuned by its threshold,
     prefix_padding_ms and silence_duration_ms."""
     raw = _text(form, "chunking_strategy")

@@ -100,6 +100,12 @@ class ASR:
         """The languages this checkpoint's config lists (all of Qwen3-ASR's when it lists none)."""
         return tuple(self.checkpoint.config.support_languages or SUPPORTED_LANGUAGES)
 
+    @property
+    def max_segment_s(self) -> float:
+        """The longest segment when a call names none: what the checkpoint's config.json declares
+        (``"qasr": {"max_segment_s": S}``), else 30 s (docs/segmentation.md)."""
+        return self.checkpoint.config.max_segment_s
+
     def close(self) -> None:
         self.engine.close()
         if self.aligner is not None:
@@ -133,7 +139,7 @@ class ASR:
     def prepare(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence = None,
                 context: str | Sequence[str] = "", sample_rate: int | None = None,
                 max_new_tokens: int | None = None, segmentation: str = "auto",
-                max_segment_s: float = 30.0, vad: VadConfig | None = None) -> list[Piece]:
+                max_segment_s: float | None = None, vad: VadConfig | None = None) -> list[Piece]:
         """Decode and segment the inputs and return their pieces, ready for ``engine.submit``, in input order.
 
         Arguments are those of ``transcribe``. Each piece names its input (``source``, ``item``); a long
@@ -150,7 +156,11 @@ class ASR:
 
     def _call(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence,
               context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None,
-              segmentation: str, max_segment_s: float, vad: VadConfig | None, timestamps: str = "segment") -> Call:
+              segmentation: str, max_segment_s: float | None, vad: VadConfig | None,
+              timestamps: str = "segment") -> Call:
+        """Every call's plan; the one place a call's ``max_segment_s=None`` becomes the model's own."""
+        if max_segment_s is None:
+            max_segment_s = self.max_segment_s
         how = Segmenting(sample_rate, segmentation, float(max_segment_s), vad, max_new_tokens,
                          self.max_tokens_per_second, self.max_chunk_sec)
         return plan_call(self.checkpoint, audio, language=language, context=context, how=how, timestamps=timestamps,
@@ -193,7 +203,7 @@ class ASR:
                    context: str | Sequence[str] = "", sample_rate: int | None = None,
                    max_new_tokens: int | None = None, ignore_eos: bool = False,
                    progress: Callable[[float], None] | None = None, segmentation: str = "auto",
-                   max_segment_s: float = 30.0, vad: VadConfig | None = None,
+                   max_segment_s: float | None = None, vad: VadConfig | None = None,
                    timestamps: str = "segment") -> list[Transcription]:
         """Transcribe one input or a list; always returns one Transcription per input, in order.
 
@@ -203,13 +213,14 @@ class ASR:
         piece (default: see ``prepare``); a piece cut at its cap has finish_reason "length" and logs a
         warning naming the input. ``ignore_eos`` forces exactly that many tokens (for benchmarks).
 
-        ``segmentation``: "vad" cuts speech regions into segments of at most ``max_segment_s`` at the
-        longest pauses and skips the silence between them (silence-only input gives an empty
-        transcript); "fixed" cuts consecutive windows of ``max_segment_s``; "none" sends the input
-        whole (cut only beyond ``max_chunk_sec``, as the official package does); "auto" (default) is
-        "none" for inputs up to ``max_segment_s`` and "vad" for longer ones. ``progress`` is called
-        with the audio seconds of each piece as it finishes. ``vad`` tunes the speech detector
-        (``qasr.audio.vad.VadConfig``: backend, threshold, minimum speech and silence, padding).
+        ``segmentation``: "vad" cuts speech regions into segments of at most ``max_segment_s`` seconds
+        (default ``ASR.max_segment_s``: the model's declared preference, else 30) at the longest pauses
+        and skips the silence between them (silence-only input gives an empty transcript); "fixed" cuts
+        consecutive windows of ``max_segment_s``; "none" sends the input whole (cut only beyond
+        ``max_chunk_sec``, as the official package does); "auto" (default) is "none" for inputs up to
+        ``max_segment_s`` and "vad" for longer ones. ``progress`` is called with the audio seconds of each
+        piece as it finishes. ``vad`` tunes the speech detector (``qasr.audio.vad.VadConfig``: backend,
+        threshold, minimum speech and silence, padding).
 
         ``timestamps="word"`` fills each ``Segment.words`` from the forced aligner (see ``ASR.__init__``),
         spelled as in the text; without an aligner, or for a language it does not cover, a warning says
@@ -227,7 +238,7 @@ class ASR:
                         context: str | Sequence[str] = "", sample_rate: int | None = None,
                         max_new_tokens: int | None = None, ignore_eos: bool = False,
                         progress: Callable[[float], None] | None = None, segmentation: str = "auto",
-                        max_segment_s: float = 30.0,
+                        max_segment_s: float | None = None,
                         vad: VadConfig | None = None,
                         timestamps: str = "segment",
                         segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
@@ -252,7 +263,7 @@ class ASR:
     def transcribe_segments(self, audio: AudioInput, language: str | None = None, context: str = "",
                             sample_rate: int | None = None, max_new_tokens: int | None = None,
                             ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
-                            segmentation: str = "auto", max_segment_s: float = 30.0,
+                            segmentation: str = "auto", max_segment_s: float | None = None,
                             vad: VadConfig | None = None, timestamps: str = "segment") -> SegmentStream:
         """One input's segments, in time order, each as soon as it and every one before it are done:
 
@@ -305,7 +316,7 @@ class ASR:
                                language: str | None | Sequence = None, context: str | Sequence[str] = "",
                                sample_rate: int | None = None, max_new_tokens: int | None = None,
                                ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
-                               segmentation: str = "auto", max_segment_s: float = 30.0,
+                               segmentation: str = "auto", max_segment_s: float | None = None,
                                vad: VadConfig | None = None, timestamps: str = "segment") -> list[Transcription]:
         """``transcribe`` for asyncio: same arguments, same results, the event loop never blocks.
 
