@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -91,9 +92,13 @@ def test_the_cli_default_follows_the_model(preferring, tmp_path, capsys) -> None
     sf.write(wav, _wave(10.0), SR)
     common = ["transcribe", str(wav), "-m", str(preferring), "--device", "cpu", "--dtype", "float32",
               "--segmentation", "fixed", "--max-new-tokens", "2", "-f", "json"]
-    assert main([*common, "-o", str(tmp_path / "model")]) == 0
-    assert _segments_in_json(tmp_path / "model") == [[0.0, 4.0], [4.0, 8.0], [8.0, 10.0]]
-    assert main([*common, "-o", str(tmp_path / "given"), "--max-segment-s", "6"]) == 0
+    sigterm = signal.getsignal(signal.SIGTERM)  # main() installs its own: give pytest's back afterwards
+    try:
+        assert main([*common, "-o", str(tmp_path / "model")]) == 0
+        assert _segments_in_json(tmp_path / "model") == [[0.0, 4.0], [4.0, 8.0], [8.0, 10.0]]
+        assert main([*common, "-o", str(tmp_path / "given"), "--max-segment-s", "6"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
     assert _segments_in_json(tmp_path / "given") == [[0.0, 6.0], [6.0, 10.0]]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["transcribe", "--help"])
@@ -130,3 +135,7 @@ def test_a_malformed_value_fails_at_load_naming_the_file(tmp_path) -> None:
     # null or an object without the key is "not declared"
     _declare(path, {"max_segment_s": None, "something_later": 1})
     assert ModelConfig.from_file(config).max_segment_s == 30.0
+
+
+def test_the_bundled_demo_model_declares_its_measured_length() -> None:
+    assert ModelConfig.from_file(DEMO / "config.json").max_segment_s == 6.0  # docs/segmentation.md
