@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 
 # qasr's C++ CPU kernels for this machine now, so the first transcription need not compile (docs/kernels.md);
 # again when a kernel's source changes. A kernel this CPU cannot run is reported, not an error.
-$(KERNELS): $(STAMP) $(wildcard src/qasr/engine/cpu/csrc/*.cpp) src/qasr/engine/cpu/native.py src/qasr/engine/cpu/build.py
+$(KERNELS): $(STAMP) $(wildcard src/qasr/engine/cpu/csrc/*.cpp src/qasr/engine/cpu/csrc/*.h) src/qasr/engine/cpu/native.py src/qasr/engine/cpu/build.py
 	$(VENV)/bin/qasr kernels build
 	@touch $(KERNELS)
 

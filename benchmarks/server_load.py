@@ -35,9 +35,6 @@ import argparse
 import json
 import logging
 import platform
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +46,7 @@ import numpy as np
 import psutil
 import soundfile as sf
 
+from qasr.bench.common import start_server
 from qasr.testing.speech import speak
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,32 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_clips(folder: Path, n: int) -> list[Path]:
     return [speak(SENTENCES[k % len(SENTENCES)], folder / f"clip{k:03d}.wav", speed=140 + 5 * (k % 9))
             for k in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "qasr", "serve", "-m", args.model, "--device", args.device, "--dtype", args.dtype,
-           "--port", str(port), "--log-level", "warning", "--max-queue-audio-s", "1e9"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"qasr serve exited: {log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.terminate()
-    raise TimeoutError("qasr serve did not become ready")
 
 
 def one_request(client: httpx.Client, url: str, path: Path, stream: bool, language: str) -> dict:
@@ -303,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         clips = make_clips(Path(tmp), min(args.requests, 24))
-        proc, url = start_server(args, Path(tmp) / "serve.log")
+        proc, url = start_server(args.model, args.device, args.dtype, Path(tmp) / "serve.log")
         server = psutil.Process(proc.pid)
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
         try:

@@ -191,7 +191,7 @@ class Trainer:
         feats, speeds = zip(*(self.features(u, rng) for u in utts), strict=True)
         audio = self.model.audio_tower(list(feats))
         ids, lens, rows, targets, extra_rows, extra_targets = [], [], [], [], [], []
-        chunk = self.model.cfg.encoder.chunk_frames
+        chunk = self.model.cfg.encoder.conv_chunk_frames
         guide_keys, guide_starts = [], []
         for a, u, f, speed in zip(audio, utts, feats, speeds, strict=True):
             prompt = build_aligner_prompt(self.tok, self.special, self.timestamp_id, a.shape[0],

@@ -205,7 +205,7 @@ class Trainer:
 
     def phone_loss(self, audio: list[torch.Tensor], utts: list[Utt], feats: list[torch.Tensor]) -> torch.Tensor:
         """Frame-level phoneme classification on the audio embeddings, from espeak-ng's phoneme times."""
-        chunk = self.model.cfg.encoder.chunk_frames
+        chunk = self.model.cfg.encoder.conv_chunk_frames
         targets = []
         for a, u, f, speed in zip(audio, utts, feats, self.speeds, strict=True):
             frames = f.shape[1]

@@ -21,6 +21,7 @@ from qasr.bench.gpu import (
     GpuPlan,
     gpu_engine_config,
     lengths_for,
+    level_with_first_tokens,
     plot,
     run_qasr_gpu,
     run_reference_gpu,
@@ -94,6 +95,37 @@ def test_closed_loop_reports_failing_requests() -> None:
     assert r["completed"] == 3 and r["error_count"] == 3 and "bad" in r["errors"][0] and r["partial"]
 
 
+def test_ttft_counts_every_request_including_those_the_budget_cut() -> None:
+    """Requests 0 and 1 get their first token after 10 ms and finish; the others have no first token when
+    the 0.4 s budget ends. The closed loop's TTFT (completed requests only) says ~10 ms at p95; the level's
+    TTFT counts all six, the four still waiting at their wait so far, and says how many those are."""
+    def submit(k: int, on_token) -> Future:  # noqa: ANN001 - the engine's on_token
+        future: Future = Future()
+        t0 = time.perf_counter()
+
+        def work() -> None:
+            if k >= 2:
+                time.sleep(2.0)  # no first token within the budget
+            else:
+                time.sleep(0.01)
+            on_token(7)
+            time.sleep(0.02)
+            on_token(None)
+            if future.set_running_or_notify_cancel():
+                future.set_result(SimpleNamespace(ttft_s=0.01, latency_s=time.perf_counter() - t0, token_ids=[7]))
+
+        threading.Thread(target=work, daemon=True).start()
+        return future
+
+    t0 = time.perf_counter()
+    lv = level_with_first_tokens(submit, [1.0] * 6, concurrency=4, budget_s=0.4)
+    assert time.perf_counter() - t0 < 1.5
+    assert lv["partial"] and lv["completed"] == 2
+    assert lv["ttft_completed_p95_s"] == pytest.approx(0.01)  # what the level used to report
+    assert lv["ttft_requests"] == 6 and lv["ttft_without_first_token"] == 4
+    assert lv["ttft_p95_s"] >= 0.3 and lv["ttft_p50_s"] >= 0.3  # four of six waited (nearly) the whole budget
+
+
 def test_percentile_is_nearest_rank() -> None:
     xs = [float(i) for i in range(1, 21)]
     assert percentile(xs, 0.5) == 10 and percentile(xs, 0.95) == 19 and percentile(xs, 1.0) == 20
@@ -113,7 +145,7 @@ def test_plan_and_engine_settings_fit_the_official_protocol() -> None:
         GpuPlan(levels=((1, 1),), level_budgets_s=(1.0, 2.0))
 
 
-TINY_PLAN = GpuPlan(levels=((1, 2), (4, 4)), level_budgets_s=(120.0, 120.0), clip_range=(1.0, 3.0),
+TINY_PLAN = GpuPlan(levels=((1, 2), (4, 4), (8, 8)), level_budgets_s=(120.0, 120.0, 0.0), clip_range=(1.0, 3.0),
                     invariance_clips=3, invariance_range=(1.0, 2.0), invariance_budget_s=60.0,
                     reference_batches=(2, 3), reference_budget_s=120.0, dtype="float32", kv_gib=0.05)
 
@@ -123,9 +155,14 @@ def test_both_sides_run_on_a_tiny_checkpoint_and_the_report_renders(tiny_hf, tmp
     progress = tmp_path / "qasr.json"
     ours = run_qasr_gpu(tiny_hf, TINY_PLAN, device="cpu", progress=progress)
     assert progress.exists() and '"levels"' in progress.read_text()
-    for conc, n in TINY_PLAN.levels:
+    assert ours["skipped_levels"] == [8] and "8" not in ours["levels"]  # a budget of 0 skips a level
+    assert ours["config"]["max_running"] == 4  # the largest level that runs
+    for conc, n in TINY_PLAN.levels[:2]:
         lv = ours["levels"][str(conc)]
         assert lv["completed"] == n and not lv["partial"] and lv["error_count"] == 0
+        # TTFT from the engine's on_token, for every request: all had their first token
+        assert lv["ttft_requests"] == n and lv["ttft_without_first_token"] == 0
+        assert 0 < lv["ttft_p50_s"] <= lv["ttft_p95_s"] and lv["ttft_completed_p50_s"] > 0
         lengths = lengths_for(n, TINY_PLAN.seed + 100 + TINY_PLAN.levels.index((conc, n)), TINY_PLAN.clip_range)
         assert lv["tokens"] == sum(max(1, round(4 * s)) for s in lengths)  # forced lengths, EOS ignored
         assert lv["rtfx"] > 0 and lv["ttft_p50_s"] <= lv["latency_p50_s"] and lv["steps"] > 0

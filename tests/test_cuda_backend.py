@@ -10,6 +10,7 @@ same steps run eagerly, the float32 engine against the CPU engine, and one host 
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
@@ -18,13 +19,18 @@ import torch
 from conftest import noise
 from devices import exact_float32, needs_cuda
 
+from qasr.engine.cuda import attention as cuda_attention
+from qasr.engine.cuda import graphs as cuda_graphs
+from qasr.engine.cuda import prepare as cuda_prepare
 from qasr.engine.cuda.attention import (
     choose_attention,
     flash_attention,
+    flash_schema_problem,
     flash_supported,
     reference_attention,
     self_test,
 )
+from qasr.engine.cuda.fallback import MAX_KEY_SLOTS, MAX_SCORES, fallback_attention, fallback_plan, group_bytes
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.plan import (
     bucket_for,
@@ -39,7 +45,7 @@ from qasr.engine.cuda.prepare import graphs_mode
 from qasr.engine.device import backend_for, prepare_model
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import KVPool
-from qasr.engine.padded_attention import padded_plan
+from qasr.engine.padded_attention import padded_attention, padded_plan
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import DecoderConfig, audio_token_count
 from qasr.model.prompt import build_prompt
@@ -121,6 +127,81 @@ def test_self_test_accepts_the_reference_and_rejects_a_wrong_kernel() -> None:
     why = self_test(ignores_context, torch.device("cpu"), torch.float32, 4, 2, 16)
     assert why is not None and "relative error" in why
     assert "raised" in self_test(lambda *a: 1 / 0, torch.device("cpu"), torch.float32, 4, 2, 16)
+
+
+# ------------------------------------------------------------------ the fallback attention, by request kind
+def _mixed_step(decode_ctxs, chunks, gap=3):
+    """Decode rows over the given contexts, then prefill chunks (query rows, context), regions in order."""
+    starts, qlens, ctxs, at = [], [], [], 0
+    for n, c in [(1, c) for c in decode_ctxs] + list(chunks):
+        starts.append(at)
+        qlens.append(n)
+        ctxs.append(c)
+        at += c + n + gap
+    return starts, qlens, ctxs, at
+
+
+@pytest.mark.parametrize(("key_slots", "scores"), [(MAX_KEY_SLOTS, MAX_SCORES), (40, 300)])
+def test_fallback_by_request_kind_gives_the_one_padded_batchs_results(key_slots: int, scores: int) -> None:
+    """Decode rows in groups, each chunk alone and (with small limits) in blocks of query rows: the same
+    outputs as the one padded batch of every row that the fallback used to run."""
+    starts, qlens, ctxs, tokens = _mixed_step([30, 3, 17, 0, 44, 9], [(37, 120), (1, 20), (64, 0), (9, 5)])
+    q, kc, vc = _random_pool(starts, qlens, ctxs, tokens=tokens)
+    plan = fallback_plan(starts, qlens, ctxs, max_key_slots=key_slots, max_scores=scores)
+    got = fallback_attention(q, kc, vc, plan, 0.25)
+    want = padded_attention(q, kc, vc, padded_plan(starts, qlens, ctxs), 0.25)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert sorted(torch.cat([g.rows for g in plan.groups]).tolist()) == list(range(sum(qlens)))
+    if key_slots == 40:  # the limits did split: several decode groups, the 120-context chunk in blocks
+        assert len(plan.groups) > 2 + 4
+    meta, _ = upload_meta(starts, qlens, ctxs, 6, torch.device("cpu"))
+    torch.testing.assert_close(reference_attention(q, kc, vc, meta, 0.25), want, atol=1e-6, rtol=1e-6)
+
+
+def test_fallback_memory_stays_bounded_on_a_large_mixed_step() -> None:
+    """512 decode rows over 1,500-2,100 cached tokens beside a 2048-token prefill chunk after 14,000: the one
+    padded batch of every row would gather 17 GB of mask and 34 GB of keys and values at the 0.6B dims in
+    bf16, before its scores (out of memory); the plan by request kind stays under 1 GiB (0.77). Computed
+    from the plan's shapes on the CPU, nothing allocated on a device."""
+    rng = np.random.default_rng(0)
+    starts, qlens, ctxs, _ = _mixed_step([int(c) for c in rng.integers(1500, 2100, 512)], [(2048, 14000)])
+    dims = dict(heads=16, kv_heads=8, head_dim=128, elem=2)  # Qwen3-ASR-0.6B's decoder, bf16
+    old = sum(qlens) * 16 * 128 * 2 + group_bytes((513, 2048, 16048), **dims)  # output + one padded batch
+    assert old > 50 * 2**30
+    plan = fallback_plan(starts, qlens, ctxs)
+    assert plan.peak_bytes(**dims) < 2**30
+    for g in plan.groups:
+        s, mq, mk = g.shape
+        assert (mq == 1 and (s * mk <= MAX_KEY_SLOTS or s == 1)) or (s == 1 and mq * mk <= MAX_SCORES), g.shape
+    assert sorted(torch.cat([g.rows for g in plan.groups]).tolist()) == list(range(sum(qlens)))
+
+
+# --------------------------------------------------------------------------------------- flash's signature
+FLASH_WITHOUT_SEQUSED_K = (
+    "aten::_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, "
+    "SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, float? scale=None) -> "
+    "(Tensor output, Tensor softmax_logsumexp, Tensor philox_seed, Tensor philox_offset, Tensor debug_attn_mask)")
+
+
+def test_flash_needs_the_signature_it_calls(monkeypatch, caplog) -> None:
+    """A torch whose flash op lacks ``seqused_k`` (or takes other arguments) is refused with one warning."""
+    assert flash_schema_problem(torch.ops.aten._flash_attention_forward.default._schema) is None  # this torch's
+    old = torch._C.parse_schema(FLASH_WITHOUT_SEQUSED_K)
+    assert "seqused_k" in flash_schema_problem(old)
+    reordered = torch._C.parse_schema(FLASH_WITHOUT_SEQUSED_K.replace("Tensor? cum_seq_q, Tensor? cum_seq_k", "Tensor? "
+                                                                      "cum_seq_k, Tensor? cum_seq_q"))
+    assert "takes" in flash_schema_problem(reordered)
+    assert "no aten._flash_attention_forward" in flash_schema_problem(None)
+    monkeypatch.setattr(cuda_attention, "_flash_schema", lambda: old)
+    monkeypatch.setattr(cuda_attention, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="qasr.engine.cuda.attention"):
+        for _ in range(3):
+            why = flash_supported(torch.device("cuda"), torch.bfloat16, 128)
+            assert why is not None and "seqused_k" in why
+        attention, what = choose_attention(torch.device("cuda"), torch.bfloat16, 16, 8, 128)
+    assert attention is reference_attention and "seqused_k" in what
+    assert sum("seqused_k" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_flash_is_never_chosen_where_it_cannot_run() -> None:
@@ -250,6 +331,110 @@ def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens(ck32) -> 
     assert unbucketed == want and engine.runner.stats()["bucketed_steps"] == 0
 
 
+class FakeGraph:
+    """Stands in for a captured CUDA graph on CPU tensors: a replay runs its step's forward on the rows
+    loaded into the static buffers (what a graph does); ``broken`` makes every replay's tokens wrong."""
+
+    broken = False
+    captured: list[int] = []
+
+    def __init__(self, forward, mempool) -> None:  # noqa: ANN001 - capture_graph's arguments
+        self.step = forward.__self__  # the _Step whose captured_forward is recorded
+        FakeGraph.captured.append(self.step.rows)
+
+    def replay(self) -> None:
+        self.step.forward(self.step.meta(self.step._rows))  # on CPU the attention reads the rows' host plan
+        if FakeGraph.broken:
+            self.step.tokens.add_(1)
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """The CUDA backend's runner in capture mode on CPU tensors, with FakeGraph for the capture."""
+    monkeypatch.setattr(cuda_prepare, "graphs_mode", lambda *a: "capture")
+    monkeypatch.setattr(cuda_graphs, "capture_graph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(FakeGraph, "broken", False)
+    monkeypatch.setattr(FakeGraph, "captured", [])
+    return FakeGraph
+
+
+def test_capture_is_thread_local() -> None:
+    """capture_graph asks torch for a thread-local capture (other threads' syncs cannot spoil it), after
+    two warm-up forwards on a side stream."""
+    calls: dict = {}
+
+    class Stream:
+        def wait_stream(self, other) -> None:  # noqa: ANN001
+            pass
+
+    class Graph:
+        pass
+
+    class Capture:
+        def __init__(self, graph, **kwargs) -> None:  # noqa: ANN001
+            calls.update(kwargs, graph=graph)
+
+        def __enter__(self) -> None:
+            calls["forwards_before_capture"] = calls.get("forwards", 0)
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            pass
+
+    import contextlib
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(torch.cuda, "Stream", Stream)
+        mp.setattr(torch.cuda, "current_stream", Stream)
+        mp.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        mp.setattr(torch.cuda, "CUDAGraph", Graph)
+        mp.setattr(torch.cuda, "graph", Capture)
+
+        def forward() -> None:
+            calls["forwards"] = calls.get("forwards", 0) + 1
+
+        graph = cuda_graphs.capture_graph(forward, "pool")
+    finally:
+        mp.undo()
+    assert calls["capture_error_mode"] == "thread_local" and calls["pool"] == "pool" and calls["graph"] is graph
+    assert calls["forwards_before_capture"] == 2 and calls["forwards"] == 3
+
+
+def test_decode_graphs_are_captured_at_engine_start_and_replay_the_eager_tokens(ck32, fake_capture) -> None:
+    waves = [noise(s, seed=k) for k, s in enumerate((0.7, 3.1, 9.3))]
+    want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV), waves, new_tokens=12)
+    config = EngineConfig(kv_cache_bytes=KV, backend="cuda", max_running=8)
+    with Engine(ck32, config) as engine:
+        graphs = engine.runner.graphs
+        assert sorted(fake_capture.captured) == [1, 2, 4, 6, 8]  # every bucket, before any request
+        assert all(step.graph is not None for step in graphs._steps.values())
+        futures = [engine.submit(_prompt(ck32, w), waveform=w, max_new_tokens=12, ignore_eos=True) for w in waves]
+        got = [f.result().token_ids for f in futures]
+    stats = engine.runner.stats()
+    assert got == want
+    assert stats["graph_failed"] is None and stats["graph_replays"] > 5, stats
+    assert any(step.verified for step in graphs._steps.values())  # first replays checked against eager
+
+
+def test_a_replay_that_differs_from_the_eager_forward_drops_the_graphs_with_one_warning(ck32, fake_capture,
+                                                                                        caplog) -> None:
+    waves = [noise(s, seed=k) for k, s in enumerate((0.7, 3.1, 9.3))]
+    want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV), waves, new_tokens=12)
+    config = EngineConfig(kv_cache_bytes=KV, backend="cuda", max_running=8)
+    with caplog.at_level(logging.WARNING, logger="qasr.engine.cuda.graphs"):
+        with Engine(ck32, config) as engine:
+            fake_capture.broken = True  # after the capture's own check: the first real replay disagrees
+            futures = [engine.submit(_prompt(ck32, w), waveform=w, max_new_tokens=12, ignore_eos=True)
+                       for w in waves]
+            got = [f.result().token_ids for f in futures]
+    stats = engine.runner.stats()
+    assert got == want  # the eager forward's tokens, from the mismatching step on
+    assert stats["graph_replays"] == 0 and stats["bucketed_steps"] > 5 and "replay gave" in stats["graph_failed"]
+    assert all(step.graph is None for step in engine.runner.graphs._steps.values())
+    assert sum("disagreed" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_embedding_with_known_audio_rows_equals_finding_them(ck32) -> None:
     model = ck32.model
     audio_id = ck32.config.audio_token_id
@@ -326,7 +511,7 @@ def test_cuda_decode_graphs_replay_what_the_same_steps_give_eagerly(ck_bf16_cuda
     stats = engine.runner.stats()
     assert stats["graph_failed"] is None and stats["graph_replays"] > 20, stats
     with Engine(ck, config) as eager:
-        eager.runner.graphs.capture = False  # the same buckets and buffers, run eagerly
+        eager.runner.graphs.disable("eager on purpose")  # the same buckets and buffers, run eagerly
         futures = [eager.submit(_prompt(ck, w), waveform=w, max_new_tokens=40, ignore_eos=True) for w in waves]
         want = [f.result().token_ids for f in futures]
         assert eager.runner.stats()["graph_replays"] == 0 and eager.runner.stats()["bucketed_steps"] > 20

@@ -51,6 +51,44 @@ def test_dry_run_lists_the_stages_within_eight_minutes(tmp_path, quick: bool, li
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 
+def _budget_table() -> dict[str, list[tuple[str, int, int]]]:
+    """The header's bench budget table: kind -> [(what, full s, quick s)]."""
+    table: dict[str, list[tuple[str, int, int]]] = {}
+    text = SCRIPT.read_text()
+    for m in re.finditer(r"^#   (fixed|inner|total|bench stage budget)\s+(.*?)\s*(\d+) \|\s+(\d+)$", text, re.M):
+        table.setdefault(m[1], []).append((m[2], int(m[3]), int(m[4])))
+    return table
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_bench_stage_fits_its_budget_with_a_margin(tmp_path, quick: bool) -> None:
+    """The header's table adds up, its inner budgets are the ones the bench command passes (and the plan's
+    invariance budget), and inner budgets plus the stated fixed costs stay under 90% of the stage's budget,
+    so the transformers side and the summary line are not cut off by the stage's timeout."""
+    from qasr.bench.gpu import QUICK, GpuPlan
+
+    col = 2 if quick else 1
+    table = _budget_table()
+    assert len(table["fixed"]) >= 6 and len(table["inner"]) == 3, table
+    fixed = sum(row[col] for row in table["fixed"])
+    inner = {row[0].split()[0]: row[col] for row in table["inner"]}
+    total = table["total"][0][col]
+    stage = table["bench stage budget"][0][col]
+    assert fixed + sum(inner.values()) == total
+
+    r = run("--dry-run", *(["--quick"] if quick else []), env={"OUT": str(tmp_path)})
+    stages = {s: (b, c) for s, b, c in _stages(r.stdout)}
+    budget, cmd = stages["bench"]
+    assert budget == stage
+    levels = [float(x) for x in re.search(r"--gpu-budgets ([\d.,]+)", cmd)[1].split(",")]
+    reference = float(re.search(r"--gpu-reference-budget ([\d.]+)", cmd)[1])
+    plan = QUICK if quick else GpuPlan()
+    assert len(levels) == len(plan.levels)
+    assert inner == {"levels": sum(levels), "transformers": reference, "batch": plan.invariance_budget_s}
+    assert total <= 0.9 * budget, f"bench: {total} s of {budget} s"
+    assert levels[-1] == 0  # concurrency 512 (2-minute clips, 512 at once) cannot finish in a short run
+
+
 def test_unknown_arguments_are_refused() -> None:
     r = run("--bogus")
     assert r.returncode == 2 and "unknown argument" in r.stderr

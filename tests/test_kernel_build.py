@@ -40,8 +40,11 @@ pytestmark = pytest.mark.skipif(REAL_CXX is None or "CXX" in os.environ,
 LOAD = ("from qasr.engine.cpu import build, native; "
         f"m = build.build(native.spec('qasr_tiny', {str(TINY)!r})); "
         "print('kernel', m is not None and m.add(2, 3) == 5)")
-OTHER_CPU = ("from qasr.engine.cpu import build; real = build.cpu_flags(); "
-             "build.cpu_flags = lambda: real | {'avx512f', 'amx_tile'}; " + LOAD)
+# flags no CPU of ours has (a future Xeon's), so "another CPU" differs from this one on every machine,
+# an AMX Xeon included
+OTHER_FLAGS = {"amx_fp8", "avx10_2"}
+OTHER_CPU = (f"OTHER_FLAGS = {OTHER_FLAGS!r}; from qasr.engine.cpu import build; real = build.cpu_flags(); "
+             "build.cpu_flags = lambda: real | OTHER_FLAGS; " + LOAD)
 # `qasr kernels build` with the tiny kernel as decoder_ops (its loader, spec and self-test looked up at call time)
 KERNELS_BUILD = f"""
 import sys
@@ -106,8 +109,9 @@ def _start_stalled(args: list[str], env: dict[str, str], mark: Path, err: Path) 
     deadline = time.monotonic() + 120
     while not mark.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the build never reached the compiler: {err.read_text()}")
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the build never reached the compiler (exit {proc.wait()}): {err.read_text()}")
         time.sleep(0.1)
     return proc
 
@@ -209,9 +213,9 @@ def test_a_build_made_for_another_cpu_is_not_reused(scenario: Scenario, tmp_path
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert "qasr: building qasr's CPU kernels" in (tmp_path / "err").read_text()
-    monkeypatch.setattr(build, "cpu_flags", lambda: native.cpu_flags() | {"avx512f", "amx_tile"})
+    monkeypatch.setattr(build, "cpu_flags", lambda: native.cpu_flags() | OTHER_FLAGS)
     other = _folder(scenario.kdir, monkeypatch)
-    assert other != scenario.folder and '"avx512f"' in (other / "key.json").read_text()
+    assert other != scenario.folder and '"amx_fp8"' in (other / "key.json").read_text()
     assert so.stat().st_mtime_ns == before and not (scenario.folder / "lock").exists()
 
 
@@ -250,6 +254,33 @@ def test_a_waiting_process_goes_on_once_the_build_ends(scenario: Scenario, tmp_p
     assert proc.returncode == 0 and "kernel True" in out, err
     assert err.count("qasr: waiting for another process") == 1, err
     assert "qasr: building" not in err and "qasr: built" not in err, err  # it loaded the build it waited for
+
+
+def test_a_header_beside_the_source_is_in_the_key_and_the_build(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied csrc folder: the tiny kernel including a header of its own folder with "..." (as the GEMM
+    kernels include gemm_common.h). Editing the header changes the key (a new folder, a new build that
+    sees the new header); rewriting it with the same bytes does not."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    source = TINY.read_text().replace("#include <Python.h>", '#include <Python.h>\n#include "tiny_offset.h"')
+    (csrc / "tiny_ext.cpp").write_text(source.replace("a + b)", "a + b + TINY_OFFSET)"))
+    header = csrc / "tiny_offset.h"
+    header.write_text("#define TINY_OFFSET 0\n")
+    spec = native.spec("qasr_tiny_header", str(csrc / "tiny_ext.cpp"))
+    monkeypatch.setenv("QASR_KERNEL_DIR", str(tmp_path / "kernels"))
+    first = build.kernel_dir(spec)
+    mod = build.build(spec)
+    assert mod is not None and mod.add(2, 3) == 5
+    assert (first / "tiny_offset.h").read_text() == header.read_text()  # built from a copy beside the source's
+    header.write_text("#define TINY_OFFSET 0\n")  # touched, same bytes (as a git checkout does)
+    assert build.kernel_dir(spec) == first
+    header.write_text("#define TINY_OFFSET 100\n")
+    second = build.kernel_dir(spec)
+    assert second != first
+    mod = build.build(spec)
+    assert mod is not None and mod.add(2, 3) == 105
+    assert (first / build.DONE_FILE).exists() and (second / build.DONE_FILE).exists()
 
 
 def test_kernels_build_reports_each_kernel(scenario: Scenario, tmp_path: Path) -> None:

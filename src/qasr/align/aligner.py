@@ -138,7 +138,7 @@ class Aligner:
             return wave, words, None
         ck = self.checkpoint
         frames = len(wave) // ck.features.hop_length
-        n_audio = audio_token_count(frames, ck.config.encoder.chunk_frames)
+        n_audio = audio_token_count(frames, ck.config.encoder.conv_chunk_frames)
         prompt = build_aligner_prompt(ck.tokenizer, ck.special, ck.config.timestamp_token_id,  # type: ignore[arg-type]
                                       n_audio, words)
         return wave, words, prompt

@@ -13,9 +13,9 @@ Three modes:
 * ``"none"``: the whole input as one segment; inputs longer than 1200 s are still cut exactly like
   :func:`qasr.audio.split.split_long_audio` cuts them (``max_segment_s`` does not apply).
 
-:class:`Segmenter` does this on a stream: it is fed chunks and emits finished segments in order, holding
+:class:`Segmenter` does this on a stream: it is fed blocks and emits finished segments in order, holding
 only the audio of the segment under construction (O(``max_segment_s``); O(1200 s) in mode "none").
-Every decision depends only on the audio and the regions, never on the chunking, so feeding a waveform
+Every decision depends only on the audio and the regions, never on the blocks, so feeding a waveform
 at once or in pieces of any size gives identical segments.
 """
 
@@ -72,18 +72,18 @@ class _Buffer:
     def end(self) -> int:
         return self.base + self._hi - self._lo
 
-    def append(self, chunk: np.ndarray) -> None:
+    def append(self, block: np.ndarray) -> None:
         held = self._hi - self._lo
-        if self._hi + chunk.size > self._data.size:
-            if held + chunk.size > self._data.size // 2:  # keep appends amortised O(1)
-                grown = np.zeros(max(2 * (held + chunk.size), self._data.size), dtype=np.float32)
+        if self._hi + block.size > self._data.size:
+            if held + block.size > self._data.size // 2:  # keep appends amortised O(1)
+                grown = np.zeros(max(2 * (held + block.size), self._data.size), dtype=np.float32)
                 grown[:held] = self._data[self._lo : self._hi]
                 self._data = grown
             else:
                 self._data[:held] = self._data[self._lo : self._hi]
             self._lo, self._hi = 0, held
-        self._data[self._hi : self._hi + chunk.size] = chunk
-        self._hi += chunk.size
+        self._data[self._hi : self._hi + block.size] = block
+        self._hi += block.size
 
     def view(self, lo: int, hi: int) -> np.ndarray:
         if lo < self.base or hi > self.end or lo > hi:
@@ -100,7 +100,8 @@ class _Buffer:
 class Segmenter:
     """Online segmentation of a 16 kHz mono float32 stream (see the module docstring for the rules).
 
-    ``feed(chunk)`` returns the segments finished by this chunk, ``flush()`` the rest at end of stream.
+    ``feed(block)`` takes the samples in blocks of any size and returns the segments each finished,
+    ``flush()`` the rest at end of stream.
     Segments come out in order with non-decreasing, non-overlapping ``[start, end)``; their ``samples``
     are copies, safe to keep. ``max_segment_s`` must exceed ``vad.min_speech_s + 2 * vad.speech_pad_s``.
     """
@@ -133,13 +134,13 @@ class Segmenter:
         """Samples currently buffered (for memory accounting)."""
         return self._buf.end - self._buf.base
 
-    def feed(self, chunk: np.ndarray) -> list[AudioSegment]:
-        """Consume ``chunk`` (1-D float32, 16 kHz) and return the segments it finished."""
+    def feed(self, block: np.ndarray) -> list[AudioSegment]:
+        """Consume ``block`` (1-D float32, 16 kHz) and return the segments it finished."""
         if self._flushed:
             raise RuntimeError("Segmenter.feed after flush()")
-        chunk = np.asarray(chunk, dtype=np.float32).reshape(-1)
-        self._buf.append(chunk)
-        out = self._cut(final=False, chunk=chunk)
+        block = np.asarray(block, dtype=np.float32).reshape(-1)
+        self._buf.append(block)
+        out = self._cut(final=False, block=block)
         self._buf.drop_before(self._keep_from())
         return out
 
@@ -150,8 +151,8 @@ class Segmenter:
         self._flushed = True
         return self._cut(final=True)
 
-    def _cut(self, final: bool, chunk: np.ndarray | None = None) -> list[AudioSegment]:
-        """The segments the audio so far closes (all that remain when ``final``); ``chunk``: the audio
+    def _cut(self, final: bool, block: np.ndarray | None = None) -> list[AudioSegment]:
+        """The segments the audio so far closes (all that remain when ``final``); ``block``: the audio
         just fed, which the VAD scores (None at the flush)."""
         out: list[AudioSegment] = []
         if self.mode == "fixed":
@@ -160,7 +161,7 @@ class Segmenter:
             self._none(out, final=final)
         else:
             assert self._detector is not None
-            self._vad(self._detector.flush() if chunk is None else self._detector.feed(chunk), out, final=final)
+            self._vad(self._detector.flush() if block is None else self._detector.feed(block), out, final=final)
         return out
 
     # -- modes "fixed" and "none" -------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """What the benchmark modes share: seeded clips, peak memory, the random checkpoint with the real 0.6B
 dimensions, transformers' batched generate as the reference, a closed-loop driver with one percentile
-definition, and each side in a fresh process."""
+definition, each side in a fresh process, and ``qasr serve`` in a subprocess for the server benchmarks."""
 
 from __future__ import annotations
 
 import json
 import math
 import multiprocessing as mp
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -234,3 +237,33 @@ def save_report(report: dict, out: Path, stem: str, plot: Callable[[dict, Path],
     print()
     print(machine_line(machine))
     print()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, device: str, dtype: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``qasr serve`` in a subprocess on a free port (output to ``log``, ``extra`` arguments appended);
+    returns the process and its URL once /health answers 200 (the model loaded and warmed up)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "qasr", "serve", "-m", model, "--device", device, "--dtype", dtype,
+           "--port", str(port), "--log-level", "warning", "--max-queue-audio-s", "1e9", *extra]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"qasr serve exited: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.terminate()
+    raise TimeoutError("qasr serve did not become ready")

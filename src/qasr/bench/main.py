@@ -34,9 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                         "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
                         "ends with gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>")
     p.add_argument("--gpu-budgets", default=None,
-                   help="cuda: seconds per concurrency level, comma-separated (default 20,30,45,60)")
+                   help="cuda: seconds per concurrency level (1, 16, 128, 512), comma-separated; 0 skips a "
+                        "level (default 20,30,45,60; --quick 15,20,30,40)")
     p.add_argument("--gpu-reference-budget", type=float, default=None,
-                   help="cuda: seconds for transformers' batches (default 50)")
+                   help="cuda: seconds for transformers' batches; a batch starts only if the last one's time "
+                        "still fits; 0 runs no reference (default 50; --quick 30)")
     p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="cuda: KV-cache budget (default: 60%% of free memory)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)

@@ -51,6 +51,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     s.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
+    s.add_argument("--decode-workers", type=positive_int, default=4, metavar="N",
+                   help="threads that probe and decode uploads (default 4); more uploads wait their turn, and "
+                        "live sessions run on threads of their own")
     s.add_argument("--max-live-sessions", type=positive_int, default=64, metavar="N",
                    help="live WebSocket sessions (/v1/realtime, /v1/stream) open at once (default 64)")
     s.add_argument("--live-idle-timeout-s", type=positive_float, default=60.0, metavar="S",
@@ -86,7 +89,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner,
                         max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
                         live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s,
-                        drain_timeout_s=args.drain_timeout)
+                        drain_timeout_s=args.drain_timeout, decode_workers=args.decode_workers)
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -4,20 +4,40 @@ the engine, its device backends and the front ends without importing the engine 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kv_cache_bytes: int | None = None  # None: 40% of available memory on CPU, capped at 8 GiB
+    kv_cache_bytes: int | None = None  # None (or 0): 40% of available memory on CPU, capped at 8 GiB
     kv_block_tokens: int = 16  # the KV pool is handed out in blocks of this many tokens (docs/engine.md: why 16)
     max_running: int = 64
     prefill_tokens: int = 512  # prompt tokens per step (whole chunks), riding along with the decode rows
     prefill_chunk: int = 256  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
-    encoder_tokens: int = 512  # encoder output tokens per step (whole 8 s windows, at least one)
+    encoder_tokens: int = 512  # encoder output tokens per step (whole 8 s windows; less than one window means one)
     conv_batch: int = 8  # 1 s chunks per conv call: small groups keep the activations in cache
     native_kernels: bool = True  # qasr's C++ CPU kernels (each self-tested; torch ops where they fail)
     backend: str = "auto"  # the device backend (engine/device.py): auto = the model's device type
     cuda_graphs: bool = True  # CUDA backend: replay pure decode steps as graphs per batch bucket
+
+    def __post_init__(self) -> None:
+        """Refuse settings with which the engine could not make progress (it would spin empty steps)."""
+        for name in ("kv_block_tokens", "max_running", "prefill_tokens", "prefill_chunk", "encoder_tokens",
+                     "conv_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        kv = self.kv_cache_bytes
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, Integral) or kv < 0):
+            raise ValueError(f"EngineConfig.kv_cache_bytes must be None (or 0: the default size) or a positive byte "
+                             f"count, got {kv!r}")
+        # The encoder runs ahead of prefill by at most 2 * prefill_tokens audio tokens (scheduler._plan_encode),
+        # and a prefill chunk waits until all its audio is encoded: a chunk longer than that lookahead can
+        # need audio the encoder will never run ahead to, and every step is empty from then on.
+        if self.prefill_chunk > 2 * self.prefill_tokens:
+            raise ValueError(f"EngineConfig.prefill_chunk ({self.prefill_chunk}) must be at most 2 * prefill_tokens "
+                             f"({2 * self.prefill_tokens}): a longer chunk can wait forever for audio the encoder "
+                             "does not run ahead to")
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class Engine:
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
-                             checkpoint.features.hop_length, enc.num_mel_bins, enc.chunk_frames, self.pool.tokens)
+                             checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
         self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -247,8 +247,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        # leaving on an error (Ctrl-C included) must not wait for the queue: stop after the current step
+        self.close(drain=exc_type is None)
 
     def _raise_if_unusable(self) -> None:
         if self._broken is not None:
@@ -299,10 +300,10 @@ class Engine:
                 break
             if isinstance(item, Request):
                 pending.append(item)
-        for req in pending:
-            req.resolve(error=error)
         self.scheduler.active.clear()
         self.scheduler.waiting.clear()
+        for req in pending:  # resolve never raises: a listener's failure cannot strand the requests after it
+            req.resolve(error=error)
 
     def step(self) -> None:
         """One scheduling step. A failing step is rerun one request at a time: only the culprit fails."""
@@ -311,6 +312,8 @@ class Engine:
         for req in [r for r in sched.active if r.cancelled]:  # stop cancelled requests, free their blocks
             sched.finish(req)
             req.resolve()
+        for req in sched.drop_cancelled():  # cancelled while waiting, wherever they stand in the queue
+            req.resolve()  # closes its stream and lets go of its audio
         for req in sched.admit():  # submit refuses these already: a guard so nothing waits forever on memory
             req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
                                          f"{self.pool.tokens}"))
@@ -351,6 +354,7 @@ class Engine:
         reqs = plan.requests
         log.warning("qasr: a step of %d requests failed (%r); rerunning them one by one", len(reqs), exc)
         sampled = []
+        failed: list[Exception] = []
         for req in reqs:
             own = plan.only(req)
             try:
@@ -361,6 +365,12 @@ class Engine:
                 log.error("qasr: request %d failed: %r", req.id, err)
                 self.scheduler.finish(req)
                 req.resolve(error=err)
+                failed.append(err)
+        if len(reqs) > 1 and len(failed) == len(reqs):
+            # no culprit: every request fails alone too, so the device is failing (a sticky error). Break the
+            # engine (the loop fails what is pending and refuses later submits) instead of failing them one by one.
+            raise RuntimeError(f"every one of the {len(reqs)} requests of a step failed alone as well (the first "
+                               f"with {failed[0]!r}): the device, not a request, is failing") from exc
         return sampled
 
     def _apply(self, sampled: list[tuple[Request, int]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
@@ -104,7 +106,12 @@ class Request:
         return int(np.searchsorted(self.audio_before, encoded + 1)) - 1
 
     def resolve(self, result: GenerationResult | list[int] | None = None, error: BaseException | None = None) -> None:
-        """Settle the future once (a caller may have cancelled it meanwhile) and close the token stream."""
+        """Settle the future once (a caller may have cancelled it meanwhile) and close the token stream.
+
+        Both run user code on the engine thread (the future's done-callbacks, the token listener, e.g. a
+        closed event loop's ``call_soon_threadsafe``): whatever it raises is logged and costs nothing
+        more, so resolving one request never stops the engine from resolving the next. The request lets
+        go of its audio: a finished or dropped request holds no waveform, features or encoder rows."""
         try:
             if error is not None:
                 self.future.set_exception(error)
@@ -112,6 +119,12 @@ class Request:
                 self.future.set_result(result)
         except InvalidStateError:  # cancelled or already settled: nothing to tell
             pass
-        if self.on_token is not None:
-            self.on_token(None)
-            self.on_token = None
+        except BaseException as exc:  # noqa: BLE001 - a done-callback's failure is its owner's, not the engine's
+            log.warning("qasr: a done-callback of request %d raised %r", self.id, exc)
+        listener, self.on_token = self.on_token, None
+        if listener is not None:
+            try:
+                listener(None)
+            except BaseException as exc:  # noqa: BLE001 - e.g. the consumer's event loop is closed
+                log.warning("qasr: the token listener of request %d raised %r at its end", self.id, exc)
+        self.waveform = self.features = self.audio = None

@@ -32,7 +32,7 @@ class Runner:
         request's first slice (the log-mel needs the whole utterance) and dropped after its last.
         Nothing is changed unless the whole call succeeds. Returns the seconds spent on features."""
         enc = self.model.cfg.encoder
-        window_frames = enc.window_tokens // enc.tokens_per_chunk * enc.chunk_frames
+        window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         feats = []
         t0 = time.perf_counter()
         for req, n in slices:

@@ -123,6 +123,17 @@ class Scheduler:
         decoding = sum(r.prefill_done for r in self.active)
         return alloc.free_blocks + self.blocks.lease_blocks - promised - decoding
 
+    def drop_cancelled(self) -> list[Request]:
+        """Take the cancelled requests out of the waiting queue wherever they stand (not only at its head),
+        returning the kept KV blocks they were to continue to the pool; the caller resolves them."""
+        dropped = [r for r in self.waiting if r.cancelled]
+        if dropped:  # keep exactly the others (a request cancelled meanwhile waits for the next step's sweep)
+            gone = {id(r) for r in dropped}
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+            for req in dropped:
+                self._drop_lease(req)
+        return dropped
+
     def _drop_lease(self, req: Request) -> None:
         if req.kv_prefix is not None:  # never admitted: its kept blocks go back to the pool
             self.blocks.release(req.kv_prefix)

@@ -19,7 +19,7 @@ class Limits:
     vocab_size: int
     hop_length: int
     num_mel_bins: int
-    chunk_frames: int
+    conv_chunk_frames: int
     kv_tokens: int  # the KV cache's capacity: prompt + max_new_tokens must fit
 
 
@@ -41,7 +41,7 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
     else:
         features = _check_features(features, limits.num_mel_bins)
         frames = features.shape[-1]
-    expected = audio_token_count(frames, limits.chunk_frames)
+    expected = audio_token_count(frames, limits.conv_chunk_frames)
     if placeholders != expected:
         raise ValueError(f"prompt has {placeholders} audio placeholders but the audio gives {expected} encoder "
                          f"tokens ({frames} frames); build the prompt for this audio (ASR.prepare does)")

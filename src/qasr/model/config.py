@@ -26,18 +26,18 @@ class EncoderConfig:
     conv_chunksize: int = 500
 
     @property
-    def chunk_frames(self) -> int:
+    def conv_chunk_frames(self) -> int:
         """Mel frames per conv chunk (1 s for n_window 50)."""
         return 2 * self.n_window
 
     @property
-    def tokens_per_chunk(self) -> int:
-        return post_conv_length(self.chunk_frames)
+    def tokens_per_conv_chunk(self) -> int:
+        return post_conv_length(self.conv_chunk_frames)
 
     @property
     def window_tokens(self) -> int:
         """Tokens per bidirectional attention window (104 = 8 s for the released models)."""
-        return self.tokens_per_chunk * (self.n_window_infer // self.chunk_frames)
+        return self.tokens_per_conv_chunk * (self.n_window_infer // self.conv_chunk_frames)
 
     @classmethod
     def from_dict(cls, d: dict) -> EncoderConfig:
@@ -62,10 +62,10 @@ def post_conv_length(frames: int) -> int:
     return frames
 
 
-def audio_token_count(frames: int, chunk_frames: int = 100) -> int:
+def audio_token_count(frames: int, conv_chunk_frames: int = 100) -> int:
     """Encoder output tokens for ``frames`` mel frames: full chunks give 13 tokens each."""
-    full, rest = divmod(frames, chunk_frames)
-    return full * post_conv_length(chunk_frames) + post_conv_length(rest)
+    full, rest = divmod(frames, conv_chunk_frames)
+    return full * post_conv_length(conv_chunk_frames) + post_conv_length(rest)
 
 
 @dataclass(frozen=True)

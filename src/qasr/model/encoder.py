@@ -34,8 +34,8 @@ def sinusoid_table(length: int, channels: int) -> torch.Tensor:
 class EncoderPack:
     """Index plan for one packed encoder call (built on the host, reused by every layer)."""
 
-    chunks: torch.Tensor  # (C, 1, mel, chunk_frames) zero-padded chunks of all utterances
-    valid_index: torch.Tensor  # (T,) rows of the (C * tokens_per_chunk) conv output that are real
+    chunks: torch.Tensor  # (C, 1, mel, conv_chunk_frames) zero-padded chunks of all utterances
+    valid_index: torch.Tensor  # (T,) rows of the (C * tokens_per_conv_chunk) conv output that are real
     window_index: torch.Tensor  # (W, Lw) packed-token index per window slot; T = pad row
     window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
     token_counts: tuple[int, ...]  # output tokens per utterance
@@ -45,7 +45,7 @@ class EncoderPack:
 def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu") -> EncoderPack:
     """Chunk each utterance, record which conv outputs are valid, and lay out attention windows.
     Index tensors are built on the host and placed on ``device`` once."""
-    cf, tpc, win = cfg.chunk_frames, cfg.tokens_per_chunk, cfg.window_tokens
+    cf, tpc, win = cfg.conv_chunk_frames, cfg.tokens_per_conv_chunk, cfg.window_tokens
     chunks, valid, counts = [], [], []
     windows: list[tuple[int, int]] = []  # (start in packed tokens, length)
     chunk_base = 0
@@ -159,11 +159,11 @@ class AudioEncoder(nn.Module):
         self.positions: torch.Tensor | None = None  # computed, never stored in checkpoints
 
     def init_buffers(self, device: torch.device | str) -> None:
-        self.positions = sinusoid_table(self.cfg.tokens_per_chunk, self.cfg.d_model).to(device)
+        self.positions = sinusoid_table(self.cfg.tokens_per_conv_chunk, self.cfg.d_model).to(device)
 
     def conv_front(self, chunks: torch.Tensor, conv_batch: int | None = None,
                    kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
-        """(C, 1, mel, frames) -> (C, tokens_per_chunk, d_model), in groups of conv_batch chunks
+        """(C, 1, mel, frames) -> (C, tokens_per_conv_chunk, d_model), in groups of conv_batch chunks
         (default: the checkpoint's conv_chunksize; smaller groups keep CPU activations in cache)."""
         group = conv_batch or self.cfg.conv_chunksize
         outs = []
@@ -189,12 +189,12 @@ class AudioEncoder(nn.Module):
         p = self.parameters().__next__()
         feats = [f.to(p.device, p.dtype) for f in features]
         n_real = len(feats)
-        if sum(audio_token_count(f.shape[-1], self.cfg.chunk_frames) for f in feats) < MIN_ENCODER_ROWS:
+        if sum(audio_token_count(f.shape[-1], self.cfg.conv_chunk_frames) for f in feats) < MIN_ENCODER_ROWS:
             # BLAS matmuls pick other kernels for a handful of rows (with MKL sgemm, 1-11 rows give
             # different low bits than the same rows inside a bigger product), so a short window alone
             # and the same window packed with others would differ. A zero dummy utterance keeps every
             # call above that size; windows never attend across utterances, so it changes nothing else.
-            feats.append(feats[0].new_zeros(feats[0].shape[0], 2 * self.cfg.chunk_frames))
+            feats.append(feats[0].new_zeros(feats[0].shape[0], 2 * self.cfg.conv_chunk_frames))
         pack = plan_pack(feats, self.cfg, p.device)
         x = self.conv_front(pack.chunks, conv_batch, kernels)
         x = x.reshape(-1, x.shape[-1])[pack.valid_index]

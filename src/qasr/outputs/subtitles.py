@@ -8,6 +8,11 @@ allowed overflow is a single unit longer than a line (a long URL, say), which ge
 Timing: a segment with word times uses them (a cue runs from its first word's start to its last
 word's end). A segment without them gets its span divided among its units in proportion to their
 characters, so each cue's share of the span is proportional to the characters it shows.
+
+With word times a cue also never spans a pause: a gap of more than ``max_pause_s`` between one word's
+end and the next word's start ends the cue there. Where a stretch between pauses needs several cues,
+they end at sentence ends where they can, else at clause punctuation (commas and the like), else
+anywhere. Without word times the pauses are unknown and cues are cut as before.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ class CueRules:
     max_line_chars: int = 42
     max_lines: int = 2
     max_cue_s: float = 7.0
+    # with word times, a longer gap between two words ends the cue; None: pauses never do. 0.5 s is
+    # measured (docs/output-formats.md): twice the largest gap inside an espeak-ng sentence that the
+    # demo aligner timed right (0.24 s), below all but one of the gaps it gave pauses of 0.8 s or more
+    max_pause_s: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_pause_s is not None and not self.max_pause_s >= 0:
+            raise ValueError(f"max_pause_s must be None or >= 0, got {self.max_pause_s!r}")
 
 
 DEFAULT_RULES = CueRules()
@@ -53,6 +66,24 @@ def _wide(ch: str) -> bool:
 def _closing(ch: str) -> bool:
     # punctuation that must not start a line (、。！」 …): it stays glued to the character before
     return unicodedata.category(ch) in ("Po", "Pe", "Pf")
+
+
+# What a cue may end after: a sentence end costs nothing, a clause mark a little, a bare word most.
+_SENTENCE_ENDS = frozenset(".?!…。？！．｡‼⁇⁈⁉")
+_CLAUSE_ENDS = frozenset(",;:，、；：､—–")
+_BREAK_COST = {"sentence": 0, "clause": 1, "word": 3}
+
+
+def _break_cost(text: str) -> int:
+    """The cost of ending a cue after a unit whose text is ``text``: its last mark, past closing quotes."""
+    end = text
+    while end and (end[-1] in "\"'" or unicodedata.category(end[-1]) in ("Pe", "Pf")):  # ?" ?) 。」
+        end = end[:-1]
+    if end and end[-1] in _SENTENCE_ENDS:
+        return _BREAK_COST["sentence"]
+    if end and end[-1] in _CLAUSE_ENDS:
+        return _BREAK_COST["clause"]
+    return _BREAK_COST["word"]
 
 
 def _split_token(token: str) -> list[str]:
@@ -133,19 +164,36 @@ def _wrap(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
     return _greedy_lines(units, lo)
 
 
-def _partition(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
-    """Fewest cues, and among those the most even (least sum of squared lengths): no one-word orphans.
+def _pause_runs(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
+    """Timed units cut at every gap longer than ``max_pause_s``: no cue may span one."""
+    if rules.max_pause_s is None:
+        return [units]
+    runs = [[units[0]]]
+    for prev, u in zip(units, units[1:], strict=False):
+        if u.start - prev.end > rules.max_pause_s + 1e-9:  # a gap of exactly max_pause_s is allowed
+            runs.append([u])
+        else:
+            runs[-1].append(u)
+    return runs
+
+
+def _partition(units: list[_Unit], rules: CueRules, punctuation: bool = False) -> list[list[_Unit]]:
+    """Fewest cues; among those, with ``punctuation``, the cheapest ends (sentence ends, then clause
+    marks: _break_cost); then the most even (least sum of squared lengths): no one-word orphans.
 
     Dynamic programming from the end. A cue starting at unit i may end anywhere up to the longest
     run from i that fits, since a run that fits still fits without its last unit. Greedy line
-    filling is online, so the line count of the growing run is kept as it grows.
+    filling is online, so the line count of the growing run is kept as it grows. The last cue's
+    end is the same in every partition, so it costs nothing.
     """
     n = len(units)
-    best: list[tuple[int, int, int]] = [(0, 0, n)] * (n + 1)  # (cues, sum of squares, end of first cue)
+    cost = [_break_cost(u.text) if punctuation else 0 for u in units[:-1]] + [0]
+    # (cues, cost of the ends, sum of squares, end of first cue)
+    best: list[tuple[int, int, int, int]] = [(0, 0, 0, n)] * (n + 1)
     for i in range(n - 1, -1, -1):
         lines, length, size = 1, len(units[i].text), len(units[i].text)
         # one unit always makes a cue: its text may overflow a line, its end is clipped to max_cue_s
-        options = [(best[i + 1][0] + 1, best[i + 1][1] + size * size, i + 1)]
+        options = [(best[i + 1][0] + 1, best[i + 1][1] + cost[i], best[i + 1][2] + size * size, i + 1)]
         for j in range(i + 1, n):
             u = units[j]
             if u.end - units[i].start > rules.max_cue_s + 1e-9:
@@ -157,12 +205,12 @@ def _partition(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
                 lines, length = lines + 1, len(u.text)
             if lines > rules.max_lines:
                 break
-            options.append((best[j + 1][0] + 1, best[j + 1][1] + size * size, j + 1))
+            options.append((best[j + 1][0] + 1, best[j + 1][1] + cost[j], best[j + 1][2] + size * size, j + 1))
         best[i] = min(options)
     groups, i = [], 0
     while i < n:
-        groups.append(units[i:best[i][2]])
-        i = best[i][2]
+        groups.append(units[i:best[i][3]])
+        i = best[i][3]
     return groups
 
 
@@ -173,7 +221,11 @@ def cues(segments: Iterable[Segment], rules: CueRules = DEFAULT_RULES) -> list[C
         units = _timed_units(seg) if seg.words else _untimed_units(seg)
         if not units:
             continue
-        for group in _partition(units, rules):
+        # word times show the pauses; without them cues are cut as they always were (punctuation
+        # included: output without word times does not change)
+        runs = _pause_runs(units, rules) if seg.words else [units]
+        groups = [g for run in runs for g in _partition(run, rules, punctuation=bool(seg.words))]
+        for group in groups:
             # never before the previous cue's end, never longer than max_cue_s (a single long unit)
             start = max(group[0].start, out[-1].end) if out else group[0].start
             end = min(max(group[-1].end, start), start + rules.max_cue_s)

@@ -57,6 +57,7 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
                 await asyncio.to_thread(state.asr.engine.close, finish, ENGINE_CLOSE_S)
                 if state.asr.aligner is not None:
                     await asyncio.to_thread(state.asr.aligner.engine.close, finish, ENGINE_CLOSE_S)
+            state.close_pools()
 
     # no /docs or /openapi.json: the transcription route reads its form by hand, so the schema says little
     app = FastAPI(title="qasr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -1,4 +1,11 @@
-"""Bearer-key authentication for every route but the page and the health check."""
+"""Bearer-key authentication, default-deny: every route, HTTP and WebSocket, needs the key except the
+few listed as public (the page, its icon and the health check).
+
+A WebSocket without the key is refused before the route runs (a 401 handshake answer, or close code
+1008 where the server cannot send one), except on the live routes, which report the refusal inside
+their own protocol (an error event, then close code 1008: a browser sees no reason for a refused
+handshake): they get the middleware's verdict in the scope (``AUTH_VERDICT``) and must act on it.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +13,80 @@ import hmac
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from qasr.server.errors import error_response
 
-OPEN_PATHS = frozenset({"/", "/favicon.ico", "/health"})  # the page (it asks for the key itself), its icon
+PUBLIC_PATHS = frozenset({"/", "/favicon.ico", "/health"})  # the page (it asks for the key itself), its icon
 # (browsers fetch it unasked) and load balancers' probe
+OPEN_PATHS = PUBLIC_PATHS  # the older name
+# WebSocket routes that answer a missing key themselves, in their protocol (live_ws.refusal reads the verdict)
+OWN_REFUSAL_PATHS = frozenset({"/v1/realtime", "/v1/stream"})
+AUTH_VERDICT = "qasr.authorized"  # scope key: ApiKeyAuth's verdict for a WebSocket it lets through
+BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: OpenAI's page clients send it so
+MESSAGE = "missing or wrong API key: send the header 'Authorization: Bearer KEY'"
 
 
 class ApiKeyAuth:
-    """Answers 401 unless ``Authorization: Bearer <key>`` matches; the key is never logged or echoed."""
+    """Answers 401 unless ``Authorization: Bearer <key>`` matches (on a WebSocket, also the browser
+    subprotocol ``openai-insecure-api-key.<key>``); the key is never logged or echoed."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, public: Iterable[str] = PUBLIC_PATHS,
+                 own_refusal: Iterable[str] = OWN_REFUSAL_PATHS) -> None:
         self.app = app
         self._key = api_key.encode()
+        self._public = frozenset(public)
+        self._own_refusal = frozenset(own_refusal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or scope["path"] in self._public:  # lifespan, public routes
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        if kind == "http":
+            if key_matches_any([bearer_token(scope["headers"])], self._key):
+                await self.app(scope, receive, send)
+                return
+            response = error_response(401, MESSAGE, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        authorized = websocket_authorized(scope, self._key)
+        if authorized or scope["path"] in self._own_refusal:
+            await self.app({**scope, AUTH_VERDICT: authorized}, receive, send)
+            return
+        await _refuse_websocket(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
-        token = bearer_token(scope["headers"])
-        return token is not None and key_matches(token, self._key)
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    ws = WebSocket(scope, receive, send)
+    if "websocket.http.response" in scope.get("extensions", {}):  # a real HTTP answer to the handshake
+        await ws.send_denial_response(error_response(401, MESSAGE, code="invalid_api_key",
+                                                     headers={"WWW-Authenticate": "Bearer"}))
+    else:
+        await ws.close(1008)  # the handshake is refused (HTTP 403)
 
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """The token of an ``Authorization: Bearer <token>`` header (HTTP and WebSocket alike), or None."""
     scheme, _, token = dict(headers).get(b"authorization", b"").partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" else None
+
+
+def offered_subprotocols(scope: Scope) -> list[str]:
+    header = dict(scope.get("headers") or []).get(b"sec-websocket-protocol", b"").decode("latin-1")
+    return [p.strip() for p in header.split(",") if p.strip()]
+
+
+def websocket_authorized(scope: Scope, key: bytes) -> bool:
+    """The key in the Authorization header, or (from a browser) in the subprotocol BROWSER_KEY_PREFIX + key."""
+    candidates = [bearer_token(scope.get("headers") or [])]
+    candidates += [p[len(BROWSER_KEY_PREFIX):].encode() for p in offered_subprotocols(scope)
+                   if p.startswith(BROWSER_KEY_PREFIX)]
+    return key_matches_any(candidates, key)
+
+
+def key_matches_any(candidates: Iterable[bytes | None], key: bytes) -> bool:
+    return any(c is not None and key_matches(c, key) for c in candidates)
 
 
 def key_matches(candidate: bytes, key: bytes) -> bool:

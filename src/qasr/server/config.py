@@ -20,3 +20,12 @@ class ServerConfig:
     live_idle_timeout_s: float = 60.0  # a session that sends nothing for this long is closed and freed
     live_max_backlog_s: float = 30.0  # audio received and not yet processed, beyond which appends are refused
     live_chunk_s: float = 1.0  # a step per this much audio (the official default is 2.0; 1.0 for captions)
+    # uploads are probed and decoded on this many threads of their own (more wait their turn), so a burst of
+    # uploads never takes the threads live sessions run on, nor those of the event loop's default executor
+    decode_workers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.decode_workers < 1:
+            raise ValueError(f"decode_workers must be at least 1, got {self.decode_workers}")
+        if self.max_live_sessions < 1:
+            raise ValueError(f"max_live_sessions must be at least 1, got {self.max_live_sessions}")

@@ -17,9 +17,11 @@ backlog (its pings then never wait behind audio), ``progress`` reports the audio
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from concurrent.futures import Executor
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from qasr.streaming.live import LiveEvent, LiveSession
 
 log = logging.getLogger("qasr.server")
 Op = Literal["audio", "commit", "clear", "finish"]
+T = TypeVar("T")
 PROGRESS_EVERY_S = 1.0  # a client learns what was processed at least this often (in audio seconds)
 CHUNK = SAMPLE_RATE  # audio is queued in chunks of at most 1 s (the default step)
 
@@ -44,12 +47,14 @@ def _closed(closing: asyncio.Future) -> None:
 
 class LiveRunner:
     def __init__(self, session: LiveSession, ingest: PcmIngest, emit: Callable[[Op, list[LiveEvent]], Awaitable[None]],
-                 fail: Callable[[Exception], Awaitable[None]], max_backlog_s: float,
+                 fail: Callable[[Exception], Awaitable[None]], max_backlog_s: float, executor: Executor,
                  progress: Callable[[], Awaitable[None]] | None = None) -> None:
         """``emit(op, events)`` gets each operation's events; ``fail(exc)`` an operation's exception (the
         session is closed after it and later operations are dropped); ``progress()`` is called after every
-        ``progress_every_s`` of audio processed."""
+        ``progress_every_s`` of audio processed. Operations and the close run on ``executor`` (the
+        server's live-session pool, apart from upload decoding)."""
         self.session = session
+        self._executor = executor
         self.ingest = ingest
         self._emit = emit
         self._fail = fail
@@ -126,7 +131,7 @@ class LiveRunner:
         self._abandoned = True
         self._queue.put_nowait(None)
         await asyncio.gather(self._worker, return_exceptions=True)
-        await asyncio.to_thread(self.session.close)
+        await self._off_loop(self.session.close)
 
     async def _run(self) -> None:
         while (item := await self._queue.get()) is not None:
@@ -135,14 +140,14 @@ class LiveRunner:
                 continue
             self._working = True
             try:
-                events = await asyncio.to_thread(self._apply, op, samples)
+                events = await self._off_loop(functools.partial(self._apply, op, samples))
             except Exception as exc:  # noqa: BLE001 - reported to the client, then the session is closed
                 if self._abandoned:  # e.g. a cut drain closed the engine under it: its client was told already
                     log.debug("an abandoned live session's last operation failed: %r", exc)
                     continue
                 log.exception("live session failed")
                 self.failed = True
-                await asyncio.to_thread(self.session.close)
+                await self._off_loop(self.session.close)
                 await self._fail(exc)
                 continue
             finally:
@@ -156,6 +161,9 @@ class LiveRunner:
             if self._progress is not None and self.audio_samples - self._reported >= self._progress_every:
                 self._reported = self.audio_samples
                 await self._progress()
+
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _apply(self, op: Op, samples: np.ndarray | None) -> list[LiveEvent]:
         if op == "audio":

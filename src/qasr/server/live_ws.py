@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from qasr.server.auth import bearer_token, key_matches
+from qasr.server.auth import AUTH_VERDICT, BROWSER_KEY_PREFIX, websocket_authorized
+from qasr.server.auth import offered_subprotocols as _offered
 from qasr.server.live_runner import LiveRunner
 from qasr.server.state import ServerState
 
-BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: OpenAI's page clients send it so
 DRAIN_POLL_S = 0.25
 CLOSE_BAD_KEY, CLOSE_BAD_REQUEST, CLOSE_GOING_AWAY = 1008, 4400, 1001
 DRAIN_CUT = "the server is shutting down and its drain timeout passed before this session's last audio was transcribed"
@@ -45,8 +45,7 @@ class Refusal:
 
 
 def offered_subprotocols(ws: WebSocket) -> list[str]:
-    header = dict(ws.scope.get("headers") or []).get(b"sec-websocket-protocol", b"").decode("latin-1")
-    return [p.strip() for p in header.split(",") if p.strip()]
+    return _offered(ws.scope)
 
 
 def refusal(ws: WebSocket, state: ServerState) -> Refusal | None:
@@ -68,11 +67,8 @@ def refusal(ws: WebSocket, state: ServerState) -> Refusal | None:
 
 
 def _authorized(ws: WebSocket, key: str) -> bool:
-    token = bearer_token(ws.scope.get("headers") or [])
-    candidates = [] if token is None else [token]
-    candidates += [p[len(BROWSER_KEY_PREFIX):].encode() for p in offered_subprotocols(ws)
-                   if p.startswith(BROWSER_KEY_PREFIX)]
-    return any(key_matches(c, key.encode()) for c in candidates)
+    verdict = ws.scope.get(AUTH_VERDICT)  # ApiKeyAuth's, which guards every route of the app (auth.py)
+    return verdict if verdict is not None else websocket_authorized(ws.scope, key.encode())
 
 
 class Channel:

@@ -121,7 +121,7 @@ async def _serve(channel: Channel, state: ServerState) -> None:
                                 "max_backlog_seconds": runner.max_backlog_s})
 
         runner = LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), ingest, emit, fail,
-                            state.config.live_max_backlog_s, progress)
+                            state.config.live_max_backlog_s, state.live_pool, progress)
         config = {**_describe(live, ingest), "max_backlog_seconds": state.config.live_max_backlog_s}
         await channel.send({"type": "ready", "session": session_id, "config": config})
         message = first if first.get("bytes") is not None else None

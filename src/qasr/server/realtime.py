@@ -202,7 +202,7 @@ class RealtimeConnection:
                           prefix_padding_ms=int(vad.get("prefix_padding_ms", 300)),
                           silence_ms=int(vad.get("silence_duration_ms", 500)))
         return LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), PcmIngest("pcm16", s.rate),
-                          self._emit, self._fail, cfg.live_max_backlog_s, self._progress)
+                          self._emit, self._fail, cfg.live_max_backlog_s, self.state.live_pool, self._progress)
 
     async def _progress(self) -> None:
         r = self.runner

@@ -53,13 +53,13 @@ async def transcriptions(request: Request) -> Response:
         params = parse_params(form, asr)
         source = upload_audio(params.file, params.filename)
         try:  # the header only (or a bounded demux), off the event loop: FFmpeg may read a few MB
-            duration = await asyncio.to_thread(probe_duration, source)
+            duration = await state.in_decode_pool(lambda: probe_duration(source))
         except AudioError as exc:
             raise ApiError(400, str(exc), param="file", code="invalid_audio") from exc
         admission = UploadAdmission(state.budget, duration, params.filename)  # the 429, before any decoding
         state.metrics.queued_audio.set(state.budget.queued_s)
         try:
-            upload = await _decode(request, admission, lambda: prepare_upload(
+            upload = await _decode(request, state, admission, lambda: prepare_upload(
                 asr, replace(source, watch=admission.watch), params.language, params.context,
                 params.segmentation, params.vad))
         except BaseException:
@@ -91,13 +91,14 @@ async def transcriptions(request: Request) -> Response:
     return render_response(done, params.response_format, params.words, params.segments)
 
 
-async def _decode(request: Request, admission: UploadAdmission, work: Callable[[], Upload]) -> Upload:
-    """Run ``work`` (the upload's decoding) on a worker thread. A client that leaves meanwhile stops it at
-    its next block (through the admission); we wait for the thread to let go before the admission is
-    released. A stop by the admission answers with its refusal (413, 429); any other decoding error is the
-    upload's 400."""
+async def _decode(request: Request, state: ServerState, admission: UploadAdmission,
+                  work: Callable[[], Upload]) -> Upload:
+    """Run ``work`` (the upload's decoding) on a thread of the server's decode pool. A client that leaves
+    meanwhile stops it at its next block (through the admission); we wait for the thread to let go before
+    the admission is released. A stop by the admission answers with its refusal (413, 429); any other
+    decoding error is the upload's 400."""
     try:
-        return await _unless_disconnected(request, asyncio.to_thread(work), stop=admission.leave)
+        return await _unless_disconnected(request, state.in_decode_pool(work), stop=admission.leave)
     except AudioError as exc:
         if admission.refusal is not None:
             raise admission.refusal from exc

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 from qasr.server.config import ServerConfig
 from qasr.server.errors import ApiError
@@ -16,6 +17,8 @@ from qasr.server.metrics import Metrics
 
 if TYPE_CHECKING:
     from qasr.transcribe.asr import ASR
+
+T = TypeVar("T")
 
 
 class ServerState:
@@ -35,6 +38,20 @@ class ServerState:
         self.on_drained: Callable[[], None] | None = None  # set by the runner: stop the HTTP server
         self.started = int(time.time())  # /v1/models' "created"
         self._handoff: TokenHandoff | None = None
+        # Two bounded pools, one per kind of tenant, instead of the loop's shared default executor: uploads'
+        # probing and decoding on ``decode_workers`` threads; live sessions' operations on their own, at
+        # most one operation plus one close per session at a time, so no session waits for another's thread.
+        self.decode_pool = ThreadPoolExecutor(config.decode_workers, thread_name_prefix="qasr-decode")
+        self.live_pool = ThreadPoolExecutor(2 * config.max_live_sessions, thread_name_prefix="qasr-live")
+
+    async def in_decode_pool(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on an upload-decoding thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn)
+
+    def close_pools(self) -> None:
+        """At shutdown: no new work; threads still running finish on their own (they are not joined)."""
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        self.live_pool.shutdown(wait=False, cancel_futures=True)
 
     def start_drain(self) -> None:
         """Refuse new work and give the accepted work ``config.drain_timeout_s`` to finish. Called from

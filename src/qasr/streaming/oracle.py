@@ -55,7 +55,7 @@ class OracleStream:
 
     def _decode(self, prefix: str, final: bool) -> StepResult:
         frames = len(self.audio) // self.checkpoint.features.hop_length
-        n_audio = audio_token_count(frames, self.checkpoint.config.encoder.chunk_frames)
+        n_audio = audio_token_count(frames, self.checkpoint.config.encoder.conv_chunk_frames)
         prompt = self.state.prompts(n_audio, prefix)
         result = self.engine.submit(prompt, waveform=self.audio.copy(),
                                     max_new_tokens=self.config.max_new_tokens).result()

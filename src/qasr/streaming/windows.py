@@ -29,7 +29,7 @@ class WindowEncoder:
         model = engine.prepared.model
         self.batcher = batcher_for(engine)  # packs this session's encoder calls with other sessions'
         enc = model.cfg.encoder
-        self.window_frames = enc.window_tokens // enc.tokens_per_chunk * enc.chunk_frames
+        self.window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         self.kept: list[KeptWindow] = []
         self.used: tuple[KeptWindow, ...] = ()
 

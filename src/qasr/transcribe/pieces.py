@@ -62,7 +62,7 @@ def make_piece(checkpoint: Checkpoint, samples: np.ndarray, *, source: str, item
     if frames == 0:
         raise AudioError(f"{source}: audio too short ({len(samples)} samples, need at least {hop})")
     prompt = build_prompt(checkpoint.tokenizer, checkpoint.special,
-                          audio_token_count(frames, checkpoint.config.encoder.chunk_frames), context, language)
+                          audio_token_count(frames, checkpoint.config.encoder.conv_chunk_frames), context, language)
     cap = max_new_tokens if max_new_tokens is not None else default_token_cap(duration, tokens_per_second)
     return Piece(source, item, offset, duration, samples, tuple(prompt), language, cap)
 

@@ -20,6 +20,7 @@ import numpy as np
 from qasr.align.languages import normalize_aligner_language
 from qasr.align.spelling import display_words
 from qasr.audio.io import SAMPLE_RATE
+from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.request import GenerationResult
 from qasr.results import Word
 from qasr.transcribe.pieces import Piece, read_output
@@ -78,31 +79,42 @@ def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer
                 settle(Aligned(result, _inside(display_words(text, fut.result()), piece)))
             except CancelledError:
                 settle(error=CancelledError())
+            except (EngineClosed, EngineBroken) as exc:  # the aligner is gone: the word times asked for never come
+                settle(error=_aligner_gone(exc))
             except Exception as exc:  # noqa: BLE001 - the transcript stands; only its word times are lost
                 settle(Aligned(result, (), f"alignment failed: {exc}"))
         return done
 
     def transcribed(fut: Future) -> None:
+        # runs as a done-callback on the ASR engine's thread: whatever happens, ``out`` settles (a raise
+        # here would only be logged by the future, and the caller would wait forever)
         try:
             result = fut.result()
         except BaseException as exc:  # noqa: BLE001 - the piece's own failure, cancellation included
             settle(error=exc)
             return
-        detected, text, _ = read_output(tokenizer.decode(result.token_ids, skip_special_tokens=True), piece)
-        language = piece.language or detected or None
-        if not text.strip():
-            settle(Aligned(result))
-            return
         try:
-            normalize_aligner_language(language, aligner.supported_languages)
-            samples, lead = with_lead_in(piece.samples, aligner)
-            with lock:
-                if out.cancelled():
-                    return
-                [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
-                inner.append(job)
-        except (ValueError, ImportError) as exc:  # an uncovered language, a piece too long, a missing extra
-            settle(Aligned(result, (), str(exc)))
+            detected, text, _ = read_output(tokenizer.decode(result.token_ids, skip_special_tokens=True), piece)
+            language = piece.language or detected or None
+            if not text.strip():
+                settle(Aligned(result))
+                return
+            try:
+                normalize_aligner_language(language, aligner.supported_languages)
+                samples, lead = with_lead_in(piece.samples, aligner)
+                with lock:
+                    if out.cancelled():
+                        return
+                    [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
+                    inner.append(job)
+            except (ValueError, ImportError) as exc:  # an uncovered language, a piece too long, a missing extra
+                settle(Aligned(result, (), str(exc)))
+                return
+        except (EngineClosed, EngineBroken) as exc:  # the aligner's engine is closed or broken
+            settle(error=_aligner_gone(exc))
+            return
+        except BaseException as exc:  # noqa: BLE001 - anything else is this piece's error, never a hang
+            settle(error=exc)
             return
         job.add_done_callback(aligned(result, text))
 
@@ -115,6 +127,16 @@ def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer
     out.add_done_callback(cancelled)
     asr.add_done_callback(transcribed)
     return out
+
+
+def _aligner_gone(exc: EngineClosed | EngineBroken) -> BaseException:
+    """The piece's error when the aligner's engine can no longer time its words (same type, so callers that
+    map EngineClosed / EngineBroken still do; the engine's own error chained)."""
+    state = "is closed" if isinstance(exc, EngineClosed) else "failed"
+    error = type(exc)(f"word timestamps: the forced aligner's engine {state}, so this piece's words cannot be "
+                      f"timed ({exc})")
+    error.__cause__ = exc
+    return error
 
 
 def _inside(words: tuple[Word, ...], piece: Piece) -> tuple[Word, ...]:

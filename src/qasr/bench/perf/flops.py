@@ -51,8 +51,8 @@ def _half(n: int) -> int:
 
 # --------------------------------------------------------------------------------------------- encoder
 def conv_stack_macs(enc: EncoderConfig) -> int:
-    """MACs of one chunk (mel x chunk_frames) through conv2d1..3 and conv_out."""
-    ch, f, t = enc.downsample_hidden_size, enc.num_mel_bins, enc.chunk_frames
+    """MACs of one chunk (mel x conv_chunk_frames) through conv2d1..3 and conv_out."""
+    ch, f, t = enc.downsample_hidden_size, enc.num_mel_bins, enc.conv_chunk_frames
     macs = 0
     cin = 1
     for _ in range(3):
@@ -72,8 +72,8 @@ def projector_macs_per_token(enc: EncoderConfig) -> int:
 
 
 def encoder_flops(enc: EncoderConfig, frames: int) -> float:
-    chunks = max(1, math.ceil(frames / enc.chunk_frames))
-    tokens = audio_token_count(frames, enc.chunk_frames)
+    chunks = max(1, math.ceil(frames / enc.conv_chunk_frames))
+    tokens = audio_token_count(frames, enc.conv_chunk_frames)
     win = enc.window_tokens
     windows = [min(win, tokens - w) for w in range(0, tokens, win)]
     macs = chunks * conv_stack_macs(enc)

@@ -91,7 +91,8 @@ def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: Phase
     # encoder: its weights once per packed call, features in (float32), embeddings out
     enc_bytes = (encoder_weight_bytes(enc, itemsize) * log.encoder_calls
                  + sum(u.frames for u in utterances) * enc.num_mel_bins * 4
-                 + sum(audio_token_count(u.frames, enc.chunk_frames) for u in utterances) * enc.output_dim * itemsize)
+                 + sum(audio_token_count(u.frames, enc.conv_chunk_frames) for u in utterances)
+                 * enc.output_dim * itemsize)
     pre_bytes = weights * log.mixed_forwards * share + kv * (log.prefill_kv_read + log.prefill_tokens)
     dec_bytes = (weights * (log.decode_forwards + log.mixed_forwards * (1 - share))
                  + kv * (log.decode_attended + log.ride_attended))

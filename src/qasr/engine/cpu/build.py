@@ -8,12 +8,12 @@ instructions it cannot run), and whose lock is a marker file (a build killed at 
 and every later load waits on it forever).
 
 So each kernel is built in ``<root>/<name>_<key>/``, root = $QASR_KERNEL_DIR, else
-${XDG_CACHE_HOME:-~/.cache}/qasr/kernels; the key hashes the kernel's source (and headers), flags, torch's
-version and install path, the interpreter and sys.prefix, the compiler and the CPU's instruction-set flags
-(key.json in the folder lists them). The build runs under fcntl.flock on ``qasr.lock`` there: the OS
-releases it when its holder dies, however it dies, so a killed build never blocks a later one. A process
-that finds another one building waits up to $QASR_KERNEL_BUILD_WAIT_S (default 300) seconds, then uses the
-torch fallback for that kernel.
+${XDG_CACHE_HOME:-~/.cache}/qasr/kernels; the key hashes the kernel's source, the headers in its folder (and
+in extra include folders), flags, torch's version and install path, the interpreter and sys.prefix, the
+compiler and the CPU's instruction-set flags (key.json in the folder lists them). The build runs under
+fcntl.flock on ``qasr.lock`` there: the OS releases it when its holder dies, however it dies, so a killed
+build never blocks a later one. A process that finds another one building waits up to
+$QASR_KERNEL_BUILD_WAIT_S (default 300) seconds, then uses the torch fallback for that kernel.
 
 Progress goes to stderr with print, not logging: a silent minute at first use looks like a hang, and an
 embedding program that never configured logging must see it too.
@@ -109,6 +109,8 @@ def build_key(spec: KernelSpec) -> dict[str, object]:
     import torch
 
     content = hashlib.sha256(spec.source.read_bytes())
+    for header in local_headers(spec):  # csrc/*.h (e.g. gemm_common.h), copied beside the source to build
+        content.update(header.name.encode() + b"\0" + header.read_bytes())
     for folder in spec.include:  # headers a test build adds (e.g. the AMX emulation)
         for header in sorted(Path(folder).glob("*.h")):
             content.update(header.name.encode() + b"\0" + header.read_bytes())
@@ -121,6 +123,12 @@ def build_key(spec: KernelSpec) -> dict[str, object]:
         "compiler": cxx, "compiler_version": cxx_version,
         "machine": platform.machine(), "cpu_flags": isa_flags(),
     }
+
+
+def local_headers(spec: KernelSpec) -> list[Path]:
+    """The headers in the source's own folder (every one, whether this source includes it or not: a header
+    that changes rebuilds every kernel of the folder, never too few), sorted."""
+    return sorted(spec.source.parent.glob("*.h"))
 
 
 def kernel_dir(spec: KernelSpec) -> Path:
@@ -178,13 +186,12 @@ def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
     if fresh:
         _announce_first_build()
         (folder / "key.json").write_text(json.dumps(build_key(spec), indent=1) + "\n")
-    # A copy of the source that never changes: ninja rebuilds when a source's mtime is newer than its
-    # object, and a git checkout touches files without changing them.
+    # Copies of the source and its folder's headers (found next to the copied source) that never change:
+    # ninja rebuilds when a source's or header's mtime is newer than its object, and a git checkout touches
+    # files without changing them.
+    for original in (spec.source, *local_headers(spec)):
+        _copy_if_changed(original, folder / original.name)
     source = folder / spec.source.name
-    if not source.exists() or source.read_bytes() != spec.source.read_bytes():
-        tmp = source.with_suffix(".tmp")
-        shutil.copyfile(spec.source, tmp)
-        os.replace(tmp, source)
     _put_ninja_on_path()
     start = time.monotonic()
     module = load(name=name, sources=[str(source)], extra_cflags=list(spec.cflags),
@@ -195,6 +202,14 @@ def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
         print(f"qasr: built the {spec.name} kernel in {time.monotonic() - start:.0f} s",
               file=sys.stderr, flush=True)
     return module
+
+
+def _copy_if_changed(original: Path, copy: Path) -> None:
+    """``copy`` holds ``original``'s bytes, written (atomically) only if it did not already."""
+    if not copy.exists() or copy.read_bytes() != original.read_bytes():
+        tmp = copy.with_name(copy.name + ".tmp")
+        shutil.copyfile(original, tmp)
+        os.replace(tmp, copy)
 
 
 @functools.cache

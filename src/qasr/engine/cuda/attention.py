@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from qasr.engine.cuda.fallback import fallback_attention
 from qasr.engine.cuda.plan import VarlenMeta, upload_meta
-from qasr.engine.padded_attention import padded_attention
 
 log = logging.getLogger(__name__)
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, float], torch.Tensor]
@@ -25,8 +25,9 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, floa
 
 def reference_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,
                         scale: float) -> torch.Tensor:
-    """The portable padded attention (engine/padded_attention.py) over the token-major slabs."""
-    return padded_attention(q, kc, vc, meta.padded, scale)
+    """The portable attention over the token-major slabs: padded SDPA in groups by request kind
+    (cuda/fallback.py), so its memory stays bounded at any concurrency."""
+    return fallback_attention(q, kc, vc, meta.fallback, scale)
 
 
 def flash_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,
@@ -38,17 +39,52 @@ def flash_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: V
     return out.reshape(q.shape[0], -1)
 
 
+# what flash_attention passes: these ten arguments by position, then these by keyword (torch >= 2.5 has them)
+FLASH_POSITIONAL = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
+                    "return_debug_mask")
+FLASH_KEYWORDS = ("scale", "seqused_k")
+_warned: set[str] = set()
+
+
+def _flash_schema() -> object | None:
+    """The installed torch's schema of aten._flash_attention_forward (None without the op)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return None if op is None else op.default._schema
+
+
+def flash_schema_problem(schema: object | None) -> str | None:
+    """None when ``schema`` (a torch FunctionSchema) takes the call flash_attention makes, else what differs."""
+    if schema is None:
+        return "this torch has no aten._flash_attention_forward"
+    args = list(schema.arguments)
+    positional = [a.name for a in args if not a.kwarg_only]
+    keywords = {a.name for a in args if a.kwarg_only}
+    if tuple(positional[:len(FLASH_POSITIONAL)]) != FLASH_POSITIONAL:
+        return f"aten._flash_attention_forward takes ({', '.join(positional)}), not ({', '.join(FLASH_POSITIONAL)})"
+    missing = [k for k in FLASH_KEYWORDS if k not in keywords]
+    if missing:
+        return f"aten._flash_attention_forward has no {', '.join(missing)} argument (torch {torch.__version__})"
+    required = [a.name for a in args[len(FLASH_POSITIONAL):] if not a.has_default_value()]
+    if required:
+        return f"aten._flash_attention_forward requires {', '.join(required)}, which qasr does not pass"
+    return None
+
+
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when the flash path may be tried here, else why not."""
+    """None when the flash path may be tried here, else why not. A torch whose flash op takes other
+    arguments than the call flash_attention makes is reported with one warning (the portable attention
+    then runs, correct but slower)."""
     if device.type != "cuda":
         return "not a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash attention takes float16 / bfloat16, the model runs in {dtype}"
     if head_dim % 8 or head_dim > 256:
         return f"head_dim {head_dim} is not a multiple of 8 up to 256"
-    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
-        return "this torch has no aten._flash_attention_forward"
-    return None
+    why = flash_schema_problem(_flash_schema())
+    if why is not None and why not in _warned:
+        _warned.add(why)
+        log.warning("qasr: %s; using the portable attention", why)
+    return why
 
 
 def self_test(attention: Attention, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

@@ -5,7 +5,9 @@ bucket; the pad rows read and write only the pool's scratch row. Its inputs live
 each step overwrites with one pinned upload per dtype; the graph runs the whole decoder (embedding, 28
 layers with the in-place varlen attention, LM head, argmax) and leaves the tokens in a static buffer, read
 back with the step's one host sync. The attention gets the pool's capacity as ``max_k``, so one graph
-serves any context length.
+serves any context length. The graphs are captured at engine start (the runner calls ``prepare``) in
+thread-local capture mode, so no other thread's work can spoil a capture; each graph's first replay on
+real rows is checked against the eager forward.
 
 Without capture (``capture=False``: CPU tensors in the tests, or after a failed capture) the same static
 buffers and padding run eagerly, which is how the CPU tests check everything here but the capture itself.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +49,7 @@ class _Step:
         self.cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(b, dtype=torch.int64, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.verified = False  # the graph's first replay on real rows was checked against the eager forward
         self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))  # valid pad rows before any capture
 
     def meta(self, rows: DecodeRows) -> VarlenMeta:
@@ -69,25 +72,58 @@ class _Step:
         self.tokens.copy_(logits.argmax(-1))
 
     def capture(self, mempool: object) -> None:
-        meta = self.meta(self._rows)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture: lazy inits, cuBLAS handles and workspaces
-            for _ in range(2):
-                self.forward(meta)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool):
-            self.forward(meta)
-        self.graph = graph
+        self._captured = self.meta(self._rows)
+        self.graph = capture_graph(self.captured_forward, mempool)
+        self.verified = False
+
+    def captured_forward(self) -> None:
+        """What the graph records: the forward over the static buffers (any rows later loaded into them)."""
+        self.forward(self._captured)
 
     def run(self, rows: DecodeRows) -> list[int]:
         self.load(rows)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
+        if self.graph is None:
             self.forward(self.meta(rows))
+        elif not self.verified:  # the first replay on real rows, against the eager forward on the same inputs
+            self.graph.replay()
+            replayed = self.tokens.clone()
+            self.forward(self.meta(rows))
+            both = torch.cat([replayed[:rows.real], self.tokens[:rows.real]]).tolist()  # the step's one sync
+            self.verified = True
+            if both[:rows.real] != both[rows.real:]:
+                raise ReplayMismatch(both[rows.real:], f"bucket {self.rows}: the replay gave {both[:rows.real]}, "
+                                     f"the eager forward {both[rows.real:]}")
+            return both[:rows.real]
+        else:
+            self.graph.replay()
         return self.tokens[:rows.real].tolist()
+
+
+class ReplayMismatch(RuntimeError):
+    """A replayed graph gave other tokens than the eager forward on the same rows; ``tokens`` are the eager ones."""
+
+    def __init__(self, tokens: list[int], message: str) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
+def capture_graph(forward: Callable[[], None], mempool: object) -> torch.cuda.CUDAGraph:
+    """``forward`` (a ``_Step.captured_forward``) warmed up on a side stream (lazy inits, cuBLAS handles
+    and workspaces), then captured.
+
+    The capture is thread-local: in torch's default (global) mode, a synchronising call from any other
+    thread during the capture (a submitting thread's ``isfinite().all()``, a live session's encoder)
+    invalidates it, and decoding would stay eager for good. The tests replace this function."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+        forward()
+    return graph
 
 
 class DecodeGraphs:
@@ -109,15 +145,31 @@ class DecodeGraphs:
         if b is None:
             return None
         self.prepare()
-        tokens = self._steps[b].run(pad_decode(ids, positions, starts, context_lens, b, self.pool.scratch))
+        step = self._steps[b]
+        replayed = step.graph is not None
+        try:
+            tokens = step.run(pad_decode(ids, positions, starts, context_lens, b, self.pool.scratch))
+        except ReplayMismatch as exc:
+            self.disable(str(exc))
+            log.warning("qasr: a replayed decode graph disagreed with the eager forward (%s); decode steps run "
+                        "eagerly", exc)
+            tokens, replayed = exc.tokens, False
         self.steps += 1
-        self.replays += self._steps[b].graph is not None
+        self.replays += replayed
         return tokens
+
+    def disable(self, why: str) -> None:
+        """Drop every captured graph: the bucketed steps run eagerly from now on."""
+        self.failed = why
+        for step in self._steps.values():
+            step.graph = None
 
     def prepare(self) -> None:
         """Static buffers for every bucket; with ``capture``, a graph each, largest first so the smaller
-        ones reuse its memory pool. A failed capture leaves every bucket eager, with one warning. Runs
-        once, at the first pure decode step (or earlier, when called)."""
+        ones reuse its memory pool, on pad rows (every bucket's rows point at the scratch row). A failed
+        capture leaves every bucket eager, with one warning. Runs once: the CUDA runner calls it at engine
+        start (else at the first pure decode step). Each graph's first replay on real rows is checked against
+        the eager forward; a difference drops every graph, with one warning."""
         if self._steps:
             return
         t0 = time.perf_counter()
@@ -130,9 +182,7 @@ class DecodeGraphs:
                 self._steps[b].capture(mempool)
             self._check()
         except Exception as exc:  # noqa: BLE001 - fall back to eager decode steps, loudly
-            self.failed = repr(exc)
-            for step in self._steps.values():
-                step.graph = None
+            self.disable(repr(exc))
             log.warning("qasr: capturing decode graphs failed (%r); decode steps run eagerly", exc)
         self.capture_s = time.perf_counter() - t0
 

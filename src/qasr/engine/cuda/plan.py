@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from qasr.engine.padded_attention import PaddedPlan, padded_plan
+from qasr.engine.cuda.fallback import FallbackPlan, fallback_plan
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ class VarlenMeta:
     max_k: int
 
     @cached_property
-    def padded(self) -> PaddedPlan:
-        """The gather plan of the portable (reference) attention, built once per forward on first use."""
-        return padded_plan(self.starts, self.query_lens, self.context_lens, self.cu_q.device)
+    def fallback(self) -> FallbackPlan:
+        """The groups of the portable (reference) attention, planned once per forward on first use."""
+        return fallback_plan(self.starts, self.query_lens, self.context_lens, self.cu_q.device)
 
 
 # ------------------------------------------------------------------------------------------ decode buckets

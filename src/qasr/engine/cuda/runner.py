@@ -5,7 +5,8 @@
   (``torch.tensor(list, device='cuda')`` would synchronise the stream at every call).
 - The audio placeholder rows come from the prompt on the host, so the embedding never counts them on
   the device (a sync).
-- A pure decode step is replayed as a CUDA graph of its batch bucket (``graphs.py``).
+- A pure decode step is replayed as a CUDA graph of its batch bucket (``graphs.py``), captured here at
+  engine start.
 - Features are computed on the device from a pinned upload of the waveform.
 The step's one host sync is reading back the sampled tokens.
 """
@@ -47,6 +48,9 @@ class CudaRunner(Runner):
             raise ValueError(f"graphs must be capture, eager or off, got {graphs!r}")
         self.graphs = None if graphs == "off" else DecodeGraphs(
             self.model, pool, self.kernels, decode_buckets(max_rows), capture=graphs == "capture")
+        if self.graphs is not None:  # captured now, on pad rows, before any request's thread can run
+            with torch.inference_mode():
+                self.graphs.prepare()
         self.eager_steps = 0
 
     def run(self, batch: StepBatch) -> list[int]:

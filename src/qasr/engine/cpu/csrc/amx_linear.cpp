@@ -14,19 +14,16 @@
 // so the thread split never changes the arithmetic either. Decode-sized calls (M = 1..32) are one row pair:
 // the items are the column blocks, and the weights stream once, spread over the threads.
 //
-// Module interface and packed weight layout are those of bf16_linear.cpp: supported(), pack(w),
-// linear(x, packed, N, bias), conv(...). The layout (N_pad / 64, K / 2, 64, 2) bf16 holds, for each k pair,
-// 64 columns x 2 values = 256 bytes; an AMX B tile (16 k pairs x 16 columns x 2 values) is 16 rows of
-// 64 bytes of it, loaded in place with a row stride of 256 bytes. Weights packed once serve both kernels.
+// Module interface, packed weight layout and the front of linear() / conv() are shared with bf16_linear.cpp
+// (gemm_common.h): supported(), pack(w), linear(x, packed, N, bias), conv(...). The layout
+// (N_pad / 64, K / 2, 64, 2) bf16 holds, for each k pair, 64 columns x 2 values = 256 bytes; an AMX B tile
+// (16 k pairs x 16 columns x 2 values) is 16 rows of 64 bytes of it, loaded in place with a row stride of
+// 256 bytes. Weights packed once serve both kernels.
 //
 // Nobody on the team could run this on AMX hardware when it was written: tests compile this AMX path
 // everywhere (with explicit -mamx flags) and run it against a scalar model of the tile instructions
 // (tests/amx_emulate.h, -DQASR_AMX_EMULATE); on an AMX CPU the loader's self-test checks it before use.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
+#include "gemm_common.h"
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
@@ -56,7 +53,6 @@
 #define QASR_AMX 0
 #endif
 
-constexpr int64_t NB = 64;  // output columns per packed block (the layout shared with bf16_linear.cpp)
 constexpr int64_t TR = 16;  // rows per A / C tile
 constexpr int64_t TK = 32;  // bf16 values of K per tile (16 k pairs = one 64-byte tile row)
 constexpr int64_t PR = 2 * TR;  // rows per item: two A tiles
@@ -93,46 +89,7 @@ bool supported() { return false; }  // built without AMX (e.g. -march=native on 
 bool emulated() { return false; }
 #endif
 
-// weight: (N, K) bf16 -> packed (N_pad/64, K/2, 64, 2); padded columns are zero. Same layout and values
-// as bf16_linear.cpp's pack, so either kernel may use weights packed by the other.
-torch::Tensor pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack: (N, K) bfloat16 weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % 2 == 0, "pack: K must be even");
-  const int64_t blocks = (N + NB - 1) / NB, kpairs = K / 2;
-  auto w = weight.contiguous();
-  auto out = torch::zeros({blocks, kpairs, NB, 2}, weight.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min<int64_t>(NB, N - b * NB);
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint16_t* row = src + (b * NB + c) * K;
-        uint16_t* col = dst + (b * kpairs * NB + c) * 2;
-        // one k pair of one column: 4 bytes (memcpy: the weight may sit at any 2-byte offset)
-        for (int64_t kp = 0; kp < kpairs; ++kp) std::memcpy(col + kp * NB * 2, row + 2 * kp, 4);
-      }
-    }
-  });
-  return out;
-}
-
 #if QASR_AMX
-// Where the K values of row m live (as in bf16_linear.cpp): `segs` runs of 2 * seg_pairs contiguous values,
-// run s of row m at row(m) + s * seg_stride. A convolution reads its padded NHWC input in place this way
-// (one run per kernel row). `plain`: an (M, K) row-major matrix, row m at base + m * K.
-struct Rows {
-  const uint16_t* base;
-  int64_t segs, seg_stride, seg_pairs;
-  int64_t ho, wo, s_n, s_i, s_j;  // row m = (n, i, j) -> base + n*s_n + i*s_i + j*s_j
-  bool plain;
-  const uint16_t* row(int64_t m) const {
-    const int64_t j = m % wo, i = (m / wo) % ho, n = m / (wo * ho);
-    return base + n * s_n + i * s_i + j * s_j;
-  }
-};
-
 // The 64-byte tile configuration (palette 1). Every tile used here has 16 rows of 64 bytes:
 //   C: tmm0..3, 16 rows x 16 float32 (tmm0 rows 0-15 / cols 0-15, tmm1 rows 0-15 / cols 16-31,
 //                                      tmm2 rows 16-31 / cols 0-15, tmm3 rows 16-31 / cols 16-31)
@@ -285,60 +242,11 @@ static void run(const Rows& rows, int64_t M, const uint16_t* packed, int64_t N, 
     TILE_RELEASE();  // back to the init state: the OS saves less on context switches
   });
 }
+#else
+static constexpr RunFn run = nullptr;  // never called: supported() is false in this build
 #endif
 
-// The shared tail of linear() and conv(): bias to float32, then the tiled product into a new (M, N) tensor.
-static torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t M, int64_t N,
-                             const c10::optional<torch::Tensor>& bias, int64_t segs, int64_t seg_stride,
-                             int64_t seg_pairs, int64_t ho, int64_t wo, int64_t s_n, int64_t s_i, int64_t s_j,
-                             bool plain) {
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
-                  packed.size(2) == NB && packed.size(3) == 2, "qasr AMX linear: packed weight from pack()");
-  auto out = torch::empty({M, N}, x.options());
-  torch::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "qasr AMX linear: bias must have N values");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
-#if QASR_AMX
-  if (M > 0 && N > 0) {
-    const Rows rows{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), segs, seg_stride, seg_pairs,
-                    ho, wo, s_n, s_i, s_j, plain};
-    run(rows, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N, bp,
-        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  }
-#endif
-  return out;
-}
-
-// x: (M, K) bf16; packed from pack(); bias: optional (N,) float32 -> (M, N) bf16
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(supported(), "qasr AMX linear: this build or CPU lacks AMX-BF16, or the OS refused tile data");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear: (M, K) bfloat16 input");
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  TORCH_CHECK(packed.size(1) * 2 == K && packed.size(0) * NB >= N, "linear: packed weight does not match");
-  // one run of K values per row; row m at base + m * K
-  return product(xc, packed, M, N, bias, 1, 0, K / 2, 1, 1, K, 0, 0, true);
-}
-
-// Convolution with a (kh, kw) kernel over a zero-padded channels-last input xp: (n, hp, wp, cin) bf16,
-// weight packed from (cout, kh * kw * cin) in (kh, kw, cin) order -> (n * ho * wo, cout) bf16.
-torch::Tensor conv(torch::Tensor xp, torch::Tensor packed, int64_t cout, c10::optional<torch::Tensor> bias,
-                   int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
-  TORCH_CHECK(supported(), "qasr AMX conv: this build or CPU lacks AMX-BF16, or the OS refused tile data");
-  TORCH_CHECK(xp.dim() == 4 && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous(), "conv: contiguous NHWC bf16");
-  const int64_t n = xp.size(0), hp = xp.size(1), wp = xp.size(2), cin = xp.size(3);
-  TORCH_CHECK((kw * cin) % 2 == 0, "conv: kernel width x channels must be even");
-  TORCH_CHECK(packed.size(1) * 2 == kh * kw * cin && packed.size(0) * NB >= cout, "conv: packed weight mismatch");
-  TORCH_CHECK(hp >= kh && wp >= kw && sh > 0 && sw > 0, "conv: kernel larger than the padded input");
-  const int64_t ho = (hp - kh) / sh + 1, wo = (wp - kw) / sw + 1;
-  // kh runs per output position (one per kernel row), each kw * cin contiguous values
-  return product(xp, packed, n * ho * wo, cout, bias, kh, wp * cin, kw * cin / 2, ho, wo, hp * wp * cin,
-                 sh * wp * cin, sw * cin, false);
-}
+static const Gemm GEMM{"qasr AMX", "this build or CPU lacks AMX-BF16, or the OS refused tile data", supported, run};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(QASR_AMX_EMULATE)
@@ -348,7 +256,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("supported", &supported, "whether this build, CPU and OS can run the AMX-BF16 kernel");
   m.def("emulated", &emulated, "whether the tile instructions are a scalar model (a test build)");
-  m.def("pack", &pack, "pack an (N, K) bf16 weight for linear() (the layout of bf16_linear's pack)");
-  m.def("linear", &linear, "batch-invariant bf16 x @ W^T + b with float32 accumulation on AMX tiles");
-  m.def("conv", &conv, "the same product as a convolution over a padded NHWC input (implicit im2col)");
+  def_gemm(m, GEMM, "batch-invariant bf16 x @ W^T + b with float32 accumulation on AMX tiles");
 }

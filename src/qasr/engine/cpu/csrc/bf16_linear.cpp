@@ -7,13 +7,11 @@
 // It is also the fast path for decode: with few rows the product streams the weight once at close to
 // memory bandwidth, parallel over column blocks.
 //
-// Packed weight layout: (N_pad / 64, K / 2, 64, 2) bf16 -- for each block of 64 output columns and
-// each pair of input features, the 64 columns' two weights sit next to each other, so one k pair of
-// a block is four contiguous 64-byte vectors.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// Packed weight layout (shared with amx_linear.cpp, as pack() and the front of linear() / conv() are:
+// gemm_common.h): (N_pad / 64, K / 2, 64, 2) bf16, so one k pair of a block is four contiguous 64-byte
+// vectors.
+#include "gemm_common.h"
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -23,51 +21,11 @@
 #define QASR_HAS_BF16 0
 #endif
 
-constexpr int64_t NB = 64;  // output columns per block (4 vectors of 16 floats)
 constexpr int64_t MR = 6;   // rows per register tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast
 
 bool supported() { return QASR_HAS_BF16 == 1; }
 
-// weight: (N, K) bf16 -> packed (N_pad/64, K/2, 64, 2); padded columns are zero.
-torch::Tensor pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack: (N, K) bfloat16 weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % 2 == 0, "pack: K must be even");
-  const int64_t blocks = (N + NB - 1) / NB;
-  auto w = weight.contiguous();
-  auto out = torch::zeros({blocks, K / 2, NB, 2}, weight.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t c = 0; c < NB; ++c) {
-        const int64_t n = b * NB + c;
-        if (n >= N) break;
-        const uint16_t* row = src + n * K;
-        uint16_t* base = dst + b * (K / 2) * NB * 2 + c * 2;
-        for (int64_t kp = 0; kp < K / 2; ++kp) {
-          base[kp * NB * 2] = row[2 * kp];
-          base[kp * NB * 2 + 1] = row[2 * kp + 1];
-        }
-      }
-  });
-  return out;
-}
-
 #if QASR_HAS_BF16
-// Where the K features of row m live: `segs` runs of 2 * seg_pairs contiguous values, the run s of row
-// m starting at row(m) + s * seg_stride. A plain matrix is one run per row; a convolution reads its
-// input in place (implicit im2col): one run per kernel row, each covering (kernel width x channels).
-struct Rows {
-  const uint16_t* base;
-  int64_t segs, seg_stride, seg_pairs;
-  int64_t ho, wo, s_n, s_i, s_j;  // row m = (n, i, j) -> base + n*s_n + i*s_i + j*s_j
-  const uint16_t* row(int64_t m) const {
-    const int64_t j = m % wo, i = (m / wo) % ho, n = m / (wo * ho);
-    return base + n * s_n + i * s_i + j * s_j;
-  }
-};
-
 // acc[r][0..3] += rows r (bf16, read as `segs` runs of 2 * seg_pairs values, run s at xr[r] + s * seg_stride)
 // times one packed 64-column block w: float32 accumulation, k pairs in ascending order.
 template <int ROWS>
@@ -151,55 +109,11 @@ static void run(const Rows& rows, int64_t M, const uint16_t* packed, int64_t N, 
     }
   });
 }
+#else
+static constexpr RunFn run = nullptr;  // never called: supported() is false in this build
 #endif
 
-// The shared tail of linear() and conv(): bias to float32, then the tiled product into a new (M, N) tensor.
-static torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t M, int64_t N,
-                             const c10::optional<torch::Tensor>& bias, int64_t segs, int64_t seg_stride,
-                             int64_t seg_pairs, int64_t ho, int64_t wo, int64_t s_n, int64_t s_i, int64_t s_j) {
-  auto out = torch::empty({M, N}, x.options());
-  torch::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
-#if QASR_HAS_BF16
-  if (M > 0) {
-    const Rows rows{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), segs, seg_stride, seg_pairs,
-                    ho, wo, s_n, s_i, s_j};
-    run(rows, M, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N, bp,
-        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  }
-#endif
-  return out;
-}
-
-// x: (M, K) bf16; packed from pack(); bias: optional (N,) float32 -> (M, N) bf16
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(supported(), "qasr bf16 linear: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear: (M, K) bfloat16 input");
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  TORCH_CHECK(packed.size(1) * 2 == K && packed.size(0) * NB >= N, "linear: packed weight does not match");
-  // one run of K values per row; row m at base + m * K
-  return product(xc, packed, M, N, bias, 1, 0, K / 2, 1, 1, K, 0, 0);
-}
-
-// Convolution with a (kh, kw) kernel over a zero-padded channels-last input xp: (n, hp, wp, cin) bf16,
-// weight packed from (cout, kh * kw * cin) in (kh, kw, cin) order -> (n * ho * wo, cout) bf16.
-torch::Tensor conv(torch::Tensor xp, torch::Tensor packed, int64_t cout, c10::optional<torch::Tensor> bias,
-                   int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
-  TORCH_CHECK(supported(), "qasr bf16 conv: built without AVX512-BF16");
-  TORCH_CHECK(xp.dim() == 4 && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous(), "conv: contiguous NHWC bf16");
-  const int64_t n = xp.size(0), hp = xp.size(1), wp = xp.size(2), cin = xp.size(3);
-  TORCH_CHECK((kw * cin) % 2 == 0, "conv: kernel width x channels must be even");
-  TORCH_CHECK(packed.size(1) * 2 == kh * kw * cin && packed.size(0) * NB >= cout, "conv: packed weight mismatch");
-  const int64_t ho = (hp - kh) / sh + 1, wo = (wp - kw) / sw + 1;
-  // kh runs per output position (one per kernel row), each kw * cin contiguous values
-  return product(xp, packed, n * ho * wo, cout, bias, kh, wp * cin, kw * cin / 2, ho, wo, hp * wp * cin,
-                 sh * wp * cin, sw * cin);
-}
+static const Gemm GEMM{"qasr bf16", "built without AVX512-BF16", supported, run};
 
 #if QASR_HAS_BF16
 // e^x for x <= 0 (softmax): 2^(x log2 e) split into an integer power (scalef) and 2^f, |f| <= 1/2, by a
@@ -373,8 +287,6 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kpool, torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has the AVX512-BF16 kernel");
-  m.def("pack", &pack, "pack an (N, K) bf16 weight for linear()");
-  m.def("linear", &linear, "batch-invariant bf16 x @ W^T + b with float32 accumulation");
+  def_gemm(m, GEMM, "batch-invariant bf16 x @ W^T + b with float32 accumulation");
   m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk over its sequence");
-  m.def("conv", &conv, "the same product as a convolution over a padded NHWC input (implicit im2col)");
 }
