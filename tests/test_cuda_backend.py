@@ -376,7 +376,7 @@ def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens(ck32) -> 
     waves = [noise(s, seed=k) for k, s in enumerate(LENGTHS)]
     want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128), waves)
     got, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128,
-                                             backend="cuda"), waves)
+                                             backend="cuda", kv_block_tokens=16), waves)
     assert got == want
     stats = engine.runner.stats()
     # requests decoding side by side take their next blocks in turns, so their tables interleave: those

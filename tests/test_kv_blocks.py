@@ -44,7 +44,9 @@ def prompt_for(ck, wave: np.ndarray) -> list[int]:
 
 
 def engine_for(ck, pool_tokens: int, **kw) -> Engine:
-    return Engine(ck, EngineConfig(kv_cache_bytes=pool_tokens * kv_bytes_per_token(ck.config.decoder, ck.dtype), **kw))
+    """An engine with a pool of ``pool_tokens`` in 16-token blocks (the scenarios' numbers are worked out for them)."""
+    return Engine(ck, EngineConfig(kv_cache_bytes=pool_tokens * kv_bytes_per_token(ck.config.decoder, ck.dtype),
+                                   kv_block_tokens=16, **kw))
 
 
 class Gate:

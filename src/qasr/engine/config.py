@@ -10,7 +10,7 @@ from numbers import Integral
 @dataclass(frozen=True)
 class EngineConfig:
     kv_cache_bytes: int | None = None  # None (or 0): 40% of available memory on CPU, capped at 8 GiB
-    kv_block_tokens: int = 16  # the KV pool is handed out in blocks of this many tokens (docs/engine.md: why 16)
+    kv_block_tokens: int = 64  # the KV pool is handed out in blocks of this many tokens (docs/engine.md: why 64)
     max_running: int = 64
     prefill_tokens: int = 512  # prompt tokens per step (whole chunks), riding along with the decode rows
     prefill_chunk: int = 256  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
