@@ -22,6 +22,7 @@ from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_blocks import BlockAllocator, token_rows
 from qasr.engine.kv_cache import kv_bytes_per_token
+from qasr.engine.request import Request
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
@@ -241,10 +242,34 @@ def test_a_cancelled_request_frees_its_blocks_at_the_next_step(ck) -> None:
         gate = Gate(20, cancel)
         cancelled.append(eng.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=500, ignore_eos=True,
                                     on_token=gate))
-        wait_until(lambda: eng.stats().running == 0, "the cancelled request to stop")
+        assert gate.done.wait(WAIT_S)
         steps, used = seen[0]
+        # the step after the one that made token 20 ends the request; then the idle loop runs no more steps
+        wait_until(lambda: eng.stats().running == 0 and eng.steps > steps, "the cancelled request to stop")
+        time.sleep(0.2)
         # the step that made token 20 stored the key of token 19: the blocks follow the tokens made, no more
         assert used == -(-(len(prompt_for(ck, wave)) + 19) // 16)
         assert eng.stats().kv_blocks_used == 0 and eng.steps == steps + 1
     finally:
         eng.close(drain=False)
+
+
+def test_recomputed_tokens_are_checked_and_not_delivered_twice(ck) -> None:
+    """After a preemption the engine compares each recomputed token with the one made before: the same one
+    is kept but not handed to the listener again; another one fails the request (its listener already saw
+    the first), and the engine goes on."""
+    eng = engine_for(ck, 1024)
+    heard: list[int | None] = []
+    same = Request(prompt=[1, 2, 3], max_new_tokens=5, on_token=heard.append)
+    other = Request(prompt=[1, 2, 3], max_new_tokens=5)
+    for req in (same, other):
+        req.prefilled, req.replay, req.delivered = 3, [7, 8], 2  # preempted after two delivered tokens
+        eng.scheduler.active.append(req)
+    eng._apply([(same, 7), (other, 9)])  # the engine thread's step, driven by hand (no request was submitted)
+    eng._apply([(same, 8)])
+    eng._apply([(same, 4)])
+    assert same.output == [7, 8, 4] and heard == [4] and not same.future.done()
+    with pytest.raises(RuntimeError, match="recomputed after preemption is 9, not 7"):
+        other.future.result(0)
+    assert eng.scheduler.active == [same] and eng.generated_tokens == 1
+    eng.close()

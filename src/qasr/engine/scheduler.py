@@ -55,8 +55,9 @@ class StepPlan:
                         [(r, n) for r, n in self.prefill if r is req])
 
     def drop(self, req: Request) -> None:
-        """Take a preempted request's decode row and prefill chunks out (its encoder slice stays: the
-        encoder output is kept across preemption, so that work is not lost)."""
+        """Take a preempted request out of the plan: it is back in the queue, and the step must not touch
+        it (a failed step's rerun would end it as if it were running). Its encoder output so far is kept."""
+        self.encode[:] = [(r, n) for r, n in self.encode if r is not req]
         self.decode[:] = [r for r in self.decode if r is not req]
         self.prefill[:] = [(r, n) for r, n in self.prefill if r is not req]
 
