@@ -148,6 +148,35 @@ def test_streaming_equals_plain_text(server, client, clips, offline, language) -
     assert events[-1].usage.total_tokens == events[-1].usage.input_tokens + events[-1].usage.output_tokens
 
 
+def test_verbose_json_stream_sends_each_segment_in_order(server, client, clips) -> None:
+    """With response_format=verbose_json a stream also carries ``transcript.text.segment`` events: one per
+    segment, in time order, each right after its text's deltas, equal to the plain answer's segments."""
+    r = post(server, files={"file": open(clips["long"], "rb")},
+             data={"stream": "true", "response_format": "verbose_json"})
+    assert r.status_code == 200
+    blocks = r.text[:-2].split("\n\n")
+    named = [b.split("\n", 1) for b in blocks if b.startswith("event: ")]
+    assert named and all(head == "event: transcript.text.segment" for head, _ in named)
+    events = [json.loads(b.split("data: ", 1)[1]) for b in blocks]
+    segments = [e for e in events if e["type"] == "transcript.text.segment"]
+    plain = post(server, files={"file": open(clips["long"], "rb")}, data={"response_format": "verbose_json"}).json()
+    assert len(segments) == len(plain["segments"]) > 2
+    assert [(e["start"], e["end"], e["text"]) for e in segments] == \
+        [(s["start"], s["end"], s["text"]) for s in plain["segments"]]
+    assert [e["id"] for e in segments] == [f"seg_{k:03d}" for k in range(len(segments))]
+    text = ""  # each segment event comes once the deltas before it spell out its text
+    for e in events:
+        if e["type"] == "transcript.text.delta":
+            text += e["delta"]
+        elif e["type"] == "transcript.text.segment":
+            assert text.endswith(e["text"]), (text[-80:], e["text"])
+    assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == text == plain["text"]
+    with open(clips["s2"], "rb") as f:  # the official client takes the segment events too
+        kinds = [e.type for e in client.audio.transcriptions.create(model="m", file=f, stream=True,
+                                                                    response_format="verbose_json")]
+    assert "transcript.text.segment" in kinds and kinds[-1] == "transcript.text.done"
+
+
 def test_concurrent_requests_match_offline(server, clips, offline) -> None:
     names = [f"s{k % 6}" for k in range(24)] + ["flac"] * 2
     streamed = {k for k in range(len(names)) if k % 3 == 0}

@@ -11,9 +11,11 @@ __version__ = "0.1.0"
 # without importing torch.
 _HOMES = {"ASR": "qasr.transcribe.asr", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io",
           "Piece": "qasr.transcribe.pieces", "Segment": "qasr.results", "Transcription": "qasr.results",
-          "Word": "qasr.results"}
+          "Word": "qasr.results", "SegmentStream": "qasr.transcribe.segment_stream",
+          "TranscriptionFailed": "qasr.transcribe.segment_stream"}
 
-__all__ = ["ASR", "Aligner", "AudioError", "Piece", "Segment", "Transcription", "Word", "__version__"]
+__all__ = ["ASR", "Aligner", "AudioError", "Piece", "Segment", "SegmentStream", "Transcription",
+           "TranscriptionFailed", "Word", "__version__"]
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from qasr.results import Segment, Transcription, Word
     from qasr.transcribe.asr import ASR
     from qasr.transcribe.pieces import Piece
+    from qasr.transcribe.segment_stream import SegmentStream, TranscriptionFailed
 
 
 def __getattr__(name: str) -> object:

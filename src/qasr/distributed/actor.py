@@ -21,6 +21,7 @@ from concurrent.futures import Future, wait
 from qasr.audio.io import AudioError
 from qasr.distributed import rows
 from qasr.distributed.config import CallOptions, EngineSpec
+from qasr.transcribe.assemble import outcome_of
 from qasr.transcribe.pieces import Piece, make_piece, make_pieces
 
 log = logging.getLogger("qasr.distributed")
@@ -55,7 +56,7 @@ class Transcriber:
             log.error("the engine of this ASR actor broke; the actor exits so that Ray replaces it")
             os._exit(1)
         for r, pieces, futures in started:
-            part = self.asr.assemble(pieces, [_outcome(f) for f in futures])
+            part = self.asr.assemble(pieces, [outcome_of(f) for f in futures])
             out.append(rows.row(r["item"], r["source"], rows.PART, k=r["k"], offset=r["offset"],
                                 duration=r["duration"], part=pickle.dumps(part)))
         return rows.batch(out)
@@ -71,10 +72,3 @@ class Transcriber:
 
     def _submit(self, piece: Piece) -> Future:
         return self.asr.submit_or_refuse(piece, words=self.options.words, ignore_eos=self.options.ignore_eos)
-
-
-def _outcome(fut: Future) -> object:
-    try:
-        return fut.result()
-    except BaseException as exc:  # noqa: BLE001 - a failed or cancelled request is an outcome
-        return exc

@@ -5,7 +5,7 @@ An input is complete when its "end" row (the segment count and exact duration) h
 segment numbered below the count has; a decode error, or a segment that cannot become a request, fails it
 at once. A segment that arrives twice (a task retried after its actor died may repeat outputs) counts once.
 
-Joining follows ``ASR._assemble`` step for step: segments in time order, texts stitched with
+Joining follows ``qasr.transcribe.assemble.assemble`` step for step: segments in time order, texts stitched with
 ``join_segment_texts``, languages merged, the worst finish reason, word times only when every segment
 with text has them, the first failed segment failing the input.
 """
@@ -92,7 +92,8 @@ class Collector:
 
 
 def merge_parts(parts: list[Transcription], *, source: str, duration: float, words: bool) -> Transcription:
-    """One input's Transcription from its segments' own (in time order), as ``ASR._assemble`` makes it."""
+    """One input's Transcription from its segments' own (in time order), as
+    ``qasr.transcribe.assemble.assemble`` makes it."""
     for part in parts:
         if part.error is not None:
             return Transcription("", "", duration, error=part.error, source=source)

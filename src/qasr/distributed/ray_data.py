@@ -34,7 +34,7 @@ from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
 from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
 from qasr.results import Transcription
-from qasr.transcribe.asr import check_options
+from qasr.transcribe.inputs import check_options
 
 log = logging.getLogger("qasr.distributed")
 ACTOR_PREFIX = "qasr-asr"  # ASR actors are named qasr-asr-<run>-p<pass>-<n>: findable in `ray list actors`
@@ -115,7 +115,7 @@ class RayTranscriber:
 
     def _options(self, language: str | None, context: str, max_new_tokens: int | None, ignore_eos: bool,
                  segmentation: str, max_segment_s: float, vad: object | None, timestamps: str) -> CallOptions:
-        """``ASR._call``'s checks, made before any work starts."""
+        """``plan_call``'s checks, made before any work starts."""
         self.check_language(language)
         check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
         words = timestamps == "word"

@@ -1,7 +1,10 @@
 """Running a planned transcription job: results to files (or stdout), progress, failures, interruption.
 
 Each input's outputs are written the moment its last segment finishes, so an interruption loses only
-the inputs still in flight, and their outputs never exist half-written (``write_atomic``).
+the inputs still in flight, and their outputs never exist half-written (``write_atomic``). Text comes as it
+happens: one input's txt to stdout grows segment by segment, and a txt output file is preceded by
+``NAME.txt.partial``, which grows the same way (for ``tail -f``) and is removed once NAME.txt is written or
+the run stops.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from qasr.jobs.plan import Job, probe_duration, report_failures, update_failed_list
 from qasr.outputs.writers import render, write_atomic
-from qasr.results import Transcription
+from qasr.results import Segment, Transcription
 from qasr.transcribe.asr import ASR
+from qasr.transcribe.text import TextJoiner
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -63,7 +68,10 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     total_s = sum(d for d in (probe_duration(j.source) for j in jobs) if d) if enabled else 0.0
     progress = Progress(total_s, len(jobs), enabled)
-    emit = _file_writer(args.format) if to_files else _stdout_writer(args.format[0], several=total_inputs > 1)
+    # text as it happens: a txt file's partial copy, or one input's txt on stdout
+    partial = PartialText(jobs, to_files) if "txt" in args.format and (to_files or total_inputs == 1) else None
+    emit = _file_writer(args.format) if to_files else _stdout_writer(args.format[0], several=total_inputs > 1,
+                                                                      partial=partial)
     failures: list[tuple[str, str]] = []
     finished = 0
     vad = _vad_config(args)
@@ -71,9 +79,14 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
         results = asr.transcribe_iter([j.source for j in jobs], language=args.language, context=args.context,
                                       max_new_tokens=args.max_new_tokens, progress=progress.audio,
                                       segmentation=args.segmentation, max_segment_s=args.max_segment_s,
-                                      timestamps=args.timestamps, **vad)
+                                      timestamps=args.timestamps, segments=partial is not None, **vad)
         try:
             for i, result in results:
+                if isinstance(result, Segment):
+                    partial.add(i, result)  # type: ignore[union-attr]
+                    continue
+                if partial is not None:
+                    partial.end(i)
                 if result.error is not None:
                     failures.append((jobs[i].source, result.error))
                     print(f"qasr: error: {result.error}", file=sys.stderr)
@@ -82,6 +95,8 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
                 progress.file_done()
         finally:
             results.close()  # on any way out: cancel what is still running
+            if partial is not None:
+                partial.close()
     except KeyboardInterrupt:
         progress.close()
         update_failed_list(args.output_dir, failures)
@@ -107,6 +122,48 @@ def _vad_config(args: argparse.Namespace) -> dict:
     return {"vad": VadConfig(**fields)}
 
 
+class PartialText:
+    """Segments' text as it comes: appended to ``NAME.txt.partial`` beside each txt output file (removed
+    when the input ends or the run stops), or, for one input printed as txt, to stdout itself (then the
+    stdout writer prints only the final newline, so the bytes are the same as printing the whole)."""
+
+    def __init__(self, jobs: list[Job], to_files: bool) -> None:
+        self.jobs = jobs
+        self.to_files = to_files
+        self.joiners: dict[int, TextJoiner] = {}
+        self.open: dict[int, Path] = {}
+
+    def add(self, i: int, segment: Segment) -> None:
+        delta = self.joiners.setdefault(i, TextJoiner()).add(segment.text)
+        if not delta:
+            return
+        if not self.to_files:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+            return
+        path = self.open.get(i)
+        if path is None:
+            path = self.open[i] = self.jobs[i].output("txt").with_name(self.jobs[i].output("txt").name + ".partial")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("", encoding="utf-8")
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(delta)
+
+    def printed(self, i: int) -> str:
+        """What stdout already holds of input i's text."""
+        joiner = self.joiners.get(i)
+        return joiner.text if joiner is not None else ""
+
+    def end(self, i: int) -> None:
+        path = self.open.pop(i, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for i in list(self.open):
+            self.end(i)
+
+
 def _file_writer(formats: tuple[str, ...]) -> Callable[[int, Job, Transcription], None]:
     def emit(_: int, job: Job, result: Transcription) -> None:
         if result.error is None:
@@ -115,9 +172,10 @@ def _file_writer(formats: tuple[str, ...]) -> Callable[[int, Job, Transcription]
     return emit
 
 
-def _stdout_writer(fmt: str, several: bool) -> Callable[[int, Job, Transcription], None]:
+def _stdout_writer(fmt: str, several: bool, partial: PartialText | None) -> Callable[[int, Job, Transcription], None]:
     """Print results in input order (results arrive in completion order): JSON Lines for json, and
-    text lines prefixed by their input when there are several inputs."""
+    text lines prefixed by their input when there are several inputs. What ``partial`` printed of a result
+    already is not printed again."""
     waiting: dict[int, Transcription] = {}
     next_index = [0]
 
@@ -130,10 +188,15 @@ def _stdout_writer(fmt: str, several: bool) -> Callable[[int, Job, Transcription
 
     def emit(i: int, _: Job, result: Transcription) -> None:
         waiting[i] = result
-        while next_index[0] in waiting:
-            ready = waiting.pop(next_index[0])
+        while (k := next_index[0]) in waiting:
+            ready = waiting.pop(k)
             next_index[0] += 1
+            shown = partial.printed(k) if partial is not None else ""
             if ready.error is None or fmt == "json":  # JSON Lines keeps one line per input, errors included
-                sys.stdout.write(show(ready))
+                text = show(ready)
+                assert text.startswith(shown), "the streamed text is the start of the whole"
+                sys.stdout.write(text[len(shown):])
+            elif shown:
+                sys.stdout.write("\n")  # ends the failed input's streamed line
         sys.stdout.flush()
     return emit

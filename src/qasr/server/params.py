@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from qasr.transcribe.asr import ASR
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
-STREAM_FORMATS = ("json", "text")  # a stream is transcript events whatever the format; these two make sense
+# a stream is transcript events whatever the format; verbose_json's also carries each segment as it is ready
+STREAM_FORMATS = ("json", "text", "verbose_json")
 GRANULARITIES = ("segment", "word")
 TIMED_FORMATS = ("verbose_json", "srt", "vtt")  # the formats word times show in; others skip the alignment
 
@@ -78,8 +79,8 @@ def parse_params(form: FormData, asr: ASR) -> TranscriptionParams:
                        param="response_format")
     stream = _bool(form, "stream")
     if stream and fmt not in STREAM_FORMATS:
-        raise ApiError(400, "stream=true sends transcript events; use response_format json or text with it",
-                       param="stream")
+        raise ApiError(400, "stream=true sends transcript events; use response_format json, text or verbose_json "
+                       "with it", param="stream")
     _check_temperature(_text(form, "temperature"))
     granularities = _list(form, "timestamp_granularities")
     unknown = [g for g in granularities if g not in GRANULARITIES]

@@ -78,7 +78,8 @@ async def transcriptions(request: Request) -> Response:
         _release(state, ticket, None)
         raise
     if params.stream:
-        return StreamingResponse(_events(state, run, ticket), media_type=sse.MEDIA_TYPE,
+        return StreamingResponse(_events(state, run, ticket, params.response_format == "verbose_json"),
+                                 media_type=sse.MEDIA_TYPE,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                  background=BackgroundTask(_abandon, state, run, ticket))
     done = None
@@ -105,13 +106,17 @@ async def _decode(request: Request, state: ServerState, admission: UploadAdmissi
         raise ApiError(400, str(exc), param="file", code="invalid_audio") from exc
 
 
-async def _events(state: ServerState, run: EngineRun, ticket: Ticket) -> AsyncIterator[bytes]:
-    """The SSE body. A client that leaves cancels this generator (Starlette listens for the disconnect),
-    and ``finally`` cancels the engine requests."""
+async def _events(state: ServerState, run: EngineRun, ticket: Ticket, segments: bool) -> AsyncIterator[bytes]:
+    """The SSE body (``segments``: with a segment event after each segment's deltas). A client that leaves
+    cancels this generator (Starlette listens for the disconnect), and ``finally`` cancels the engine
+    requests."""
     done = None
     try:
-        async for delta in run.deltas():
-            yield sse.delta_event(delta)
+        async for item in run.deltas(segments=segments):
+            if isinstance(item, str):
+                yield sse.delta_event(item)
+            else:
+                yield sse.segment_event(*item)
         try:
             done = await run.finish()
         except ApiError as exc:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 from qasr.audio.io import EncodedAudio
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.request import GenerationResult
-from qasr.results import Transcription
+from qasr.results import Segment, Transcription
 from qasr.server.errors import ApiError
 from qasr.server.handoff import TokenHandoff
 from qasr.server.textstream import Joiner, PieceText
+from qasr.transcribe.assemble import outcome_of, read_piece
 from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
@@ -116,12 +117,13 @@ class EngineRun:
                 raise _engine_error(exc) from exc
         return self._finished(outcomes)
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self, segments: bool = False) -> AsyncIterator[str | tuple[int, Segment]]:
         """Transcript text as it is generated, piece after piece (later pieces run meanwhile and their
-        tokens wait in their queues)."""
+        tokens wait in their queues). ``segments``: after each piece's text, ``(index, its Segment)`` (with
+        its words, once aligned); a piece that failed ends them (``finish`` reports the error)."""
         tok = self.asr.checkpoint.tokenizer
         joiner = Joiner()
-        for piece, queue in zip(self.upload.pieces, self._tokens, strict=True):
+        for k, (piece, queue) in enumerate(zip(self.upload.pieces, self._tokens, strict=True)):
             text = PieceText(lambda ids: tok.decode(ids, skip_special_tokens=True), piece.language is not None)
             ended = False
             while not ended:
@@ -136,6 +138,14 @@ class EngineRun:
                 delta = joiner.add(text.extend(tokens), first_of_piece=first)
                 if delta:
                     yield delta
+            if segments:
+                done = asyncio.wrap_future(self.futures[k])  # settled by now, or once its words are aligned
+                await asyncio.wait({done})
+                read = read_piece(tok, piece, outcome_of(done), self.upload.name, warn=False)
+                if isinstance(read, str):
+                    segments = False  # the request fails: finish() says why
+                else:
+                    yield k, read.segment
 
     def _finished(self, outcomes: list[GenerationResult | Aligned]) -> Finished:
         up = self.upload

@@ -13,21 +13,30 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 
 from qasr.engine.engine import Engine, EngineConfig
-from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
-from qasr.model.prompt import ASR_TEXT_TAG, SUPPORTED_LANGUAGES, merge_languages, normalize_language
-from qasr.results import Segment, Transcription, Word, worst_finish_reason
+from qasr.model.prompt import SUPPORTED_LANGUAGES
+from qasr.results import Segment, Transcription
+from qasr.transcribe.assemble import Outcome, assemble, failed, outcome_of, read_piece
 from qasr.transcribe.feed import stream_results
-from qasr.transcribe.inputs import AudioInput, InputPieces, Segmenting, as_inputs, input_names, input_pieces
-from qasr.transcribe.pieces import Piece, read_output
-from qasr.transcribe.text import join_segment_texts
+from qasr.transcribe.inputs import (
+    SEGMENTATIONS,
+    TIMESTAMPS,
+    AudioInput,
+    Call,
+    Segmenting,
+    as_inputs,
+    canonical_language,
+    check_options,
+    plan_call,
+)
+from qasr.transcribe.pieces import Piece
+from qasr.transcribe.segment_stream import SegmentStream
 from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
@@ -37,38 +46,8 @@ if TYPE_CHECKING:
     from qasr.streaming.live import LiveSession
 
 log = logging.getLogger(__name__)
-
-Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request (Aligned: with words)
-
-SEGMENTATIONS = ("auto", "vad", "fixed", "none")
-TIMESTAMPS = ("segment", "word")
-
-
-def check_options(max_new_tokens: int | None, segmentation: str, max_segment_s: float, timestamps: str) -> None:
-    """The checks of a call's options that need no model: ``transcribe`` and the Ray job make them before any
-    work starts (ValueError naming the option)."""
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if segmentation not in SEGMENTATIONS:
-        raise ValueError(f"segmentation must be one of {', '.join(SEGMENTATIONS)}, got {segmentation!r}")
-    if not max_segment_s > 0:
-        raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
-    if timestamps not in TIMESTAMPS:
-        raise ValueError(f"timestamps must be one of {', '.join(TIMESTAMPS)}, got {timestamps!r}")
-_FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
-# a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One call's inputs with their names and per-input options, validated before any audio is touched."""
-
-    items: list[AudioInput]
-    names: list[str]  # how messages and results name each input
-    languages: list[str | None]  # canonical names
-    contexts: list[str]
-    how: Segmenting
-    words: bool  # word timestamps requested and an aligner loaded
+# re-exported: qasr.api and callers import these from here
+__all__ = ["ASR", "SEGMENTATIONS", "TIMESTAMPS", "AudioInput", "Outcome", "check_options"]
 
 
 class ASR:
@@ -165,40 +144,23 @@ class ASR:
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad)
         try:
-            return [piece for i in range(len(call.items)) for piece in self._pieces_of(call, i)]
+            return [piece for i in range(len(call.items)) for piece in call.pieces_of(i)]
         finally:  # the server runs this on executor threads that live on (VAD and resampling ran torch here)
             self._release_idle_threads()
 
     def _call(self, audio: AudioInput | Sequence[AudioInput], language: str | None | Sequence,
               context: str | Sequence[str], sample_rate: int | None, max_new_tokens: int | None,
-              segmentation: str, max_segment_s: float, vad: VadConfig | None, timestamps: str = "segment") -> _Call:
-        items = as_inputs(audio)
-        languages = [self.canonical_language(lang) for lang in _broadcast(language, len(items), "language")]
-        contexts = [c or "" for c in _broadcast(context, len(items), "context")]
-        check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
-        words = timestamps == "word"
-        if words and self.aligner is None:
-            log.warning("word timestamps need a forced aligner (ASR.from_pretrained(..., aligner=PATH), or "
-                        "--aligner PATH): giving segment times instead")
-            words = False
+              segmentation: str, max_segment_s: float, vad: VadConfig | None, timestamps: str = "segment") -> Call:
         how = Segmenting(sample_rate, segmentation, float(max_segment_s), vad, max_new_tokens,
                          self.max_tokens_per_second, self.max_chunk_sec)
-        return _Call(items, input_names(items), languages, contexts, how, words)
+        return plan_call(self.checkpoint, audio, language=language, context=context, how=how, timestamps=timestamps,
+                         supported=self.supported_languages, aligner=self.aligner is not None)
 
     def canonical_language(self, lang: str | None) -> str | None:
         """The canonical name of a language name or ISO code (None for None or blank: detect).
 
         Raises ValueError listing the supported languages when this checkpoint does not list it."""
-        name = normalize_language(lang)
-        supported = self.supported_languages
-        if name is not None and name not in supported:
-            raise ValueError(f"language {lang!r} is not supported by this model; supported: {', '.join(supported)}")
-        return name
-
-    def _pieces_of(self, call: _Call, i: int) -> InputPieces:
-        """Input ``i``'s pieces, decoded and segmented lazily; any failure is an AudioError naming the input."""
-        return input_pieces(self.checkpoint, call.items[i], call.how, name=call.names[i], index=i,
-                            context=call.contexts[i], language=call.languages[i])
+        return canonical_language(lang, self.supported_languages)
 
     def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None) -> Future:
@@ -267,38 +229,77 @@ class ASR:
                         progress: Callable[[float], None] | None = None, segmentation: str = "auto",
                         max_segment_s: float = 30.0,
                         vad: VadConfig | None = None,
-                        timestamps: str = "segment") -> Iterator[tuple[int, Transcription]]:
+                        timestamps: str = "segment",
+                        segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
         """``transcribe``, yielding ``(input index, Transcription)`` as each input completes.
 
         Arguments are those of ``transcribe``. Inputs are decoded one after another on a background
         thread while the engine works; results come in completion order. Closing the iterator early (or
         Ctrl-C while it waits) cancels the unfinished requests and frees their KV cache.
+
+        ``segments=True`` also yields ``(input index, Segment)`` for each segment of an input, in time
+        order, as soon as it and every segment before it are transcribed (the later ones run meanwhile),
+        and then the input's Transcription, whose segments are those. A failed input stops its segments
+        there; its Transcription carries the error. For one input, ``transcribe_segments`` is simpler.
         """
         call = self._call(audio, language, context, sample_rate, max_new_tokens, segmentation, max_segment_s, vad,
                           timestamps)
         # requests are submitted from the decode thread, so the engine's own release never reaches this
         # one, which may have run torch since the model loaded
         self._release_idle_threads()
-        yield from self._results(call, ignore_eos, progress)
+        yield from self._results(call, ignore_eos, progress, segments=segments)
 
-    def _results(self, call: _Call, ignore_eos: bool, progress: Callable[[float], None] | None,
-                 stop: threading.Event | None = None) -> Iterator[tuple[int, Transcription]]:
+    def transcribe_segments(self, audio: AudioInput, language: str | None = None, context: str = "",
+                            sample_rate: int | None = None, max_new_tokens: int | None = None,
+                            ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
+                            segmentation: str = "auto", max_segment_s: float = 30.0,
+                            vad: VadConfig | None = None, timestamps: str = "segment") -> SegmentStream:
+        """One input's segments, in time order, each as soon as it and every one before it are done:
+
+            for segment in asr.transcribe_segments("talk.mp3"):
+                print(f"[{segment.start:.1f} -> {segment.end:.1f}] {segment.text}")
+
+        Arguments are those of ``transcribe``, for a single input. The segments of a long file are still
+        transcribed together; this only hands each one over as early as its order allows. The returned
+        ``SegmentStream`` holds the whole Transcription in ``.transcription`` once exhausted, and raises
+        ``TranscriptionFailed`` at the end if the input failed. Nothing runs until it is iterated."""
+        if len(as_inputs(audio)) != 1:
+            raise ValueError("transcribe_segments takes one input; use transcribe_iter(..., segments=True) "
+                             "for several")
+        return SegmentStream(self.transcribe_iter(
+            audio, language=language, context=context, sample_rate=sample_rate, max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos, progress=progress, segmentation=segmentation, max_segment_s=max_segment_s,
+            vad=vad, timestamps=timestamps, segments=True))
+
+    def _results(self, call: Call, ignore_eos: bool, progress: Callable[[float], None] | None,
+                 stop: threading.Event | None = None, segments: bool = False) -> Iterator[tuple[int, object]]:
         """The pipeline behind transcribe_iter and transcribe_async: one decode thread, at most
-        ``max_in_flight_s`` of audio submitted and unfinished; ``stop`` ends it from another thread."""
+        ``max_in_flight_s`` of audio submitted and unfinished; ``stop`` ends it from another thread.
+        ``segments``: also each input's segments in order, as they are ready (``transcribe_iter``)."""
         warn = not ignore_eos
+        tok = self.checkpoint.tokenizer
+
+        def segment(i: int, piece: Piece, fut: Future) -> Segment | None:
+            read = read_piece(tok, piece, outcome_of(fut), call.names[i], warn=False)  # assemble warns, once
+            return None if isinstance(read, str) else read.segment
 
         def finish(i: int, pieces: list[Piece], futures: list[Future], duration: float) -> Transcription:
-            return self._assemble(pieces, [_outcome(f) for f in futures], warn=warn, duration=duration,
-                                  source=call.names[i], words=call.words)
+            return assemble(tok, pieces, [outcome_of(f) for f in futures], warn=warn,
+                            duration=duration, source=call.names[i], words=call.words)
 
         def fail(i: int, message: str) -> Transcription:
-            return _failed(call.names[i], message)
+            return failed(call.names[i], message)
 
-        results = stream_results(len(call.items), pieces_of=lambda i: self._pieces_of(call, i),
+        results = stream_results(len(call.items), pieces_of=call.pieces_of,
                                  submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
-                                 progress=progress, stop=stop)
-        yield from results  # type: ignore[misc]
+                                 progress=progress, stop=stop, piece_done=segment if segments else None)
+        try:
+            for i, item in results:
+                if item is not None:  # a failed piece has no segment: its input's Transcription says why
+                    yield i, item
+        finally:
+            results.close()  # an early exit here cancels the unfinished requests at once
 
     async def transcribe_async(self, audio: AudioInput | Sequence[AudioInput],
                                language: str | None | Sequence = None, context: str | Sequence[str] = "",
@@ -351,58 +352,7 @@ class ASR:
         Outcomes from ``submit(..., words=True)`` (``Aligned``) give word timestamps, as in ``transcribe``.
         """
         words = any(isinstance(r, Aligned) for r in results)  # words were asked for these pieces
-        return self._assemble(list(pieces), list(results), warn=True, words=words)
-
-    def _assemble(self, pieces: list[Piece], outcomes: list[Outcome], warn: bool, duration: float | None = None,
-                  source: str | None = None, words: bool = False) -> Transcription:
-        if len(pieces) != len(outcomes) or not (pieces or source is not None):
-            raise ValueError(f"need one result per piece, got {len(outcomes)} for {len(pieces)} pieces")
-        if len({(p.item, p.source) for p in pieces}) > 1:
-            raise ValueError("these pieces come from several inputs; assemble one input's pieces at a time")
-        source = pieces[0].source if pieces else source
-        assert source is not None
-        if duration is None:
-            duration = max(p.offset + p.duration for p in pieces)
-        tok = self.checkpoint.tokenizer
-        langs, raws, ids, segments, notes = [], [], [], [], []
-        for piece, out in sorted(zip(pieces, outcomes, strict=True), key=lambda po: po[0].offset):
-            timed: tuple[Word, ...] = ()
-            if isinstance(out, Aligned):
-                timed = out.words
-                if out.note:
-                    notes.append(f"{piece.offset:.1f} s: {out.note}")
-                out = out.result
-            if not isinstance(out, GenerationResult):
-                why = "request cancelled" if isinstance(out, (CancelledError, asyncio.CancelledError)) else str(out)
-                return Transcription("", "", duration, error=f"{source}: {why}", source=source)
-            raw = tok.decode(out.token_ids, skip_special_tokens=True)
-            lang, text, malformed = read_output(raw, piece)
-            reason = _FINISH.get(out.finish_reason, out.finish_reason)
-            if malformed and reason != "length":
-                reason = "malformed"
-                if warn:
-                    log.warning("%s: the piece at %.1f s gave no transcript: the model's output %r lacks "
-                                "the %s tag", source, piece.offset, raw[:60], ASR_TEXT_TAG)
-            if reason == "length" and warn:
-                log.warning("%s: the piece at %.1f s was cut at max_new_tokens=%d; its text may be incomplete",
-                            source, piece.offset, piece.max_new_tokens)
-            langs.append(lang)
-            raws.append(raw)
-            ids += out.token_ids
-            segments.append(Segment(round(piece.offset, 3), round(piece.offset + piece.duration, 3), text,
-                                    words=timed, finish_reason=reason))
-        worst = worst_finish_reason(s.finish_reason for s in segments)
-        # word times only when every segment with text has them: a mix would mislead a subtitle writer
-        all_timed = words and all(s.words for s in segments if s.text)
-        if words and not all_timed and warn:
-            log.warning("%s: word timestamps unavailable, giving segment times (%s)", source,
-                        "; ".join(notes) or "the aligner returned no words")
-        if words and not all_timed:
-            segments = [replace(s, words=()) for s in segments]
-        return Transcription(text=join_segment_texts(s.text for s in segments), language=merge_languages(langs),
-                             duration=round(duration, 3), raw="".join(raws), token_ids=tuple(ids),
-                             segments=tuple(segments), source=source, finish_reason=worst,
-                             timestamps="word" if all_timed else "segment")
+        return assemble(self.checkpoint.tokenizer, pieces, results, warn=True, words=words)
 
 
 def _resolve(fut: asyncio.Future, value: object) -> None:
@@ -413,24 +363,3 @@ def _resolve(fut: asyncio.Future, value: object) -> None:
 def _reject(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
-
-
-def _outcome(fut: Future | asyncio.Future) -> Outcome:
-    """The future's result or its error (waiting for it when it is a pending concurrent future)."""
-    try:
-        return fut.result()
-    except (Exception, asyncio.CancelledError) as exc:  # asyncio's CancelledError is a BaseException
-        return exc
-
-
-def _failed(source: str, error: str) -> Transcription:
-    return Transcription("", "", 0.0, error=error, source=source)
-
-
-def _broadcast(value: object, n: int, what: str) -> list:
-    if value is None or isinstance(value, str):
-        return [value] * n
-    values = list(value)  # type: ignore[call-overload]
-    if len(values) != n:
-        raise ValueError(f"{what}: got {len(values)} values for {n} inputs")
-    return values

@@ -5,7 +5,8 @@ each into pieces and submits every piece as soon as it exists, so the engine bat
 long file together and the next file is decoded while the previous one is transcribed. The audio of
 submitted-but-unfinished pieces is bounded (``max_in_flight_s``), so a 2-hour file or a folder of
 thousands never sits in memory at once. Each input's result is handed back as soon as all of its
-pieces are done, in completion order, so a caller can write it out before the next one finishes.
+pieces are done, in completion order, so a caller can write it out before the next one finishes; on
+request, each piece too, in its input's order, as soon as it and every piece before it are done.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class _Input:
     pieces: list[Piece] = field(default_factory=list)  # without their samples (the engine has them)
     futures: list[Future] = field(default_factory=list)
     settled: int = 0
+    shown: int = 0  # pieces handed to ``piece_done`` (in order)
     total: int | None = None  # pieces, known once the input is fully segmented
     duration: float = 0.0
     error: str | None = None
@@ -77,7 +79,8 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                    finish: Callable[[int, list[Piece], list[Future], float], object],
                    fail: Callable[[int, str], object], max_in_flight_s: float,
                    progress: Callable[[float], None] | None = None,
-                   stop: threading.Event | None = None) -> Iterator[tuple[int, object]]:
+                   stop: threading.Event | None = None,
+                   piece_done: Callable[[int, Piece, Future], object] | None = None) -> Iterator[tuple[int, object]]:
     """Yield ``(i, result)`` for inputs ``0..count-1`` as each one completes.
 
     ``pieces_of(i)`` segments input i (raising AudioError for a bad input); ``finish(i, pieces, futures,
@@ -86,6 +89,10 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
     Closing the generator early (or an exception in the caller, Ctrl-C included) cancels every unfinished
     request and stops the decode thread; so does setting ``stop``, from any thread (the generator ends
     within ``_POLL_S``), for a consumer on another thread that cannot close it.
+
+    ``piece_done(i, piece, future)``, if given, is called for each piece of input i in submission (time)
+    order as soon as that piece and every one before it are done, and ``(i, its return value)`` is yielded
+    then, before the input's own ``(i, result)``; a failed input yields no more of them.
     """
     events: queue.SimpleQueue = queue.SimpleQueue()
     budget = _AudioBudget(max_in_flight_s)
@@ -155,6 +162,10 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                 st.error = event[2]
                 for fut in st.futures:
                     fut.cancel()
+            if piece_done is not None and st.error is None:
+                while st.shown < len(st.futures) and st.futures[st.shown].done():
+                    st.shown += 1
+                    yield i, piece_done(i, st.pieces[st.shown - 1], st.futures[st.shown - 1])
             if st.error is None and (st.total is None or st.settled < st.total):
                 continue
             finished.add(i)

@@ -33,17 +33,28 @@ def is_unspaced(char: str) -> bool:
     return any(lo <= code <= hi for lo, hi in _UNSPACED_RANGES)
 
 
+class TextJoiner:
+    """Joins segment texts as they come, in order: ``add`` returns what the transcript grows by (with its
+    joining space), so the deltas of a stream of segments add up to ``join_segment_texts`` of them."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add(self, text: str) -> str:
+        text = text.strip()
+        if not text:
+            return ""  # a segment without speech never causes a double space
+        delta = " " + text if self.text and not (is_unspaced(self.text[-1]) or is_unspaced(text[0])) else text
+        self.text += delta
+        return delta
+
+
 def join_segment_texts(texts: Iterable[str]) -> str:
     """Join segment texts in order: one space between them, none where either side is unspaced script.
 
     Empty texts (segments without speech) are skipped, so they never cause a double space.
     """
-    out = ""
+    joiner = TextJoiner()
     for text in texts:
-        text = text.strip()
-        if not text:
-            continue
-        if out and not (is_unspaced(out[-1]) or is_unspaced(text[0])):
-            out += " "
-        out += text
-    return out
+        joiner.add(text)
+    return joiner.text

@@ -1,0 +1,78 @@
+"""``qasr transcribe`` shows a long file's text as it happens: txt on stdout grows segment by segment, and a
+txt output file is preceded by NAME.txt.partial (growing, then removed); the final bytes are unchanged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+
+from qasr.testing.speech import speak
+
+ROOT = Path(__file__).resolve().parent.parent
+SR = 16000
+DEMO = ("-m", str(ROOT / "models" / "qasr-demo-en"), "--device", "cpu", "--dtype", "float32", "--no-progress",
+        "--max-running", "2", "--max-segment-s", "4")  # two segments at a time: the text comes in waves
+SENTENCES = ("set an alarm for six forty five", "call anna on the ninth of july", "the code is k four z nine",
+             "turn off the lights", "remind me to buy milk tomorrow", "what is the weather like today")
+
+
+@pytest.fixture(scope="module")
+def long_wav(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("progressive")
+    parts = []
+    for k in range(16):
+        wave, sr = sf.read(speak(SENTENCES[k % len(SENTENCES)], d / "s.wav", speed=150 + 5 * k), dtype="float32")
+        parts += [soxr.resample(wave, sr, SR).astype(np.float32), np.zeros(SR, np.float32)]
+    sf.write(d / "talk.wav", np.concatenate(parts), SR)
+    return d / "talk.wav"
+
+
+def start(*args: str) -> subprocess.Popen:
+    # SIGINT's default action in the child: a test run started in the background by a shell inherits it ignored
+    return subprocess.Popen([sys.executable, "-m", "qasr", "transcribe", *args, *DEMO], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_txt_file_grows_as_partial_then_is_written_whole(long_wav, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = start(str(long_wav), "-o", str(out))
+    partial, final = out / "talk.txt.partial", out / "talk.txt"
+    sizes = []
+    while proc.poll() is None:
+        if partial.exists() and not final.exists():
+            sizes.append(partial.stat().st_size)
+        time.sleep(0.01)
+    assert proc.returncode == 0, proc.stderr.read().decode()
+    grown = sorted(set(sizes))
+    assert len(grown) >= 3 and grown[0] > 0, grown  # the partial grew in several steps before the file was written
+    assert final.read_text().strip() and not partial.exists()
+    stdout_run = start(str(long_wav))  # the same text on stdout, first bytes while it still runs
+    first = os.read(stdout_run.stdout.fileno(), 1 << 16)
+    still_running = stdout_run.poll() is None
+    rest = stdout_run.stdout.read()
+    assert stdout_run.wait(300) == 0
+    assert first.strip() and still_running
+    assert (first + rest).decode() == final.read_text()  # same bytes as the whole printed at once
+
+
+def test_an_interrupted_run_leaves_no_partial_file(long_wav, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = start(str(long_wav), "-o", str(out))
+    partial = out / "talk.txt.partial"
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.stat().st_size):
+        assert proc.poll() is None and time.monotonic() < deadline, "no partial text appeared"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    assert proc.wait(60) == 130
+    assert not partial.exists() and not (out / "talk.txt").exists()
