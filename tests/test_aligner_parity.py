@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from qasr.align.aligner import Aligner
 from qasr.audio.features import LogMel
 from qasr.engine.engine import EngineConfig
-from qasr.engine.kv_cache import AttentionMeta, KVPool
+from qasr.engine.kv_cache import single_prefill
 from qasr.testing import make_tiny_aligner_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -54,8 +54,7 @@ def _decorrelate_head(paths: dict) -> None:
         for seconds, (language, text) in zip([3.0, 20.0], TEXTS, strict=True):
             wave, _, prompt = aligner._prepare(noise(seconds, seed=99), text, language)
             audio = ck.model.encode_audio([LogMel(ck.features)(wave)])[0]
-            cache = KVPool(ck.config.decoder, len(prompt.ids), ck.device, ck.dtype)
-            meta = AttentionMeta.build([0], [len(prompt.ids)], [0], ck.device)
+            cache, meta = single_prefill(ck.config.decoder, len(prompt.ids), ck.device, ck.dtype)
             with torch.inference_mode():
                 x = ck.model.embed(torch.tensor(prompt.ids), audio)
                 hidden.append(ck.model.model(x, torch.arange(len(prompt.ids)), cache, meta)[prompt.slots])
@@ -104,8 +103,7 @@ def _slot_logits(aligner: Aligner, wave: np.ndarray, text: str, language: str) -
     wave_, _, prompt = aligner._prepare(wave, text, language)
     ck = aligner.checkpoint
     audio = ck.model.encode_audio([LogMel(ck.features)(wave_)])[0]
-    cache = KVPool(ck.config.decoder, len(prompt.ids), ck.device, ck.dtype)
-    meta = AttentionMeta.build([0], [len(prompt.ids)], [0], ck.device)
+    cache, meta = single_prefill(ck.config.decoder, len(prompt.ids), ck.device, ck.dtype)
     with torch.inference_mode():
         logits = ck.model(torch.tensor(prompt.ids), torch.arange(len(prompt.ids)), cache, meta,
                           logits_rows=torch.tensor(prompt.slots), audio_embeds=audio)

@@ -1,6 +1,7 @@
 """The CUDA backend (engine/cuda/): its planning on CPU tensors everywhere, its kernels on a GPU.
 
-On CPU: the varlen metadata (query offsets, region starts, key lengths, KV write rows), the padded
+On CPU: the varlen metadata (query offsets, key starts in place or staged, key lengths, KV write rows,
+through block tables consecutive and scattered), the padded
 reference attention against a float64 loop, the token-major pool against the CPU pool, decode buckets
 and their padding, the one-copy uploads, and whole engines on the backend (its pool, runner and bucketed
 decode steps, run without capture) giving the CPU backend's tokens. On CUDA (skipped here, run by
@@ -29,6 +30,7 @@ from qasr.engine.cuda.attention import (
     flash_supported,
     reference_attention,
     self_test,
+    staged,
 )
 from qasr.engine.cuda.fallback import MAX_KEY_SLOTS, MAX_SCORES, fallback_attention, fallback_plan, group_bytes
 from qasr.engine.cuda.kv_cache import TokenKVPool
@@ -44,6 +46,7 @@ from qasr.engine.cuda.plan import (
 from qasr.engine.cuda.prepare import graphs_mode
 from qasr.engine.device import backend_for, prepare_model
 from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.kv_blocks import token_rows
 from qasr.engine.kv_cache import KVPool
 from qasr.engine.padded_attention import padded_attention, padded_plan
 from qasr.model.checkpoint import load_checkpoint
@@ -55,9 +58,16 @@ LENGTHS = [0.7, 9.3, 3.1, 16.2, 41.0]  # 41 s: a prompt of several prefill chunk
 
 
 # ------------------------------------------------------------------------------------------ varlen plan
+def regions(starts, qlens, ctxs) -> list[list[int]]:
+    """Contiguous regions as block tables of one-token blocks (block_size 1): any start, any length."""
+    return [list(range(s, s + c + n)) for s, n, c in zip(starts, qlens, ctxs, strict=True)]
+
+
 def test_varlen_host_lays_out_queries_regions_and_write_rows() -> None:
     # two decode rows, a chunk of 3 after 5 cached tokens, a fresh prompt of 4; regions out of order
-    h = varlen_host(starts=[100, 10, 50, 0], query_lens=[1, 1, 3, 4], context_lens=[7, 0, 5, 0])
+    qlens, ctxs = [1, 1, 3, 4], [7, 0, 5, 0]
+    h = varlen_host(regions([100, 10, 50, 0], qlens, ctxs), 1, qlens, ctxs)
+    assert h.gather is None  # every sequence's blocks consecutive: flash reads the pool in place
     assert h.cu_q.tolist() == [0, 1, 2, 5, 9] and h.cu_q.dtype == np.int32
     assert h.k_starts.tolist()[:4] == [100, 10, 50, 0] and h.k_starts.dtype == np.int32
     assert h.used_k.tolist() == [8, 1, 8, 4] and h.used_k.dtype == np.int32
@@ -65,16 +75,26 @@ def test_varlen_host_lays_out_queries_regions_and_write_rows() -> None:
     assert (h.max_q, h.max_k) == (4, 8)
 
 
-@pytest.mark.parametrize(("starts", "qlens", "ctxs"), [([], [], []), ([0], [0], [0]), ([0, 1], [1], [0, 0]),
-                                                        ([0], [1], [-1])])
-def test_varlen_host_refuses_malformed_batches(starts, qlens, ctxs) -> None:
+def test_varlen_host_stages_scattered_blocks_and_reads_consecutive_ones_in_place() -> None:
+    # blocks of 4: sequence 0 in consecutive blocks 5, 6; sequence 1 in blocks 9, 2 (scattered)
+    h = varlen_host([[5, 6], [9, 2]], 4, [1, 3], [6, 2])
+    assert h.gather.tolist() == [20, 21, 22, 23, 24, 25, 26, 36, 37, 38, 39, 8]  # both, in position order
+    assert h.k_starts.tolist()[:2] == [0, 7] and h.used_k.tolist() == [7, 5]  # offsets in the staging copy
+    assert h.write_index.tolist() == [26, 38, 39, 8]
+    whole = varlen_host([[5, 6], [2, 3]], 4, [1, 3], [6, 2])  # the same, both consecutive: in place
+    assert whole.gather is None and whole.k_starts.tolist()[:2] == [20, 8]
+
+
+@pytest.mark.parametrize(("tables", "qlens", "ctxs"), [([], [], []), ([[0]], [0], [0]), ([[0], [1]], [1], [0, 0]),
+                                                        ([[0]], [1], [-1]), ([[0]], [2], [0])])
+def test_varlen_host_refuses_malformed_batches(tables, qlens, ctxs) -> None:
     with pytest.raises(ValueError):
-        varlen_host(starts, qlens, ctxs)
+        varlen_host(tables, 1, qlens, ctxs)
 
 
 def test_padded_plan_masks_bottom_right_causal_and_stays_inside_each_region() -> None:
     starts, qlens, ctxs = [40, 0], [3, 1], [2, 4]  # a chunk of 3 over 2 cached keys; a decode row over 4
-    p = padded_plan(starts, qlens, ctxs)
+    p = padded_plan(regions(starts, qlens, ctxs), 1, qlens, ctxs)
     assert p.q_index.tolist() == [[0, 1, 2], [3, 3, 3]]
     assert p.k_index.tolist() == [[40, 41, 42, 43, 44], [0, 1, 2, 3, 4]]
     m = p.mask[:, 0].int().tolist()
@@ -83,38 +103,70 @@ def test_padded_plan_masks_bottom_right_causal_and_stays_inside_each_region() ->
     assert p.out_index.tolist() == [0, 1, 2, 3]
 
 
-def _naive(q, kc, vc, starts, qlens, ctxs, scale) -> torch.Tensor:
-    """float64, one query row at a time."""
+def _naive(q, kc, vc, tables, bs, qlens, ctxs, scale) -> torch.Tensor:
+    """float64, one query row at a time, keys found through the block tables."""
     out, row = [], 0
     group = q.shape[1] // kc.shape[1]
-    for s, n, c in zip(starts, qlens, ctxs, strict=True):
+    for t, n, c in zip(tables, qlens, ctxs, strict=True):
         for i in range(n):
-            k = kc[s:s + c + i + 1].double().repeat_interleave(group, 1)  # (keys, heads, hd)
-            v = vc[s:s + c + i + 1].double().repeat_interleave(group, 1)
+            r = torch.from_numpy(token_rows(t, bs, 0, c + i + 1))
+            k = kc[r].double().repeat_interleave(group, 1)  # (keys, heads, hd)
+            v = vc[r].double().repeat_interleave(group, 1)
             w = torch.softmax(torch.einsum("hd,khd->hk", q[row].double(), k) * scale, -1)
             out.append(torch.einsum("hk,khd->hd", w, v).reshape(-1))
             row += 1
     return torch.stack(out)
 
 
-def _random_pool(starts, qlens, ctxs, tokens=300, kv_heads=2, hd=16, heads=4, seed=0):
+def _random_pool(tables, bs, qlens, ctxs, tokens=300, kv_heads=2, hd=16, heads=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     kc = torch.full((tokens + 1, kv_heads, hd), float("nan"))  # unwritten memory must never be read
     vc = torch.full((tokens + 1, kv_heads, hd), float("nan"))
-    for s, n, c in zip(starts, qlens, ctxs, strict=True):
-        kc[s:s + c + n] = torch.randn(c + n, kv_heads, hd, generator=gen)
-        vc[s:s + c + n] = torch.randn(c + n, kv_heads, hd, generator=gen)
+    for t, n, c in zip(tables, qlens, ctxs, strict=True):
+        r = torch.from_numpy(token_rows(t, bs, 0, c + n))
+        kc[r] = torch.randn(c + n, kv_heads, hd, generator=gen)
+        vc[r] = torch.randn(c + n, kv_heads, hd, generator=gen)
     q = torch.randn(sum(qlens), heads, hd, generator=gen)
     return q, kc, vc
 
 
-def test_reference_attention_matches_a_float64_loop_and_reads_nothing_outside_the_regions() -> None:
-    starts, qlens, ctxs = [200, 5, 60, 120], [1, 1, 9, 17], [30, 0, 40, 0]
-    q, kc, vc = _random_pool(starts, qlens, ctxs)
-    meta, _ = upload_meta(starts, qlens, ctxs, 2, torch.device("cpu"))
+def _varlen(q, kc, vc, meta, scale) -> torch.Tensor:
+    """What flash's varlen forward computes, in float64 on the CPU, from the same inputs flash_attention
+    hands it (the pool in place, or the staging copy): sequence b's keys are rows k_starts[b] ..
+    k_starts[b] + used_k[b] of the key tensor, causal at the bottom right."""
+    kc, vc = staged(kc, vc, meta)
+    out = []
+    group = q.shape[1] // kc.shape[1]
+    for b in range(len(meta.query_lens)):
+        q0, q1, k0, used = int(meta.cu_q[b]), int(meta.cu_q[b + 1]), int(meta.k_starts[b]), int(meta.used_k[b])
+        for i in range(q1 - q0):
+            seen = used - (q1 - q0) + i + 1
+            k = kc[k0:k0 + seen].double().repeat_interleave(group, 1)
+            v = vc[k0:k0 + seen].double().repeat_interleave(group, 1)
+            w = torch.softmax(torch.einsum("hd,khd->hk", q[q0 + i].double(), k) * scale, -1)
+            out.append(torch.einsum("hk,khd->hd", w, v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("layout", ["regions", "consecutive blocks", "scattered blocks"])
+def test_reference_and_flash_inputs_match_a_float64_loop_and_read_nothing_outside_the_blocks(layout) -> None:
+    """The reference attention, and the keys flash is handed (in place for consecutive blocks, a staging
+    copy for scattered ones) run through a float64 varlen loop, against a float64 loop over the tables."""
+    qlens, ctxs = [1, 1, 9, 17], [30, 0, 40, 0]
+    if layout == "regions":
+        bs, tables = 1, regions([200, 5, 60, 120], qlens, ctxs)
+    elif layout == "consecutive blocks":
+        bs, tables = 16, [[12, 13], [0], [3, 4, 5, 6], [9, 10]]
+    else:
+        bs, tables = 16, [[7, 1], [16], [3, 11, 0, 5], [14, 9]]
+    q, kc, vc = _random_pool(tables, bs, qlens, ctxs, tokens=17 * 16)
+    meta, _ = upload_meta(tables, bs, qlens, ctxs, 2, torch.device("cpu"))
+    assert (meta.gather is None) == (layout != "scattered blocks")
+    want = _naive(q, kc, vc, tables, bs, qlens, ctxs, 0.25)
     got = reference_attention(q, kc, vc, meta, 0.25)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), _naive(q, kc, vc, starts, qlens, ctxs, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_varlen(q, kc, vc, meta, 0.25), want, atol=1e-9, rtol=1e-9)
 
 
 def test_self_test_accepts_the_reference_and_rejects_a_wrong_kernel() -> None:
@@ -130,32 +182,34 @@ def test_self_test_accepts_the_reference_and_rejects_a_wrong_kernel() -> None:
 
 
 # ------------------------------------------------------------------ the fallback attention, by request kind
-def _mixed_step(decode_ctxs, chunks, gap=3):
-    """Decode rows over the given contexts, then prefill chunks (query rows, context), regions in order."""
-    starts, qlens, ctxs, at = [], [], [], 0
+def _mixed_step(decode_ctxs, chunks, bs=16):
+    """Decode rows over the given contexts, then prefill chunks (query rows, context), each in its own run
+    of consecutive blocks with a free block between; returns the tables, lengths and the pool's tokens."""
+    tables, qlens, ctxs, at = [], [], [], 0
     for n, c in [(1, c) for c in decode_ctxs] + list(chunks):
-        starts.append(at)
+        k = -(-(c + n) // bs)
+        tables.append(list(range(at, at + k)))
         qlens.append(n)
         ctxs.append(c)
-        at += c + n + gap
-    return starts, qlens, ctxs, at
+        at += k + 1
+    return tables, qlens, ctxs, at * bs
 
 
 @pytest.mark.parametrize(("key_slots", "scores"), [(MAX_KEY_SLOTS, MAX_SCORES), (40, 300)])
 def test_fallback_by_request_kind_gives_the_one_padded_batchs_results(key_slots: int, scores: int) -> None:
     """Decode rows in groups, each chunk alone and (with small limits) in blocks of query rows: the same
     outputs as the one padded batch of every row that the fallback used to run."""
-    starts, qlens, ctxs, tokens = _mixed_step([30, 3, 17, 0, 44, 9], [(37, 120), (1, 20), (64, 0), (9, 5)])
-    q, kc, vc = _random_pool(starts, qlens, ctxs, tokens=tokens)
-    plan = fallback_plan(starts, qlens, ctxs, max_key_slots=key_slots, max_scores=scores)
+    tables, qlens, ctxs, tokens = _mixed_step([30, 3, 17, 0, 44, 9], [(37, 120), (1, 20), (64, 0), (9, 5)])
+    q, kc, vc = _random_pool(tables, 16, qlens, ctxs, tokens=tokens)
+    plan = fallback_plan(tables, 16, qlens, ctxs, max_key_slots=key_slots, max_scores=scores)
     got = fallback_attention(q, kc, vc, plan, 0.25)
-    want = padded_attention(q, kc, vc, padded_plan(starts, qlens, ctxs), 0.25)
+    want = padded_attention(q, kc, vc, padded_plan(tables, 16, qlens, ctxs), 0.25)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert sorted(torch.cat([g.rows for g in plan.groups]).tolist()) == list(range(sum(qlens)))
     if key_slots == 40:  # the limits did split: several decode groups, the 120-context chunk in blocks
         assert len(plan.groups) > 2 + 4
-    meta, _ = upload_meta(starts, qlens, ctxs, 6, torch.device("cpu"))
+    meta, _ = upload_meta(tables, 16, qlens, ctxs, 6, torch.device("cpu"))
     torch.testing.assert_close(reference_attention(q, kc, vc, meta, 0.25), want, atol=1e-6, rtol=1e-6)
 
 
@@ -165,11 +219,11 @@ def test_fallback_memory_stays_bounded_on_a_large_mixed_step() -> None:
     bf16, before its scores (out of memory); the plan by request kind stays under 1 GiB (0.77). Computed
     from the plan's shapes on the CPU, nothing allocated on a device."""
     rng = np.random.default_rng(0)
-    starts, qlens, ctxs, _ = _mixed_step([int(c) for c in rng.integers(1500, 2100, 512)], [(2048, 14000)])
+    tables, qlens, ctxs, _ = _mixed_step([int(c) for c in rng.integers(1500, 2100, 512)], [(2048, 14000)])
     dims = dict(heads=16, kv_heads=8, head_dim=128, elem=2)  # Qwen3-ASR-0.6B's decoder, bf16
     old = sum(qlens) * 16 * 128 * 2 + group_bytes((513, 2048, 16048), **dims)  # output + one padded batch
     assert old > 50 * 2**30
-    plan = fallback_plan(starts, qlens, ctxs)
+    plan = fallback_plan(tables, 16, qlens, ctxs)
     assert plan.peak_bytes(**dims) < 2**30
     for g in plan.groups:
         s, mq, mk = g.shape
@@ -223,36 +277,35 @@ def test_token_major_pool_attends_and_stores_like_the_cpu_pool() -> None:
     """Prefill chunks (one with a cached prefix), then mixed steps with decode rows first: same outputs as
     the head-major pool with torch attention, and the same keys and values stored, every layer."""
     cfg = _dec()
-    ref = KVPool(cfg, 400, torch.device("cpu"), torch.float32)
-    ours = TokenKVPool(cfg, 400, torch.device("cpu"), torch.float32)
+    ref = KVPool(cfg, 25, torch.device("cpu"), torch.float32, block_size=16)
+    ours = TokenKVPool(cfg, 25, 16, torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(1)
-    steps = [  # (starts, query_lens, context_lens, num_decode)
-        ([0, 200], [24, 13], [0, 0], 0),
-        ([200, 0], [30, 1], [13, 24], 0),  # a chunk over a cached prefix; a one-token chunk (not decode)
-        ([0, 200], [1, 1], [25, 43], 2),
-        ([0, 200, 300], [1, 1, 50], [26, 44, 0], 2),
+    a, b, c = [0, 1], [12, 4, 7], [20, 9, 15, 2]  # consecutive; scattered; scattered, out of order
+    steps = [  # (tables, query_lens, context_lens, num_decode)
+        ([a, b], [24, 13], [0, 0], 0),
+        ([b, a], [30, 1], [13, 24], 0),  # a chunk over a cached prefix; a one-token chunk (not decode)
+        ([a, b], [1, 1], [25, 43], 2),
+        ([a, b, c], [1, 1, 50], [26, 44, 0], 2),
     ]
-    for starts, qlens, ctxs, nd in steps:
+    for tables, qlens, ctxs, nd in steps:
         n = sum(qlens)
         for layer in range(cfg.num_hidden_layers):
             q = torch.randn(n, 4, 16, generator=gen)
             k = torch.randn(n, 2, 16, generator=gen)
             v = torch.randn(n, 2, 16, generator=gen)
-            want = ref.attend(layer, q, k, v, ref.build_meta(starts, qlens, ctxs, nd))
-            got = ours.attend(layer, q, k, v, upload_meta(starts, qlens, ctxs, nd, ours.device)[0])
+            want = ref.attend(layer, q, k, v, ref.build_meta(tables, qlens, ctxs, nd))
+            got = ours.attend(layer, q, k, v, upload_meta(tables, 16, qlens, ctxs, nd, ours.device)[0])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for s, length in ((0, 27), (200, 45), (300, 50)):
-        assert torch.equal(ours.k[:, s:s + length], ref.k[:, :, s:s + length].transpose(1, 2))
-        assert torch.equal(ours.v[:, s:s + length], ref.v[:, :, s:s + length].transpose(1, 2))
+    for t, length in ((a, 27), (b, 45), (c, 50)):
+        r = torch.from_numpy(token_rows(t, 16, 0, length))
+        assert torch.equal(ours.k[:, r], ref.k[:, :, r].transpose(1, 2))
+        assert torch.equal(ours.v[:, r], ref.v[:, :, r].transpose(1, 2))
 
 
-def test_pool_move_copies_a_region_and_the_scratch_row_lies_outside_the_allocator() -> None:
-    pool = TokenKVPool(_dec(), 100, torch.device("cpu"), torch.float32)
+def test_the_scratch_row_lies_outside_the_allocator() -> None:
+    pool = TokenKVPool(_dec(), 25, 4, torch.device("cpu"), torch.float32)
     assert pool.k.shape == (2, 101, 2, 16) and pool.scratch == 100 and pool.allocator.capacity == 100
-    pool.k[:, 10:15] = torch.randn(2, 5, 2, 16)
-    pool.v[:, 10:15] = torch.randn(2, 5, 2, 16)
-    pool.move(10, 60, 5)
-    assert torch.equal(pool.k[:, 60:65], pool.k[:, 10:15]) and torch.equal(pool.v[:, 60:65], pool.v[:, 10:15])
+    assert pool.allocator.alloc(25) == list(range(25)) and pool.allocator.alloc(1) is None
     assert pool.nbytes == 2 * 2 * 101 * 2 * 16 * 4
 
 
@@ -323,10 +376,16 @@ def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens(ck32) -> 
     waves = [noise(s, seed=k) for k, s in enumerate(LENGTHS)]
     want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128), waves)
     got, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128,
-                                             backend="cuda"), waves)
+                                             backend="cuda", kv_block_tokens=16), waves)
     assert got == want
     stats = engine.runner.stats()
-    assert stats["bucketed_steps"] > 10 and stats["graph_replays"] == 0 and stats["eager_steps"] > 0
+    # requests decoding side by side take their next blocks in turns, so their tables interleave: those
+    # decode steps run eagerly, flash's keys staged through a gather (a graph reads the pool in place)
+    assert stats["scattered_decode_steps"] > 10 and stats["graph_replays"] == 0 and stats["eager_steps"] > 0
+    alone, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128,
+                                               backend="cuda"), waves[3:4])
+    stats = engine.runner.stats()  # a request alone holds consecutive blocks: its decode steps are bucketed
+    assert alone == want[3:4] and stats["bucketed_steps"] == 19 and stats["scattered_decode_steps"] == 0
     unbucketed, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, backend="cuda", cuda_graphs=False), waves)
     assert unbucketed == want and engine.runner.stats()["bucketed_steps"] == 0
 
@@ -460,23 +519,28 @@ def test_cuda_flash_varlen_passes_its_self_test(heads: int, kv_heads: int, hd: i
 @needs_cuda
 def test_cuda_flash_varlen_matches_the_reference_on_a_large_mixed_batch() -> None:
     gen = torch.Generator().manual_seed(5)
-    starts, qlens, ctxs = [], [], []
-    at = 0
+    qlens, ctxs = [], []
     for i in range(24):  # 16 decode rows, then 8 chunks of up to 300 new tokens; contexts up to 1500
-        n = 1 if i < 16 else int(torch.randint(2, 300, (1,), generator=gen))
-        c = int(torch.randint(0, 1500, (1,), generator=gen))
-        starts.append(at)
-        qlens.append(n)
-        ctxs.append(c)
-        at += c + n + 17
-    q, kc, vc = _random_pool(starts, qlens, ctxs, tokens=at, kv_heads=8, hd=128, heads=16, seed=5)
+        qlens.append(1 if i < 16 else int(torch.randint(2, 300, (1,), generator=gen)))
+        ctxs.append(int(torch.randint(0, 1500, (1,), generator=gen)))
+    need = [-(-(n + c) // 16) for n, c in zip(qlens, ctxs, strict=True)]
+    blocks = sum(need) + 24
+    order = torch.randperm(blocks, generator=gen).tolist()
+    consecutive, at = [], 0
+    for k in need:
+        consecutive.append(list(range(at, at + k)))
+        at += k + 1
+    scattered = [order[sum(need[:b]):sum(need[:b + 1])] for b in range(24)]
     dev = torch.device("cuda")
-    meta, _ = upload_meta(starts, qlens, ctxs, 16, dev)
-    got = flash_attention(q.to(dev, torch.bfloat16), kc.to(dev, torch.bfloat16), vc.to(dev, torch.bfloat16), meta,
-                          128 ** -0.5).float()
-    want = reference_attention(q.to(dev), kc.to(dev), vc.to(dev), meta, 128 ** -0.5)  # float32
-    assert torch.isfinite(got).all()
-    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    for tables in (consecutive, scattered):  # read in place; staged through a gather
+        q, kc, vc = _random_pool(tables, 16, qlens, ctxs, tokens=blocks * 16, kv_heads=8, hd=128, heads=16, seed=5)
+        meta, _ = upload_meta(tables, 16, qlens, ctxs, 16, dev)
+        assert (meta.gather is None) == (tables is consecutive)
+        got = flash_attention(q.to(dev, torch.bfloat16), kc.to(dev, torch.bfloat16), vc.to(dev, torch.bfloat16),
+                              meta, 128 ** -0.5).float()
+        want = reference_attention(q.to(dev), kc.to(dev), vc.to(dev), meta, 128 ** -0.5)  # float32
+        assert torch.isfinite(got).all()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
 
 
 @needs_cuda

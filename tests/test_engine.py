@@ -14,7 +14,7 @@ from conftest import noise
 
 from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
-from qasr.engine.kv_cache import RegionAllocator, kv_bytes_per_token
+from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
@@ -33,18 +33,6 @@ def ck_bf16(tiny_original):
 
 def prompt_for(ck, wave: np.ndarray, context: str = "") -> list[int]:
     return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), context)
-
-
-def test_region_allocator_first_fit_and_merge() -> None:
-    a = RegionAllocator(100)
-    x, y, z = a.alloc(30), a.alloc(30), a.alloc(30)
-    assert (x, y, z) == (0, 30, 60) and a.alloc(20) is None
-    a.free(y, 30)
-    assert a.alloc(40) is None and a.alloc(25) == 30
-    a.free(30, 25)
-    a.free(x, 30)
-    a.free(z, 30)
-    assert a.used == 0 and a.alloc(100) == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -127,7 +127,7 @@ def test_cancel_mid_decode_frees_the_region_and_spares_the_others(ck) -> None:
     while engine.stats().kv_tokens_used != 0 and time.time() < deadline:
         time.sleep(0.01)
     stats = engine.stats()
-    assert used_before >= len(prompt_for(ck, long_wave)) + 2000 and stats.kv_tokens_used == 0
+    assert used_before >= len(prompt_for(ck, long_wave)) and stats.kv_tokens_used == 0  # blocks follow the tokens
     assert count[0] < 1000 and stats.running == 0  # it stopped long before its limit
     engine.close()
 
@@ -229,7 +229,8 @@ def test_stats_report_the_engine_state(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
     s0 = engine.stats()
     assert (s0.waiting, s0.running, s0.kv_tokens_used, s0.steps, s0.generated_tokens) == (0, 0, 0, 0, 0)
-    assert s0.kv_tokens_total == engine.pool.tokens and not s0.broken and not s0.closed
+    assert s0.kv_tokens_total == engine.pool.tokens == s0.kv_blocks_total * s0.kv_block_tokens
+    assert (s0.kv_blocks_used, s0.preemptions, s0.broken, s0.closed) == (0, 0, False, False)
     w = noise(2.0)
     out = engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=10, ignore_eos=True).result()
     s1 = engine.stats()

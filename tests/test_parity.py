@@ -14,7 +14,7 @@ from conftest import noise
 from devices import DEVICES, exact_float32
 
 from qasr.audio.features import LogMel
-from qasr.engine.kv_cache import AttentionMeta, KVPool
+from qasr.engine.kv_cache import single_prefill
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
@@ -59,8 +59,7 @@ def _hf_inputs(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _prefill_logits(ck, ids: list[int], features: torch.Tensor) -> torch.Tensor:
     audio = ck.model.encode_audio([features])
-    cache = KVPool(ck.config.decoder, len(ids), ck.device, ck.dtype)
-    meta = AttentionMeta.build([0], [len(ids)], [0], ck.device)
+    cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
     with torch.inference_mode():
         return ck.model(torch.tensor(ids, device=ck.device), torch.arange(len(ids), device=ck.device), cache, meta,
                         audio_embeds=audio[0]).cpu()

@@ -293,7 +293,8 @@ def test_models_and_metrics(server, client) -> None:
     assert metric(text, "qasr_audio_seconds_total") > 0
     assert metric(text, "qasr_time_to_first_token_seconds_count") > 0
     assert 'qasr_http_request_duration_seconds_bucket{le="0.5",route="/v1/audio/transcriptions"}' in text
-    assert metric(text, "qasr_engine_kv_tokens_total") > 0
+    assert metric(text, "qasr_engine_kv_tokens_total") > 0 and metric(text, "qasr_engine_kv_blocks_total") > 0
+    assert metric(text, "qasr_engine_kv_blocks_used") == 0 and metric(text, "qasr_engine_preemptions_total") == 0
     assert metric(text, "qasr_engine_running_requests") == 0 and metric(text, "qasr_queued_audio_seconds") == 0
 
 

@@ -1,5 +1,5 @@
 """The engine features live sessions use: a request given its encoder rows (audio_embeds) and a request
-that continues the kept KV region of an earlier one (keep_kv / kv_prefix)."""
+that continues the kept KV blocks of an earlier one (keep_kv / kv_prefix)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _idle_kv(eng, used: int, timeout: float = 10.0) -> None:  # noqa: ANN001
     assert eng.stats().kv_tokens_used == used
 
 
-def test_kv_prefix_continues_a_kept_region(tiny_asr) -> None:  # noqa: ANN001
+def test_kv_prefix_continues_kept_blocks(tiny_asr) -> None:  # noqa: ANN001
     eng, ck = tiny_asr.engine, tiny_asr.checkpoint
     before = eng.stats().kv_tokens_used
     long_wave = noise(30.0, seed=11)
@@ -51,17 +51,17 @@ def test_kv_prefix_continues_a_kept_region(tiny_asr) -> None:  # noqa: ANN001
     assert eng.timings["prefill_tokens"] - prefilled == len(prompt_b) - 256
     with pytest.raises(ValueError, match="already used"):
         eng.submit(prompt_b, audio_embeds=rows_b, max_new_tokens=6, kv_prefix=(lease, 256))
-    _idle_kv(eng, before)  # the continuing request freed the region it took over
+    _idle_kv(eng, before)  # the continuing request freed the blocks it took over
 
 
-def test_released_and_cancelled_leases_free_their_regions(tiny_asr) -> None:  # noqa: ANN001
+def test_released_and_cancelled_leases_free_their_blocks(tiny_asr) -> None:  # noqa: ANN001
     eng, ck = tiny_asr.engine, tiny_asr.checkpoint
     before = eng.stats().kv_tokens_used
     rows = _rows(tiny_asr, noise(3.0, seed=12))
     prompt = build_prompt(ck.tokenizer, ck.special, rows.shape[0])
     lease = eng.submit(prompt, audio_embeds=rows, max_new_tokens=2, keep_kv=True).result().kv
-    assert lease is not None
-    _idle_kv(eng, before + lease.reserved)
+    assert lease is not None and len(lease.blocks) == -(-len(prompt) // eng.stats().kv_block_tokens)
+    _idle_kv(eng, before + len(lease.blocks) * eng.stats().kv_block_tokens)  # the prompt's blocks, no more
     eng.release(lease)
     eng.release(lease)  # twice: no-op
     _idle_kv(eng, before)

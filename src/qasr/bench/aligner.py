@@ -110,7 +110,7 @@ def decorrelate_head(path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     from qasr.align.aligner import Aligner
     from qasr.audio.features import LogMel
     from qasr.engine.engine import EngineConfig
-    from qasr.engine.kv_cache import AttentionMeta, KVPool
+    from qasr.engine.kv_cache import single_prefill
 
     # its engine is never used: the smallest KV pool (256 tokens) instead of the default gibibytes
     with Aligner.from_pretrained(path, device="cpu", dtype=dtype, engine_config=EngineConfig(kv_cache_bytes=1)) \
@@ -123,8 +123,7 @@ def decorrelate_head(path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
             with torch.inference_mode():
                 audio = ck.model.encode_audio([LogMel(ck.features)(wave)])[0]
                 x = ck.model.embed(torch.tensor(prompt.ids), audio)
-                h = ck.model.model(x, torch.arange(n), KVPool(ck.config.decoder, n, ck.device, ck.dtype),
-                                   AttentionMeta.build([0], [n], [0], ck.device))
+                h = ck.model.model(x, torch.arange(n), *single_prefill(ck.config.decoder, n, ck.device, ck.dtype))
             hidden.append(h[prompt.slots].float())
     u = torch.cat(hidden).mean(0)
     u = u / u.norm()

@@ -20,22 +20,23 @@ from qasr.model.kernels import Kernels
 if TYPE_CHECKING:
     from qasr.audio.features import FeatureConfig
     from qasr.engine.config import EngineConfig
-    from qasr.engine.kv_cache import RegionAllocator
+    from qasr.engine.kv_blocks import BlockAllocator
     from qasr.engine.request import Request
     from qasr.engine.scheduler import StepPlan
     from qasr.model.config import DecoderConfig
 
 
 class KVCache(Protocol):
-    """A pool of keys and values for ``tokens`` positions, handed out in regions by ``allocator``."""
+    """A pool of keys and values for ``tokens`` positions, handed out in blocks of ``block_size`` tokens by
+    ``allocator``; a forward's attention metadata names each sequence's block table (the layout of that
+    metadata is the pool's own: engine/kv_cache.AttentionMeta, engine/cuda/plan.VarlenMeta)."""
 
     tokens: int
-    allocator: RegionAllocator
+    block_size: int
+    allocator: BlockAllocator
 
     @property
     def nbytes(self) -> int: ...
-
-    def move(self, src: int, dst: int, n: int) -> None: ...
 
 
 class StepRunner(Protocol):
@@ -47,7 +48,8 @@ class StepRunner(Protocol):
 
 
 class PoolFactory(Protocol):
-    def __call__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype) -> KVCache: ...
+    def __call__(self, cfg: DecoderConfig, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> KVCache: ...
 
 
 class RunnerFactory(Protocol):

@@ -10,6 +10,7 @@ from numbers import Integral
 @dataclass(frozen=True)
 class EngineConfig:
     kv_cache_bytes: int | None = None  # None (or 0): 40% of available memory on CPU, capped at 8 GiB
+    kv_block_tokens: int = 64  # the KV pool is handed out in blocks of this many tokens (docs/engine.md: why 64)
     max_running: int = 64
     prefill_tokens: int = 512  # prompt tokens per step (whole chunks), riding along with the decode rows
     prefill_chunk: int = 256  # the fixed chunk grid of every prompt (keeps outputs batch-independent)
@@ -21,7 +22,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress (it would spin empty steps)."""
-        for name in ("max_running", "prefill_tokens", "prefill_chunk", "encoder_tokens", "conv_batch"):
+        for name in ("kv_block_tokens", "max_running", "prefill_tokens", "prefill_chunk", "encoder_tokens",
+                     "conv_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
@@ -40,10 +42,14 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EngineStats:
-    waiting: int  # submitted, not yet holding a KV region
-    running: int  # holding a KV region (encoding, prefilling or decoding)
-    kv_tokens_used: int
+    waiting: int  # submitted (or preempted), not yet admitted
+    running: int  # admitted: encoding, prefilling or decoding
+    kv_tokens_used: int  # tokens of KV memory held: blocks in use (running requests and kept leases) x block size
     kv_tokens_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_tokens: int
+    preemptions: int  # requests preempted (blocks freed, recomputed later) since start
     steps: int
     generated_tokens: int
     tokens_per_s: float  # generated tokens per second over the last RATE_WINDOW_S seconds

@@ -2,15 +2,17 @@
 
 ``submit`` is thread-safe and returns a ``concurrent.futures.Future``; ``generate_async`` wraps it for
 asyncio, ``stream`` / ``stream_async`` yield each token as it is sampled. One background thread drives
-the device: each step admits waiting requests into KV regions, encodes a few audio windows in one
-packed call, and runs one packed decoder forward that mixes the decode rows of running requests with
-chunked prefill of new ones. On a forced-aligner checkpoint, ``submit_alignment`` requests ride the same
-steps and end with their prefill (the head's argmax at given positions is their result).
+the device: each step admits waiting requests (KV blocks are taken as their tokens are made), encodes
+a few audio windows in one packed call, and runs one packed decoder forward that mixes the decode rows
+of running requests with chunked prefill of new ones. On a forced-aligner checkpoint,
+``submit_alignment`` requests ride the same steps and end with their prefill (the head's argmax at
+given positions is their result).
 
 No request harms another: a malformed request is refused at submit; a step that raises is rerun one
 request at a time so only the culprit fails; a cancelled future stops its request at the next step and
-frees its KV region; an unexpected error in the loop marks the engine broken and fails every pending
-future with it (and every later submit); ``close`` resolves every future it does not finish.
+frees its KV blocks; when the blocks run out the youngest request is preempted and recomputed (same
+tokens); an unexpected error in the loop marks the engine broken and fails every pending future with it
+(and every later submit); ``close`` resolves every future it does not finish.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import psutil
 import torch
 
 from qasr.audio.features import LogMel
+from qasr.engine.block_manager import BlockManager
 from qasr.engine.config import EngineConfig, EngineStats
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
@@ -59,16 +62,18 @@ class Engine:
         model = prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
-        tokens = max(budget // per_token, 256)
+        blocks = -(-max(budget // per_token, 256) // config.kv_block_tokens)  # rounded up: a budget of N tokens holds N
         if prepared.make_pool is not None:  # the backend's own pool layout
-            self.pool = prepared.make_pool(checkpoint.config.decoder, tokens, model.device, model.dtype)
+            self.pool = prepared.make_pool(checkpoint.config.decoder, blocks, config.kv_block_tokens, model.device,
+                                           model.dtype)
         else:
-            self.pool = KVPool(checkpoint.config.decoder, tokens, model.device, model.dtype,
-                               prepared.decode_attention, prepared.prefill_attention)
+            self.pool = KVPool(checkpoint.config.decoder, blocks, model.device, model.dtype,
+                               block_size=config.kv_block_tokens, decode_kernel=prepared.decode_attention,
+                               prefill_kernel=prepared.prefill_attention)
         enc = checkpoint.config.encoder
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
-                            enc.window_tokens), self.pool.allocator, move_kv=self.pool.move)
+                            enc.window_tokens), BlockManager(self.pool.allocator))
         if prepared.make_runner is not None:
             self.runner = prepared.make_runner(prepared, self.pool, checkpoint.features, config)
         else:
@@ -76,7 +81,7 @@ class Engine:
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
-                             checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, tokens)
+                             checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
         self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -109,11 +114,13 @@ class Engine:
         the caller (a live session keeps the rows of finished 8 s windows and encodes only the open one);
         the request then skips the encoder and goes straight to prefill with the other requests.
 
-        ``keep_kv``: on success the request's KV region is kept and returned as ``result.kv`` (a
-        ``KVLease``). ``kv_prefix=(lease, n)`` continues such a region: the first n prompt positions are
+        ``keep_kv``: on success the request's KV blocks are kept and returned as ``result.kv`` (a
+        ``KVLease``). ``kv_prefix=(lease, n)`` continues such a prefix: the first n prompt positions are
         reused, not prefilled (n a multiple of ``prefill_chunk``, so the later chunks lie on the grid a
         fresh prefill uses and give the same bits; the caller vouches that the audio rows before n are
-        those of the lease's request). A lease is used once; ``release`` frees one that is not."""
+        those of the lease's request). Should the engine have evicted the lease to make room meanwhile,
+        the whole prompt is prefilled instead (the same bits again). A lease is used once; ``release``
+        frees one that is not."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -143,18 +150,18 @@ class Engine:
             if lease.taken:
                 raise ValueError("kv_prefix: this KV lease was already used or released")
             lease.taken = True
-        req.kv_prefix, req.prefilled = lease, n
+        req.kv_prefix, req.prefix_len = lease, n  # the blocks are taken over (or found evicted) at admission
         return self._enqueue(req)
 
     def release(self, lease: KVLease) -> None:
-        """Free a kept KV region that no request will continue (no-op if it was used or released)."""
+        """Free kept KV blocks that no request will continue (no-op if the lease was used or released)."""
         with self._lock:
             if lease.taken:
                 return
             lease.taken = True
             if self._closing:  # the loop is gone or going: the pool goes with it
                 return
-            self._inbox.put(lease)  # the allocator belongs to the engine thread
+            self._inbox.put(lease)  # the blocks belong to the engine thread
 
     def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,
                          features: torch.Tensor | None = None) -> Future:
@@ -215,9 +222,11 @@ class Engine:
         now = time.perf_counter()
         recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
         rate = sum(n for _, n in recent) / RATE_WINDOW_S if recent else 0.0
-        sched = self.scheduler
+        sched, alloc = self.scheduler, self.pool.allocator
         return EngineStats(waiting=len(sched.waiting) + self._inbox.qsize(), running=len(sched.active),
-                           kv_tokens_used=self.pool.allocator.used, kv_tokens_total=self.pool.tokens,
+                           kv_tokens_used=alloc.used, kv_tokens_total=alloc.capacity,
+                           kv_blocks_used=alloc.used_blocks, kv_blocks_total=alloc.num_blocks,
+                           kv_block_tokens=alloc.block_size, preemptions=sched.preemptions,
                            steps=self.steps, generated_tokens=self.generated_tokens, tokens_per_s=rate,
                            broken=self._broken is not None, closed=self._closing)
 
@@ -271,7 +280,7 @@ class Engine:
 
     def _take(self, item: Request | KVLease | None) -> None:
         if isinstance(item, KVLease):
-            self.pool.allocator.free(item.start, item.reserved)
+            self.scheduler.blocks.release(item)
         elif item is not None:  # None only wakes the loop (close)
             self.scheduler.add(item)
 
@@ -300,12 +309,12 @@ class Engine:
         """One scheduling step. A failing step is rerun one request at a time: only the culprit fails."""
         sched = self.scheduler
         t_step = time.perf_counter()
-        for req in [r for r in sched.active if r.cancelled]:  # stop cancelled requests, free their regions
+        for req in [r for r in sched.active if r.cancelled]:  # stop cancelled requests, free their blocks
             sched.finish(req)
             req.resolve()
         for req in sched.drop_cancelled():  # cancelled while waiting, wherever they stand in the queue
             req.resolve()  # closes its stream and lets go of its audio
-        for req in sched.admit():  # submit refuses these already: a guard so nothing waits forever on a region
+        for req in sched.admit():  # submit refuses these already: a guard so nothing waits forever on memory
             req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
                                          f"{self.pool.tokens}"))
         plan = sched.plan()
@@ -370,32 +379,50 @@ class Engine:
         for req, token in sampled:
             if req.first_token_at is None:
                 req.first_token_at = now
+            if not self._replays_faithfully(req, token):
+                continue
             reason = None
             if not req.ignore_eos and token in self.eos:
                 reason = "eos"
             else:
                 req.output.append(token)
-                generated += 1
-                if req.on_token is not None and not self._deliver(req, token):
-                    continue
+                if len(req.output) > req.delivered:  # not a recomputed token, which was handed out already
+                    generated += 1
+                    req.delivered += 1
+                    if req.on_token is not None and not self._deliver(req, token):
+                        continue
                 if len(req.output) >= req.max_new_tokens:
                     reason = "length"
             if reason is not None:
                 lease = None
-                if req.keep_kv:  # the region stays allocated until a request takes it over or it is released
+                if req.keep_kv:  # the blocks stay held until a request takes them over or they are released
                     self.scheduler.retire(req)
-                    lease = KVLease(req.start, req.reserved, len(req.prompt), tuple(req.prompt))
+                    lease = self.scheduler.blocks.keep(req)
                 else:
                     self.scheduler.finish(req)
                 req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
-                                             now - req.submitted, kv=lease))
+                                             now - req.submitted, kv=lease, preempted=tuple(req.preempted)))
                 if lease is not None and req.future.cancelled():  # nobody will see the lease: free it
                     lease.taken = True
-                    self.pool.allocator.free(lease.start, lease.reserved)
+                    self.scheduler.blocks.release(lease)
         self.generated_tokens += generated
         self._recent.append((now, generated))
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
+
+    def _replays_faithfully(self, req: Request, token: int) -> bool:
+        """A preempted request recomputes the tokens it had made; they must come out the same (greedy
+        decoding, row-invariant kernels, the same chunk grid), since some were already delivered. If one
+        differs the request fails rather than contradict what its listener saw."""
+        i = len(req.output)
+        if i >= len(req.replay) or req.replay[i] == token:
+            return True
+        err = RuntimeError(f"request {req.id}: token {i} recomputed after preemption is {token}, "
+                           f"not {req.replay[i]} as before")
+        log.error("qasr: %s", err)
+        self.scheduler.finish(req)
+        req.resolve(error=err)
+        return False
 
     def _finish_alignments(self, plan: StepPlan) -> None:
         """Alignment requests whose prefill this step completed are done: free them, hand out their ids."""

@@ -1,28 +1,29 @@
-"""The KV cache: one token pool per layer, allocated once, carved into contiguous regions.
+"""The CPU KV cache: one token pool per layer, allocated once, handed out in fixed-size blocks.
 
-Why a token pool with contiguous regions rather than fixed slots or pages:
-- fixed slots must each be sized for the longest request (a 20-minute piece needs 16k tokens), which
-  wastes most of the memory on short clips;
-- pages need a paged-attention kernel, and a gather of scattered pages per step costs more memory
-  traffic than the attention itself on a CPU;
-- a contiguous (kv_heads, tokens, head_dim) region per request is read by prefill attention as a plain
-  view, and by the decode kernel as one linear stream, with no copy.
-A request reserves ``prompt + max_new_tokens`` tokens at admission (first fit); it is freed when the
-request ends. Admission waits while no region is free, so memory never exceeds the budget.
+Per layer one ``(kv_heads, num_blocks * block_size, head_dim)`` tensor for keys and one for values. A
+request holds a block table (engine/kv_blocks.py): its positions live block by block anywhere in the
+pool, in order within a block. The native kernels read through the table (a loop over blocks, each a
+contiguous run of ``block_size`` keys per head: 16 KB at head_dim 128 in bf16 with 64-token blocks, long
+enough for the hardware prefetchers to stream; 4 KB runs of 16-token blocks cost decode attention up to
+60% more when the blocks are scattered); the torch fallbacks gather the rows the table names.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from qasr.engine.kv_blocks import BlockAllocator, token_rows
 from qasr.engine.padded_attention import PaddedPlan, padded_attention, padded_plan
 from qasr.model.config import DecoderConfig
+
+DEFAULT_BLOCK_TOKENS = 64  # EngineConfig.kv_block_tokens' default (docs/engine.md: why)
 
 
 @dataclass(frozen=True)
@@ -30,37 +31,58 @@ class AttentionMeta:
     """Where each packed sequence lives in this pool and how many tokens it brings: the metadata
     ``KVPool.attend`` reads for one forward (the model passes it through unread).
 
-    Sequences that bring exactly one token (decode) come first; the decode tensors are built once per
-    forward so the cache does no host work per layer.
+    Sequences that bring exactly one token (decode) come first; the tensors every layer reads are built
+    once per forward here, so the cache does no host work per layer.
     """
 
-    starts: tuple[int, ...]  # first cache token of each sequence's region
+    tables: tuple[tuple[int, ...], ...]  # block ids of each sequence, in position order
+    block_size: int
     query_lens: tuple[int, ...]  # new tokens per sequence in this forward
     context_lens: tuple[int, ...]  # tokens already cached per sequence before this forward
-    num_decode: int = 0  # leading sequences with exactly one new token
-    decode_starts: torch.Tensor | None = None  # (num_decode,) int64
-    decode_lens: torch.Tensor | None = None  # (num_decode,) tokens attended (context + 1)
-    decode_write_index: torch.Tensor | None = None  # (num_decode,) cache index of the new token
+    num_decode: int  # leading sequences with exactly one new token
+    decode_tables: torch.Tensor  # (num_decode, widest table) int64, padded with block 0 (never read)
+    decode_lens: torch.Tensor  # (num_decode,) tokens attended (context + 1)
+    decode_write_index: torch.Tensor  # (num_decode,) pool row of the new token
+    prefill_tables: tuple[torch.Tensor, ...]  # per prefill sequence: its block table, int64
+    prefill_write_index: tuple[torch.Tensor, ...]  # per prefill sequence: pool rows of its new tokens
 
     @classmethod
-    def build(cls, starts: list[int], query_lens: list[int], context_lens: list[int],
-              device: torch.device, num_decode: int = 0) -> AttentionMeta:
+    def build(cls, tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
+              context_lens: Sequence[int], device: torch.device, num_decode: int = 0) -> AttentionMeta:
         """``num_decode``: how many leading sequences are decode steps. A one-token prefill chunk is
         not counted among them even when it follows the decode rows: it must take the prefill path in
         every batch, or its result would depend on whether other chunks precede it."""
         nd = num_decode
         assert all(n == 1 for n in query_lens[:nd]), "decode rows bring exactly one token"
-        st = torch.tensor(starts[:nd], dtype=torch.int64)
-        ctx = torch.tensor(context_lens[:nd], dtype=torch.int64)
-        return cls(tuple(starts), tuple(query_lens), tuple(context_lens), nd,
-                   st.to(device), (ctx + 1).to(device), (st + ctx).to(device))
+        tabs = tuple(tuple(t) for t in tables)
+        for t, n, c in zip(tabs, query_lens, context_lens, strict=True):
+            assert len(t) * block_size >= c + n, "a sequence's block table must hold all its tokens"
+        width = max((len(t) for t in tabs[:nd]), default=0)
+        dt = np.zeros((nd, width), dtype=np.int64)
+        for i, t in enumerate(tabs[:nd]):
+            dt[i, :len(t)] = t
+        ctx = np.asarray(context_lens[:nd], dtype=np.int64)
+        write = dt[np.arange(nd), ctx // block_size] * block_size + ctx % block_size
+        pt = tuple(torch.tensor(t, dtype=torch.int64, device=device) for t in tabs[nd:])
+        pw = tuple(torch.from_numpy(token_rows(t, block_size, c, c + n)).to(device)
+                   for t, n, c in zip(tabs[nd:], query_lens[nd:], context_lens[nd:], strict=True))
+        return cls(tabs, block_size, tuple(query_lens), tuple(context_lens), nd, torch.from_numpy(dt).to(device),
+                   torch.from_numpy(ctx + 1).to(device), torch.from_numpy(write).to(device), pt, pw)
 
     @cached_property
     def padded(self) -> PaddedPlan:
         """The decode rows' gather plan for the portable attention, built once per forward on first use."""
         nd = self.num_decode
-        assert self.decode_starts is not None and nd, "only decode rows take the padded path"
-        return padded_plan(self.starts[:nd], self.query_lens[:nd], self.context_lens[:nd], self.decode_starts.device)
+        assert nd, "only decode rows take the padded path"
+        return padded_plan(self.tables[:nd], self.block_size, self.query_lens[:nd], self.context_lens[:nd],
+                           self.decode_lens.device)
+
+    @cached_property
+    def prefill_key_rows(self) -> tuple[torch.Tensor, ...]:
+        """Per prefill sequence: the pool rows of all its keys (context + new), for the torch fallback."""
+        nd = self.num_decode
+        return tuple(torch.from_numpy(token_rows(t, self.block_size, 0, c + n)).to(self.decode_lens.device)
+                     for t, n, c in zip(self.tables[nd:], self.query_lens[nd:], self.context_lens[nd:], strict=True))
 
 
 def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype) -> int:
@@ -68,67 +90,33 @@ def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-class RegionAllocator:
-    """First-fit allocator of contiguous token ranges in [0, capacity); merges neighbours on free."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length)
-        self.used = 0
-
-    def alloc(self, n: int) -> int | None:
-        for i, (start, length) in enumerate(self._free):
-            if length >= n:
-                if length == n:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + n, length - n)
-                self.used += n
-                return start
-        return None
-
-    def free(self, start: int, n: int) -> None:
-        i = bisect.bisect_left(self._free, (start, 0))
-        self._free.insert(i, (start, n))
-        self.used -= n
-        # merge with the right, then the left neighbour
-        if i + 1 < len(self._free) and start + n == self._free[i + 1][0]:
-            self._free[i] = (start, n + self._free[i + 1][1])
-            del self._free[i + 1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
-            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-            del self._free[i]
-
-
 class KVPool:
-    def __init__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
-                 decode_kernel: ModuleType | None = None, prefill_kernel: ModuleType | None = None) -> None:
+    def __init__(self, cfg: DecoderConfig, num_blocks: int, device: torch.device, dtype: torch.dtype, *,
+                 block_size: int = DEFAULT_BLOCK_TOKENS, decode_kernel: ModuleType | None = None,
+                 prefill_kernel: ModuleType | None = None) -> None:
         """``decode_kernel`` / ``prefill_kernel``: native attention modules chosen by engine/device.py
         (None: torch's SDPA, same maths)."""
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.tokens = tokens = num_blocks * block_size
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, tokens, cfg.head_dim)
         # empty, not zeros: every slot is written before it is read, and untouched pages cost no RAM
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
-        self.tokens = tokens
         self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5
-        self.allocator = RegionAllocator(tokens)
         self.kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
-
-    def move(self, src: int, dst: int, n: int) -> None:
-        """Copy the keys and values of n tokens from one region to another (non-overlapping)."""
-        self.k[:, :, dst:dst + n] = self.k[:, :, src:src + n]
-        self.v[:, :, dst:dst + n] = self.v[:, :, src:src + n]
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def build_meta(self, starts: list[int], query_lens: list[int], context_lens: list[int],
+    def build_meta(self, tables: Sequence[Sequence[int]], query_lens: Sequence[int], context_lens: Sequence[int],
                    num_decode: int = 0) -> AttentionMeta:
         """The metadata ``attend`` reads for one packed forward (each pool layout builds its own)."""
-        return AttentionMeta.build(starts, query_lens, context_lens, self.k.device, num_decode=num_decode)
+        return AttentionMeta.build(tables, self.block_size, query_lens, context_lens, self.k.device,
+                                   num_decode=num_decode)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMeta) -> torch.Tensor:
@@ -141,8 +129,8 @@ class KVPool:
         outs = []
         if nd:
             if self.kernel is not None:  # the kernel also stores the new keys/values
-                out = self.kernel.decode_attention(q[:nd].contiguous(), kc, vc, meta.decode_starts,
-                                                   meta.decode_lens, self.scale, k[:nd], v[:nd])
+                out = self.kernel.decode_attention(q[:nd].contiguous(), kc, vc, meta.decode_tables, meta.decode_lens,
+                                                   meta.block_size, self.scale, k[:nd], v[:nd])
                 outs.append(out.reshape(nd, -1))
             else:
                 idx = meta.decode_write_index
@@ -152,22 +140,29 @@ class KVPool:
                 outs.append(padded_attention(q[:nd], kc.transpose(0, 1), vc.transpose(0, 1), meta.padded,
                                              self.scale))
         row = nd
-        for i in range(nd, len(meta.starts)):
-            n, ctx, start = meta.query_lens[i], meta.context_lens[i], meta.starts[i]
-            kc[:, start + ctx:start + ctx + n] = k[row:row + n].transpose(0, 1)
-            vc[:, start + ctx:start + ctx + n] = v[row:row + n].transpose(0, 1)
-            outs.append(self._one(q[row:row + n], kc, vc, start, ctx, n))
+        for i in range(len(meta.tables) - nd):
+            n, ctx = meta.query_lens[nd + i], meta.context_lens[nd + i]
+            write = meta.prefill_write_index[i]
+            kc[:, write] = k[row:row + n].transpose(0, 1)
+            vc[:, write] = v[row:row + n].transpose(0, 1)
+            if self.prefill_kernel is not None:
+                o = self.prefill_kernel.prefill_attention(q[row:row + n], kc, vc, meta.prefill_tables[i],
+                                                          meta.block_size, ctx, self.scale)
+            else:
+                o = self._gathered(q[row:row + n], kc, vc, meta.prefill_key_rows[i], ctx)
+            outs.append(o.reshape(n, -1))
             row += n
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
 
-    def _one(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, ctx: int,
-             n: int) -> torch.Tensor:
-        """Attention of n new tokens (already written) over the sequence's first ctx + n tokens."""
-        if self.prefill_kernel is not None:
-            return self.prefill_kernel.prefill_attention(q, kc, vc, start, ctx, self.scale).reshape(n, -1)
-        end = start + ctx + n
+    def _gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
+                  ctx: int) -> torch.Tensor:
+        """The torch fallback: attention of n new tokens (already written) over the sequence's first
+        ctx + n tokens, gathered from the rows its block table names. Always a gather, even where the
+        blocks happen to be consecutive, so SDPA sees the same contiguous input wherever the blocks lie
+        (a strided view might take another SDPA path and round differently)."""
+        n = q.shape[0]
         qi = q.transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
-        keys, values = kc[:, start:end].unsqueeze(0), vc[:, start:end].unsqueeze(0)
+        keys, values = kc[:, rows].unsqueeze(0), vc[:, rows].unsqueeze(0)
         if n == 1:
             o = F.scaled_dot_product_attention(qi, keys, values, scale=self.scale, enable_gqa=True)
         elif ctx == 0:
@@ -177,4 +172,14 @@ class KVPool:
                 ctx + torch.arange(n, device=q.device)[:, None])
             o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=allowed, scale=self.scale,
                                                enable_gqa=True)
-        return o[0].transpose(0, 1).reshape(n, -1)
+        return o[0].transpose(0, 1)
+
+
+def single_prefill(cfg: DecoderConfig, tokens: int, device: torch.device,
+                   dtype: torch.dtype) -> tuple[KVPool, AttentionMeta]:
+    """A pool just large enough for one sequence of ``tokens`` positions and the metadata of prefilling
+    all of them in one forward (reference computations and benchmarks that run the model without an engine)."""
+    pool = KVPool(cfg, -(-tokens // DEFAULT_BLOCK_TOKENS), device, dtype)
+    table = pool.allocator.alloc(pool.allocator.num_blocks)
+    assert table is not None
+    return pool, pool.build_meta([table], [tokens], [0])

@@ -20,27 +20,31 @@ class PaddedPlan:
     """Index tensors that lay the packed rows out as an (S, max_q) x (S, max_k) padded batch."""
 
     q_index: torch.Tensor  # (S, max_q) int64: packed query row per slot (pad slots repeat the last row)
-    k_index: torch.Tensor  # (S, max_k) int64: pool row per key slot (pad slots repeat the last key)
+    k_index: torch.Tensor  # (S, max_k) int64: pool row per key slot, through the block table (pads repeat the last key)
     mask: torch.Tensor  # (S, 1, max_q, max_k) bool: key j visible to query slot i
     out_index: torch.Tensor  # (N,) int64: flat (S * max_q) slot of each packed query row
 
 
-def padded_plan(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
-                device: torch.device | str = "cpu") -> PaddedPlan:
-    """Sequence b brings query_lens[b] new tokens after context_lens[b] cached ones, in the region that
-    starts at pool row starts[b]. Pad slots point at real rows of the sequence itself (never at unwritten
-    pool memory, which may hold NaN: a masked NaN key still poisons a softmax), and every query slot sees
-    at least one key."""
+def padded_plan(tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
+                context_lens: Sequence[int], device: torch.device | str = "cpu") -> PaddedPlan:
+    """Sequence b brings query_lens[b] new tokens after context_lens[b] cached ones; its position p lives at
+    pool row tables[b][p // block_size] * block_size + p % block_size. Pad slots point at real rows of the
+    sequence itself (never at memory outside its blocks, which may hold NaN: a masked NaN key still
+    poisons a softmax), and every query slot sees at least one key."""
     ql = torch.tensor(query_lens, dtype=torch.int64)
     ctx = torch.tensor(context_lens, dtype=torch.int64)
-    st = torch.tensor(starts, dtype=torch.int64)
     used = ctx + ql
     max_q, max_k = int(ql.max()), int(used.max())
+    width = max(len(t) for t in tables)
+    tab = torch.zeros(len(tables), width, dtype=torch.int64)
+    for b, t in enumerate(tables):
+        tab[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
     first = torch.cumsum(ql, 0) - ql
     i = torch.arange(max_q)[None, :]
     j = torch.arange(max_k)[None, :]
     q_index = first[:, None] + torch.minimum(i, (ql - 1)[:, None])
-    k_index = st[:, None] + torch.minimum(j, (used - 1)[:, None])
+    pos = torch.minimum(j, (used - 1)[:, None])  # (S, max_k) positions, pads repeat the last key
+    k_index = torch.gather(tab, 1, pos // block_size) * block_size + pos % block_size
     # bottom-right causal: query i of n new tokens over ctx cached ones sees keys 0 .. ctx + i
     mask = (j[:, None, :] <= (ctx[:, None] + i)[:, :, None]) & (j < used[:, None])[:, None, :]
     out_index = torch.cat([b * max_q + torch.arange(n) for b, n in enumerate(query_lens)])

@@ -18,16 +18,19 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class KVLease:
-    """The KV region of a finished request that asked to keep it (``submit(keep_kv=True)``): positions
-    [0, valid) hold the keys and values of its prompt and generated tokens. A later request whose prompt
-    starts with the same tokens (and audio rows) takes it over with ``submit(kv_prefix=(lease, n))`` and
-    prefills from n on; ``engine.release(lease)`` frees one that is not taken over."""
+    """The KV blocks of a finished request that asked to keep them (``submit(keep_kv=True)``): positions
+    [0, valid) hold the keys and values of its prompt. A later request whose prompt starts with the same
+    tokens (and audio rows) takes the blocks over with ``submit(kv_prefix=(lease, n))`` and prefills
+    from n on; ``engine.release(lease)`` frees a lease that is not taken over.
 
-    start: int
-    reserved: int
+    A lease is a cache, not a reservation: when the pool runs out the engine may evict it (free its
+    blocks) before preempting a running request; a request continuing an evicted lease then prefills
+    its whole prompt, which gives the same bits (the prefix was prefilled on the same chunk grid)."""
+
+    blocks: list[int]  # owned by the engine thread: empty once taken over, released or evicted
     valid: int
     prompt: tuple[int, ...]
-    taken: bool = False  # handed to a request or released: usable once
+    taken: bool = False  # handed to a request or released: usable once (set by the submitting thread)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class GenerationResult:
     finish_reason: str  # "eos" | "length"
     ttft_s: float  # submit -> first generated token
     latency_s: float  # submit -> done
-    kv: KVLease | None = None  # the kept KV region, for requests submitted with keep_kv
+    kv: KVLease | None = None  # the kept KV blocks, for requests submitted with keep_kv
+    preempted: tuple[str, ...] = ()  # the phase ("prefill" / "decode") of each time it was preempted and recomputed
 
 
 @dataclass(eq=False)
@@ -54,21 +58,28 @@ class Request:
     # alignment requests (max_new_tokens 0): sorted prompt positions whose head argmax is the result;
     # the request ends with its prefill
     classify: np.ndarray | None = None
-    keep_kv: bool = False  # on success, keep the KV region and return it as a KVLease
-    kv_prefix: KVLease | None = None  # start from this kept region: its first ``prefilled`` positions are reused
+    keep_kv: bool = False  # on success, keep the KV blocks and return them as a KVLease
+    kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
+    prefix_len: int = 0
     future: Future = field(default_factory=Future)
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     # progress (owned by the engine thread)
-    start: int = -1  # KV region start
-    reserved: int = 0  # KV region length
-    audio: torch.Tensor | None = None  # encoder output (audio_tokens, hidden), filled window by window
+    blocks: list[int] = field(default_factory=list)  # block table: KV blocks held, in position order
+    # encoder output (audio_tokens, hidden), filled window by window; kept until the request ends, so a
+    # preempted request recomputes its prefill without encoding again
+    audio: torch.Tensor | None = None
     encoded_tokens: int = 0  # rows of ``audio`` computed so far
     audio_before: np.ndarray | None = None  # (len(prompt) + 1,) audio placeholders in prompt[:i]; set at submit
     prefilled: int = 0  # prompt tokens already in the cache
     output: list[int] = field(default_factory=list)
     classes: list[int] = field(default_factory=list)  # argmax at the ``classify`` positions prefilled so far
     first_token_at: float | None = None
+    # preemption: the tokens produced before the last preemption, which the recomputation must reproduce
+    # (and which are not delivered to on_token again), and the phase of each preemption
+    replay: list[int] = field(default_factory=list)
+    delivered: int = 0  # tokens handed to on_token so far
+    preempted: list[str] = field(default_factory=list)
 
     @property
     def needs_tokens(self) -> int:

@@ -65,9 +65,7 @@ class Runner:
         batch = self.collect(plan)
         tokens = self.run(batch)  # runs even when no row is sampled: the chunks' keys and values are stored
         for req, n in plan.prefill:
-            req.prefilled += n
-            if req.prefill_done:
-                req.audio = None  # encoder output no longer needed
+            req.prefilled += n  # the encoder output stays: a preempted request prefills again from it
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
         return [(req, tokens[i]) for req, i in zip(batch.sampled, batch.sampled_at, strict=True)]
@@ -79,7 +77,7 @@ class Runner:
             ctx = len(req.prompt) + len(req.output) - 1
             b.ids.append(req.output[-1])
             b.positions.append(ctx)
-            b.starts.append(req.start)
+            b.tables.append(req.blocks)
             b.qlens.append(1)
             b.ctxs.append(ctx)
             b.sampled_at.append(len(b.rows))
@@ -94,7 +92,7 @@ class Runner:
             chunk = req.prompt[a:e]
             b.ids.extend(chunk)
             b.positions.extend(range(a, e))
-            b.starts.append(req.start)
+            b.tables.append(req.blocks)
             b.qlens.append(n)
             b.ctxs.append(a)
             lo, hi = int(req.audio_before[a]), int(req.audio_before[e])
@@ -115,7 +113,7 @@ class Runner:
         """One packed decoder forward on the device; the argmax of each row in ``batch.rows`` (the
         step's single host sync)."""
         dev = self.model.device
-        meta = self.pool.build_meta(batch.starts, batch.qlens, batch.ctxs, batch.num_decode)
+        meta = self.pool.build_meta(batch.tables, batch.qlens, batch.ctxs, batch.num_decode)
         rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
         logits = self.model(
             torch.tensor(batch.ids, device=dev), torch.tensor(batch.positions, device=dev), self.pool, meta,
@@ -132,7 +130,7 @@ class StepBatch:
     num_decode: int = 0  # leading single-token decode sequences
     ids: list[int] = field(default_factory=list)  # (N,) token ids, packed
     positions: list[int] = field(default_factory=list)  # (N,) absolute positions
-    starts: list[int] = field(default_factory=list)  # per sequence: KV region start
+    tables: list[list[int]] = field(default_factory=list)  # per sequence: its KV block table
     qlens: list[int] = field(default_factory=list)  # per sequence: new tokens
     ctxs: list[int] = field(default_factory=list)  # per sequence: tokens already cached
     audio: list[torch.Tensor] = field(default_factory=list)  # encoder rows for the audio placeholders, in order
@@ -144,4 +142,4 @@ class StepBatch:
 
     @property
     def pure_decode(self) -> bool:
-        return self.num_decode == len(self.starts) and not self.classified
+        return self.num_decode == len(self.tables) and not self.classified

@@ -1,4 +1,5 @@
-"""Decides what each engine step does: admissions, encoder slices, prefill chunks, decode rows.
+"""Decides what each engine step does: admissions, encoder slices, prefill chunks, decode rows, and who
+is preempted when the KV pool runs out.
 
 Pure bookkeeping on Request objects; no tensors are touched here.
 
@@ -7,21 +8,27 @@ so no step is long; and each step serves an "express lane" (the request with the
 encoder slice of at most half the budget, one prefill chunk) besides the oldest request, before the
 rest in admission order. A short request that arrives behind a long one is therefore encoded in the
 next step and prefilled within the next two, while the long one keeps moving.
+
+Memory (KV blocks, engine/kv_blocks.py): a request takes blocks as its prefill chunks are planned and
+one more whenever a decode row crosses a block boundary. Where none are free, the oldest kept prefix
+(a live session's lease) is evicted, then the youngest running request that holds blocks and is younger
+than the one in need is preempted: its blocks are freed and it goes back to the head of the queue, to
+recompute from scratch. The oldest running request can therefore always proceed (it fits the pool
+alone: submit refuses larger ones), so memory never deadlocks.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from qasr.engine.kv_cache import RegionAllocator
+from qasr.engine.block_manager import BlockManager
 from qasr.engine.request import Request
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running: int = 64  # sequences holding a KV region at once
+    max_running: int = 64  # sequences admitted at once (holding or about to take KV blocks)
     prefill_tokens: int = 512  # prompt tokens per step, in whole chunks (at least one chunk per step)
     prefill_chunk: int = 256  # a prompt is prefilled in pieces [0, C), [C, 2C), ... whatever shares the step
     encoder_tokens: int = 512  # encoder output tokens per step, in whole windows (at least one)
@@ -47,16 +54,21 @@ class StepPlan:
         return StepPlan([(r, n) for r, n in self.encode if r is req], [r for r in self.decode if r is req],
                         [(r, n) for r, n in self.prefill if r is req])
 
+    def drop(self, req: Request) -> None:
+        """Take a preempted request out of the plan: it is back in the queue, and the step must not touch
+        it (a failed step's rerun would end it as if it were running). Its encoder output so far is kept."""
+        self.encode[:] = [(r, n) for r, n in self.encode if r is not req]
+        self.decode[:] = [r for r in self.decode if r is not req]
+        self.prefill[:] = [(r, n) for r, n in self.prefill if r is not req]
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: RegionAllocator,
-                 move_kv: Callable[[int, int, int], None] | None = None) -> None:
-        """``move_kv(src, dst, n)`` copies n tokens of KV between regions (for a kept prefix that must grow)."""
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
-        self.allocator = allocator
-        self.move_kv = move_kv
+        self.blocks = blocks
         self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []  # admitted, holding a KV region, in admission order
+        self.active: list[Request] = []  # admitted, in admission order
+        self.preemptions = 0
         self._turn = False  # which of the oldest request and the express lane is served first
 
     def add(self, req: Request) -> None:
@@ -67,8 +79,21 @@ class Scheduler:
         return not self.waiting and not self.active
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into KV regions, oldest first. Returns those that can never fit.
+        """Move waiting requests into the running set. Returns those that can never fit.
+
+        Continuations whose kept blocks are still held go first (their memory is already taken, and
+        they are a live session's next step). Then the queue in order (preempted requests are at its
+        head): the head is admitted when the free blocks, counting kept prefixes (evictable) but not the
+        blocks already promised to admitted prompts nor one per decode row, cover its prompt (and the
+        tokens it must recompute, if it was preempted); or when nothing runs. Otherwise it waits, and so
+        does everything behind it (FIFO keeps latency fair).
         Cancelled waiting requests are dropped here."""
+        for req in [r for r in self.waiting if r.kv_prefix is not None and r.kv_prefix.blocks and not r.cancelled]:
+            if len(self.active) >= self.config.max_running:
+                break
+            self.waiting.remove(req)
+            self.blocks.take_over(req)
+            self.active.append(req)
         impossible = []
         while self.waiting and len(self.active) < self.config.max_running:
             req = self.waiting[0]
@@ -77,25 +102,31 @@ class Scheduler:
                 self._drop_lease(req)
                 req.resolve()  # closes a token stream, if any
                 continue
-            if req.needs_tokens > self.allocator.capacity:
+            if req.needs_tokens > self.blocks.allocator.capacity:
                 self._drop_lease(req)
                 impossible.append(self.waiting.popleft())
                 continue
-            if req.kv_prefix is not None:
-                if not self._take_over(req):
-                    break
-            else:
-                start = self.allocator.alloc(req.needs_tokens)
-                if start is None:
-                    break  # wait for a region to free up; FIFO keeps latency fair
-                req.start, req.reserved = start, req.needs_tokens
+            # a preempted request waits for room to get back to where it was, or it would be readmitted
+            # at once and preempted again by the same older request, over and over
+            if self.active and self._room() < self.blocks.allocator.blocks_for(len(req.prompt) + len(req.replay)):
+                break  # wait for blocks to free up
             self.waiting.popleft()
+            if req.kv_prefix is not None:
+                self.blocks.take_over(req)
             self.active.append(req)
         return impossible
 
+    def _room(self) -> int:
+        """Blocks a newcomer's prompt may count on: free ones and kept prefixes, less what admitted
+        prompts still need and one per decode row (the next boundary it crosses)."""
+        alloc = self.blocks.allocator
+        promised = sum(self.blocks.missing(r, len(r.prompt)) for r in self.active if not r.prefill_done)
+        decoding = sum(r.prefill_done for r in self.active)
+        return alloc.free_blocks + self.blocks.lease_blocks - promised - decoding
+
     def drop_cancelled(self) -> list[Request]:
         """Take the cancelled requests out of the waiting queue wherever they stand (not only at its head),
-        returning any kept KV region they were to continue to the pool; the caller resolves them."""
+        returning the kept KV blocks they were to continue to the pool; the caller resolves them."""
         dropped = [r for r in self.waiting if r.cancelled]
         if dropped:  # keep exactly the others (a request cancelled meanwhile waits for the next step's sweep)
             gone = {id(r) for r in dropped}
@@ -104,37 +135,50 @@ class Scheduler:
                 self._drop_lease(req)
         return dropped
 
-    def _take_over(self, req: Request) -> bool:
-        """Give a request the kept region it continues (its first ``prefilled`` positions are reused):
-        in place when the region is big enough, else a region half again as large (so a growing
-        session moves rarely) with the reused positions copied over. False: wait for memory."""
-        lease = req.kv_prefix
-        assert lease is not None
-        if lease.reserved >= req.needs_tokens:
-            req.start, req.reserved = lease.start, lease.reserved
-        else:
-            size = min(req.needs_tokens * 3 // 2, self.allocator.capacity)
-            start = self.allocator.alloc(size)
-            if start is None:
-                size = req.needs_tokens
-                start = self.allocator.alloc(size)
-            if start is None:
-                return False
-            assert self.move_kv is not None, "kept KV prefixes need a move_kv callback"
-            self.move_kv(lease.start, start, req.prefilled)
-            self.allocator.free(lease.start, lease.reserved)
-            req.start, req.reserved = start, size
-        req.kv_prefix = None
-        return True
-
     def _drop_lease(self, req: Request) -> None:
-        if req.kv_prefix is not None:  # never admitted: its kept region goes back to the pool
-            self.allocator.free(req.kv_prefix.start, req.kv_prefix.reserved)
+        if req.kv_prefix is not None:  # never admitted: its kept blocks go back to the pool
+            self.blocks.release(req.kv_prefix)
             req.kv_prefix = None
 
     def retire(self, req: Request) -> None:
-        """A finished request that keeps its region (keep_kv): out of the running set, region held."""
+        """A finished request that keeps its blocks (keep_kv): out of the running set, blocks held."""
         self.active.remove(req)
+
+    def finish(self, req: Request) -> None:
+        """A request that ended (done, failed or cancelled): out of the running set, its blocks freed."""
+        self.active.remove(req)
+        self.blocks.free(req)
+        req.audio = None
+
+    def _reserve(self, req: Request, tokens: int, plan: StepPlan) -> bool:
+        """Blocks for positions [0, tokens) of ``req``, evicting kept prefixes and preempting younger
+        requests as needed. False: even that is not enough this step (the request waits; requests older
+        than it hold the memory and will end or move on)."""
+        while not self.blocks.grow(req, tokens):
+            if self.blocks.evict_oldest():
+                continue
+            victims = [r for r in self.active if r.id > req.id and r.blocks]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda r: r.id), plan)
+        return True
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Free a running request's blocks and queue it first, to recompute from scratch: its encoder
+        output is kept, its prompt is prefilled again on the same chunk grid and its tokens decoded
+        again (greedy and row-invariant kernels make them the same; the engine checks that they are and
+        does not deliver them twice)."""
+        self.active.remove(req)
+        self.blocks.free(req)
+        plan.drop(req)
+        req.preempted.append("decode" if req.prefill_done else "prefill")
+        if len(req.output) > len(req.replay):
+            req.replay = req.output
+        req.output = []
+        req.prefilled = 0
+        req.classes = []
+        self.waiting.appendleft(req)
+        self.preemptions += 1
 
     def plan(self) -> StepPlan:
         """Every step runs all decode rows plus a bounded slice of the other work, so the running
@@ -144,12 +188,18 @@ class Scheduler:
 
         Prefill chunks lie on a fixed grid per prompt and encoder slices on the window grid, so the
         work a request sees in each call (and hence its output, with row-invariant kernels) never
-        depends on its neighbours."""
-        encode = self._plan_encode()
-        after = {id(r): r.encoded_tokens + n for r, n in encode}  # encoded tokens once this step's slices ran
-        decode = [r for r in self.active if r.prefill_done]
-        prefill = self._plan_prefill(after)
-        return StepPlan(encode, decode, prefill)
+        depends on its neighbours.
+
+        KV blocks are taken here, decode rows first (oldest first: they hold the most work), then the
+        prefill chunks; a request that cannot get its blocks sits this step out (see ``_reserve``)."""
+        plan = StepPlan(self._plan_encode(), [], [])
+        after = {id(r): r.encoded_tokens + n for r, n in plan.encode}  # encoded tokens once this step's slices ran
+        for req in list(self.active):
+            # the row stores the key of its newest token, position len(prompt) + len(output) - 1
+            if req in self.active and req.prefill_done and self._reserve(req, len(req.prompt) + len(req.output), plan):
+                plan.decode.append(req)
+        self._plan_prefill(after, plan)
+        return plan
 
     def _plan_encode(self) -> list[tuple[Request, int]]:
         cfg = self.config
@@ -175,7 +225,7 @@ class Scheduler:
         left = req.audio_tokens - req.encoded_tokens
         return min(left, max(1, budget // w) * w)
 
-    def _plan_prefill(self, encoded_after: dict[int, int]) -> list[tuple[Request, int]]:
+    def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan) -> None:
         cfg = self.config
         ready = {}
         for req in self.active:
@@ -185,10 +235,12 @@ class Scheduler:
             if limit > req.prefilled:
                 ready[id(req)] = limit
         wanted = [r for r in self.active if id(r) in ready]
-        prefill: list[tuple[Request, int]] = []
+        prefill = plan.prefill
         budget = cfg.prefill_tokens
         express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)
         for req in self._prefill_order(wanted, express):
+            if req not in self.active:
+                continue  # preempted for an earlier chunk of this step
             done, limit = req.prefilled, ready[id(req)]
             while done < limit:  # a request may bring several consecutive chunks
                 end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, len(req.prompt))
@@ -196,13 +248,14 @@ class Scheduler:
                     break  # the chunk's audio is not encoded yet: the grid stays fixed, so wait for it
                 n = end - done
                 if prefill and n > budget:
-                    return prefill
+                    return
+                if not self._reserve(req, end, plan):
+                    return  # the pool is held by older requests: no more prefill this step
                 prefill.append((req, n))
                 budget -= n
                 done = end
                 if req is express and len(wanted) > 1:
                     break  # the express lane gets one chunk per step
-        return prefill
 
     def _prefill_order(self, wanted: list[Request], express: Request | None) -> list[Request]:
         """The oldest request and the express lane first, then the rest in admission order. The first
@@ -215,10 +268,6 @@ class Scheduler:
             return [head, *rest]
         self._turn = not self._turn
         return [express, head, *rest] if self._turn else [head, express, *rest]
-
-    def finish(self, req: Request) -> None:
-        self.active.remove(req)
-        self.allocator.free(req.start, req.reserved)
 
 
 def _least(reqs: list[Request], key) -> Request | None:  # noqa: ANN001 - a sort key

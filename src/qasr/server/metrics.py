@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -52,17 +52,22 @@ class _EngineCollector:
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
         if s is None:  # the model is still loading
             return
-        yield GaugeMetricFamily("qasr_engine_waiting_requests", "Engine requests queued for a KV region",
+        yield GaugeMetricFamily("qasr_engine_waiting_requests", "Engine requests queued (or preempted) for KV memory",
                                 value=s.waiting)
-        yield GaugeMetricFamily("qasr_engine_running_requests", "Engine requests holding a KV region",
+        yield GaugeMetricFamily("qasr_engine_running_requests", "Engine requests admitted (taking KV blocks)",
                                 value=s.running)
         yield GaugeMetricFamily("qasr_engine_kv_tokens_used", "KV-cache tokens in use", value=s.kv_tokens_used)
         yield GaugeMetricFamily("qasr_engine_kv_tokens_total", "KV-cache capacity in tokens",
                                 value=s.kv_tokens_total)
+        yield GaugeMetricFamily("qasr_engine_kv_blocks_used", "KV-cache blocks in use (running requests, kept "
+                                "live-session prefixes)", value=s.kv_blocks_used)
+        yield GaugeMetricFamily("qasr_engine_kv_blocks_total", "KV-cache blocks", value=s.kv_blocks_total)
+        yield CounterMetricFamily("qasr_engine_preemptions", "Requests preempted to free KV blocks (recomputed)",
+                                  value=s.preemptions)
         yield GaugeMetricFamily("qasr_engine_tokens_per_second", "Generated tokens per second, recent",
                                 value=s.tokens_per_s)
 

@@ -76,7 +76,7 @@ class Session:
         self.stats = SessionStats()
         self.stable = ""
         self.finished = False
-        # decoder KV kept from the last step: its region, and the kept encoder windows its prompt held
+        # decoder KV kept from the last step: its blocks, and the kept encoder windows its prompt held
         self._lease: KVLease | None = None
         self._lease_windows: tuple[KeptWindow, ...] = ()
         self._window_tokens = checkpoint.config.encoder.window_tokens
@@ -139,7 +139,7 @@ class Session:
                                         keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None)
         except Exception:
             if lease is not None:
-                self.engine.release(lease)  # refused at submit: the region was not handed over
+                self.engine.release(lease)  # refused at submit: the blocks were not handed over
             raise
         result = future.result()
         self._lease, self._lease_windows = result.kv, self.encoder.used
@@ -147,7 +147,7 @@ class Session:
         return self._publish(step.text, final, step.index)
 
     def _reusable(self, prompt: list[int]) -> int:
-        """Prompt positions whose decoder KV the last step's region already holds: the prompt head and
+        """Prompt positions whose decoder KV the last step's blocks already hold: the prompt head and
         the kept encoder windows both steps share unchanged, rounded down to the engine's prefill chunk
         grid (later chunks then lie where a fresh prefill puts them, so they give the same bits)."""
         if self._lease is None:

@@ -109,55 +109,89 @@ def _expect_row_invariant(what: str, full: torch.Tensor, call: Callable[[slice],
             raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 37-row call")
 
 
+def scattered_pool(kv_heads: int, blocks: int, block_size: int, d: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A key and a value pool full of NaN, so a kernel that reads a block it was not given (or a row of a
+    block past a sequence's length) returns NaN; callers ``fill`` the positions their sequences own."""
+    shape = (kv_heads, blocks * block_size, d)
+    return torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
+
+
+def positions(table: list[int], block_size: int, n: int) -> torch.Tensor:
+    """Pool rows of positions [0, n) of a sequence with this block table."""
+    pos = torch.arange(n)
+    return torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+
+
+def fill(pool: torch.Tensor, rows: torch.Tensor, gen: torch.Generator) -> None:
+    """Random keys (or values) at these pool rows, for every head."""
+    pool[:, rows] = torch.randn(pool.shape[0], len(rows), pool.shape[2], generator=gen).to(pool.dtype)
+
+
 def check_prefill_attention(kernel: ModuleType) -> None:
-    """Causal attention of a 9-token chunk after 70 cached tokens (2 key blocks, GQA 4:2) against float32
-    attention; keys after the chunk hold NaN and must not be read; a chunk's rows are independent."""
+    """Causal attention of a 9-token chunk after 70 cached tokens (2 key blocks of the kernel, GQA 4:2) in
+    16-token pool blocks scattered out of order, against float32 attention; every row the sequence does
+    not own (other blocks, its last block's tail) holds NaN and must not be read; a chunk's rows are
+    independent."""
     gen = torch.Generator().manual_seed(7)
-    kv_heads, heads, d, pool, start, ctx, n = 2, 4, 128, 160, 5, 70, 9
-    kpool = torch.randn(kv_heads, pool, d, generator=gen).to(torch.bfloat16)
-    vpool = torch.randn(kv_heads, pool, d, generator=gen).to(torch.bfloat16)
-    kpool[:, start + ctx + n:] = float("nan")
-    vpool[:, start + ctx + n:] = float("nan")
+    kv_heads, heads, d, bs, ctx, n = 2, 4, 128, 16, 70, 9
+    table = [7, 2, 9, 0, 5]  # 80 positions: 79 used, the tail of block 5 unwritten
+    kpool, vpool = scattered_pool(kv_heads, 11, bs, d, torch.bfloat16)
+    rows = positions(table, bs, ctx + n)
+    fill(kpool, rows, gen)
+    fill(vpool, rows, gen)
     q = torch.randn(n, heads, d, generator=gen).to(torch.bfloat16)
     scale = d ** -0.5
-    got = kernel.prefill_attention(q, kpool, vpool, start, ctx, scale)
-    keys = kpool[:, start:start + ctx + n].float()[None]
-    values = vpool[:, start:start + ctx + n].float()[None]
+    tab = torch.tensor(table)
+    got = kernel.prefill_attention(q, kpool, vpool, tab, bs, ctx, scale)
+    keys, values = kpool[:, rows].float()[None], vpool[:, rows].float()[None]
     causal = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n)[:, None])
     ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values, attn_mask=causal,
                                          scale=scale, enable_gqa=True)[0].transpose(0, 1)
     _expect_near("prefill attention", got, ref, 1.5e-2)
-    tail = kernel.prefill_attention(q[6:].contiguous(), kpool, vpool, start, ctx + 6, scale)
+    tail = kernel.prefill_attention(q[6:].contiguous(), kpool, vpool, tab, bs, ctx + 6, scale)
     if not torch.equal(tail, got[6:]):
         raise SelfTestFailure("prefill attention: the last 3 queries alone differ from the whole chunk")
+    # the same keys in consecutive blocks: the same bits (the table changes where, never what, is read)
+    kc, vc = scattered_pool(kv_heads, 11, bs, d, torch.bfloat16)
+    kc[:, 16:16 + ctx + n], vc[:, 16:16 + ctx + n] = kpool[:, rows], vpool[:, rows]
+    if not torch.equal(kernel.prefill_attention(q, kc, vc, torch.arange(1, 6), bs, ctx, scale), got):
+        raise SelfTestFailure("prefill attention: consecutive blocks give other bits than scattered ones")
 
 
 def check_decode_attention(kernel: ModuleType) -> None:
     """One query token per sequence (bf16 head_dim 128: the AVX-512 path; float32 head_dim 64: the
-    portable loop) against float32 attention; the new key/value store; a row alone equals it in a batch."""
+    portable loop) in 16-token blocks scattered out of order, against float32 attention; rows the
+    sequences do not own hold NaN and must not be read; the new key/value store through the table; a
+    row alone equals it in a batch."""
     gen = torch.Generator().manual_seed(11)
+    bs = 16
+    tables = [[3], [12, 1, 7, 4, 10], [6, 0, 9]]  # one block, five out of order, three (the last partly used)
+    lens = torch.tensor([1, 70, 33])
+    tabs = torch.tensor([t + [0] * (5 - len(t)) for t in tables])  # padded with block 0, which row 0 does not own
     for dtype, d, tol in ((torch.bfloat16, 128, 1e-2), (torch.float32, 64, 1e-4)):
-        kv_heads, heads, pool = 2, 4, 200
-        kpool = torch.randn(kv_heads, pool, d, generator=gen).to(dtype)
-        vpool = torch.randn(kv_heads, pool, d, generator=gen).to(dtype)
-        kpool[:, 190:] = float("nan")  # outside every sequence: must never be read
-        starts, lens = torch.tensor([0, 100, 20]), torch.tensor([1, 70, 33])
+        kv_heads, heads = 2, 4
+        kpool, vpool = scattered_pool(kv_heads, 14, bs, d, dtype)
+        rows = [positions(t, bs, int(m)) for t, m in zip(tables, lens, strict=True)]
+        for r in rows:  # all but each sequence's last position, which the call itself stores
+            fill(kpool, r[:-1], gen)
+            fill(vpool, r[:-1], gen)
         q = torch.randn(3, heads, d, generator=gen).to(dtype)
         k_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
         v_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
         scale = d ** -0.5
-        got = kernel.decode_attention(q, kpool, vpool, starts, lens, scale, k_new, v_new)
-        last = starts + lens - 1
+        got = kernel.decode_attention(q, kpool, vpool, tabs, lens, bs, scale, k_new, v_new)
+        last = torch.stack([r[-1] for r in rows])
         stored = (torch.equal(kpool[:, last], k_new.transpose(0, 1))
                   and torch.equal(vpool[:, last], v_new.transpose(0, 1)))
         if not stored:
             raise SelfTestFailure(f"decode attention {dtype}: new keys/values not stored at the last position")
         ref = torch.stack([
-            F.scaled_dot_product_attention(q[b].float()[None, :, None], kpool[:, s:s + m].float()[None],
-                                           vpool[:, s:s + m].float()[None], scale=scale, enable_gqa=True)[0, :, 0]
-            for b, (s, m) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True))])
+            F.scaled_dot_product_attention(q[b].float()[None, :, None], kpool[:, r].float()[None],
+                                           vpool[:, r].float()[None], scale=scale, enable_gqa=True)[0, :, 0]
+            for b, r in enumerate(rows)])
         _expect_near(f"decode attention {dtype} d={d}", got, ref, tol)
-        one = kernel.decode_attention(q[1:2].contiguous(), kpool, vpool, starts[1:2], lens[1:2], scale)
+        one = kernel.decode_attention(q[1:2].contiguous(), kpool, vpool, tabs[1:2], lens[1:2], bs, scale)
         if not torch.equal(one[0], got[1]):
             raise SelfTestFailure(f"decode attention {dtype}: a sequence alone differs from it in a batch")
 

@@ -3,9 +3,10 @@ everywhere else (and on CUDA where flash cannot run: float32, or a torch without
 
 Both take packed queries ``q`` (N, heads, head_dim), one layer's pool slabs ``kc`` / ``vc`` (tokens + 1,
 kv_heads, head_dim) with this forward's new keys and values already stored, and a ``VarlenMeta``; both
-return (N, heads * head_dim). The flash call reads each sequence's keys in place (``cu_seqlens_k`` = region
-starts, ``seqused_k`` = lengths: see plan.py); the reference gathers a padded batch and runs one masked
-SDPA. At first use on a device the flash path is checked against the reference (``self_test``) and steps
+return (N, heads * head_dim). The flash call reads each sequence's keys in place where every sequence's
+blocks are consecutive (``cu_seqlens_k`` = first rows, ``seqused_k`` = lengths: see plan.py), else from a
+staging copy gathered through the block tables; the reference gathers padded batches through the tables
+and runs masked SDPA. At first use on a device the flash path is checked against the reference (``self_test``) and steps
 aside with a warning if it fails, like the CPU kernels do.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from qasr.engine.cuda.fallback import fallback_attention
 from qasr.engine.cuda.plan import VarlenMeta, upload_meta
+from qasr.engine.kv_blocks import token_rows
 
 log = logging.getLogger(__name__)
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, float], torch.Tensor]
@@ -30,9 +32,19 @@ def reference_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, met
     return fallback_attention(q, kc, vc, meta.fallback, scale)
 
 
+def staged(kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values flash reads: the pool slabs themselves when every sequence of the step lies in
+    consecutive blocks, else every sequence's keys gathered in position order (``meta.gather``), which
+    ``meta.k_starts`` then index."""
+    if meta.gather is None:
+        return kc, vc
+    return kc.index_select(0, meta.gather), vc.index_select(0, meta.gather)
+
+
 def flash_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,
                     scale: float) -> torch.Tensor:
-    """torch's flash varlen forward (fp16 / bf16 on CUDA), causal at the bottom right, no gather."""
+    """torch's flash varlen forward (fp16 / bf16 on CUDA), causal at the bottom right, over ``staged``."""
+    kc, vc = staged(kc, vc, meta)
     out = torch.ops.aten._flash_attention_forward(
         q, kc, vc, meta.cu_q, meta.k_starts, meta.max_q, meta.max_k, 0.0, True, False,
         scale=scale, seqused_k=meta.used_k)[0]
@@ -90,35 +102,45 @@ def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 def self_test(attention: Attention, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
               head_dim: int, seed: int = 0) -> str | None:
     """Run ``attention`` on a mixed batch (decode rows, a prefill chunk with a cached prefix, a fresh
-    prompt, regions out of order with gaps and NaN between them) against the reference in float32.
-    None when it agrees (relative error under 2e-2 for 16-bit types, 1e-4 for float32), else why not."""
+    prompt) against the reference in float32, twice: with every sequence in consecutive blocks (read in
+    place) and with blocks scattered out of order (gathered); NaN in every row no sequence owns. None
+    when it agrees (relative error under 2e-2 for 16-bit types, 1e-4 for float32), else why not."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = 700
-    kc = torch.full((tokens + 1, kv_heads, head_dim), float("nan"))
-    vc = torch.full((tokens + 1, kv_heads, head_dim), float("nan"))
-    starts, qlens, ctxs = [400, 10, 150, 600], [1, 1, 37, 64], [70, 5, 120, 0]
-    for s, q_n, c in zip(starts, qlens, ctxs, strict=True):  # every key the sequences read, written
-        kc[s:s + c + q_n] = torch.randn(c + q_n, kv_heads, head_dim, generator=gen)
-        vc[s:s + c + q_n] = torch.randn(c + q_n, kv_heads, head_dim, generator=gen)
-    q = torch.randn(sum(qlens), heads, head_dim, generator=gen)
+    bs, blocks = 16, 44
+    qlens, ctxs = [1, 1, 37, 64], [70, 5, 120, 0]
+    need = [-(-(c + n) // bs) for n, c in zip(qlens, ctxs, strict=True)]
+    order = torch.randperm(blocks, generator=gen).tolist()
+    firsts = [25, 2, 10, 40]  # consecutive runs, out of order with gaps
+    layouts = ([list(range(f, f + k)) for f, k in zip(firsts, need, strict=True)],
+               [order[sum(need[:b]):sum(need[:b + 1])] for b in range(len(need))])
     scale = head_dim ** -0.5
+    for tables in layouts:
+        kc = torch.full((blocks * bs + 1, kv_heads, head_dim), float("nan"))
+        vc = torch.full((blocks * bs + 1, kv_heads, head_dim), float("nan"))
+        for t, n, c in zip(tables, qlens, ctxs, strict=True):  # every key the sequences read, written
+            rows = torch.from_numpy(token_rows(t, bs, 0, c + n))
+            kc[rows] = torch.randn(c + n, kv_heads, head_dim, generator=gen)
+            vc[rows] = torch.randn(c + n, kv_heads, head_dim, generator=gen)
+        q = torch.randn(sum(qlens), heads, head_dim, generator=gen)
 
-    def meta_on(dev: torch.device) -> VarlenMeta:
-        return upload_meta(starts, qlens, ctxs, 2, dev)[0]
+        def meta_on(dev: torch.device, tables: list[list[int]] = tables) -> VarlenMeta:
+            return upload_meta(tables, bs, qlens, ctxs, 2, dev)[0]
 
-    want = reference_attention(q, kc, vc, meta_on(torch.device("cpu")), scale)
-    try:
-        got = attention(q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), meta_on(device), scale)
-        got = got.float().cpu()
-    except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel here
-        return f"raised {exc!r}"
-    if got.shape != want.shape:
-        return f"gave shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if not torch.isfinite(got).all():
-        return "gave non-finite values"
-    err = ((got - want).norm() / want.norm()).item()
-    limit = 1e-4 if dtype == torch.float32 else 2e-2
-    return None if err < limit else f"relative error {err:.2e} against the float32 reference (limit {limit:g})"
+        want = reference_attention(q, kc, vc, meta_on(torch.device("cpu")), scale)
+        try:
+            got = attention(q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), meta_on(device), scale)
+            got = got.float().cpu()
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel here
+            return f"raised {exc!r}"
+        if got.shape != want.shape:
+            return f"gave shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        if not torch.isfinite(got).all():
+            return "gave non-finite values"
+        err = ((got - want).norm() / want.norm()).item()
+        limit = 1e-4 if dtype == torch.float32 else 2e-2
+        if err >= limit:
+            return f"relative error {err:.2e} against the float32 reference (limit {limit:g})"
+    return None
 
 
 def choose_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

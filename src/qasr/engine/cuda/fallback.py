@@ -80,21 +80,23 @@ def fallback_pieces(query_lens: Sequence[int], context_lens: Sequence[int], max_
     return groups
 
 
-def fallback_plan(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
-                  device: torch.device | str = "cpu", max_key_slots: int = MAX_KEY_SLOTS,
+def fallback_plan(tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
+                  context_lens: Sequence[int], device: torch.device | str = "cpu", max_key_slots: int = MAX_KEY_SLOTS,
                   max_scores: int = MAX_SCORES) -> FallbackPlan:
+    """The groups of one forward; sequence b keeps its positions in the blocks ``tables[b]`` (the padded
+    batches gather through them, so scattered blocks cost the fallback nothing extra)."""
     first_row = [0]
     for n in query_lens:
         first_row.append(first_row[-1] + n)
     groups = []
     for pieces in fallback_pieces(query_lens, context_lens, max_key_slots, max_scores):
         rows = [r for b, i0, n, _ in pieces for r in range(first_row[b] + i0, first_row[b] + i0 + n)]
-        st = [starts[b] for b, _, _, _ in pieces]
+        tabs = [tables[b] for b, _, _, _ in pieces]
         ql = [n for _, _, n, _ in pieces]
         ctx = [c for _, _, _, c in pieces]
         shape = (len(pieces), max(ql), max(c + n for n, c in zip(ql, ctx, strict=True)))
-        groups.append(Group(torch.tensor(rows, dtype=torch.int64).to(device), padded_plan(st, ql, ctx, device),
-                            shape))
+        groups.append(Group(torch.tensor(rows, dtype=torch.int64).to(device),
+                            padded_plan(tabs, block_size, ql, ctx, device), shape))
     return FallbackPlan(first_row[-1], tuple(groups))
 
 

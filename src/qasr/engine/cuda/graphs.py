@@ -53,9 +53,14 @@ class _Step:
         self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))  # valid pad rows before any capture
 
     def meta(self, rows: DecodeRows) -> VarlenMeta:
-        b = self.rows
-        return VarlenMeta(tuple(rows.starts), (1,) * b, tuple(rows.context_lens), b, self.cu_q, self.k_starts,
-                          self.used, self.write, 1, self.pool.tokens + 1)
+        """The rows' metadata over the static buffers. Graph rows lie in consecutive blocks (the runner
+        sends no other), so their tables follow from their first rows; a pad row's one key is the scratch
+        row, the first row of the block just past the pool."""
+        b, bs = self.rows, self.pool.block_size
+        tables = tuple(tuple(range(s // bs, s // bs + c // bs + 1)) for s, c in zip(rows.starts, rows.context_lens,
+                                                                                    strict=True))
+        return VarlenMeta(tables, bs, (1,) * b, tuple(rows.context_lens), b, self.cu_q, self.k_starts, self.used,
+                          self.write, None, 1, self.pool.tokens + 1)
 
     def load(self, rows: DecodeRows) -> None:
         st = np.asarray(rows.starts, dtype=np.int64)

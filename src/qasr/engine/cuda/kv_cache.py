@@ -1,9 +1,10 @@
-"""The CUDA backend's KV pool: the same token pool with contiguous regions as ``engine/kv_cache.py``, laid
-out token-major, ``(layers, tokens + 1, kv_heads, head_dim)``, the packed-key layout that varlen flash
-kernels read in place (the CPU pool is head-major, which its decode kernel streams best).
+"""The CUDA backend's KV pool: the same pool of fixed-size blocks as ``engine/kv_cache.py``, laid out
+token-major, ``(layers, tokens + 1, kv_heads, head_dim)``, the packed-key layout that varlen flash kernels
+read (in place where a sequence's blocks are consecutive; the CPU pool is head-major, which its decode
+kernel streams best).
 
 The extra last row is scratch: the pad rows of a bucketed decode graph write their keys there and
-attend only to it, so padding never touches a request's region. The allocator hands out [0, tokens).
+attend only to it, so padding never touches a request's blocks. The allocator hands out rows [0, tokens).
 A forward's metadata comes from ``plan.upload_meta`` (the runner uploads it with the step's other arrays)."""
 
 from __future__ import annotations
@@ -12,32 +13,29 @@ import torch
 
 from qasr.engine.cuda.attention import Attention, reference_attention
 from qasr.engine.cuda.plan import VarlenMeta
-from qasr.engine.kv_cache import RegionAllocator
+from qasr.engine.kv_blocks import BlockAllocator
 from qasr.model.config import DecoderConfig
 
 
 class TokenKVPool:
-    def __init__(self, cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
-                 attention: Attention = reference_attention) -> None:
+    def __init__(self, cfg: DecoderConfig, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, attention: Attention = reference_attention) -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        tokens = num_blocks * block_size
         shape = (cfg.num_hidden_layers, tokens + 1, cfg.num_key_value_heads, cfg.head_dim)
-        # empty: every row is written before it is read (the attention never reads outside a region)
+        # empty: every row is written before it is read (the attention never reads outside a sequence's blocks)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.tokens = tokens
         self.scratch = tokens  # row index of the scratch row
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
-        self.allocator = RegionAllocator(tokens)
         self.attention = attention
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
-
-    def move(self, src: int, dst: int, n: int) -> None:
-        """Copy the keys and values of n tokens from one region to another (non-overlapping)."""
-        self.k[:, dst:dst + n] = self.k[:, src:src + n]
-        self.v[:, dst:dst + n] = self.v[:, src:src + n]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: VarlenMeta) -> torch.Tensor:

@@ -3,14 +3,24 @@
 Everything here is pure bookkeeping on host integers (tested on CPU); the tensors it produces are what
 the varlen attention kernel and the captured decode graphs read on the device.
 
-The KV pool is token-major, ``(layers, tokens + 1, kv_heads, head_dim)``: a sequence's keys are the rows
-``[start, start + used)`` of one layer's ``(tokens + 1, kv_heads, head_dim)`` slab, which is exactly the
-packed-key layout a flash varlen kernel reads. Flash takes each sequence's key offset from
-``cu_seqlens_k[b]`` and, when ``seqused_k`` is given, its length from ``seqused_k[b]`` (``cu_seqlens_k[b +
-1]`` is then never read), so the regions need not be adjacent or ordered: ``k_starts`` holds the region
-starts and the attention reads the pool in place, without a gather. Causal masking is aligned at the
-bottom right, so query row i of a chunk of n new tokens over ctx cached ones sees keys [0, ctx + i]:
-decode rows (n = 1) and prefill chunks with or without a cached prefix go through one call.
+The KV pool is token-major, ``(layers, tokens + 1, kv_heads, head_dim)``, handed out in blocks
+(engine/kv_blocks.py): a sequence's position p is row ``table[p // bs] * bs + p % bs`` of one layer's
+``(tokens + 1, kv_heads, head_dim)`` slab. Flash varlen reads packed keys: each sequence's key offset
+from ``cu_seqlens_k[b]`` and, when ``seqused_k`` is given, its length from ``seqused_k[b]``
+(``cu_seqlens_k[b + 1]`` is then never read), so sequences need not be adjacent or ordered. Two cases:
+
+- every sequence's blocks of this step are consecutive (the allocator hands out lowest ids first, so
+  this is the common case on a pool that is not fragmented): ``k_starts`` holds each sequence's first
+  row and flash reads the pool in place, no gather;
+- some sequence's blocks are scattered: ``gather`` lists the pool rows of every sequence's keys, in
+  position order, the attention copies them into a contiguous staging buffer per layer (one
+  ``index_select``) and ``k_starts`` are offsets in it. (torch's flash op takes a block table, but its
+  paged path needs blocks of 256 tokens; a gather costs one pass over the keys, which a GPU's bandwidth
+  absorbs.)
+
+Causal masking is aligned at the bottom right, so query row i of a chunk of n new tokens over ctx cached
+ones sees keys [0, ctx + i]: decode rows (n = 1) and prefill chunks with or without a cached prefix go
+through one call.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import numpy as np
 import torch
 
 from qasr.engine.cuda.fallback import FallbackPlan, fallback_plan
+from qasr.engine.kv_blocks import contiguous_start, token_rows
 
 
 @dataclass(frozen=True)
@@ -31,32 +42,41 @@ class VarlenHost:
     """The host-side arrays of one packed forward's attention metadata (S sequences, N query rows)."""
 
     cu_q: np.ndarray  # (S + 1,) int32: query rows of sequence b are [cu_q[b], cu_q[b + 1])
-    k_starts: np.ndarray  # (S + 1,) int32: region start of each sequence; the last entry is never read
+    k_starts: np.ndarray  # (S + 1,) int32: first key row of each sequence (pool or staging); the last never read
     used_k: np.ndarray  # (S,) int32: keys each sequence attends (context + new tokens)
     write_index: np.ndarray  # (N,) int64: pool row of each query row's new key and value
+    gather: np.ndarray | None  # (sum(used_k),) int64 pool rows to stage, or None: read the pool in place
     max_q: int
     max_k: int
 
 
-def varlen_host(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int]) -> VarlenHost:
+def varlen_host(tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
+                context_lens: Sequence[int]) -> VarlenHost:
     """Metadata for sequences whose new tokens are packed in order: sequence b brings query_lens[b]
-    tokens at positions context_lens[b].. of its region starting at starts[b]."""
-    if not (len(starts) == len(query_lens) == len(context_lens)) or not starts:
-        raise ValueError("one start, query length and context length per sequence, at least one sequence")
-    st = np.asarray(starts, dtype=np.int64)
+    tokens at positions context_lens[b].. and keeps its positions in the blocks tables[b]."""
+    if not (len(tables) == len(query_lens) == len(context_lens)) or not tables:
+        raise ValueError("one block table, query length and context length per sequence, at least one sequence")
     ql = np.asarray(query_lens, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
-    if (ql < 1).any() or (ctx < 0).any() or (st < 0).any():
-        raise ValueError("query lengths must be >= 1, context lengths and starts >= 0")
+    if (ql < 1).any() or (ctx < 0).any():
+        raise ValueError("query lengths must be >= 1, context lengths >= 0")
+    used = ctx + ql
+    for t, u in zip(tables, used.tolist(), strict=True):
+        if len(t) * block_size < u or min(t, default=0) < 0:
+            raise ValueError(f"a block table of {len(t)} blocks cannot hold {u} positions")
     cu_q = np.zeros(len(ql) + 1, dtype=np.int32)
     np.cumsum(ql, out=cu_q[1:])
-    used = ctx + ql
-    # row r of sequence b (r = 0..n-1) writes its key at start + ctx + r
-    first = np.repeat(st + ctx - cu_q[:-1], ql)
-    write = first + np.arange(int(cu_q[-1]), dtype=np.int64)
-    k_starts = np.zeros(len(st) + 1, dtype=np.int32)
-    k_starts[:-1] = st
-    return VarlenHost(cu_q, k_starts, used.astype(np.int32), write, int(ql.max()), int(used.max()))
+    write = np.concatenate([token_rows(t, block_size, c, c + n)
+                            for t, n, c in zip(tables, ql.tolist(), ctx.tolist(), strict=True)])
+    starts = [contiguous_start(t, block_size, u) for t, u in zip(tables, used.tolist(), strict=True)]
+    k_starts = np.zeros(len(ql) + 1, dtype=np.int32)
+    gather = None
+    if all(s is not None for s in starts):
+        k_starts[:-1] = starts
+    else:
+        k_starts[1:] = np.cumsum(used)
+        gather = np.concatenate([token_rows(t, block_size, 0, u) for t, u in zip(tables, used.tolist(), strict=True)])
+    return VarlenHost(cu_q, k_starts, used.astype(np.int32), write, gather, int(ql.max()), int(used.max()))
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,8 @@ class VarlenMeta:
     ``max_k`` is the longest key range for an eager call; a captured decode graph passes the pool's
     capacity instead, so the same graph serves any context length."""
 
-    starts: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+    block_size: int
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     num_decode: int
@@ -74,13 +95,14 @@ class VarlenMeta:
     k_starts: torch.Tensor  # (S + 1,) int32
     used_k: torch.Tensor  # (S,) int32
     write_index: torch.Tensor  # (N,) int64
+    gather: torch.Tensor | None  # pool rows to stage for flash; None: flash reads the pool in place
     max_q: int
     max_k: int
 
     @cached_property
     def fallback(self) -> FallbackPlan:
         """The groups of the portable (reference) attention, planned once per forward on first use."""
-        return fallback_plan(self.starts, self.query_lens, self.context_lens, self.cu_q.device)
+        return fallback_plan(self.tables, self.block_size, self.query_lens, self.context_lens, self.cu_q.device)
 
 
 # ------------------------------------------------------------------------------------------ decode buckets
@@ -156,16 +178,19 @@ def upload(arrays: Sequence[Sequence[int] | np.ndarray], dtype: torch.dtype,
     return [dev[o:o + n] for o, n in spans]
 
 
-def upload_meta(starts: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int], num_decode: int,
-                device: torch.device, *ride_along: Sequence[int] | np.ndarray) -> tuple[VarlenMeta, list[torch.Tensor]]:
+def upload_meta(tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
+                context_lens: Sequence[int], num_decode: int, device: torch.device,
+                *ride_along: Sequence[int] | np.ndarray) -> tuple[VarlenMeta, list[torch.Tensor]]:
     """One packed forward's ``VarlenMeta`` on ``device``, in one int32 copy and one int64 copy.
 
     ``ride_along``: other per-step int64 arrays (the runner's ids, positions, logit rows, audio rows) that
-    travel in the same int64 copy as the write rows, returned on the device in order; so a step uploads
-    once per dtype."""
-    host = varlen_host(starts, query_lens, context_lens)
+    travel in the same int64 copy as the write rows (and the gather rows), returned on the device in
+    order; so a step uploads once per dtype."""
+    host = varlen_host(tables, block_size, query_lens, context_lens)
     cu_q, k_starts, used = upload([host.cu_q, host.k_starts, host.used_k], torch.int32, device)
-    *extra, write = upload([*ride_along, host.write_index], torch.int64, device)
-    meta = VarlenMeta(tuple(starts), tuple(query_lens), tuple(context_lens), num_decode, cu_q, k_starts, used,
-                      write, host.max_q, host.max_k)
+    staged = [] if host.gather is None else [host.gather]
+    *extra, write = upload([*ride_along, *staged, host.write_index], torch.int64, device)
+    gather = extra.pop() if staged else None
+    meta = VarlenMeta(tuple(tuple(t) for t in tables), block_size, tuple(query_lens), tuple(context_lens),
+                      num_decode, cu_q, k_starts, used, write, gather, host.max_q, host.max_k)
     return meta, extra

@@ -21,6 +21,7 @@ from qasr.engine.backend import PreparedModel
 from qasr.engine.cuda.graphs import DecodeGraphs
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.plan import decode_buckets, upload_meta
+from qasr.engine.kv_blocks import contiguous_start
 from qasr.engine.runner import Runner, StepBatch
 
 
@@ -52,16 +53,23 @@ class CudaRunner(Runner):
             with torch.inference_mode():
                 self.graphs.prepare()
         self.eager_steps = 0
+        self.scattered_decode_steps = 0  # pure decode steps run eagerly because some row's blocks were scattered
 
     def run(self, batch: StepBatch) -> list[int]:
         if self.graphs is not None and batch.pure_decode:
-            tokens = self.graphs.run(batch.ids, batch.positions, batch.starts, batch.ctxs)
-            if tokens is not None:
-                return tokens
+            # a graph reads every row in place: only when each row's blocks are consecutive
+            bs = self.pool.block_size
+            starts = [contiguous_start(t, bs, c + 1) for t, c in zip(batch.tables, batch.ctxs, strict=True)]
+            if all(s is not None for s in starts):
+                tokens = self.graphs.run(batch.ids, batch.positions, starts, batch.ctxs)
+                if tokens is not None:
+                    return tokens
+            else:
+                self.scattered_decode_steps += 1
         self.eager_steps += 1
         dev = self.model.device
         meta, (ids, positions, rows, audio_rows) = upload_meta(
-            batch.starts, batch.qlens, batch.ctxs, batch.num_decode, dev,
+            batch.tables, self.pool.block_size, batch.qlens, batch.ctxs, batch.num_decode, dev,
             batch.ids, batch.positions, batch.rows, batch.audio_rows)
         logits = self.model(ids, positions, self.pool, meta, logits_rows=rows,
                             audio_embeds=torch.cat(batch.audio) if batch.audio else None, kernels=self.kernels,
@@ -71,6 +79,7 @@ class CudaRunner(Runner):
     def stats(self) -> dict:
         """How the decode steps ran: replayed graphs against eager forwards (for benchmarks and logs)."""
         g = self.graphs
-        return dict(eager_steps=self.eager_steps, bucketed_steps=g.steps if g else 0,
+        return dict(eager_steps=self.eager_steps, scattered_decode_steps=self.scattered_decode_steps,
+                    bucketed_steps=g.steps if g else 0,
                     graph_replays=g.replays if g else 0, graph_buckets=list(g.buckets) if g else [],
                     graph_failed=g.failed if g else None, graph_capture_s=g.capture_s if g else 0.0)

@@ -134,7 +134,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // Causal attention of one prompt chunk (flash style, on the same bf16 tiles as the linears).
-// Per kv head the sequence's keys are packed once as "weights" with the 64 keys of a block as columns
+// Per kv head the sequence's keys are gathered through its block table and packed once as "weights" with the 64 keys of a block as columns
 // (scores = queries x K^T), and its values transposed the same way (output = P x V). Each task runs 6
 // query rows (query, head-in-group pairs) through the key blocks with an online softmax in float32;
 // P is rounded to bf16 for the value product. A row's result depends only on its own query and keys.
@@ -200,16 +200,26 @@ static void attend_rows(const uint16_t* const* qrows, const int64_t* qpos, const
 #endif
 
 // q: (n, H, 128) bf16, the chunk's queries at positions ctx .. ctx + n - 1 of a sequence whose keys and
-// values (already written, ctx + n of them) start at `start` in kpool / vpool: (KVH, P, 128).
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool, int64_t start,
-                                int64_t ctx, double scale) {
+// values (already written, ctx + n of them) lie in kpool / vpool: (KVH, P, 128), P a multiple of
+// block_size, position t at row table[t / block_size] * block_size + t % block_size (table: int64 block ids).
+// The packing below is the only place that reads the pool, so the rest is the same computation wherever
+// the blocks lie.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool, torch::Tensor table,
+                                int64_t block_size, int64_t ctx, double scale) {
   TORCH_CHECK(supported(), "qasr prefill attention: built without AVX512-BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) == 128, "prefill_attention: (n, H, 128) bf16");
   TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kpool.scalar_type() == at::kBFloat16, "contiguous bf16 pools");
   auto qc = q.contiguous();
   const int64_t n = qc.size(0), H = qc.size(1), D = 128, KVH = kpool.size(0), P = kpool.size(1);
-  TORCH_CHECK(H % KVH == 0 && start >= 0 && start + ctx + n <= P, "prefill_attention: bad shapes");
-  const int64_t rep = H / KVH, L = ctx + n, blocks = (L + NB - 1) / NB, Lp = blocks * NB, kpairs = Lp / 2;
+  const int64_t bs = block_size, L = ctx + n;
+  auto tb = table.contiguous();
+  TORCH_CHECK(H % KVH == 0 && ctx >= 0 && bs > 0 && P % bs == 0, "prefill_attention: bad shapes");
+  TORCH_CHECK(tb.scalar_type() == at::kLong && tb.dim() == 1 && tb.numel() * bs >= L,
+              "prefill_attention: the block table (int64) must hold all ctx + n positions");
+  const int64_t* tp = tb.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (L + bs - 1) / bs; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < P / bs, "prefill_attention: a block id outside the pool");
+  const int64_t rep = H / KVH, blocks = (L + NB - 1) / NB, Lp = blocks * NB, kpairs = Lp / 2;
   auto out = torch::empty_like(qc);
 #if QASR_HAS_BF16
   // packed keys: (KVH, blocks, 64 d-pairs, 64 keys, 2); packed values: (KVH, 2 d-blocks, Lp/2 key pairs, 64 dims, 2)
@@ -225,12 +235,13 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kpool, torch::Ten
       const int64_t keys = std::min<int64_t>(NB, L - kb * NB);
       uint32_t* kdst = kp32 + (g * blocks + kb) * (D / 2) * NB;
       for (int64_t c = 0; c < keys; ++c) {
-        const uint32_t* src = kpool32 + ((g * P + start + kb * NB + c) * D) / 2;
+        const int64_t t = kb * NB + c;
+        const uint32_t* src = kpool32 + ((g * P + tp[t / bs] * bs + t % bs) * D) / 2;
         for (int64_t dp = 0; dp < D / 2; ++dp) kdst[dp * NB + c] = src[dp];
       }
       for (int64_t c = 0; c < keys; ++c) {
         const int64_t t = kb * NB + c;
-        const uint16_t* src = vpool16 + (g * P + start + t) * D;
+        const uint16_t* src = vpool16 + (g * P + tp[t / bs] * bs + t % bs) * D;
         for (int64_t d = 0; d < D; ++d)
           vp16[((((g * 2 + d / NB) * kpairs) + t / 2) * NB + d % NB) * 2 + t % 2] = src[d];
       }

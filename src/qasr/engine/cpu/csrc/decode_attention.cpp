@@ -1,7 +1,9 @@
-// Decode attention over a token pool: one query token per sequence, keys/values of each sequence
-// stored contiguously in a (kv_heads, pool_tokens, head_dim) pool. One call serves the whole batch,
-// parallel over (sequence, kv head); each task streams its keys and values once, accumulating in
-// float32. No padding to the longest sequence, no gather, no per-sequence Python call.
+// Decode attention over a block pool: one query token per sequence, keys/values of each sequence in
+// fixed-size blocks of a (kv_heads, num_blocks * block_size, head_dim) pool, named by its block table
+// (position t lives at row table[t / bs] * bs + t % bs). One call serves the whole batch, parallel over
+// (sequence, kv head); each task streams its keys and values once, block by block (a block's keys are
+// contiguous per head), accumulating in float32 in position order, so the result is the same bits
+// wherever the blocks lie. No padding to the longest sequence, no gather, no per-sequence Python call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -33,8 +35,9 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
 // loop below leaves the bf16 conversions to the compiler and is compute-bound well below bandwidth.
 template <int REP>
 static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, const at::BFloat16* vpool,
-                          at::BFloat16* out, const int64_t* starts, const int64_t* lens, int64_t batch,
-                          int64_t heads, int64_t kv_heads, int64_t pool, float scale) {
+                          at::BFloat16* out, const int64_t* tables, int64_t width, int64_t bs,
+                          const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
+                          float scale) {
   constexpr int64_t D = 128, C = D / 32;  // C blocks of 32 dims, each held as (even, odd) vectors
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += lens[b];
@@ -43,7 +46,8 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, g = task % kv_heads;
-      const int64_t start = starts[b], len = lens[b];
+      const int64_t* table = tables + b * width;
+      const int64_t len = lens[b];
       scores.resize(REP * len);
       __m512 qe[REP][C], qo[REP][C];
       const __m512 sc = _mm512_set1_ps(scale);
@@ -53,22 +57,24 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
           qe[r][c] = _mm512_mul_ps(qe[r][c], sc);
           qo[r][c] = _mm512_mul_ps(qo[r][c], sc);
         }
-      const at::BFloat16* kbase = kpool + (g * pool + start) * D;
       float mx[REP];  // not -INFINITY: this file is built with -ffast-math, which assumes no infinities
       for (int r = 0; r < REP; ++r) mx[r] = -std::numeric_limits<float>::max();
-      for (int64_t t = 0; t < len; ++t) {
-        const at::BFloat16* k = kbase + t * D;
-        __m512 acc[REP];
-        for (int r = 0; r < REP; ++r) acc[r] = _mm512_setzero_ps();
-        for (int c = 0; c < C; ++c) {
-          __m512 ke, ko;
-          load32_bf16(k + c * 32, ke, ko);
-          for (int r = 0; r < REP; ++r) acc[r] = _mm512_fmadd_ps(qo[r][c], ko, _mm512_fmadd_ps(qe[r][c], ke, acc[r]));
-        }
-        for (int r = 0; r < REP; ++r) {
-          const float s = _mm512_reduce_add_ps(acc[r]);
-          scores[r * len + t] = s;
-          mx[r] = std::max(mx[r], s);
+      for (int64_t t0 = 0; t0 < len; t0 += bs) {  // block by block; within a block the keys are contiguous
+        const at::BFloat16* kblock = kpool + (g * pool + table[t0 / bs] * bs) * D;
+        for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
+          const at::BFloat16* k = kblock + (t - t0) * D;
+          __m512 acc[REP];
+          for (int r = 0; r < REP; ++r) acc[r] = _mm512_setzero_ps();
+          for (int c = 0; c < C; ++c) {
+            __m512 ke, ko;
+            load32_bf16(k + c * 32, ke, ko);
+            for (int r = 0; r < REP; ++r) acc[r] = _mm512_fmadd_ps(qo[r][c], ko, _mm512_fmadd_ps(qe[r][c], ke, acc[r]));
+          }
+          for (int r = 0; r < REP; ++r) {
+            const float s = _mm512_reduce_add_ps(acc[r]);
+            scores[r * len + t] = s;
+            mx[r] = std::max(mx[r], s);
+          }
         }
       }
       float inv[REP];
@@ -83,17 +89,19 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
       __m512 oe[REP][C], oo[REP][C];
       for (int r = 0; r < REP; ++r)
         for (int c = 0; c < C; ++c) oe[r][c] = oo[r][c] = _mm512_setzero_ps();
-      const at::BFloat16* vbase = vpool + (g * pool + start) * D;
-      for (int64_t t = 0; t < len; ++t) {
-        const at::BFloat16* v = vbase + t * D;
-        __m512 p[REP];
-        for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t]);
-        for (int c = 0; c < C; ++c) {
-          __m512 ve, vo;
-          load32_bf16(v + c * 32, ve, vo);
-          for (int r = 0; r < REP; ++r) {
-            oe[r][c] = _mm512_fmadd_ps(p[r], ve, oe[r][c]);
-            oo[r][c] = _mm512_fmadd_ps(p[r], vo, oo[r][c]);
+      for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const at::BFloat16* vblock = vpool + (g * pool + table[t0 / bs] * bs) * D;
+        for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
+          const at::BFloat16* v = vblock + (t - t0) * D;
+          __m512 p[REP];
+          for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t]);
+          for (int c = 0; c < C; ++c) {
+            __m512 ve, vo;
+            load32_bf16(v + c * 32, ve, vo);
+            for (int r = 0; r < REP; ++r) {
+              oe[r][c] = _mm512_fmadd_ps(p[r], ve, oe[r][c]);
+              oo[r][c] = _mm512_fmadd_ps(p[r], vo, oo[r][c]);
+            }
           }
         }
       }
@@ -116,8 +124,8 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
 #endif
 
 template <typename T>
-static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_t* starts,
-                const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
+static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_t* tables, int64_t width,
+                int64_t bs, const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
                 int64_t dim, float scale) {
   const int64_t rep = heads / kv_heads;
   // Small batches run on the calling thread: waking a thread team costs more than the work, and far
@@ -129,14 +137,14 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
     std::vector<float> qf(rep * dim), acc(rep * dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, g = task % kv_heads;
-      const int64_t start = starts[b], len = lens[b];
+      const int64_t* table = tables + b * width;
+      const int64_t len = lens[b];
       scores.assign(rep * len, 0.f);
       for (int64_t r = 0; r < rep; ++r)
         for (int64_t d = 0; d < dim; ++d)
           qf[r * dim + d] = as_float(q[(b * heads + g * rep + r) * dim + d]) * scale;
-      const T* kbase = kpool + (g * pool + start) * dim;
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = kbase + t * dim;
+      for (int64_t t = 0; t < len; ++t) {  // the portable loop: one row lookup per token is fine here
+        const T* k = kpool + (g * pool + table[t / bs] * bs + t % bs) * dim;
         for (int64_t r = 0; r < rep; ++r) {
           const float* qr = qf.data() + r * dim;
           float s = 0.f;
@@ -155,9 +163,8 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
         for (int64_t t = 0; t < len; ++t) sr[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      const T* vbase = vpool + (g * pool + start) * dim;
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = vbase + t * dim;
+        const T* v = vpool + (g * pool + table[t / bs] * bs + t % bs) * dim;
         for (int64_t r = 0; r < rep; ++r) {
           const float p = scores[r * len + t];
           float* ar = acc.data() + r * dim;
@@ -172,31 +179,41 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
   });
 }
 
-// q: (B, H, D); kpool, vpool: (KVH, P, D); starts, lens: (B,) int64 -> out (B, H, D)
+// q: (B, H, D); kpool, vpool: (KVH, P, D) with P a multiple of block_size; tables: (B, W) int64 block ids;
+// lens: (B,) int64 positions attended (the new token's included) -> out (B, H, D).
 // Optionally first stores each sequence's new key/value (k_new, v_new: (B, KVH, D)) at its last
-// position, start + len - 1: one call instead of two index_put dispatches per layer.
+// position, len - 1: one call instead of two index_put dispatches per layer.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
-                               torch::Tensor starts, torch::Tensor lens, double scale,
+                               torch::Tensor tables, torch::Tensor lens, int64_t block_size, double scale,
                                c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new) {
   TORCH_CHECK(q.is_contiguous() && kpool.is_contiguous() && vpool.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == kpool.scalar_type() && kpool.scalar_type() == vpool.scalar_type());
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = kpool.size(0), P = kpool.size(1);
-  auto st = starts.contiguous(), ln = lens.contiguous();
+  const int64_t bs = block_size;
+  auto tb = tables.contiguous(), ln = lens.contiguous();
+  TORCH_CHECK(tb.scalar_type() == at::kLong && ln.scalar_type() == at::kLong && tb.dim() == 2 && tb.size(0) == B &&
+              ln.numel() == B, "decode_attention: tables (B, W) and lens (B,) int64");
+  TORCH_CHECK(bs > 0 && P % bs == 0, "decode_attention: the pool must hold whole blocks");
+  const int64_t W = tb.size(1), nblocks = P / bs;
+  const auto* tp = tb.data_ptr<int64_t>();
+  const auto* lp = ln.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // every block a sequence reads must lie in the pool: no stray reads
+    TORCH_CHECK(lp[b] >= 1 && (lp[b] + bs - 1) / bs <= W, "decode_attention: a length beyond its block table");
+    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < nblocks, "decode_attention: a block id outside the pool");
+  }
   if (k_new.has_value() && v_new.has_value()) {
     auto kn = k_new->contiguous(), vn = v_new->contiguous();
     TORCH_CHECK(kn.sizes() == vn.sizes() && kn.size(0) == B && kn.size(1) == KVH && kn.size(2) == D &&
                 kn.scalar_type() == kpool.scalar_type(), "k_new/v_new: (B, kv_heads, head_dim)");
     const int64_t item = kpool.element_size() * D;
-    const auto* sp = st.data_ptr<int64_t>();
-    const auto* lp = ln.data_ptr<int64_t>();
     auto* kb = static_cast<char*>(kpool.data_ptr());
     auto* vb = static_cast<char*>(vpool.data_ptr());
     const auto* knp = static_cast<const char*>(kn.data_ptr());
     const auto* vnp = static_cast<const char*>(vn.data_ptr());
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t pos = sp[b] + lp[b] - 1;
-      TORCH_CHECK(pos >= 0 && pos < P, "decode_attention: write position outside the pool");
+      const int64_t t = lp[b] - 1, pos = tp[b * W + t / bs] * bs + t % bs;
       for (int64_t g = 0; g < KVH; ++g) {
         std::memcpy(kb + (g * P + pos) * item, knp + (b * KVH + g) * item, item);
         std::memcpy(vb + (g * P + pos) * item, vnp + (b * KVH + g) * item, item);
@@ -211,19 +228,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
     auto* vp = vpool.data_ptr<at::BFloat16>();
     auto* op = out.data_ptr<at::BFloat16>();
     const float sc = static_cast<float>(scale);
-    if (rep == 1) run_bf16_d128<1>(qp, kp, vp, op, st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(), B, H, KVH, P, sc);
-    if (rep == 2) run_bf16_d128<2>(qp, kp, vp, op, st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(), B, H, KVH, P, sc);
-    if (rep == 4) run_bf16_d128<4>(qp, kp, vp, op, st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(), B, H, KVH, P, sc);
+    if (rep == 1) run_bf16_d128<1>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 2) run_bf16_d128<2>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 4) run_bf16_d128<4>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
     return out;
   }
 #endif
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), kpool.data_ptr<at::BFloat16>(),
-                      vpool.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), st.data_ptr<int64_t>(),
-                      ln.data_ptr<int64_t>(), B, H, KVH, P, D, static_cast<float>(scale));
+    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), kpool.data_ptr<at::BFloat16>(), vpool.data_ptr<at::BFloat16>(),
+                      out.data_ptr<at::BFloat16>(), tp, W, bs, lp, B, H, KVH, P, D, static_cast<float>(scale));
   } else if (q.scalar_type() == at::kFloat) {
-    run<float>(q.data_ptr<float>(), kpool.data_ptr<float>(), vpool.data_ptr<float>(), out.data_ptr<float>(),
-               st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(), B, H, KVH, P, D, static_cast<float>(scale));
+    run<float>(q.data_ptr<float>(), kpool.data_ptr<float>(), vpool.data_ptr<float>(), out.data_ptr<float>(), tp, W,
+               bs, lp, B, H, KVH, P, D, static_cast<float>(scale));
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
   }
@@ -231,7 +247,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "batched single-token attention over a token pool",
-        py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("starts"), py::arg("lens"), py::arg("scale"),
-        py::arg("k_new") = py::none(), py::arg("v_new") = py::none());
+  m.def("decode_attention", &decode_attention, "batched single-token attention over a block pool",
+        py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("tables"), py::arg("lens"), py::arg("block_size"),
+        py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none());
 }
