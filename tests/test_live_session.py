@@ -214,13 +214,13 @@ def test_turns_do_not_depend_on_how_the_audio_was_pushed(demo, demo_clips) -> No
 
 
 def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(tiny_asr) -> None:  # noqa: ANN001
-    """8 sessions on 8 threads share one engine: their open windows go through packed encoder calls and
-    their decoder steps through shared batches, and every step is token for token what the session gives
-    alone."""
+    """8 sessions on 8 threads share one engine: their open windows go through the engine's packed encoder
+    calls (encoder-only requests) and their decoder steps through shared batches, every step is token for
+    token what the session gives alone, and only the engine's thread runs the model's encoder."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from qasr.streaming import Session
-    from qasr.streaming.encode_batch import batcher_for
 
     cfg = StreamConfig(chunk_size_sec=1.0, max_new_tokens=3)
     streams = [noise(12.0 + k, seed=20 + k) for k in range(8)]
@@ -233,10 +233,20 @@ def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(t
         return session.results
 
     alone = [run(a) for a in streams]
-    batcher = batcher_for(tiny_asr.engine)
-    calls, jobs = batcher.calls, batcher.jobs
-    with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(run, streams))
+    engine = tiny_asr.engine
+    tower = engine.prepared.model.audio_tower
+    threads: list[str] = []  # the thread of every encoder call
+    real = tower.forward
+    tower.forward = lambda *a, **k: (threads.append(threading.current_thread().name), real(*a, **k))[1]
+    submitted, calls = [], engine.encoder_calls
+    real_submit = engine.submit_encode
+    engine.submit_encode = lambda f: (submitted.append(1), real_submit(f))[1]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(run, streams))
+    finally:
+        del tower.forward, engine.submit_encode
     assert together == alone
-    assert batcher.jobs - jobs > batcher.calls - calls  # some calls packed several sessions' windows
+    assert len(submitted) > engine.encoder_calls - calls  # some encoder calls packed several sessions' windows
+    assert threads and set(threads) == {"qasr-engine"}, set(threads)  # no session thread touched the model
     assert kv_in_use(tiny_asr.engine) == 0

@@ -39,7 +39,7 @@ from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.request import GenerationResult, KVLease, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from qasr.engine.validate import Limits, check_embeds, check_positions, check_request
+from qasr.engine.validate import Limits, check_embeds, check_encoder_features, check_positions, check_request
 from qasr.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class Engine:
         self._abort = False  # the loop ends after the current step (close(drain=False))
         self._broken: BaseException | None = None
         self.steps = 0
+        self.encoder_calls = 0  # packed encoder calls made (encoder-only requests ride them too)
         self.generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         # wall seconds by phase; step_s is the total, what it has beyond the others is host-side work.
@@ -180,6 +181,16 @@ class Engine:
                       audio_before=self._audio_before(prompt))
         return self._enqueue(req)
 
+    def submit_encode(self, features: torch.Tensor) -> Future:
+        """Queue an encoder-only request: the future resolves to the audio encoder's output rows for these
+        (mel, frames) features, a (rows, hidden) tensor. It rides the next step's packed encoder call with
+        the other requests' audio slices (a live session's window: the same bits as encoded alone) and
+        holds no KV. Raises like ``submit``."""
+        features, rows = check_encoder_features(features, self.limits)
+        req = Request(prompt=[], max_new_tokens=0, features=features, audio_tokens=rows, encode_only=True,
+                      audio_before=np.zeros(1, dtype=np.int64))
+        return self._enqueue(req)
+
     def _audio_before(self, prompt: list[int]) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(np.asarray(prompt) == self.audio_token_id)])
 
@@ -223,7 +234,8 @@ class Engine:
         recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
         rate = sum(n for _, n in recent) / RATE_WINDOW_S if recent else 0.0
         sched, alloc = self.scheduler, self.pool.allocator
-        return EngineStats(waiting=len(sched.waiting) + self._inbox.qsize(), running=len(sched.active),
+        return EngineStats(waiting=len(sched.waiting) + len(sched.encoding) + self._inbox.qsize(),
+                           running=len(sched.active),
                            kv_tokens_used=alloc.used, kv_tokens_total=alloc.capacity,
                            kv_blocks_used=alloc.used_blocks, kv_blocks_total=alloc.num_blocks,
                            kv_block_tokens=alloc.block_size, preemptions=sched.preemptions,
@@ -292,7 +304,7 @@ class Engine:
             error.__cause__ = self._broken
         else:
             error = EngineClosed("the engine was closed before this request finished")
-        pending = [*self.scheduler.active, *self.scheduler.waiting]
+        pending = [*self.scheduler.encoding, *self.scheduler.active, *self.scheduler.waiting]
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -300,6 +312,7 @@ class Engine:
                 break
             if isinstance(item, Request):
                 pending.append(item)
+        self.scheduler.encoding.clear()
         self.scheduler.active.clear()
         self.scheduler.waiting.clear()
         for req in pending:  # resolve never raises: a listener's failure cannot strand the requests after it
@@ -327,12 +340,21 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - find the culprit below
             sampled = self._rerun_alone(plan, exc, encoded)
         self.steps += 1
+        self._finish_encodes(plan)
         self._apply(sampled)
         self._finish_alignments(plan)
         self.timings["step_s"] += time.perf_counter() - t_step
 
+    def _finish_encodes(self, plan: StepPlan) -> None:
+        """Encoder-only requests this step encoded are done: their rows are the result."""
+        for req, _ in plan.encode:
+            if req.encode_only and req.encoded and req in self.scheduler.encoding:
+                self.scheduler.finish(req)
+                req.resolve(req.audio)  # type: ignore[arg-type]
+
     def _encode(self, slices: list[tuple[Request, int]]) -> None:
         t0 = time.perf_counter()
+        self.encoder_calls += 1
         self.timings["features_s"] += self.runner.encode(slices)
         self.timings["encoder_s"] += time.perf_counter() - t0
 

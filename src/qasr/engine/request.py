@@ -58,6 +58,8 @@ class Request:
     # alignment requests (max_new_tokens 0): sorted prompt positions whose head argmax is the result;
     # the request ends with its prefill
     classify: np.ndarray | None = None
+    # encoder-only requests (``Engine.submit_encode``): no prompt, no KV; the result is the encoder's rows
+    encode_only: bool = False
     keep_kv: bool = False  # on success, keep the KV blocks and return them as a KVLease
     kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
     prefix_len: int = 0
@@ -105,7 +107,8 @@ class Request:
             return len(self.prompt)
         return int(np.searchsorted(self.audio_before, encoded + 1)) - 1
 
-    def resolve(self, result: GenerationResult | list[int] | None = None, error: BaseException | None = None) -> None:
+    def resolve(self, result: GenerationResult | list[int] | torch.Tensor | None = None,
+                error: BaseException | None = None) -> None:
         """Settle the future once (a caller may have cancelled it meanwhile) and close the token stream.
 
         Both run user code on the engine thread (the future's done-callbacks, the token listener, e.g. a

@@ -68,15 +68,16 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted, in admission order
+        self.encoding: list[Request] = []  # encoder-only requests (no KV), encoded whole at the next step
         self.preemptions = 0
         self._turn = False  # which of the oldest request and the express lane is served first
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        (self.encoding if req.encode_only else self.waiting).append(req)
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.active and not self.encoding
 
     def admit(self) -> list[Request]:
         """Move waiting requests into the running set. Returns those that can never fit.
@@ -127,13 +128,15 @@ class Scheduler:
     def drop_cancelled(self) -> list[Request]:
         """Take the cancelled requests out of the waiting queue wherever they stand (not only at its head),
         returning the kept KV blocks they were to continue to the pool; the caller resolves them."""
+        gone_encodes = [r for r in self.encoding if r.cancelled]
+        self.encoding = [r for r in self.encoding if not r.cancelled]
         dropped = [r for r in self.waiting if r.cancelled]
         if dropped:  # keep exactly the others (a request cancelled meanwhile waits for the next step's sweep)
             gone = {id(r) for r in dropped}
             self.waiting = deque(r for r in self.waiting if id(r) not in gone)
             for req in dropped:
                 self._drop_lease(req)
-        return dropped
+        return gone_encodes + dropped
 
     def _drop_lease(self, req: Request) -> None:
         if req.kv_prefix is not None:  # never admitted: its kept blocks go back to the pool
@@ -146,6 +149,9 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """A request that ended (done, failed or cancelled): out of the running set, its blocks freed."""
+        if req.encode_only:
+            self.encoding.remove(req)
+            return
         self.active.remove(req)
         self.blocks.free(req)
         req.audio = None
@@ -202,16 +208,19 @@ class Scheduler:
         return plan
 
     def _plan_encode(self) -> list[tuple[Request, int]]:
+        """Encoder-only requests whole (a live session's window or two, and it waits for them), then slices
+        of the others' audio within what is left of the step's encoder budget (one window at least)."""
         cfg = self.config
         lookahead = 2 * cfg.prefill_tokens  # just in time: keep little encoded-but-unprefilled audio
         wanted = [r for r in self.active if not r.encoded
                   and r.encoded_tokens - _audio_prefilled(r) < lookahead]
-        budget = max(cfg.encoder_tokens, cfg.window_tokens)
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
+        jobs = len(plan)
+        budget = max(cfg.encoder_tokens - sum(n for _, n in plan), cfg.window_tokens)
         for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
             cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane takes at most half
             n = self._slice(req, max(cap, cfg.window_tokens))
-            if plan and n > budget:
+            if len(plan) > jobs and n > budget:
                 break
             plan.append((req, n))
             budget -= n

@@ -103,6 +103,13 @@ def _check_waveform(waveform: np.ndarray, hop: int) -> np.ndarray:
     return wave
 
 
+def check_encoder_features(features: torch.Tensor, limits: Limits) -> tuple[torch.Tensor, int]:
+    """Validate an encoder-only request's (mel, frames) features; returns them as float32 and the encoder
+    rows they give."""
+    features = _check_features(features, limits.num_mel_bins)
+    return features, audio_token_count(features.shape[-1], limits.conv_chunk_frames)
+
+
 def _check_features(features: torch.Tensor, mel: int) -> torch.Tensor:
     if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != mel:
         shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__

@@ -4,8 +4,8 @@ see docs/streaming.md for what is still proportional to the stream).
 
 ``push`` takes float32 or int16 16 kHz mono samples of any size; every full chunk makes one step and one
 ``Update``. ``finish`` decodes the leftover samples once more and returns the final update. A session
-is driven from one thread at a time; it encodes on that thread and decodes on the shared engine, so
-several sessions (on their own threads) batch their decoder work together.
+is driven from one thread at a time; its encoder windows and its decoder steps are requests of the shared
+engine, so several sessions (on their own threads) batch their work together, and with files.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Encoder outputs of a growing stream, by 8 s attention window.
 
 The encoder attends only inside windows of ``window_tokens`` (8 s) aligned at the stream start, its
-conv front end works on 1 s chunks inside them, and qasr's encoder gives a window the same bits
+conv front end works on 1 s conv chunks inside them, and qasr's encoder gives a window the same bits
 alone or packed with others. So the output of a window whose frames are all final is kept, and each
 step encodes only the open window (plus, rarely, kept windows whose features a rise of the log-mel
 maximum changed: detected per window from its lowest raw value and the floor it was made under).
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from qasr.engine.engine import Engine
-from qasr.streaming.encode_batch import batcher_for
 from qasr.streaming.logmel import StreamingLogMel
 
 
@@ -26,9 +25,8 @@ class KeptWindow:
 
 class WindowEncoder:
     def __init__(self, engine: Engine) -> None:
-        model = engine.prepared.model
-        self.batcher = batcher_for(engine)  # packs this session's encoder calls with other sessions'
-        enc = model.cfg.encoder
+        self.engine = engine  # encodes on its own thread, packed with other sessions' windows and files' audio
+        enc = engine.checkpoint.config.encoder
         self.window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         self.kept: list[KeptWindow] = []
         self.used: tuple[KeptWindow, ...] = ()
@@ -62,4 +60,4 @@ class WindowEncoder:
         return torch.cat(parts), computed, recomputed
 
     def _run(self, features: torch.Tensor) -> torch.Tensor:
-        return self.batcher.encode(features)
+        return self.engine.submit_encode(features).result()
