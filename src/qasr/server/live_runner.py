@@ -3,8 +3,9 @@
 Both protocols (OpenAI Realtime and the native one) parse their messages into the same few operations:
 audio, commit, clear, finish. Operations run in arrival order on a worker thread (one at a time: a
 ``LiveSession`` is driven by one thread), and the events each one produced go back to the protocol's
-``emit`` in that order. Encoding runs on the worker thread; decoding runs on the shared engine, where the
-steps of every session batch with each other and with file transcriptions.
+``emit`` in that order. The worker thread computes log-mel frames and waits; the encoder windows and the
+decoder steps run on the shared engine, where every session's work batches with the others' and with file
+transcriptions.
 
 Flow control, not data loss: audio received and not yet processed (the backlog) is counted, and while it
 is at ``max_backlog_s`` the connection reads no further message (``has_room``), so a client that sends
