@@ -13,6 +13,7 @@
 #include "gemm_common.h"
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -22,6 +23,20 @@
 #endif
 
 constexpr int64_t MR = 6;   // rows per register tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast
+
+// f(std::integral_constant<int, n>{}) for a row count n in 1..MR: register tiles are sized at compile time,
+// and both the GEMM and the attention pick theirs here.
+template <class F>
+static inline void with_rows(int64_t n, F&& f) {
+  switch (n) {
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
 
 bool supported() { return QASR_HAS_BF16 == 1; }
 
@@ -97,14 +112,7 @@ static void run(const Rows& rows, int64_t M, const uint16_t* packed, int64_t N, 
         const int64_t n_rows = std::min<int64_t>(MR, m_end - m);
         for (int64_t r = 0; r < n_rows; ++r) xr[r] = rows.row(m + r);
         uint16_t* o = out + m * N + b * NB;
-        switch (n_rows) {
-          case 6: tile<6>(xr, rows, wblock, bb, o, N, ncols); break;
-          case 5: tile<5>(xr, rows, wblock, bb, o, N, ncols); break;
-          case 4: tile<4>(xr, rows, wblock, bb, o, N, ncols); break;
-          case 3: tile<3>(xr, rows, wblock, bb, o, N, ncols); break;
-          case 2: tile<2>(xr, rows, wblock, bb, o, N, ncols); break;
-          default: tile<1>(xr, rows, wblock, bb, o, N, ncols); break;
-        }
+        with_rows(n_rows, [&](auto r) { tile<decltype(r)::value>(xr, rows, wblock, bb, o, N, ncols); });
       }
     }
   });
@@ -265,14 +273,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kpool, torch::Ten
       }
       const uint16_t* kpg = reinterpret_cast<const uint16_t*>(kp32 + g * blocks * (D / 2) * NB);
       const uint16_t* vpg = vp16 + g * 2 * kpairs * NB * 2;
-      switch (nr) {
-        case 6: attend_rows<6>(qr, qpos, kpg, vpg, kpairs, sc, ob); break;
-        case 5: attend_rows<5>(qr, qpos, kpg, vpg, kpairs, sc, ob); break;
-        case 4: attend_rows<4>(qr, qpos, kpg, vpg, kpairs, sc, ob); break;
-        case 3: attend_rows<3>(qr, qpos, kpg, vpg, kpairs, sc, ob); break;
-        case 2: attend_rows<2>(qr, qpos, kpg, vpg, kpairs, sc, ob); break;
-        default: attend_rows<1>(qr, qpos, kpg, vpg, kpairs, sc, ob); break;
-      }
+      with_rows(nr, [&](auto r) { attend_rows<decltype(r)::value>(qr, qpos, kpg, vpg, kpairs, sc, ob); });
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t i = (t0 + r) / rep, h = g * rep + (t0 + r) % rep;
         uint16_t* dst = o16 + (i * H + h) * D;
