@@ -102,7 +102,7 @@ class Engine:
                max_new_tokens: int, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None,
                audio_embeds: torch.Tensor | None = None, keep_kv: bool = False,
-               kv_prefix: tuple[KVLease, int] | None = None) -> Future:
+               kv_prefix: tuple[KVLease, int] | None = None, interactive: bool = False) -> Future:
         """Queue one request; the future resolves to a GenerationResult (or raises its error).
 
         ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
@@ -121,7 +121,11 @@ class Engine:
         fresh prefill uses and give the same bits; the caller vouches that the audio rows before n are
         those of the lease's request). Should the engine have evicted the lease to make room meanwhile,
         the whole prompt is prefilled instead (the same bits again). A lease is used once; ``release``
-        frees one that is not."""
+        frees one that is not.
+
+        ``interactive``: someone is waiting for this request now (a live session's step): it is admitted and
+        prefilled before batch work (files), whatever the queue holds, and batch work never preempts it.
+        Its tokens are the same as they would be without the flag; only its place in line changes."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -136,7 +140,7 @@ class Engine:
         audio_tokens = prompt.count(self.audio_token_id)
         req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
                       waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
-                      audio_before=self._audio_before(prompt), keep_kv=keep_kv)
+                      audio_before=self._audio_before(prompt), keep_kv=keep_kv, interactive=interactive)
         if audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
             req.audio, req.encoded_tokens = audio_embeds, audio_tokens
         if kv_prefix is None:

@@ -61,6 +61,8 @@ class Request:
     # encoder-only requests (``Engine.submit_encode``): no prompt, no KV; the result is the encoder's rows
     encode_only: bool = False
     keep_kv: bool = False  # on success, keep the KV blocks and return them as a KVLease
+    # a live session's step: admitted and prefilled before batch work, never preempted by it (see scheduler.py)
+    interactive: bool = False
     kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
     prefix_len: int = 0
     future: Future = field(default_factory=Future)

@@ -15,6 +15,11 @@ one more whenever a decode row crosses a block boundary. Where none are free, th
 than the one in need is preempted: its blocks are freed and it goes back to the head of the queue, to
 recompute from scratch. The oldest running request can therefore always proceed (it fits the pool
 alone: submit refuses larger ones), so memory never deadlocks.
+
+Interactive requests (``submit(interactive=True)``: a live session's step, with someone waiting on it) are
+admitted before the queue and beyond ``max_running``, prefilled before batch work, take blocks first and
+may preempt batch requests, which never preempt them; among requests of one kind the rule above holds. A
+caption therefore waits for one step, not for a 20-minute file queued before it.
 """
 
 from __future__ import annotations
@@ -88,14 +93,26 @@ class Scheduler:
         blocks already promised to admitted prompts nor one per decode row, cover its prompt (and the
         tokens it must recompute, if it was preempted); or when nothing runs. Otherwise it waits, and so
         does everything behind it (FIFO keeps latency fair).
+        Interactive requests (live sessions' steps) go before all of that, wherever they stand and whatever
+        ``max_running`` says (there is at most one per open session): they take their blocks when planned,
+        from batch work if need be (``_reserve``).
         Cancelled waiting requests are dropped here."""
+        impossible = []
+        for req in [r for r in self.waiting if r.interactive and not r.cancelled]:
+            self.waiting.remove(req)
+            if req.needs_tokens > self.blocks.allocator.capacity:
+                self._drop_lease(req)
+                impossible.append(req)
+                continue
+            if req.kv_prefix is not None:
+                self.blocks.take_over(req)
+            self.active.append(req)
         for req in [r for r in self.waiting if r.kv_prefix is not None and r.kv_prefix.blocks and not r.cancelled]:
             if len(self.active) >= self.config.max_running:
                 break
             self.waiting.remove(req)
             self.blocks.take_over(req)
             self.active.append(req)
-        impossible = []
         while self.waiting and len(self.active) < self.config.max_running:
             req = self.waiting[0]
             if req.cancelled:
@@ -163,10 +180,10 @@ class Scheduler:
         while not self.blocks.grow(req, tokens):
             if self.blocks.evict_oldest():
                 continue
-            victims = [r for r in self.active if r.id > req.id and r.blocks]
+            victims = [r for r in self.active if r.blocks and r is not req and _may_preempt(req, r)]
             if not victims:
                 return False
-            self._preempt(max(victims, key=lambda r: r.id), plan)
+            self._preempt(max(victims, key=lambda r: (not r.interactive, r.id)), plan)  # batch first, youngest
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
@@ -200,7 +217,7 @@ class Scheduler:
         prefill chunks; a request that cannot get its blocks sits this step out (see ``_reserve``)."""
         plan = StepPlan(self._plan_encode(), [], [])
         after = {id(r): r.encoded_tokens + n for r, n in plan.encode}  # encoded tokens once this step's slices ran
-        for req in list(self.active):
+        for req in sorted(self.active, key=lambda r: not r.interactive):  # interactive rows get blocks first
             # the row stores the key of its newest token, position len(prompt) + len(output) - 1
             if req in self.active and req.prefill_done and self._reserve(req, len(req.prompt) + len(req.output), plan):
                 plan.decode.append(req)
@@ -247,7 +264,8 @@ class Scheduler:
         prefill = plan.prefill
         budget = cfg.prefill_tokens
         express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)
-        for req in self._prefill_order(wanted, express):
+        order = self._prefill_order(wanted, express)
+        for req in [r for r in order if r.interactive] + [r for r in order if not r.interactive]:
             if req not in self.active:
                 continue  # preempted for an earlier chunk of this step
             done, limit = req.prefilled, ready[id(req)]
@@ -277,6 +295,15 @@ class Scheduler:
             return [head, *rest]
         self._turn = not self._turn
         return [express, head, *rest] if self._turn else [head, express, *rest]
+
+
+def _may_preempt(req: Request, victim: Request) -> bool:
+    """Whether ``req``, short of blocks, may take ``victim``'s: batch work never preempts an interactive
+    request, an interactive one may preempt any batch request, and otherwise only younger ones (so the
+    oldest request of each kind can always proceed: no deadlock)."""
+    if victim.interactive != req.interactive:
+        return req.interactive
+    return victim.id > req.id
 
 
 def _least(reqs: list[Request], key) -> Request | None:  # noqa: ANN001 - a sort key

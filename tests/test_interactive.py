@@ -1,0 +1,73 @@
+"""Interactive requests (a live session's steps) go before batch work: admitted past a full queue and past
+max_running, never preempted by batch work, with the same tokens as without the flag."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import noise
+
+from qasr.engine.engine import Engine, EngineConfig
+from qasr.model.checkpoint import load_checkpoint
+from qasr.model.config import audio_token_count
+from qasr.model.prompt import build_prompt
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_original):
+    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
+
+
+def prompt_for(ck, wave: np.ndarray) -> list[int]:  # noqa: ANN001 - a Checkpoint
+    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), "")
+
+
+def run_behind_a_queue(ck, interactive: bool, kv_cache_bytes: int = 0) -> tuple[list[int], int, int]:  # noqa: ANN001
+    """40 batch requests queued (4 run at once), then one more: its tokens, the steps it took from its
+    submit to its end, and the steps the whole queue took."""
+    with Engine(ck, EngineConfig(max_running=4, kv_cache_bytes=kv_cache_bytes, kv_block_tokens=16)) as engine:
+        wave = noise(3.0, seed=1)
+        batch = [engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=24, ignore_eos=True)
+                 for _ in range(40)]
+        while engine.steps < 2:  # the queue is under way
+            pass
+        live = noise(1.0, seed=2)
+        at = engine.steps
+        result = engine.submit(prompt_for(ck, live), waveform=live, max_new_tokens=6, ignore_eos=True,
+                               interactive=interactive).result(timeout=120)
+        took = engine.steps - at
+        for f in batch:
+            f.result(timeout=300)
+        return result.token_ids, took, engine.steps
+
+
+def test_an_interactive_request_does_not_wait_for_the_queue(ck) -> None:  # noqa: ANN001
+    tokens, took, total = run_behind_a_queue(ck, interactive=True)
+    plain, plain_took, _ = run_behind_a_queue(ck, interactive=False)
+    assert tokens == plain  # the flag changes its place in line, not its tokens
+    assert took <= 12, took  # admitted at once: encode, prefill, 6 decode steps (and a step under way)
+    assert plain_took > 5 * took, (plain_took, took, total)  # without it, it waits behind the queue
+
+
+def test_the_scheduler_takes_batch_blocks_for_an_interactive_request_never_the_reverse() -> None:
+    """The memory rule alone, on a pool of 4 blocks: an older batch request short of a block takes none
+    from a younger interactive one (it waits), and an interactive request takes a batch request's."""
+    from qasr.engine.block_manager import BlockManager
+    from qasr.engine.kv_blocks import BlockAllocator
+    from qasr.engine.request import Request
+    from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+    def running(interactive: bool, blocks: int) -> Request:
+        req = Request(prompt=[1] * 16 * blocks, max_new_tokens=8, interactive=interactive)
+        assert sched.blocks.grow(req, 16 * blocks)
+        sched.active.append(req)
+        return req
+
+    sched = Scheduler(SchedulerConfig(), BlockManager(BlockAllocator(4, 16)))
+    old_batch = running(False, 2)
+    young_live = running(True, 2)  # the pool is full now
+    assert not sched._reserve(old_batch, 16 * 3, StepPlan([], [], []))  # may not take the live request's
+    assert young_live in sched.active and len(young_live.blocks) == 2 and sched.preemptions == 0
+    assert sched._reserve(young_live, 16 * 3, StepPlan([], [], []))  # takes the batch request's blocks
+    assert old_batch not in sched.active and sched.waiting[0] is old_batch and sched.preemptions == 1
+    assert len(young_live.blocks) == 3
