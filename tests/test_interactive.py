@@ -71,3 +71,34 @@ def test_the_scheduler_takes_batch_blocks_for_an_interactive_request_never_the_r
     assert sched._reserve(young_live, 16 * 3, StepPlan([], [], []))  # takes the batch request's blocks
     assert old_batch not in sched.active and sched.waiting[0] is old_batch and sched.preemptions == 1
     assert len(young_live.blocks) == 3
+
+
+def test_while_live_work_runs_batch_work_gets_one_chunk_and_one_window_per_step() -> None:
+    """Short steps while someone waits: batch prefill is one chunk per step and batch audio one encoder
+    window, however much is ready; without interactive work the full budgets apply."""
+    import numpy as np
+
+    from qasr.engine.block_manager import BlockManager
+    from qasr.engine.kv_blocks import BlockAllocator
+    from qasr.engine.request import Request
+    from qasr.engine.scheduler import Scheduler, SchedulerConfig
+
+    cfg = SchedulerConfig(prefill_tokens=512, prefill_chunk=128, encoder_tokens=512, window_tokens=104)
+
+    def batch_request() -> Request:  # a prompt of 512 text tokens, ready to prefill, and 520 audio tokens
+        return Request(prompt=[1] * 512, max_new_tokens=8, audio_tokens=520,
+                       audio_before=np.zeros(513, dtype=np.int64))
+
+    def plan_with(interactive: bool) -> tuple[int, int]:
+        sched = Scheduler(cfg, BlockManager(BlockAllocator(1024, 16)))
+        sched.active = [batch_request(), batch_request()]
+        if interactive:
+            sched.active.append(Request(prompt=[2] * 40, max_new_tokens=4, interactive=True,
+                                        audio_before=np.zeros(41, dtype=np.int64)))
+        plan = sched.plan()
+        batch_chunks = sum(1 for r, _ in plan.prefill if not r.interactive)
+        batch_audio = sum(n for r, n in plan.encode if not r.interactive)
+        return batch_chunks, batch_audio
+
+    assert plan_with(interactive=False) == (4, 416)  # 512 prompt tokens in 128-token chunks; 4 windows of audio
+    assert plan_with(interactive=True) == (1, 104)

@@ -234,6 +234,8 @@ class Scheduler:
         plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
         jobs = len(plan)
         budget = max(cfg.encoder_tokens - sum(n for _, n in plan), cfg.window_tokens)
+        if jobs or any(r.interactive for r in self.active):
+            budget = cfg.window_tokens  # live work waits on this step: batch audio gets one window of it
         for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
             cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane takes at most half
             n = self._slice(req, max(cap, cfg.window_tokens))
@@ -263,6 +265,8 @@ class Scheduler:
         wanted = [r for r in self.active if id(r) in ready]
         prefill = plan.prefill
         budget = cfg.prefill_tokens
+        live = any(r.interactive for r in self.active)
+        batch_chunks = 0  # while live work runs, batch work gets one prefill chunk per step (short steps)
         express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)
         order = self._prefill_order(wanted, express)
         for req in [r for r in order if r.interactive] + [r for r in order if not r.interactive]:
@@ -274,12 +278,15 @@ class Scheduler:
                 if end > limit:
                     break  # the chunk's audio is not encoded yet: the grid stays fixed, so wait for it
                 n = end - done
+                if live and not req.interactive and batch_chunks:
+                    return
                 if prefill and n > budget:
                     return
                 if not self._reserve(req, end, plan):
                     return  # the pool is held by older requests: no more prefill this step
                 prefill.append((req, n))
                 budget -= n
+                batch_chunks += not req.interactive
                 done = end
                 if req is express and len(wanted) > 1:
                     break  # the express lane gets one chunk per step
