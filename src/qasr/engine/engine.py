@@ -427,7 +427,8 @@ class Engine:
                 else:
                     self.scheduler.finish(req)
                 req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
-                                             now - req.submitted, kv=lease, preempted=tuple(req.preempted)))
+                                             now - req.submitted, kv=lease, preempted=tuple(req.preempted),
+                                             logprobs=self.runner.take_logprobs(req)))
                 if lease is not None and req.future.cancelled():  # nobody will see the lease: free it
                     lease.taken = True
                     self.scheduler.blocks.release(lease)

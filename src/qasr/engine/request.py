@@ -41,6 +41,9 @@ class GenerationResult:
     latency_s: float  # submit -> done
     kv: KVLease | None = None  # the kept KV blocks, for requests submitted with keep_kv
     preempted: tuple[str, ...] = ()  # the phase ("prefill" / "decode") of each time it was preempted and recomputed
+    # log-probability of each generated token under the model (float32 log-softmax of its logits at the id),
+    # aligned with token_ids (EOS excluded); recomputation after a preemption gives the same values
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(eq=False)

@@ -1,9 +1,11 @@
 """Executes one engine step on the device: packed encoder call, then one packed decoder forward
-(decode rows first, prefill chunks after) and a greedy argmax with a single host sync."""
+(decode rows first, prefill chunks after) and a greedy argmax, with each chosen token's
+log-probability, read back in a single host sync."""
 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +25,10 @@ class Runner:
         self.pool = pool
         self.features = features
         self.conv_batch = conv_batch
+        # log-probabilities of the requests' generated tokens: entry i for ``req.output[i]``, written when the
+        # token is sampled (a preempted request's recomputation writes the same values over the old ones);
+        # the engine takes a request's list when it ends, and a request dropped otherwise drops its entry
+        self.logprobs: weakref.WeakKeyDictionary[Request, list[float]] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
@@ -60,15 +66,24 @@ class Runner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
         """Run decode rows and prefill chunks together; return (request, next token) for every request
-        whose logits were computed (all decode rows, and prefill chunks that complete their prompt).
-        Alignment requests get the head's argmax at their classifier positions in ``req.classes``."""
+        whose logits were computed (all decode rows, and prefill chunks that complete their prompt); each
+        token's log-probability goes to ``self.logprobs``. Alignment requests get the head's argmax at their
+        classifier positions in ``req.classes``."""
         batch = self.collect(plan)
-        tokens = self.run(batch)  # runs even when no row is sampled: the chunks' keys and values are stored
+        tokens, logprobs = self.run(batch)  # runs even when no row is sampled: the chunks' keys and values are stored
         for req, n in plan.prefill:
             req.prefilled += n  # the encoder output stays: a preempted request prefills again from it
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
+        for req, i in zip(batch.sampled, batch.sampled_at, strict=True):
+            kept = self.logprobs.setdefault(req, [])
+            del kept[len(req.output):]  # the token made now is output[len(output)] (a recomputation overwrites)
+            kept.append(logprobs[i])
         return [(req, tokens[i]) for req, i in zip(batch.sampled, batch.sampled_at, strict=True)]
+
+    def take_logprobs(self, req: Request) -> tuple[float, ...]:
+        """The log-probabilities of ``req.output`` (the EOS sampled last left out), forgotten here."""
+        return tuple(self.logprobs.pop(req, [])[:len(req.output)])
 
     def collect(self, plan: StepPlan) -> StepBatch:
         """The step's packed rows, on the host: decode rows first, then prefill chunks in plan order."""
@@ -109,9 +124,9 @@ class Runner:
                 b.sampled.append(req)
         return b
 
-    def run(self, batch: StepBatch) -> list[int]:
-        """One packed decoder forward on the device; the argmax of each row in ``batch.rows`` (the
-        step's single host sync)."""
+    def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
+        """One packed decoder forward on the device; the argmax of each row in ``batch.rows`` and its
+        log-probability (read back together: the step's single host sync)."""
         dev = self.model.device
         meta = self.pool.build_meta(batch.tables, batch.qlens, batch.ctxs, batch.num_decode)
         rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
@@ -120,7 +135,24 @@ class Runner:
             logits_rows=rows, audio_embeds=torch.cat(batch.audio) if batch.audio else None, kernels=self.kernels,
             audio_rows=torch.tensor(batch.audio_rows, dtype=torch.long, device=dev) if batch.audio else None,
         )
-        return logits.argmax(-1).tolist() if batch.rows else []
+        return read_back(*pick(logits)) if batch.rows else ([], [])
+
+
+def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy choice on the device: each row's argmax (int64) and its log-probability, the float32
+    log-softmax of the row at that id. log_softmax over the last dim reduces every row by itself (one
+    CPU thread or one CUDA block a row, in an order set by the vocabulary size alone), so a row's value
+    does not depend on the rows beside it, and a recomputed row gives the same bits."""
+    tokens = logits.argmax(-1, keepdim=True)  # (rows, 1)
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, tokens)
+    return tokens.squeeze(-1), logprobs.squeeze(-1)
+
+
+def read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Both to the host in one transfer (one sync): stacked as float64, which holds any token id and any
+    float32 exactly."""
+    ids, lps = torch.stack([tokens.double(), logprobs.double()]).tolist()
+    return [int(t) for t in ids], lps
 
 
 @dataclass

@@ -3,11 +3,12 @@
 A pure decode step (every row a single token, no prefill, no classifier rows) is padded to the next
 bucket; the pad rows read and write only the pool's scratch row. Its inputs live in static buffers that
 each step overwrites with one pinned upload per dtype; the graph runs the whole decoder (embedding, 28
-layers with the in-place varlen attention, LM head, argmax) and leaves the tokens in a static buffer, read
-back with the step's one host sync. The attention gets the pool's capacity as ``max_k``, so one graph
-serves any context length. The graphs are captured at engine start (the runner calls ``prepare``) in
-thread-local capture mode, so no other thread's work can spoil a capture; each graph's first replay on
-real rows is checked against the eager forward.
+layers with the in-place varlen attention, LM head, argmax and the chosen tokens' log-probabilities) and
+leaves tokens and log-probabilities in static buffers, read back together with the step's one host sync.
+The attention gets the pool's capacity as ``max_k``, so one graph serves any context length. The graphs
+are captured at engine start (the runner calls ``prepare``) in thread-local capture mode, so no other
+thread's work can spoil a capture; each graph's first replay on real rows is checked against the eager
+forward.
 
 Without capture (``capture=False``: CPU tensors in the tests, or after a failed capture) the same static
 buffers and padding run eagerly, which is how the CPU tests check everything here but the capture itself.
@@ -24,6 +25,7 @@ import torch
 
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.plan import DecodeRows, VarlenMeta, bucket_for, pack, pad_decode
+from qasr.engine.runner import pick, read_back
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import Kernels
 
@@ -48,6 +50,7 @@ class _Step:
         self.k_starts, self.used = self.i32[:b + 1], self.i32[b + 1:]
         self.cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.logprobs = torch.zeros(b, dtype=torch.float32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.verified = False  # the graph's first replay on real rows was checked against the eager forward
         self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))  # valid pad rows before any capture
@@ -74,7 +77,9 @@ class _Step:
 
     def forward(self, meta: VarlenMeta) -> None:
         logits = self.model(self.ids, self.positions, self.pool, meta, kernels=self.kernels)
-        self.tokens.copy_(logits.argmax(-1))
+        tokens, logprobs = pick(logits)
+        self.tokens.copy_(tokens)
+        self.logprobs.copy_(logprobs)
 
     def capture(self, mempool: object) -> None:
         self._captured = self.meta(self._rows)
@@ -85,31 +90,36 @@ class _Step:
         """What the graph records: the forward over the static buffers (any rows later loaded into them)."""
         self.forward(self._captured)
 
-    def run(self, rows: DecodeRows) -> list[int]:
+    def run(self, rows: DecodeRows) -> tuple[list[int], list[float]]:
+        """The real rows' tokens and log-probabilities."""
         self.load(rows)
+        n = rows.real
         if self.graph is None:
             self.forward(self.meta(rows))
         elif not self.verified:  # the first replay on real rows, against the eager forward on the same inputs
             self.graph.replay()
             replayed = self.tokens.clone()
             self.forward(self.meta(rows))
-            both = torch.cat([replayed[:rows.real], self.tokens[:rows.real]]).tolist()  # the step's one sync
+            got, want, logprobs = torch.stack(  # the step's one sync; float64 holds ids and float32 exactly
+                [replayed[:n].double(), self.tokens[:n].double(), self.logprobs[:n].double()]).tolist()
+            got, want = [int(t) for t in got], [int(t) for t in want]
             self.verified = True
-            if both[:rows.real] != both[rows.real:]:
-                raise ReplayMismatch(both[rows.real:], f"bucket {self.rows}: the replay gave {both[:rows.real]}, "
-                                     f"the eager forward {both[rows.real:]}")
-            return both[:rows.real]
+            if got != want:
+                raise ReplayMismatch(want, logprobs, f"bucket {self.rows}: the replay gave {got}, "
+                                     f"the eager forward {want}")
+            return want, logprobs
         else:
             self.graph.replay()
-        return self.tokens[:rows.real].tolist()
+        return read_back(self.tokens[:n], self.logprobs[:n])
 
 
 class ReplayMismatch(RuntimeError):
-    """A replayed graph gave other tokens than the eager forward on the same rows; ``tokens`` are the eager ones."""
+    """A replayed graph gave other tokens than the eager forward on the same rows; ``tokens`` and
+    ``logprobs`` are the eager ones."""
 
-    def __init__(self, tokens: list[int], message: str) -> None:
+    def __init__(self, tokens: list[int], logprobs: list[float], message: str) -> None:
         super().__init__(message)
-        self.tokens = tokens
+        self.tokens, self.logprobs = tokens, logprobs
 
 
 def capture_graph(forward: Callable[[], None], mempool: object) -> torch.cuda.CUDAGraph:
@@ -144,8 +154,9 @@ class DecodeGraphs:
         self.capture_s = 0.0
 
     def run(self, ids: Sequence[int], positions: Sequence[int], starts: Sequence[int],
-            context_lens: Sequence[int]) -> list[int] | None:
-        """The tokens of one pure decode step, or None when no bucket holds it (the caller runs it eagerly)."""
+            context_lens: Sequence[int]) -> tuple[list[int], list[float]] | None:
+        """The tokens of one pure decode step and their log-probabilities, or None when no bucket holds it
+        (the caller runs it eagerly)."""
         b = bucket_for(len(ids), self.buckets)
         if b is None:
             return None
@@ -153,15 +164,15 @@ class DecodeGraphs:
         step = self._steps[b]
         replayed = step.graph is not None
         try:
-            tokens = step.run(pad_decode(ids, positions, starts, context_lens, b, self.pool.scratch))
+            sampled = step.run(pad_decode(ids, positions, starts, context_lens, b, self.pool.scratch))
         except ReplayMismatch as exc:
             self.disable(str(exc))
             log.warning("qasr: a replayed decode graph disagreed with the eager forward (%s); decode steps run "
                         "eagerly", exc)
-            tokens, replayed = exc.tokens, False
+            sampled, replayed = (exc.tokens, exc.logprobs), False
         self.steps += 1
         self.replays += replayed
-        return tokens
+        return sampled
 
     def disable(self, why: str) -> None:
         """Drop every captured graph: the bucketed steps run eagerly from now on."""

@@ -8,7 +8,7 @@
 - A pure decode step is replayed as a CUDA graph of its batch bucket (``graphs.py``), captured here at
   engine start.
 - Features are computed on the device from a pinned upload of the waveform.
-The step's one host sync is reading back the sampled tokens.
+The step's one host sync is reading back the sampled tokens, with their log-probabilities.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from qasr.engine.cuda.graphs import DecodeGraphs
 from qasr.engine.cuda.kv_cache import TokenKVPool
 from qasr.engine.cuda.plan import decode_buckets, upload_meta
 from qasr.engine.kv_blocks import contiguous_start
-from qasr.engine.runner import Runner, StepBatch
+from qasr.engine.runner import Runner, StepBatch, pick, read_back
 
 
 class DeviceFeatures:
@@ -55,15 +55,15 @@ class CudaRunner(Runner):
         self.eager_steps = 0
         self.scattered_decode_steps = 0  # pure decode steps run eagerly because some row's blocks were scattered
 
-    def run(self, batch: StepBatch) -> list[int]:
+    def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
         if self.graphs is not None and batch.pure_decode:
             # a graph reads every row in place: only when each row's blocks are consecutive
             bs = self.pool.block_size
             starts = [contiguous_start(t, bs, c + 1) for t, c in zip(batch.tables, batch.ctxs, strict=True)]
             if all(s is not None for s in starts):
-                tokens = self.graphs.run(batch.ids, batch.positions, starts, batch.ctxs)
-                if tokens is not None:
-                    return tokens
+                sampled = self.graphs.run(batch.ids, batch.positions, starts, batch.ctxs)
+                if sampled is not None:
+                    return sampled
             else:
                 self.scattered_decode_steps += 1
         self.eager_steps += 1
@@ -74,7 +74,7 @@ class CudaRunner(Runner):
         logits = self.model(ids, positions, self.pool, meta, logits_rows=rows,
                             audio_embeds=torch.cat(batch.audio) if batch.audio else None, kernels=self.kernels,
                             audio_rows=audio_rows if batch.audio else None)
-        return logits.argmax(-1).tolist() if batch.rows else []
+        return read_back(*pick(logits)) if batch.rows else ([], [])
 
     def stats(self) -> dict:
         """How the decode steps ran: replayed graphs against eager forwards (for benchmarks and logs)."""
