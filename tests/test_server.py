@@ -110,7 +110,7 @@ def test_every_response_format(server, client, clips, offline) -> None:
     assert len(v.segments) > 3 and [s.id for s in v.segments] == list(range(len(v.segments)))
     for s in v.segments:
         assert s.start < s.end and s.seek == round(s.start * 100) and s.tokens and s.temperature == 0.0
-        assert s.avg_logprob is None and s.no_speech_prob is None and s.compression_ratio > 0
+        assert s.avg_logprob <= 0 and s.no_speech_prob is None and s.compression_ratio > 0
     starts = [s.start for s in v.segments]
     assert starts == sorted(starts)
 

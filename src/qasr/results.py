@@ -22,6 +22,14 @@ class Segment:
     text: str
     words: tuple[Word, ...] = ()
     finish_reason: str = "stop"  # "stop": the model ended the text; "length": cut at max_new_tokens
+    # confidence, as Whisper users read it (docs/output-formats.md): the mean log-probability (natural log)
+    # of every token the model generated for this segment, the ``language X<asr_text>`` preamble's tokens
+    # and the text's alike (EOS not counted); None when it generated nothing. Left out of ``==``: in float32 its
+    # last bits may depend on what shared the request's batch (docs/engine.md, Identity) while the tokens do not
+    avg_logprob: float | None = field(default=None, compare=False)
+    # repetition: the UTF-8 bytes of ``text`` over their zlib-compressed size (Whisper's definition); None for
+    # empty text
+    compression_ratio: float | None = None
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,15 @@ def _seconds(t: float) -> float:
     return round(t, 3)  # milliseconds: finer digits are noise, and stable output diffs cleanly
 
 
+def score(x: float | None) -> float | None:
+    """A confidence score as written out: 4 decimals (finer digits are noise), None as null."""
+    return None if x is None else round(x, 4)
+
+
 def _segment_dict(seg: Segment) -> dict:
     d: dict = {"start": _seconds(seg.start), "end": _seconds(seg.end), "text": seg.text,
-               "finish_reason": seg.finish_reason}
+               "finish_reason": seg.finish_reason, "avg_logprob": score(seg.avg_logprob),
+               "compression_ratio": score(seg.compression_ratio)}
     if seg.words:
         d["words"] = [{"text": w.text, "start": _seconds(w.start), "end": _seconds(w.end)} for w in seg.words]
     return d

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import zlib
-
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from qasr.outputs.writers import render
+from qasr.outputs.writers import render, score
 from qasr.results import Segment
 from qasr.server.work import Finished
 
@@ -26,18 +24,12 @@ def token_usage(done: Finished) -> dict:
                                     "text_tokens": done.input_tokens - done.audio_tokens}}
 
 
-def compression_ratio(text: str) -> float:
-    """Whisper's repetition signal: UTF-8 bytes over zlib-compressed bytes (high means repetitive)."""
-    data = text.encode()
-    return round(len(data) / len(zlib.compress(data)), 4) if data else 0.0
-
-
 def _segment(i: int, seg: Segment, tokens: tuple[int, ...]) -> dict:
     return {"id": i, "seek": round(seg.start * 100),  # in 10 ms frames from the start, as Whisper counts
             "start": seg.start, "end": seg.end, "text": seg.text, "tokens": list(tokens),
             "temperature": 0.0,  # decoding is greedy
-            "avg_logprob": None,  # the engine returns no log probabilities
-            "compression_ratio": compression_ratio(seg.text),
+            # mean log-probability of the segment's generated tokens; UTF-8 bytes over zlib bytes (null: no text)
+            "avg_logprob": score(seg.avg_logprob), "compression_ratio": score(seg.compression_ratio),
             "no_speech_prob": None}  # the model has no such output; silence gives an empty text instead
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
@@ -71,8 +73,24 @@ def read_piece(tokenizer: Tokenizer, piece: Piece, outcome: Outcome, source: str
         log.warning("%s: the piece at %.1f s was cut at max_new_tokens=%d; its text may be incomplete",
                     source, piece.offset, piece.max_new_tokens)
     segment = Segment(round(piece.offset, 3), round(piece.offset + piece.duration, 3), text, words=timed,
-                      finish_reason=reason)
+                      finish_reason=reason, avg_logprob=avg_logprob(outcome), compression_ratio=compression_ratio(text))
     return PieceOutput(segment, lang, raw, tuple(outcome.token_ids), note and f"{piece.offset:.1f} s: {note}")
+
+
+def avg_logprob(result: GenerationResult) -> float | None:
+    """The mean log-probability of the generated tokens (preamble and text alike, EOS excluded); None when
+    nothing was generated, or when the result carries no log-probabilities for its tokens."""
+    lps = result.logprobs
+    if not lps or len(lps) != len(result.token_ids):
+        return None
+    return math.fsum(lps) / len(lps)
+
+
+def compression_ratio(text: str) -> float | None:
+    """Whisper's repetition signal: the text's UTF-8 bytes over their zlib-compressed size (zlib's default
+    level); None for empty text. A text that repeats itself compresses well, so its ratio is high."""
+    data = text.encode()
+    return len(data) / len(zlib.compress(data)) if data else None
 
 
 def assemble(tokenizer: Tokenizer, pieces: Sequence[Piece], outcomes: Sequence[Outcome], *, warn: bool,
