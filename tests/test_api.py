@@ -226,11 +226,11 @@ def test_prepare_raises_naming_the_bad_input(tiny_asr, tmp_path) -> None:
 
 def test_default_cap_follows_the_audio_not_generation_config(demo_asr) -> None:
     assert demo_asr.checkpoint.generation.max_new_tokens == 128  # the limit that used to clip silently
-    [long] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000))
+    [long] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000), max_segment_s=30)  # sent whole
     assert long.max_new_tokens == 474  # ceil(15 x 30) + 24
     [short] = demo_asr.prepare((np.zeros(38400, np.float32), 16000))
     assert short.max_new_tokens == 60  # 2.4 s: ceil(36) + 24, no floating-point 37
-    [forced] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000), max_new_tokens=7)
+    [forced] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000), max_new_tokens=7, max_segment_s=30)
     assert forced.max_new_tokens == 7
 
 

@@ -287,13 +287,15 @@ async def long_turn(url: str, pcm: bytes, started: threading.Event) -> tuple[lis
 
 
 def test_drain_timeout_cuts_what_never_finishes(tmp_path: Path, audio) -> None:
-    """An upload that trickles in without end would hold the drain forever, and a live session with 40 s of
-    speech waiting takes longer than the drain allows: --drain-timeout 2 answers the upload 503 and ends the
+    """An upload that trickles in without end would hold the drain forever, and a live session with up to 30 s
+    of speech waiting takes longer than the drain allows: --drain-timeout 2 answers the upload 503 and ends the
     session with ``shutting_down`` (1001) at the deadline, and the server exits 1."""
     from qasr.audio.io import load_audio
 
-    speech = np.concatenate([load_audio(audio[f"s{k % 5}"]) for k in range(16)])[: 40 * SR]
-    srv = ServerProcess(tmp_path / "serve.log", "--drain-timeout", "2")
+    speech = np.concatenate([load_audio(audio[f"s{k % 5}"]) for k in range(48)])[: 120 * SR]
+    # quarter-second steps: four times the work per second of audio, so the 30 s the server lets a session
+    # queue stay far beyond a 2 s drain on a fast machine too (live steps go before all other work)
+    srv = ServerProcess(tmp_path / "serve.log", "--drain-timeout", "2", "--live-chunk-s", "0.25")
     try:
         srv.wait_ready()
         working = threading.Event()
