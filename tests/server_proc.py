@@ -14,6 +14,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = ROOT / "models" / "qasr-demo-en"
 
 
+# `python -m qasr ARGS` with SIGINT's default action restored in the child itself: a suite started in the
+# background by a shell (`make test &`) passes SIGINT on ignored, and Python keeps an inherited "ignore". Not
+# with preexec_fn: that makes subprocess fork() the whole test process, which fails with ENOMEM once the
+# process maps many GB of (untouched) KV pools, where posix_spawn does not copy the address space at all.
+QASR_WITH_SIGINT = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                    "sys.argv[0] = 'qasr'; runpy.run_module('qasr', run_name='__main__', alter_sys=True)")
+
+
+def qasr_command(*args: str) -> list[str]:
+    return [sys.executable, "-c", QASR_WITH_SIGINT, *args]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from server_proc import qasr_command
 
 from qasr.testing.speech import convert, speak
 
@@ -58,12 +59,6 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
-def _default_sigint() -> None:
-    """Give the child SIGINT's default action: a test run started in the background by a shell (`make
-    test &`) inherits SIGINT ignored, and Python keeps an inherited "ignore", so Ctrl-C would not reach it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _outputs(out: Path) -> dict[str, str]:
     return {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("*")) if p.is_file()}
 
@@ -89,9 +84,9 @@ def test_folder_job_interrupted_then_resumed(folder, tmp_path) -> None:
     assert len(starts) > 1 and starts == sorted(starts) and long["duration"] > 30
 
     part = tmp_path / "part"
-    proc = subprocess.Popen([sys.executable, "-m", "qasr", "transcribe", str(folder), "-r", "-o", str(part),
-                             "-f", "json,srt", "--max-running", "1", *DEMO], cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_default_sigint)
+    proc = subprocess.Popen(qasr_command("transcribe", str(folder), "-r", "-o", str(part),
+                                         "-f", "json,srt", "--max-running", "1", *DEMO), cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     # Wait until one input has all its formats: outputs land one file at a time, so an input caught between
     # its .json and its .srt is rightly redone, and the resumed run would then have nothing to skip.

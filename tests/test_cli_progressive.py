@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+from server_proc import qasr_command
 
 from qasr.testing.speech import speak
 
@@ -37,10 +37,8 @@ def long_wav(tmp_path_factory) -> Path:
 
 
 def start(*args: str) -> subprocess.Popen:
-    # SIGINT's default action in the child: a test run started in the background by a shell inherits it ignored
-    return subprocess.Popen([sys.executable, "-m", "qasr", "transcribe", *args, *DEMO], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(qasr_command("transcribe", *args, *DEMO), cwd=ROOT,  # Ctrl-C reaches it
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def test_txt_file_grows_as_partial_then_is_written_whole(long_wav, tmp_path) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from server_proc import qasr_command
 
 from qasr.testing.speech import convert, speak
 
@@ -164,18 +165,14 @@ def test_an_actor_killed_mid_job_loses_and_repeats_nothing(runtime, folder, refe
     assert len(writes) == len(reference) - 1  # every output but failed.tsv, which update_failed_list writes
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a suite started in the background inherits SIGINT ignored
-
-
 def test_an_interrupted_job_resumes_without_redoing_finished_inputs(runtime, folder, reference, tmp_path) -> None:
     out = tmp_path / "out"
     # one actor working one segment at a time: the job is still busy when the first outputs appear
     slow = ("--ray-actors", "1", "--ray-actor-cpus", "0.5", "--ray-decode-cpus", "0.5", "--ray-batch", "1",
             "--max-running", "1")
-    proc = subprocess.Popen([sys.executable, "-m", "qasr", "transcribe", "--ray", runtime, str(folder), "-r", "-o",
-                             str(out), *FORMATS, *MODEL, *slow], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)
+    proc = subprocess.Popen(qasr_command("transcribe", "--ray", runtime, str(folder), "-r", "-o",
+                                         str(out), *FORMATS, *MODEL, *slow),
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while len(list(out.rglob("*.txt"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)

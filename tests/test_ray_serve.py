@@ -13,14 +13,13 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from server_proc import free_port
+from server_proc import free_port, qasr_command
 
 from qasr.testing.speech import speak
 
@@ -60,20 +59,15 @@ def offline(clips) -> list[str]:
     return texts
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a suite started in the background inherits SIGINT ignored
-
-
 @pytest.fixture(scope="module")
 def server(runtime, tmp_path_factory):
     """``qasr serve --ray`` joining the runtime: 2 replicas of half a core each."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115 - a file, not a pipe: Serve's logs would fill a pipe and block it
-    proc = subprocess.Popen([sys.executable, "-m", "qasr", "serve", "--ray", runtime, "-m", str(DEMO), "--device",
-                             "cpu", "--dtype", "float32", "--port", str(port), "--ray-replicas", "2",
-                             "--ray-replica-cpus", "0.5"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=_default_sigint)
+    proc = subprocess.Popen(qasr_command("serve", "--ray", runtime, "-m", str(DEMO), "--device",
+                                         "cpu", "--dtype", "float32", "--port", str(port), "--ray-replicas", "2",
+                                         "--ray-replica-cpus", "0.5"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while f"serving {url}" not in log_path.read_text():
