@@ -34,7 +34,7 @@ from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
 from qasr.model.config import DEFAULT_MAX_SEGMENT_S, declared_max_segment_s
 from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
-from qasr.results import Transcription
+from qasr.results import Segment, Transcription
 from qasr.transcribe.inputs import check_options
 
 log = logging.getLogger("qasr.distributed")
@@ -104,9 +104,12 @@ class RayTranscriber:
                         sample_rate: int | None = None, max_new_tokens: int | None = None,
                         ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
                         segmentation: str = "auto", max_segment_s: float | None = None, vad: object | None = None,
-                        timestamps: str = "segment") -> Iterator[tuple[int, Transcription]]:
+                        timestamps: str = "segment",
+                        segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
         """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs (``sample_rate`` is
-        accepted for the same signature, and unused: encoded files carry their own rate)."""
+        accepted for the same signature, and unused: encoded files carry their own rate). ``segments``: an
+        input's segments come in time order just before its Transcription, all at once (the cluster hands
+        back whole inputs), not one by one as they finish."""
         sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
         options = self._options(language, context, max_new_tokens, ignore_eos, segmentation, max_segment_s,
                                 vad, timestamps)
@@ -128,6 +131,8 @@ class RayTranscriber:
                         for r in rows.rows_of(block):
                             done = collector.add(r)
                             if done is not None:
+                                if segments:
+                                    yield from ((done[0], s) for s in done[1].segments)
                                 yield done
                 finally:  # closed early (Ctrl-C, the caller stopped): stop the pass's tasks and actors now
                     close = getattr(blocks, "close", None)
