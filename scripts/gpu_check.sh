@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 14, as ONE prepared script for a lent GPU machine (the device tool's nvidia-h200:
+# The GPU check, as ONE prepared script for a lent GPU machine (the device tool's nvidia-h200:
 # torch with CUDA, Triton, numpy, safetensors, tokenizers on its python3; nothing reachable from it).
 #
 #   here:   python scripts/gpu_wheels.py                    # the wheels it needs, into .whl/ (git-ignored)

@@ -4,7 +4,7 @@
 equal, ties, strictly decreasing, runs at the start or the end, a single value, values far beyond the
 audio): ``repair_monotonic`` equals ``_fix_timestamps`` and ``words_from_classes`` equals
 ``decode_forced_alignment`` exactly. (b) End to end on a 0.3 s clip with a 600-class random aligner in
-both layouts (issue 26, item 6): ``Aligner.align``'s word times equal transformers' pipeline."""
+both layouts: ``Aligner.align``'s word times equal transformers' pipeline."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def test_decoder_flops_match_a_hand_count() -> None:
 
 
 def test_real_dims_match_the_reference_count() -> None:
-    # shared/reference/baseline-cpu.md: a 30 s clip (390 audio tokens, 405-token prompt) costs 9.03 GFLOP
+    # the published CPU baseline: a 30 s clip (390 audio tokens, 405-token prompt) costs 9.03 GFLOP
     # per audio second in the encoder and 12.53 in the prefill
     dims = {**TINY_DIMS, **QWEN3_ASR_0_6B_DIMS}
     enc = EncoderConfig(num_mel_bins=128, d_model=dims["d_model"], encoder_layers=dims["encoder_layers"],

@@ -1,4 +1,4 @@
-"""No tenant breaks another (issue 25, item 3): a consumer whose event loop closed, an aligner closed under
+"""No tenant breaks another: a consumer whose event loop closed, an aligner closed under
 a transcription, a cancelled request deep in the queue, settings that cannot make progress, a device that
 fails every request, and Ctrl-C inside ``with Engine(...)`` each cost only what they own."""
 

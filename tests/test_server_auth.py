@@ -1,4 +1,4 @@
-"""Authentication is default-deny (issue 25, item 3): with an API key, every route, HTTP and WebSocket, needs
+"""Authentication is default-deny: with an API key, every route, HTTP and WebSocket, needs
 it except the public ones (the page, its icon, the health check). The routes are enumerated from the app,
 so a route added later is covered without editing this test; two routes added here without any check of
 their own (one WebSocket, one HTTP) must be refused too. A real uvicorn server on 127.0.0.1; the model

@@ -1,4 +1,4 @@
-"""Cues with word times end at pauses, and prefer sentence ends, then clause punctuation (issue 26, item 4).
+"""Cues with word times end at pauses, and prefer sentence ends, then clause punctuation.
 
 Synthetic word times test the rules exactly; one real espeak-ng file with pauses between sentences,
 transcribed by the demo model and timed by the demo aligner, tests them on what users get.
@@ -189,5 +189,5 @@ def test_real_speech_cues_end_at_the_pauses(spoken) -> None:
         if pause >= 1.0:
             pairs = zip(cs, cs[1:], strict=False)
             assert any(a.text.endswith(before) and b.text.startswith(after) for a, b in pairs), [c.text for c in cs]
-    # before: one cue ran across the 2 s pause (the issue's "wake me up at seven the / code is ...")
+    # before: one cue ran across the 2 s pause (as reported: "wake me up at seven the / code is ...")
     assert len(cues(r.segments, CueRules(max_pause_s=None))) < len(cs)
