@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from qasr.model.checkpoint import load_checkpoint
+from qasr.model.config import audio_token_count
+from qasr.model.prompt import build_prompt
 from qasr.testing import make_tiny_checkpoint
 
 torch.set_num_threads(2)
@@ -65,3 +68,20 @@ def noise(seconds: float, seed: int = 0) -> np.ndarray:
     n = int(round(seconds * 16000))
     env = 0.05 + 0.1 * np.abs(np.sin(np.arange(n) / 16000 * 2.3))
     return (env * rng.standard_normal(n)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_original):  # noqa: ANN001, ANN201 - a path fixture; a Checkpoint
+    """The tiny checkpoint loaded in float32 on the CPU (the engine tests' default)."""
+    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ck_bf16(tiny_original):  # noqa: ANN001, ANN201
+    """bf16 on CPU: the engine swaps in prepacked linears (qasr's AVX512-BF16 kernel where it builds)."""
+    return load_checkpoint(tiny_original, device="cpu", dtype="bfloat16")
+
+
+def prompt_for(ck, wave: np.ndarray, context: str = "") -> list[int]:  # noqa: ANN001 - a Checkpoint
+    """The chat prompt of a 16 kHz waveform for ``ck``, its audio placeholders expanded."""
+    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), context)

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import noise
+from conftest import noise, prompt_for
 
 from qasr.audio.features import LogMel
 from qasr.engine.cpu.native import linear_kernel
@@ -20,9 +20,6 @@ from qasr.engine.cuda import prepare as cuda_prepare
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import kv_bytes_per_token, single_prefill
 from qasr.engine.request import GenerationResult
-from qasr.model.checkpoint import load_checkpoint
-from qasr.model.config import audio_token_count
-from qasr.model.prompt import build_prompt
 from qasr.outputs.writers import render
 from qasr.results import Segment, Transcription
 from qasr.server.responses import verbose_json
@@ -33,18 +30,7 @@ KV = 64 << 20
 WAIT_S = 120
 
 
-@pytest.fixture(scope="module")
-def ck(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
 
-
-@pytest.fixture(scope="module")
-def ck_bf16(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="bfloat16")
-
-
-def prompt_for(ck, wave: np.ndarray) -> list[int]:
-    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160))
 
 
 def generate(ck, waves: list[np.ndarray], new_tokens: int = 16, **config) -> list[GenerationResult]:  # noqa: ANN003

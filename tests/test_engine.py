@@ -7,32 +7,13 @@ import random
 import threading
 import time
 
-import numpy as np
 import psutil
 import pytest
-from conftest import noise
+from conftest import noise, prompt_for
 
 from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import kv_bytes_per_token
-from qasr.model.checkpoint import load_checkpoint
-from qasr.model.config import audio_token_count
-from qasr.model.prompt import build_prompt
-
-
-@pytest.fixture(scope="module")
-def ck(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def ck_bf16(tiny_original):
-    """bf16 on CPU: the engine swaps in prepacked linears (qasr's AVX512-BF16 kernel where it builds)."""
-    return load_checkpoint(tiny_original, device="cpu", dtype="bfloat16")
-
-
-def prompt_for(ck, wave: np.ndarray, context: str = "") -> list[int]:
-    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), context)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -19,14 +19,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
-from conftest import noise
+from conftest import noise, prompt_for
 
 from qasr import ASR, Aligner
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.model.checkpoint import load_checkpoint
-from qasr.model.config import audio_token_count
-from qasr.model.prompt import build_prompt
 from qasr.testing.checkpoint import make_tiny_aligner_checkpoint
 from qasr.testing.speech import speak
 
@@ -35,13 +33,6 @@ KV = 64 << 20
 SR = 16000
 
 
-@pytest.fixture(scope="module")
-def ck(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
-
-
-def prompt_for(ck, wave: np.ndarray) -> list[int]:
-    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), "")
 
 
 class StepGate:

@@ -13,22 +13,16 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import noise
+from conftest import noise, prompt_for
 
 from qasr.engine.cpu.native import attention_kernel, linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.model.checkpoint import load_checkpoint
-from qasr.model.config import audio_token_count
-from qasr.model.prompt import build_prompt
 from qasr.testing import make_tiny_checkpoint
 
 KV = 64 << 20
 
-
-@pytest.fixture(scope="module")
-def ck(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +32,6 @@ def ck128(tmp_path_factory):
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     return load_checkpoint(path, device="cpu", dtype="bfloat16")
 
-
-def prompt_for(ck, wave: np.ndarray) -> list[int]:
-    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), "")
 
 
 def alone_tokens(ck, waves, max_new_tokens: int = 16, ignore_eos: bool = False) -> list[list[int]]:

@@ -4,22 +4,9 @@ max_running, never preempted by batch work, with the same tokens as without the 
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from conftest import noise
+from conftest import noise, prompt_for
 
 from qasr.engine.engine import Engine, EngineConfig
-from qasr.model.checkpoint import load_checkpoint
-from qasr.model.config import audio_token_count
-from qasr.model.prompt import build_prompt
-
-
-@pytest.fixture(scope="module")
-def ck(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
-
-
-def prompt_for(ck, wave: np.ndarray) -> list[int]:  # noqa: ANN001 - a Checkpoint
-    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), "")
 
 
 def run_behind_a_queue(ck, interactive: bool, kv_cache_bytes: int = 0) -> tuple[list[int], int, int]:  # noqa: ANN001
@@ -76,7 +63,6 @@ def test_the_scheduler_takes_batch_blocks_for_an_interactive_request_never_the_r
 def test_while_live_work_runs_batch_work_gets_one_chunk_and_one_window_per_step() -> None:
     """Short steps while someone waits: batch prefill is one chunk per step and batch audio one encoder
     window, however much is ready; without interactive work the full budgets apply."""
-    import numpy as np
 
     from qasr.engine.block_manager import BlockManager
     from qasr.engine.kv_blocks import BlockAllocator

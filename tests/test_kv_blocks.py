@@ -12,10 +12,9 @@ import threading
 import time
 from concurrent.futures import Future
 
-import numpy as np
 import pytest
 import torch
-from conftest import noise
+from conftest import noise, prompt_for
 
 from qasr.audio.features import LogMel
 from qasr.engine.cpu.native import linear_kernel
@@ -23,25 +22,12 @@ from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_blocks import BlockAllocator, token_rows
 from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.engine.request import Request
-from qasr.model.checkpoint import load_checkpoint
-from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
 
 WAIT_S = 120  # far beyond what any scenario here takes: only a stuck engine reaches it
 
 
-@pytest.fixture(scope="module")
-def ck(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="float32")
 
-
-@pytest.fixture(scope="module")
-def ck_bf16(tiny_original):
-    return load_checkpoint(tiny_original, device="cpu", dtype="bfloat16")
-
-
-def prompt_for(ck, wave: np.ndarray) -> list[int]:
-    return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160))
 
 
 def engine_for(ck, pool_tokens: int, **kw) -> Engine:
