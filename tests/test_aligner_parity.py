@@ -68,18 +68,28 @@ def _decorrelate_head(paths: dict) -> None:
         save_file(state, str(file), metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def oracle(checkpoints):
-    model = transformers.Qwen3ASRForTokenClassification.from_pretrained(checkpoints["hf"], dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints["hf"])
+def make_oracle(hf_dir):  # noqa: ANN001, ANN201 - a path; (model, processor)
+    """transformers' forced aligner and its processor on an -hf checkpoint, in float32."""
+    model = transformers.Qwen3ASRForTokenClassification.from_pretrained(hf_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     processor = transformers.Qwen3ASRProcessor(feature_extractor=transformers.Qwen3ASRFeatureExtractor(),
                                                tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     return model.eval(), processor
 
 
+def load_aligners(paths: dict) -> dict:
+    """qasr's Aligner on each layout's checkpoint, in float32."""
+    return {layout: Aligner.from_pretrained(path, device="cpu", dtype="float32") for layout, path in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints):
+    return make_oracle(checkpoints["hf"])
+
+
 @pytest.fixture(scope="module")
 def aligners(checkpoints):
-    out = {layout: Aligner.from_pretrained(path, device="cpu", dtype="float32") for layout, path in checkpoints.items()}
+    out = load_aligners(checkpoints)
     yield out
     for a in out.values():
         a.close()

@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import noise
 
-from qasr.align.aligner import Aligner
 from qasr.align.timestamps import repair_monotonic, words_from_classes
 from qasr.testing import make_tiny_aligner_checkpoint
 from qasr.testing.tokenizer_files import write_tiny_tokenizer
@@ -23,7 +22,14 @@ from qasr.testing.tokenizer_files import write_tiny_tokenizer
 transformers = pytest.importorskip("transformers")
 qwen3_asr = pytest.importorskip("transformers.models.qwen3_asr.processing_qwen3_asr")
 
-from test_aligner_parity import CHAT_TEMPLATE, STD, TEXTS, _decorrelate_head, _reference  # noqa: E402
+from test_aligner_parity import (  # noqa: E402
+    STD,
+    TEXTS,
+    _decorrelate_head,
+    _reference,
+    load_aligners,
+    make_oracle,
+)
 
 
 # ---------------------------------------------------------------------- (a) random class sequences
@@ -177,16 +183,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def oracle(checkpoints):
-    model = transformers.Qwen3ASRForTokenClassification.from_pretrained(checkpoints["hf"], dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints["hf"])
-    processor = transformers.Qwen3ASRProcessor(feature_extractor=transformers.Qwen3ASRFeatureExtractor(),
-                                               tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
-    return model.eval(), processor
+    return make_oracle(checkpoints["hf"])
 
 
 @pytest.fixture(scope="module")
 def aligners(checkpoints):
-    out = {layout: Aligner.from_pretrained(path, device="cpu", dtype="float32") for layout, path in checkpoints.items()}
+    out = load_aligners(checkpoints)
     yield out
     for a in out.values():
         a.close()
