@@ -428,7 +428,7 @@ class Engine:
                     self.scheduler.finish(req)
                 req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
                                              now - req.submitted, kv=lease, preempted=tuple(req.preempted),
-                                             logprobs=self.runner.take_logprobs(req)))
+                                             logprobs=tuple(req.logprobs[:len(req.output)])))
                 if lease is not None and req.future.cancelled():  # nobody will see the lease: free it
                     lease.taken = True
                     self.scheduler.blocks.release(lease)

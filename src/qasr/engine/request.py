@@ -87,6 +87,8 @@ class Request:
     replay: list[int] = field(default_factory=list)
     delivered: int = 0  # tokens handed to on_token so far
     preempted: list[str] = field(default_factory=list)
+    # log-probability of each token of ``output`` (a recomputation overwrites them with the same values)
+    logprobs: list[float] = field(default_factory=list)
 
     @property
     def needs_tokens(self) -> int:

@@ -5,7 +5,6 @@ log-probability, read back in a single host sync."""
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +27,6 @@ class Runner:
         # log-probabilities of the requests' generated tokens: entry i for ``req.output[i]``, written when the
         # token is sampled (a preempted request's recomputation writes the same values over the old ones);
         # the engine takes a request's list when it ends, and a request dropped otherwise drops its entry
-        self.logprobs: weakref.WeakKeyDictionary[Request, list[float]] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
@@ -67,7 +65,7 @@ class Runner:
     def forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
         """Run decode rows and prefill chunks together; return (request, next token) for every request
         whose logits were computed (all decode rows, and prefill chunks that complete their prompt); each
-        token's log-probability goes to ``self.logprobs``. Alignment requests get the head's argmax at their
+        token's log-probability goes to ``req.logprobs``. Alignment requests get the head's argmax at their
         classifier positions in ``req.classes``."""
         batch = self.collect(plan)
         tokens, logprobs = self.run(batch)  # runs even when no row is sampled: the chunks' keys and values are stored
@@ -76,14 +74,9 @@ class Runner:
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
         for req, i in zip(batch.sampled, batch.sampled_at, strict=True):
-            kept = self.logprobs.setdefault(req, [])
-            del kept[len(req.output):]  # the token made now is output[len(output)] (a recomputation overwrites)
-            kept.append(logprobs[i])
+            del req.logprobs[len(req.output):]  # the token made now is output[len(output)] (a recomputation overwrites)
+            req.logprobs.append(logprobs[i])
         return [(req, tokens[i]) for req, i in zip(batch.sampled, batch.sampled_at, strict=True)]
-
-    def take_logprobs(self, req: Request) -> tuple[float, ...]:
-        """The log-probabilities of ``req.output`` (the EOS sampled last left out), forgotten here."""
-        return tuple(self.logprobs.pop(req, [])[:len(req.output)])
 
     def collect(self, plan: StepPlan) -> StepBatch:
         """The step's packed rows, on the host: decode rows first, then prefill chunks in plan order."""
