@@ -92,9 +92,27 @@ def _compiler(folder: Path, body: str) -> Path:
 
 
 def _stalled(tmp: Path) -> tuple[Path, Path]:
-    """(PATH folder of a compiler that stalls each compile, the file it touches when one starts)."""
-    mark = tmp / "compiling"
-    return _compiler(tmp / "stall", f"touch {mark}; exec sleep 600"), mark
+    """(PATH folder of a compiler that stalls each compile, the file it touches when one starts). The stall
+    lasts while a hold file exists, which ``_release_stalls`` removes once the test is done: killing the
+    build's process group does not reach the compiler, which ninja starts in a group of its own."""
+    mark, hold = tmp / "compiling", tmp / "stall-hold"
+    hold.touch()
+    _HOLDS.append(hold)
+    return _compiler(tmp / "stall", f"touch {mark}; while [ -e {hold} ]; do sleep 0.2; done; exit 1"), mark
+
+
+_HOLDS: list[Path] = []
+
+
+def _release_stalls() -> None:
+    while _HOLDS:
+        _HOLDS.pop().unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_stalled_compiler_outlives_its_test():
+    yield
+    _release_stalls()
 
 
 def _refusing(folder: Path) -> Path:
@@ -156,6 +174,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     proc = _start_stalled([sys.executable, "-c", LOAD], _env(kdir, stall), mark, tmp / "killed.err")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _release_stalls()
     stale = (folder / "lock").exists()
     start_b = time.monotonic()
     with subprocess.Popen([str(python_b), "-c", LOAD], env=_env(kdir), stdout=subprocess.PIPE,
