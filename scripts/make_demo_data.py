@@ -506,6 +506,8 @@ def main() -> None:
     ap.add_argument("--val-long", type=int, default=40, help="validation clips of each new kind")
     ap.add_argument("--jobs", type=int, default=2, help="espeak worker processes (keep it small)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--splits", default="train,val",
+                    help="which splits to render (the plan is drawn whole either way, so val alone is the same val)")
     args = ap.parse_args()
     r = random.Random(args.seed)
     texts = unique_sentences(r, args.train + args.val, set(TEST_SENTENCES))
@@ -527,6 +529,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     for name, clips in splits.items():
+        if name not in args.splits.split(","):
+            continue
         parts = [clips[i::max(1, args.jobs * 4)] for i in range(max(1, args.jobs * 4))]
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             done = dict(zip((c.path for p in parts for c in p),
