@@ -289,5 +289,5 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kpool, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has the AVX512-BF16 kernel");
   def_gemm(m, GEMM, "batch-invariant bf16 x @ W^T + b with float32 accumulation");
-  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk over its sequence");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk over its sequence", NO_GIL);
 }

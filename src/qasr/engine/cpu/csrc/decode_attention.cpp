@@ -249,5 +249,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "batched single-token attention over a block pool",
         py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("tables"), py::arg("lens"), py::arg("block_size"),
-        py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none());
+        py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
+        // the GIL is released while it runs: other Python threads (the server's event loop) go on meanwhile
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -85,6 +85,8 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor weight, torch::Tensor cos
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "bf16 RMSNorm over the last dim");
-  m.def("norm_rope", &norm_rope, "bf16 per-head RMSNorm followed by rotary embedding");
+  // without the GIL while they run, like every qasr kernel (other Python threads go on meanwhile)
+  m.def("rms_norm", &rms_norm, "bf16 RMSNorm over the last dim", py::call_guard<py::gil_scoped_release>());
+  m.def("norm_rope", &norm_rope, "bf16 per-head RMSNorm followed by rotary embedding",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -118,13 +118,18 @@ inline torch::Tensor gemm_conv(const Gemm& g, torch::Tensor xp, torch::Tensor pa
 
 // The GEMM interface both modules share: pack(), linear() and conv() on kernel `g` (a static object).
 // `linear_doc` says how the kernel computes.
+// Every compute entry point releases the GIL while it runs (NO_GIL): a product can take tens of
+// milliseconds, and holding the GIL that long stalls the server's event loop and every other Python
+// thread (uploads, live sessions) for as long. The bodies touch no Python object.
+#define NO_GIL pybind11::call_guard<pybind11::gil_scoped_release>()
+
 inline void def_gemm(pybind11::module& m, const Gemm& g, const char* linear_doc) {
-  m.def("pack", &pack, "pack an (N, K) bf16 weight for linear() (the layout both GEMM kernels share)");
+  m.def("pack", &pack, "pack an (N, K) bf16 weight for linear() (the layout both GEMM kernels share)", NO_GIL);
   m.def("linear", [&g](torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
     return gemm_linear(g, x, packed, N, bias);
-  }, linear_doc);
+  }, linear_doc, NO_GIL);
   m.def("conv", [&g](torch::Tensor xp, torch::Tensor packed, int64_t cout, c10::optional<torch::Tensor> bias,
                      int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
     return gemm_conv(g, xp, packed, cout, bias, kh, kw, sh, sw);
-  }, "the same product as a convolution over a padded NHWC input (implicit im2col)");
+  }, "the same product as a convolution over a padded NHWC input (implicit im2col)", NO_GIL);
 }
