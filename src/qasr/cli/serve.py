@@ -59,7 +59,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--live-idle-timeout-s", type=positive_float, default=60.0, metavar="S",
                    help="close a live session that sends nothing for this long (default 60)")
     s.add_argument("--live-max-backlog-s", type=positive_float, default=30.0, metavar="S",
-                   help="audio a live session may have waiting; later appends are refused (default 30)")
+                   help="audio a live session may have waiting; past it the server reads no more of the "
+                        "connection until some is processed (the client's sends wait in TCP) (default 30)")
+    s.add_argument("--ws-ping-interval", type=positive_float, default=20.0, metavar="S",
+                   help="ping WebSocket clients this often, which keeps idle connections open through proxies "
+                        "(default 20); a late answer never closes a connection (see docs/server.md)")
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
                    help="audio per live decoding step (default 1.0; the official default is 2.0)")
     s.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="SECONDS",
@@ -118,8 +122,13 @@ def serve_command(args: argparse.Namespace) -> int:
     # uvicorn's own access log would print query strings; qasr's (logger qasr.server.access) prints no more
     # than method, path, status and time. Its graceful shutdown starts only once our drain has ended every
     # request (or cut it at --drain-timeout), so it has only closed connections to wait for.
+    # No pong timeout: a live client the server is throttling (its backlog full, nothing read from its
+    # connection) has its pong queued in TCP behind its own audio, so under load a timeout would close
+    # exactly the sessions that are busiest, losing their transcript; a client that went away is closed by
+    # --live-idle-timeout-s instead, once its audio is processed.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+                                           log_level=args.log_level, timeout_graceful_shutdown=5,
+                                           ws_ping_interval=args.ws_ping_interval, ws_ping_timeout=None))
     state = app.state.qasr
     state.on_drained = lambda: setattr(server, "should_exit", True)
     stopped_at_once: list[int] = []  # a second signal came
