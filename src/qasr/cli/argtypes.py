@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from qasr.engine.config import QUANTIZE_MODES  # plain data, no torch
+
+# --quantize of transcribe, serve and bench
+QUANTIZE_CHOICES = ("none", *QUANTIZE_MODES)
+QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions "
+                 "(CPU only; docs/quantization.md); none (default): the --dtype weights. A --aligner keeps its dtype")
+
 
 def positive_int(text: str) -> int:
     value = int(text)
