@@ -60,7 +60,10 @@ def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
                           bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype: the quantized product in plain torch (the reference every kernel matches)."""
     x_q, a_scale = quantize_rows(x)
-    acc = torch._int_mm(x_q, w_q.t())  # int32 [M, N], exact
+    if x_q.shape[1] == 1:  # torch 2.13's CPU _int_mm returns unset memory for K = 1 (measured): an outer product
+        acc = x_q.int() * w_q.int().t()
+    else:
+        acc = torch._int_mm(x_q, w_q.t())  # int32 [M, N], exact
     y = acc.float() * (a_scale[:, None] * w_scale[None, :])  # two roundings, in the arithmetic's order
     if bias is not None:
         y = y + bias.float()
