@@ -309,3 +309,18 @@ def test_cli_transcribes_with_int8(demo) -> None:
     bad = subprocess.run([sys.executable, "-m", "qasr", "transcribe", str(clip), "--quantize", "int4"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr
+
+
+def test_bench_runs_an_int8_side_and_its_last_line_names_it(tiny_original) -> None:
+    from qasr.bench.common import make_clip
+    from qasr.bench.cpu import Workload, run_qasr, summary_line
+    from qasr.bench.main import main as bench_main
+
+    clips = [make_clip(s, k) for k, s in enumerate((1.5, 2.5))]
+    side = run_qasr(tiny_original, clips, Workload((), ((1, 1),), (1.0, 1.5)), kv_gib=0.05, seed=0, quantize="int8")
+    assert "int8" in side["kernels"] and side["tokens"] > 0
+    report = dict(speedup=3.0, qasr=dict(rtfx=10.0), efficiency=dict(overall=0.25), qasr_int8=dict(rtfx=5.0),
+                  int8=dict(speedup=1.5, int8_over_bf16=0.5, efficiency=dict(overall=0.125)))
+    assert summary_line(report) == "speedup=1.50 rtfx=5.0 efficiency=0.125 int8_over_bf16=0.50"
+    with pytest.raises(SystemExit):  # the GPU mode has no int8 side: refused, not ignored
+        bench_main(["--device", "cuda", "--quantize", "int8"])
