@@ -324,3 +324,17 @@ def test_bench_runs_an_int8_side_and_its_last_line_names_it(tiny_original) -> No
     assert summary_line(report) == "speedup=1.50 rtfx=5.0 efficiency=0.125 int8_over_bf16=0.50"
     with pytest.raises(SystemExit):  # the GPU mode has no int8 side: refused, not ignored
         bench_main(["--device", "cuda", "--quantize", "int8"])
+
+
+def test_serve_and_ray_workers_take_the_option(tiny_original) -> None:
+    from qasr.cli.main import build_parser
+    from qasr.distributed.config import EngineSpec
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--quantize", "int8"]).quantize == "int8"
+    assert parser.parse_args(["serve"]).quantize == "none"
+    asr = EngineSpec(str(tiny_original), device="cpu", dtype="float32", quantize="int8").load()
+    try:
+        assert isinstance(asr.engine.prepared.kernels.linear, Int8Linears)
+    finally:
+        asr.close()
