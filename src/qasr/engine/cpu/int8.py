@@ -64,9 +64,11 @@ def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
         acc = x_q.int() * w_q.int().t()
     else:
         acc = torch._int_mm(x_q, w_q.t())  # int32 [M, N], exact
-    y = acc.float() * (a_scale[:, None] * w_scale[None, :])  # two roundings, in the arithmetic's order
+    # in place where it can be (fewer [M, N] buffers); each op is still one rounding, in the arithmetic's order
+    y = acc.float()
+    y.mul_(torch.outer(a_scale, w_scale))  # s = a_scale[m] * w_scale[n], then float32(acc) * s
     if bias is not None:
-        y = y + bias.float()
+        y.add_(bias.float())
     return y.to(x.dtype)
 
 
