@@ -5,9 +5,11 @@ same checkpoint reuses the packed weights instead of packing (and holding) anoth
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
+from torch import nn
 
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
@@ -19,6 +21,8 @@ from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 log = logging.getLogger(__name__)
+Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
+Conv = Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]
 
 
 def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = None,
@@ -42,7 +46,8 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     elif quantize is not None:
         raise ValueError(f"unknown quantize mode {quantize!r}")
     else:
-        linear, conv = _float_products(model, use_native, parts)
+        linear, conv, gemm_name = _float_products(model, use_native)
+        parts.append(gemm_name)
     kernels = Kernels(
         linear=linear,
         conv=conv,
@@ -62,21 +67,17 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     return prepared
 
 
-def _float_products(model: Qwen3ASRModel, use_native: bool, parts: list[str]) -> tuple:
-    """The linear and conv of the checkpoint's own dtype; names the GEMM in ``parts``."""
+def _float_products(model: Qwen3ASRModel, use_native: bool) -> tuple[Linear, Conv, str]:
+    """The linear and conv in the checkpoint's own dtype, and the GEMM's name for the description."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
     gemm = native.linear_kernel() if use_native and bf16 else None
+    conv = CpuConvs(model, gemm) if bf16 else TORCH_KERNELS.conv
     if gemm is not None:
-        linear = InvariantLinears(model, gemm)
-        parts.append(f"invariant GEMM ({getattr(gemm, 'KIND', gemm.__name__)})")
-    elif onednn_packing_supported(model.device, dtype):
-        linear = OneDnnLinears(model)
-        parts.append("oneDNN prepacked GEMM (not batch-invariant)")
-    else:
-        linear = TORCH_KERNELS.linear
-        parts.append("torch GEMM")
-    return linear, CpuConvs(model, gemm) if bf16 else TORCH_KERNELS.conv
+        return InvariantLinears(model, gemm), conv, f"invariant GEMM ({getattr(gemm, 'KIND', gemm.__name__)})"
+    if onednn_packing_supported(model.device, dtype):
+        return OneDnnLinears(model), conv, "oneDNN prepacked GEMM (not batch-invariant)"
+    return TORCH_KERNELS.linear, conv, "torch GEMM"
 
 
 def native_int8_kernel() -> ModuleType | None:
