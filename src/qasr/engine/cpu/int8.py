@@ -32,16 +32,26 @@ from torch import nn
 
 QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
+WEIGHT_BLOCK = 1 << 22  # weight values quantized per block (16 MB of float32 temporaries)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] (any float dtype) -> (w_q int8 [N, K], w_scale float32 [N]), per output channel."""
-    wf = weight.detach().float()
-    amax = wf.abs().amax(dim=1)
-    # an all-zero row: any scale quantizes it to zeros; 1.0 keeps the division finite
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX)
-    w_q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return w_q.contiguous(), scale
+    """W [N, K] (any float dtype) -> (w_q int8 [N, K], w_scale float32 [N]), per output channel.
+
+    In blocks of rows: each row is quantized on its own, so the blocks change nothing, and the float32
+    temporaries stay small (a whole 151936 x 1024 LM head in float32 would be 0.6 GB per temporary)."""
+    n, k = weight.shape
+    w_q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    step = max(1, WEIGHT_BLOCK // max(k, 1))
+    for start in range(0, n, step):
+        wf = weight[start:start + step].detach().float()
+        amax = wf.abs().amax(dim=1)
+        # an all-zero row: any scale quantizes it to zeros; 1.0 keeps the division finite
+        s = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX)
+        w_q[start:start + step] = torch.round(wf / s[:, None]).clamp_(-QMAX, QMAX)
+        scale[start:start + step] = s
+    return w_q, scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
