@@ -66,6 +66,16 @@ def test_weight_quantization_round_trip(dtype) -> None:
     assert torch.equal(scale, torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
 
 
+def test_weight_blocks_change_nothing(monkeypatch) -> None:
+    from qasr.engine.cpu import int8
+
+    w = rows_with_edge_cases(torch.bfloat16, n=9, k=13)
+    whole = quantize_weight(w)
+    monkeypatch.setattr(int8, "WEIGHT_BLOCK", 30)  # two rows per block, the last one alone
+    blocked = quantize_weight(w)
+    assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_quantization_round_trip_and_independence(dtype) -> None:
     x = rows_with_edge_cases(dtype, seed=1)
