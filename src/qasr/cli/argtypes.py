@@ -9,7 +9,8 @@ from qasr.engine.config import QUANTIZE_MODES  # plain data, no torch
 # --quantize of transcribe, serve and bench
 QUANTIZE_CHOICES = ("none", *QUANTIZE_MODES)
 QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions "
-                 "(CPU only; docs/quantization.md); none (default): the --dtype weights. A --aligner keeps its dtype")
+                 "(CPU only; an --aligner is not quantized; docs/quantization.md); none (default): the --dtype "
+                 "weights")
 
 
 def positive_int(text: str) -> int:
