@@ -11,6 +11,9 @@ machine (CPU model, best bf16 GEMM rate, read bandwidth; qasr.bench.perf.machine
 efficiency against it: model FLOP for the workload (qasr.bench.perf.flops) per wall second over the peak,
 overall and per phase, with a roofline panel (qasr.bench.perf.phases, qasr.bench.perf.report). The last line is
 ``speedup=<x> rtfx=<y> efficiency=<z>``.
+
+``--quantize int8`` runs qasr twice, in bf16 and with ``quantize="int8"`` (each in its own process), against
+the same reference run; the last line then gives int8's figures and ``int8_over_bf16=<x>``.
 """
 
 from __future__ import annotations
@@ -55,14 +58,15 @@ FULL = Workload(clips_s=(), ttft_levels=((1, 8), (4, 16), (16, 48), (64, 128)), 
 
 
 # ---------------------------------------------------------------------------------------------- qasr
-def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: float, seed: int) -> dict:
+def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: float, seed: int,
+             quantize: str | None = None) -> dict:
     from qasr.engine.engine import Engine, EngineConfig
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
     from qasr.model.prompt import build_prompt
 
     ck = load_checkpoint(ckpt_dir, device="cpu", dtype="bfloat16")
-    engine = Engine(ck, EngineConfig(kv_cache_bytes=int(kv_gib * 2**30)))
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=int(kv_gib * 2**30), quantize=quantize))
     hop = ck.features.hop_length
     utterances: list[Utterance] = []
 
@@ -92,7 +96,7 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
                peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
                phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured],
-               foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
+               foreign_cpu_s=others.seconds, foreign_cpu_share=others.share, kernels=engine.prepared.description)
     out["ttft"] = measure_ttft(submit, wl, seed)
     engine.close()
     return out
@@ -144,9 +148,13 @@ def plot(report: dict, path: Path) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = ["transformers (batch 8)", "qasr"]
     vals = [report["reference"]["rtfx"], report["qasr"]["rtfx"]]
-    a.bar(names, vals, color=["#999999", "#2b7bba"])
+    if "qasr_int8" in report:
+        names.append("qasr int8")
+        vals.append(report["qasr_int8"]["rtfx"])
+    a.bar(names, vals, color=["#999999", "#2b7bba", "#e08a2b"][:len(vals)])
     a.set_ylabel("audio seconds per wall second (RTFx)")
-    a.set_title(f"throughput, speedup x{report['speedup']:.2f}")
+    a.set_title(f"throughput, qasr bf16 x{report['speedup']:.2f}" + (
+        f", int8 x{report['int8']['speedup']:.2f}" if "int8" in report else ""))
     for i, v in enumerate(vals):
         a.text(i, v, f"{v:.1f}", ha="center", va="bottom")
     conc = list(report["qasr"]["ttft"])
@@ -180,42 +188,71 @@ def run(args: argparse.Namespace) -> int:
     ours = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed)
     print(f"  qasr: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}, phases "
           + ", ".join(f"{k} {v:.1f}" for k, v in ours["phases"].items()), flush=True)
+    int8 = None
+    if getattr(args, "quantize", "none") == "int8":
+        int8 = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, "int8")
+        print(f"  qasr int8 ({int8['kernels']}): {int8['wall_s']:.1f} s, RTFx {int8['rtfx']:.1f}, phases "
+              + ", ".join(f"{k} {v:.1f}" for k, v in int8["phases"].items()), flush=True)
     ref = in_subprocess(run_reference, threads, ckpt, clips)
     print(f"  transformers: {ref['wall_s']:.1f} s, RTFx {ref['rtfx']:.1f}", flush=True)
     speedup = ours["rtfx"] / ref["rtfx"]
     cfg = ModelConfig.from_file(ckpt / "config.json")
-    utterances = [Utterance(**u) for u in ours["utterances"]]
-    eff = efficiency_report(cfg, utterances, workload_flops(cfg, utterances), ours["audio_s"], ours["wall_s"],
-                            ours["phases"], ForwardLog(**ours["forwards"]), machine, reference_wall_s=ref["wall_s"])
+
+    def efficiency(side: dict) -> dict:
+        utterances = [Utterance(**u) for u in side["utterances"]]
+        return efficiency_report(cfg, utterances, workload_flops(cfg, utterances), side["audio_s"], side["wall_s"],
+                                 side["phases"], ForwardLog(**side["forwards"]), machine,
+                                 reference_wall_s=ref["wall_s"])
+
+    eff = efficiency(ours)
     cpu = machine["cpu"]
     report = dict(title=f"Qwen3-ASR-0.6B dims (random weights), {len(clips)} clips / {sum(lengths):.0f} s, "
                   f"bf16, {threads} CPU threads, torch {torch.__version__}; {cpu['model']}, "
                   f"peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s, {machine['bandwidth_Bps'] / 1e9:.1f} GB/s",
                   workload=dict(clips_s=lengths, tokens_per_second=TOKENS_PER_SECOND), machine=machine,
                   qasr=ours, reference=ref, speedup=speedup, efficiency=eff, total_wall_s=time.perf_counter() - t0)
-    stem = "throughput_quick" if args.quick else "throughput"
+    if int8 is not None:  # the bf16 figures stay where they are; int8's beside them
+        report["qasr_int8"] = int8
+        report["int8"] = dict(speedup=int8["rtfx"] / ref["rtfx"], int8_over_bf16=int8["rtfx"] / ours["rtfx"],
+                              efficiency=efficiency(int8))
+        report["title"] += "; and qasr int8"  # its kernels are in qasr_int8.kernels (a long line for a title)
+    stem = ("throughput_quick" if args.quick else "throughput") + ("_int8" if int8 is not None else "")
     save_report(report, args.out, stem, plot, machine)
     print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency | others' CPU |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, r, e in (("transformers generate, batch 8", ref, eff["reference_overall"]),
-                       ("qasr engine", ours, eff["overall"])):
+    rows = [("transformers generate, batch 8", ref, eff["reference_overall"]), ("qasr engine", ours, eff["overall"])]
+    if int8 is not None:
+        rows.append(("qasr engine, int8", int8, report["int8"]["efficiency"]["overall"]))
+    for name, r, e in rows:
         print(f"| {name} | {r['wall_s']:.1f} | {r['audio_s']:.0f} | {r['rtfx']:.1f} | {r['tokens']} | "
               f"{r['peak_rss_gib']:.2f} | {100 * e:.1f}% | {100 * r['foreign_cpu_share']:.0f}% |")
-    for name, r in (("transformers", ref), ("qasr", ours)):
+    for name, r, _ in rows:
         if r["foreign_cpu_share"] > CONTENDED:
             print(f"WARNING: other processes used {100 * r['foreign_cpu_share']:.0f}% of the CPUs during the "
                   f"{name} side: its figures are not representative of this machine")
     print()
     print(phase_table(eff))
-    print("\nqasr TTFT by arrival concurrency: " + ", ".join(
-        f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in ours["ttft"].items()))
+    if int8 is not None:
+        print("\nint8:")
+        print(phase_table(report["int8"]["efficiency"]))
+    for name, side in (("qasr", ours), ("qasr int8", int8)):
+        if side is not None:
+            print(f"\n{name} TTFT by arrival concurrency: " + ", ".join(
+                f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in side["ttft"].items()))
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    if int8 is not None:
+        print("bf16: " + summary_line({k: v for k, v in report.items() if k != "int8"}))
     print(summary_line(report))
     return 0
 
 
 def summary_line(report: dict) -> str:
-    """The CPU mode's last line, the one scripts read."""
+    """The CPU mode's last line, the one scripts read: qasr's figures against the reference, int8's (and
+    int8_over_bf16) when the run had an int8 side."""
+    if "int8" in report:
+        int8 = report["int8"]
+        return (f"speedup={int8['speedup']:.2f} rtfx={report['qasr_int8']['rtfx']:.1f} "
+                f"efficiency={int8['efficiency']['overall']:.3f} int8_over_bf16={int8['int8_over_bf16']:.2f}")
     return (f"speedup={report['speedup']:.2f} rtfx={report['qasr']['rtfx']:.1f} "
             f"efficiency={report['efficiency']['overall']:.3f}")
 

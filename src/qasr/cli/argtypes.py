@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from qasr.engine.config import QUANTIZE_MODES  # plain data, no torch
+
+# --quantize of transcribe, serve and bench
+QUANTIZE_CHOICES = ("none", *QUANTIZE_MODES)
+QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions "
+                 "(CPU only; an --aligner is not quantized; docs/quantization.md); none (default): the --dtype "
+                 "weights")
+
 
 def positive_int(text: str) -> int:
     value = int(text)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from qasr import __version__
-from qasr.cli.argtypes import positive_float, positive_int, probability
+from qasr.cli.argtypes import QUANTIZE_CHOICES, QUANTIZE_HELP, positive_float, positive_int, probability
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.writers.FORMATS (a test checks)
@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show a progress bar (default: when stderr is a terminal)")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    t.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
+                   help=QUANTIZE_HELP)
     t.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
     t.add_argument("--max-new-tokens", type=positive_int, default=None,
@@ -153,7 +155,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
 
     try:
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
-                                  engine=EngineConfig(max_running=args.max_running))
+                                  quantize=args.quantize, engine=EngineConfig(max_running=args.max_running))
         asr.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:
         print(f"qasr: error: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from qasr.cli.argtypes import positive_float, positive_int
+from qasr.cli.argtypes import QUANTIZE_CHOICES, QUANTIZE_HELP, positive_float, positive_int
 
 if TYPE_CHECKING:
     from qasr.server.config import ServerConfig
@@ -49,6 +49,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "timestamp_granularities[]=word (default: none; word timestamps are refused)")
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    s.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     s.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
     s.add_argument("--decode-workers", type=positive_int, default=4, metavar="N",
@@ -116,7 +117,7 @@ def serve_command(args: argparse.Namespace) -> int:
         from qasr.transcribe.asr import ASR
 
         return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
-                                   engine=EngineConfig(max_running=args.max_running))
+                                   quantize=args.quantize, engine=EngineConfig(max_running=args.max_running))
 
     app = create_app(config, load)
     # uvicorn's own access log would print query strings; qasr's (logger qasr.server.access) prints no more

@@ -31,6 +31,7 @@ class EngineSpec:
     aligner: str | None = None
     max_running: int = 64
     threads: int | None = None  # torch threads of a CPU engine; None: leave torch's default
+    quantize: str | None = None  # None/"none" or "int8" (ASR.from_pretrained's quantize)
 
     def load(self) -> ASR:
         import torch
@@ -41,7 +42,7 @@ class EngineSpec:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         return ASR.from_pretrained(self.model, device=self.device, dtype=self.dtype, aligner=self.aligner,
-                                   engine=EngineConfig(max_running=self.max_running))
+                                   quantize=self.quantize, engine=EngineConfig(max_running=self.max_running))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
     pool = pool_config(cluster, actors=args.ray_actors, cpus=args.ray_actor_cpus, gpus=args.ray_actor_gpus,
                        decode_cpus=args.ray_decode_cpus, batch_size=args.ray_batch)
     spec = EngineSpec(portable(args.model), device=args.device, dtype=args.dtype, aligner=portable(args.aligner),
-                      max_running=args.max_running, threads=engine_threads(pool.actor_cpus, pool.actor_gpus))
+                      max_running=args.max_running, threads=engine_threads(pool.actor_cpus, pool.actor_gpus),
+                      quantize=args.quantize)
     transcriber = RayTranscriber(spec, pool)
     try:
         transcriber.check_language(args.language)

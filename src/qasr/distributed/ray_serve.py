@@ -115,7 +115,7 @@ def undeploy() -> None:
 def build_app(args: dict) -> object:
     """Serve application builder: ``serve run qasr.distributed.ray_serve:build_app model=PATH replicas=1-4``.
 
-    Keys (strings, as ``serve run`` passes them): model (required), device, dtype, aligner, max_running,
+    Keys (strings, as ``serve run`` passes them): model (required), device, dtype, quantize, aligner, max_running,
     replicas (N or MIN-MAX), replica_cpus, replica_gpus, max_ongoing, target_ongoing, api_key."""
     from qasr.server.config import ServerConfig
 
@@ -125,7 +125,8 @@ def build_app(args: dict) -> object:
     cpus = float(args.get("replica_cpus", 1))
     max_running = int(args.get("max_running", 64))
     spec = EngineSpec(model, device=str(args.get("device", "auto")), dtype=str(args.get("dtype", "auto")),
-                      aligner=args.get("aligner"), max_running=max_running, threads=engine_threads(cpus, gpus))
+                      aligner=args.get("aligner"), max_running=max_running, threads=engine_threads(cpus, gpus),
+                      quantize=args.get("quantize"))
     scaling = ServeScaling(int(low), int(high or low), cpus, gpus,
                            max_ongoing_requests=int(args.get("max_ongoing", 2 * max_running)),
                            target_ongoing_requests=float(args.get("target_ongoing", max_running / 2)))

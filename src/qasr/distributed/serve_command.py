@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace, config: object) -> int:
     cluster = cluster_now()
     cpus, gpus = worker_shape(cluster, args.ray_replica_cpus, args.ray_replica_gpus)
     spec = EngineSpec(portable(args.model), device=args.device, dtype=args.dtype, aligner=portable(args.aligner),
-                      max_running=args.max_running, threads=engine_threads(cpus, gpus))
+                      max_running=args.max_running, threads=engine_threads(cpus, gpus), quantize=args.quantize)
     scaling = scaling_of(args, cpus, gpus)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

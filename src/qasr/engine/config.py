@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
+QUANTIZE_MODES = ("int8",)  # EngineConfig.quantize: None (off) or one of these (docs/quantization.md)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -19,6 +21,9 @@ class EngineConfig:
     native_kernels: bool = True  # qasr's C++ CPU kernels (each self-tested; torch ops where they fail)
     backend: str = "auto"  # the device backend (engine/device.py): auto = the model's device type
     cuda_graphs: bool = True  # CUDA backend: replay pure decode steps as graphs per batch bucket
+    # None: the checkpoint's dtype; "int8": int8 weights and per-row int8 activations in every linear and the
+    # encoder's 480-channel convolutions (CPU backend only; engine/cpu/int8.py, docs/quantization.md)
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress (it would spin empty steps)."""
@@ -27,6 +32,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"EngineConfig.quantize must be None (off) or one of {', '.join(QUANTIZE_MODES)}, "
+                             f"got {self.quantize!r}")
         kv = self.kv_cache_bytes
         if kv is not None and (isinstance(kv, bool) or not isinstance(kv, Integral) or kv < 0):
             raise ValueError(f"EngineConfig.kv_cache_bytes must be None (or 0: the default size) or a positive byte "
@@ -55,3 +63,13 @@ class EngineStats:
     tokens_per_s: float  # generated tokens per second over the last RATE_WINDOW_S seconds
     broken: bool
     closed: bool
+
+
+def quantize_option(value: str | None) -> str | None:
+    """A front end's quantize setting (``None``, ``"none"`` or a mode) as EngineConfig takes it (None or a
+    mode); anything else is a ValueError naming the choices."""
+    if value is None or value == "none":
+        return None
+    if value not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantize mode {value!r}; use none or {', '.join(QUANTIZE_MODES)}")
+    return value

@@ -16,7 +16,8 @@ from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS
 
 BACKENDS = ("auto", "cpu", "cuda")
-_prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[tuple[str, bool], PreparedModel]] = weakref.WeakKeyDictionary()
+_prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[tuple[str, bool, str | None], PreparedModel]] = \
+    weakref.WeakKeyDictionary()
 
 
 def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
@@ -31,19 +32,25 @@ def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
     return backend
 
 
-def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto") -> PreparedModel:
+def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto",
+                  quantize: str | None = None) -> PreparedModel:
     """Choose the kernels for the model's device. ``native=False`` keeps to torch ops (same maths).
+    ``quantize="int8"``: int8 linears and convolutions (CPU only; engine/cpu/int8.py).
 
     Kept per model (and choice), so a second engine on the same model shares the prepared kernels and
     packed weights instead of making another copy."""
     chosen = backend_for(model, backend)
+    if quantize is not None and (chosen != "cpu" or model.device.type != "cpu"):
+        raise ValueError(f"quantize={quantize!r} runs on the CPU backend only (no {chosen} int8 kernels yet): "
+                         "load the model on the CPU, or leave quantize off")
     cached = _prepared.setdefault(model, {})
-    if (chosen, native) not in cached:
-        cached[chosen, native] = _prepare(model, native, chosen)
-    return cached[chosen, native]
+    key = (chosen, native, quantize)
+    if key not in cached:
+        cached[key] = _prepare(model, native, chosen, quantize)
+    return cached[key]
 
 
-def _prepare(model: Qwen3ASRModel, native: bool, chosen: str) -> PreparedModel:
+def _prepare(model: Qwen3ASRModel, native: bool, chosen: str, quantize: str | None) -> PreparedModel:
     if chosen == "cuda":
         from qasr.engine.cuda.prepare import prepare_cuda
 
@@ -51,5 +58,5 @@ def _prepare(model: Qwen3ASRModel, native: bool, chosen: str) -> PreparedModel:
     if model.device.type == "cpu":
         from qasr.engine.cpu.prepare import prepare_cpu
 
-        return prepare_cpu(model, native)
+        return prepare_cpu(model, native, quantize)
     return PreparedModel(model, TORCH_KERNELS, backend="torch")  # another device type: plain torch ops

@@ -58,7 +58,7 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = config
         self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
-                                                 backend=config.backend)
+                                                 backend=config.backend, quantize=config.quantize)
         model = prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)

@@ -14,10 +14,12 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from qasr.engine.config import quantize_option
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.prompt import SUPPORTED_LANGUAGES
@@ -84,10 +86,15 @@ class ASR:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "Qwen/Qwen3-ASR-0.6B", device: str = "auto",
                         dtype: str | torch.dtype = "auto", aligner: str | os.PathLike | Aligner | None = None,
-                        **kwargs: object) -> ASR:
+                        quantize: str | None = None, **kwargs: object) -> ASR:
         """Load from a local directory or a hub id (local cache first); see ``ASR.__init__`` for kwargs.
         ``aligner``: a Qwen3-ForcedAligner directory or hub id (loaded with the same device and dtype), or
-        a loaded ``qasr.Aligner``."""
+        a loaded ``qasr.Aligner``. ``quantize="int8"`` runs the ASR model's linears and encoder convolutions
+        in int8 (CPU only; docs/quantization.md; ``None`` or ``"none"``: off, the default); it sets the
+        ``quantize`` of ``engine=EngineConfig(...)`` when both are given. An aligner keeps its own dtype."""
+        mode = quantize_option(quantize)  # a bad value fails before anything loads
+        if mode is not None:
+            kwargs["engine"] = replace(kwargs.get("engine") or EngineConfig(), quantize=mode)  # type: ignore[type-var]
         if aligner is not None and not hasattr(aligner, "submit_pieces"):
             from qasr.align.aligner import Aligner
 

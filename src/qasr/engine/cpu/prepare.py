@@ -5,38 +5,52 @@ same checkpoint reuses the packed weights instead of packing (and holding) anoth
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
+from torch import nn
 
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
 from qasr.engine.cpu.conv import CpuConvs
+from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs, Int8Linears
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 log = logging.getLogger(__name__)
+Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
+Conv = Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]
 
 
-def prepare_cpu(model: Qwen3ASRModel, use_native: bool) -> PreparedModel:
+def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = None,
+                int8_kernel: ModuleType | None = None) -> PreparedModel:
+    """``quantize="int8"``: every linear and the encoder's 480-channel convolutions in int8 (engine/cpu/int8.py),
+    on ``int8_kernel`` when given, else on the native int8 module when ``use_native`` and one passed its
+    self-test here, else on the torch reference (same bits, slower)."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
-    gemm = native.linear_kernel() if use_native and bf16 else None
     ops = native.decoder_ops_kernel() if use_native and bf16 else None
     parts = []
-    if gemm is not None:
-        linear = InvariantLinears(model, gemm)
-        parts.append(f"invariant GEMM ({getattr(gemm, 'KIND', gemm.__name__)})")
-    elif onednn_packing_supported(model.device, dtype):
-        linear = OneDnnLinears(model)
-        parts.append("oneDNN prepacked GEMM (not batch-invariant)")
+    if quantize == "int8":
+        if int8_kernel is None and use_native:
+            int8_kernel = native_int8_kernel()
+        if dtype not in KERNEL_DTYPES:  # native modules take float32 or bf16 activations; float16: the reference
+            int8_kernel = None
+        linear, conv = Int8Linears(model, int8_kernel), Int8Convs(model, int8_kernel)
+        where = "torch reference, torch._int_mm" if int8_kernel is None else \
+            f"native {getattr(int8_kernel, 'KIND', int8_kernel.__name__)}"
+        parts.append(f"int8 W8A8 dynamic linears and encoder convs ({where}; first conv {dtype_name(dtype)})")
+    elif quantize is not None:
+        raise ValueError(f"unknown quantize mode {quantize!r}")
     else:
-        linear = TORCH_KERNELS.linear
-        parts.append("torch GEMM")
+        linear, conv, gemm_name = _float_products(model, use_native)
+        parts.append(gemm_name)
     kernels = Kernels(
         linear=linear,
-        conv=CpuConvs(model, gemm) if bf16 else TORCH_KERNELS.conv,
+        conv=conv,
         rms_norm=None if ops is None else ops.rms_norm,
         norm_rope=None if ops is None else ops.norm_rope,
         fused_dtype=torch.bfloat16 if ops is not None else None,
@@ -51,3 +65,28 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool) -> PreparedModel:
     prepared = PreparedModel(model, kernels, decode, prefill, release_idle_workers, ", ".join(parts))
     log.info("qasr: CPU kernels: %s", prepared.description)
     return prepared
+
+
+def _float_products(model: Qwen3ASRModel, use_native: bool) -> tuple[Linear, Conv, str]:
+    """The linear and conv in the checkpoint's own dtype, and the GEMM's name for the description."""
+    dtype = model.dtype
+    bf16 = dtype == torch.bfloat16
+    gemm = native.linear_kernel() if use_native and bf16 else None
+    conv = CpuConvs(model, gemm) if bf16 else TORCH_KERNELS.conv
+    if gemm is not None:
+        return InvariantLinears(model, gemm), conv, f"invariant GEMM ({getattr(gemm, 'KIND', gemm.__name__)})"
+    if onednn_packing_supported(model.device, dtype):
+        return OneDnnLinears(model), conv, "oneDNN prepacked GEMM (not batch-invariant)"
+    return TORCH_KERNELS.linear, conv, "torch GEMM"
+
+
+def native_int8_kernel() -> ModuleType | None:
+    """The native int8 GEMM module that passed its self-test on this CPU (``native.int8_kernel()``), or None:
+    the torch reference runs instead. The one place the int8 path asks for a native module; a build of qasr
+    without that loader yet gets None."""
+    loader = getattr(native, "int8_kernel", None)
+    return None if loader is None else loader()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

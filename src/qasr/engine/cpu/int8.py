@@ -1,0 +1,169 @@
+"""int8 linears and convolutions on the CPU (``quantize="int8"``): W8A8, dynamic per-row activations.
+
+Weights are quantized once, at preparation, per output channel and symmetric (int8 in [-127, 127] and a
+float32 scale per row of W); activations per row on the fly. The product of the int8 values is exact in
+int32, and everything else is per element in a fixed order, so a row's result depends only on that row:
+any batch, any kernel that follows the arithmetic below gives the same bits (batch invariance for free).
+
+The arithmetic, which every path reproduces bit for bit:
+
+- weight W [N, K]: ``wf = W.float()``, ``w_scale[n] = max_k |wf[n, k]| / 127`` (1.0 for an all-zero row),
+  ``w_q = clamp(round_half_even(wf / w_scale[:, None]), -127, 127)``;
+- activation row x [K]: ``a_amax = max_k |float32(x[k])|``; ``a_scale = a_amax / 127`` and
+  ``inv = 127 / a_amax`` (both 0 when a_amax is 0), ``x_q = clamp(round_half_even(float32(x) * inv), -127, 127)``;
+- ``acc = sum_k int32(x_q[k]) * int32(w_q[n, k])``, exact;
+- float32, each step one rounding, no fused multiply-add: ``s = a_scale * w_scale[n]``,
+  ``y = float32(acc) * s``, ``y = y + bias[n]`` (if any), then ``y`` to x's dtype.
+
+The products run on a native module when one is handed in (``pack(w_q) -> packed`` and ``linear(x, packed,
+n, w_scale, bias) -> y``, the same bits), else on the torch reference here (``torch._int_mm``). As for the
+bf16 kernels, the quantized copies live here, keyed by module; the model's own modules are never changed
+(so its float weights stay in memory beside the int8 ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
+WEIGHT_BLOCK = 1 << 22  # weight values quantized per block (16 MB of float32 temporaries)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype) -> (w_q int8 [N, K], w_scale float32 [N]), per output channel.
+
+    In blocks of rows: each row is quantized on its own, so the blocks change nothing, and the float32
+    temporaries stay small (a whole 151936 x 1024 LM head in float32 would be 0.6 GB per temporary)."""
+    n, k = weight.shape
+    w_q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    step = max(1, WEIGHT_BLOCK // max(k, 1))
+    for start in range(0, n, step):
+        wf = weight[start:start + step].detach().float()
+        amax = wf.abs().amax(dim=1)
+        # an all-zero row: any scale quantizes it to zeros; 1.0 keeps the division finite
+        s = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX)
+        w_q[start:start + step] = torch.round(wf / s[:, None]).clamp_(-QMAX, QMAX)
+        scale[start:start + step] = s
+    return w_q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16 or float32) -> (x_q int8 [M, K], a_scale float32 [M]), each row on its own scale."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    nonzero = amax > 0
+    # a zero row gets scale 0 and quantizes to zeros (127 / 0 would be inf and 0 * inf NaN)
+    scale = torch.where(nonzero, amax / QMAX, torch.zeros_like(amax))
+    inv = torch.where(nonzero, QMAX / amax, torch.zeros_like(amax))
+    x_q = torch.round(xf * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return x_q, scale
+
+
+def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: the quantized product in plain torch (the reference every kernel matches)."""
+    x_q, a_scale = quantize_rows(x)
+    if x_q.shape[1] == 1:  # torch 2.13's CPU _int_mm returns unset memory for K = 1 (measured): an outer product
+        acc = x_q.int() * w_q.int().t()
+    else:
+        acc = torch._int_mm(x_q, w_q.t())  # int32 [M, N], exact
+    # in place where it can be (fewer [M, N] buffers); each op is still one rounding, in the arithmetic's order
+    y = acc.float()
+    y.mul_(torch.outer(a_scale, w_scale))  # s = a_scale[m] * w_scale[n], then float32(acc) * s
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """One layer's quantized weight, ready for the products."""
+
+    packed: torch.Tensor  # the native module's layout, or w_q [N, K] for the torch reference
+    scale: torch.Tensor  # float32 [N]
+    bias: torch.Tensor | None  # float32 [N]
+    n: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType | None) -> Int8Weight:
+        w_q, scale = quantize_weight(weight)
+        packed = w_q if kernel is None else kernel.pack(w_q)
+        return cls(packed, scale, None if bias is None else bias.detach().float(), weight.shape[0])
+
+    def product(self, x: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.n)
+        if kernel is not None and x.dtype in KERNEL_DTYPES:
+            return kernel.linear(x.contiguous(), self.packed, self.n, self.scale, self.bias)
+        if kernel is not None:  # the packed layout is the kernel's own: the reference cannot read it
+            raise ValueError(f"the native int8 kernel takes float32 or bfloat16 activations, not {x.dtype}")
+        return int8_linear_reference(x, self.packed, self.scale, self.bias)
+
+
+class Int8Linears:
+    """``linear(module, x)`` for every nn.Linear of a model, int8 on ``kernel`` (a native module) or torch."""
+
+    def __init__(self, model: nn.Module, kernel: ModuleType | None = None) -> None:
+        self.kernel = kernel
+        self.weights: dict[nn.Linear, Int8Weight] = {
+            module: Int8Weight.of(module.weight, module.bias, kernel)
+            for module in model.modules() if isinstance(module, nn.Linear)}
+
+    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weights.get(module)
+        if weight is None:  # a module of another model: never silently run it in float
+            raise KeyError(f"{module!r} is not a linear layer of the model these int8 weights were made from")
+        shape = x.shape
+        out = weight.product(x.reshape(-1, shape[-1]), self.kernel)
+        return out.view(*shape[:-1], weight.n)
+
+
+class Int8Convs:
+    """``conv(module, x)`` for every nn.Conv2d of a model: the encoder's 3x3 stride-2 480-channel convolutions
+    as int8 GEMMs, one row per output position (its kh x kw x cin patch, quantized on its own scale).
+
+    The first convolution (one input channel, so K = 9: each row's scale would rest on nine mel values)
+    stays in float: it is memory-bound, costs little, and it is where quantization would lose the most; it
+    runs on oneDNN with a channels-last weight copy, as in conv.py. So do convolutions the GEMM form does not
+    cover (groups, dilation, other padding modes)."""
+
+    def __init__(self, model: nn.Module, kernel: ModuleType | None = None) -> None:
+        self.kernel = kernel
+        self.weights: dict[nn.Conv2d, Int8Weight] = {}
+        self.channels_last: dict[nn.Conv2d, torch.Tensor] = {}
+        for module in model.modules():
+            if not isinstance(module, nn.Conv2d):
+                continue
+            if int8_conv_supported(module):
+                # (cout, kh*kw*cin): the feature order of conv.py's weight reshape and of the patches below
+                w = module.weight.detach().permute(0, 2, 3, 1).reshape(module.out_channels, -1)
+                self.weights[module] = Int8Weight.of(w, module.bias, kernel)
+            else:
+                self.channels_last[module] = module.weight.detach().contiguous(memory_format=torch.channels_last)
+
+    def __call__(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weights.get(module)
+        if weight is None:
+            w = self.channels_last.get(module, module.weight)
+            return F.conv2d(x, w, module.bias, module.stride, module.padding, module.dilation, module.groups)
+        n = x.shape[0]
+        (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
+        xh = F.pad(x.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph))  # (n, h+2ph, w+2pw, cin), zero-padded
+        patches = xh.unfold(1, kh, sh).unfold(2, kw, sw)  # (n, ho, wo, cin, kh, kw)
+        ho, wo = patches.shape[1], patches.shape[2]
+        rows = patches.permute(0, 1, 2, 4, 5, 3).reshape(n * ho * wo, -1)  # (positions, kh*kw*cin)
+        out = weight.product(rows, self.kernel)
+        return out.view(n, ho, wo, weight.n).permute(0, 3, 1, 2)  # NCHW shape, NHWC memory, as conv.py's
+
+
+def int8_conv_supported(conv: nn.Conv2d) -> bool:
+    return (conv.in_channels > 1 and conv.groups == 1 and conv.dilation == (1, 1)
+            and isinstance(conv.padding, tuple) and conv.padding_mode == "zeros")
