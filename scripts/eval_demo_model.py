@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantize", default=None, choices=("int8",), help="load with this weight quantization")
     ap.add_argument("--max-wer", type=float, default=0.05)
     ap.add_argument("--show", type=int, default=15, help="print this many wrong transcripts of each kind")
     ap.add_argument("--update-card", action="store_true", help="write the results into the model's README.md")
@@ -73,7 +74,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     rows = [json.loads(line) for line in (args.data / f"{args.split}.jsonl").read_text().splitlines()]
-    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
     start = time.perf_counter()
     results = asr.transcribe([str(args.data / r["path"]) for r in rows])  # one call: the engine batches
     elapsed = time.perf_counter() - start
@@ -112,7 +113,8 @@ def main() -> int:
                  f"`{EMPTY_RAW}` (empty text): **{len(silent) - len(noisy)} of {len(silent)}**{note}")
     audio = sum(r.duration for r in results)
     lines.append(f"- {audio:.0f} s of audio in {elapsed:.1f} s ({cpu_name()}; {asr.checkpoint.device}, "
-                 f"{asr.checkpoint.dtype}, {args.threads} thread(s), one batched transcribe() call)")
+                 f"{asr.checkpoint.dtype}{', ' + args.quantize if args.quantize else ''}, {args.threads} thread(s), "
+                 "one batched transcribe() call)")
     print("\n".join(lines))
     wrong = [i for i in range(len(rows)) if rows[i]["text"] and normalize(refs[i]) != normalize(hyps[i])]
     shown = [i for kind in ("sentence", "multi", "words")

@@ -92,7 +92,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="a folder of NAME.wav + NAME.txt (make_long_eval.py)")
     ap.add_argument("--model", default=str(ROOT / "models" / "qasr-demo-en"))
-    ap.add_argument("--dtypes", default="float32,auto", help="comma list; auto is the CPU's default")
+    ap.add_argument("--dtypes", default="float32,auto",
+                    help="comma list; auto is the CPU's default; NAME:int8 loads that dtype quantized to int8")
     ap.add_argument("--lengths", default=",".join(f"{s:g}" for s in LENGTHS), help="max_segment_s values, seconds")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (machines here are shared)")
     ap.add_argument("--out", type=Path, default=None, help="default docs/bench/segment_length_<cpu>.json")
@@ -114,8 +115,9 @@ def main() -> None:
     print(f"{'dtype':>9} {'max_s':>5} {'WER%':>6} {'sub':>4} {'del':>4} {'ins':>4} {'segs':>5} {'mean_s':>6} "
           f"{'audio_s/s':>9}  per file WER%")
     for name in args.dtypes.split(","):
-        asr = ASR.from_pretrained(args.model, device="cpu", dtype=name.strip())
-        dtype = str(asr.checkpoint.dtype).removeprefix("torch.")
+        asked, _, quantize = name.strip().partition(":")
+        asr = ASR.from_pretrained(args.model, device="cpu", dtype=asked, quantize=quantize or None)
+        dtype = str(asr.checkpoint.dtype).removeprefix("torch.") + (f":{quantize}" if quantize else "")
         warm, sr = sf.read(str(files[0]), frames=60 * 16000, dtype="float32")
         asr.transcribe((warm, sr), max_segment_s=8.0)  # warm-up: kernels, VAD, pools
         for s in lengths:
