@@ -592,7 +592,8 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
     at, steps, live, live_only = args["at"], args["minutes"] * 60, args["live"], args["live_only"]
     live_pushes = max(steps, at + args["live_measure"]) if live else 0
     audio = speech(max(steps, at + args["measure"], live_pushes) + 2)
-    asr = ASR.from_pretrained(model, device="cpu", dtype=dtype)
+    quantize = args.get("quantize")
+    asr = ASR.from_pretrained(model, device="cpu", dtype=dtype, quantize=None if quantize == "none" else quantize)
     warm = asr.stream(**settings)
     for k in range(3):
         warm.push(audio[k * SR:(k + 1) * SR])
@@ -905,6 +906,9 @@ def main(argv: list[str] | None = None) -> int:
                         "build_checkpoint)")
     p.add_argument("--model", default=None, help="a checkpoint directory, run as it is (instead of --dims)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=("none", "int8"),
+                   help="weight quantization; several (none int8) run each model once per value, one after the "
+                        "other in the same run (default none)")
     p.add_argument("--minutes", type=int, default=None, help="stream length of run 1 (default 10; --quick 2)")
     p.add_argument("--naive-at", type=int, nargs="+", default=None,
                    help="elapsed seconds of the naive samples (default 10 30 60 120 300 600)")
@@ -953,23 +957,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dims = args.dims or (["demo"] if q else ["0.6b", "demo"])
         models = [(f"{d} dims", str(build_checkpoint(args.cache, d, args.transcript))) for d in dims]
+    runs = [(f"{label}, int8" if q8 == "int8" else label, model, q8) for label, model in models for q8 in args.quantize]
     info = cpu_info()
     cpu = (f"{info['model']} ({'AMX' if info['amx_bf16'] else 'no AMX'}, "
            f"{'AVX512-BF16' if info['avx512_bf16'] else 'no AVX512-BF16'})")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or ("streaming" + ("_quick" if q else "") + ("_live" if live else "")
-                                     + ("_empty" if args.transcript == "empty" and not args.model else "")))
+                                     + ("_empty" if args.transcript == "empty" and not args.model else "")
+                                     + ("_int8" if "int8" in args.quantize else "")))
     results: list[dict] = []
     t0 = time.perf_counter()
     end = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
     sides = [SIDES["live"]] if args.live_only else [SIDES["ours"]] + ([SIDES["live"]] if live else [])
     title = (f"{', '.join(sides)} vs {SIDES['naive']}; 1 s steps, max_new_tokens {plan['max_new_tokens']}, "
              f"{args.threads} threads, {cpu}")
-    for i, (label, model) in enumerate(models):
-        partial = args.out / f"{stem.name}.{label.replace(' ', '_')}.partial.json"
-        deadline = None if end is None else time.time() + (end - time.time()) / (len(models) - i)
+    for i, (label, model, q8) in enumerate(runs):
+        partial = args.out / f"{stem.name}.{label.replace(' ', '_').replace(',', '')}.partial.json"
+        deadline = None if end is None else time.time() + (end - time.time()) / (len(runs) - i)
         result = in_subprocess(run_model, args.threads, label, model, args.dtype,
-                               dict(plan, partial=partial, deadline=deadline))
+                               dict(plan, partial=partial, deadline=deadline, quantize=q8))
+        result["quantize"] = q8
         result["summary"] = summary_rows(result)
         if "live" in result:
             result["live"]["minutes"] = live_minutes(result["live"]["rows"])
