@@ -1,0 +1,306 @@
+// What qasr's two int8 W8A8 GEMM kernels share (amx_int8.cpp on AMX-INT8 tiles, int8_linear.cpp on
+// AVX512-VNNI registers): the packed weight layout and pack(), the per-row activation quantization, the float32
+// epilogue and the front of linear(), which quantizes x into a panel and hands it to the kernel's own run().
+//
+// The arithmetic is fixed bit for bit (int8_reference.py holds it in torch ops):
+//   a_amax = max_k |x[m,k]|; a_scale = a_amax / 127, inv = 127 / a_amax (float32 divisions; 0 for a zero row)
+//   x_q = clamp(round_half_even(x * inv), -127, 127); acc = sum_k x_q * w_q (exact int32)
+//   out = dtype((float32(acc) * (a_scale[m] * w_scale[n])) + bias[n]), each step one IEEE rounding.
+// The integer product is exact whatever order or blocking a kernel uses, and every other step is per element,
+// so any correct kernel gives the same bits as the reference, and a row never depends on the other rows.
+// Build with -ffp-contract=off: GCC would otherwise fuse the epilogue's multiply and add into one FMA.
+//
+// Packed weight (one int8 tensor, both kernels read the same layout):
+//   bytes [0, 64): header, int64 magic, N, K, Kp (K rounded up to 64)
+//   then (N_pad / 64) blocks of (Kp / 4, 64, 4) int8: for each group of 4 input features, 64 columns x 4
+//   weights = 256 contiguous bytes (the VNNI dot-product operand: 4 bytes per int32 lane; an AMX B tile is
+//   16 groups x 16 columns = 16 rows of 64 bytes of it, read in place with a 256-byte stride);
+//   then N_pad int32: 128 * sum_k w_q[n, k] (for the VNNI kernel's u8 x s8 trick, see int8_linear.cpp).
+// Padded columns and padded K are zero weights: they add nothing to any product.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define QASR_INT8_AVX512 1
+#else
+#define QASR_INT8_AVX512 0
+#endif
+
+namespace int8 {
+
+constexpr int64_t NB = 64;     // output columns per packed block
+constexpr int64_t KALIGN = 64;  // K padding: one AMX tile row of int8
+constexpr int64_t HEADER = 64;  // bytes before the blocks (keeps them 64-byte aligned)
+constexpr int64_t MAGIC = 0x3150384951534151LL;  // "QASQI8P1"
+constexpr int64_t ROW_ALIGN = 32;  // panel rows are padded to this (the AMX kernel's row pair)
+
+inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+struct Layout {
+  int64_t N, K, Kp, blocks;
+  int64_t weight_bytes() const { return blocks * (Kp / 4) * NB * 4; }
+  int64_t total_bytes() const { return HEADER + weight_bytes() + blocks * NB * 4; }
+};
+
+inline Layout layout(int64_t N, int64_t K) {
+  return Layout{N, K, round_up(K, KALIGN), (N + NB - 1) / NB};
+}
+
+// w_q: (N, K) int8 -> the packed tensor described above.
+inline torch::Tensor pack(torch::Tensor w_q) {
+  TORCH_CHECK(w_q.dim() == 2 && w_q.scalar_type() == at::kChar, "pack: (N, K) int8 weight");
+  const int64_t N = w_q.size(0), K = w_q.size(1);
+  TORCH_CHECK(N >= 1 && K >= 1, "pack: N and K must be at least 1");
+  const Layout L = layout(N, K);
+  auto w = w_q.contiguous();
+  auto out = torch::zeros({L.total_bytes()}, w_q.options());
+  int8_t* base = out.data_ptr<int8_t>();
+  const int64_t head[4] = {MAGIC, N, K, L.Kp};
+  std::memcpy(base, head, sizeof(head));
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* blocks = base + HEADER;
+  int32_t* comp = reinterpret_cast<int32_t*>(blocks + L.weight_bytes());
+  const int64_t groups = L.Kp / 4;
+  at::parallel_for(0, L.blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min<int64_t>(NB, N - b * NB);
+      int8_t* blk = blocks + b * groups * NB * 4;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int8_t* row = src + (b * NB + c) * K;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          blk[((k / 4) * NB + c) * 4 + k % 4] = row[k];
+          sum += row[k];
+        }
+        comp[b * NB + c] = 128 * sum;  // |sum| <= 127 K: exact in int32 for K < 132000
+      }
+    }
+  });
+  return out;
+}
+
+// The layout of a tensor from pack(), checked against the caller's N and K.
+inline Layout packed_layout(const torch::Tensor& packed, int64_t N, int64_t K, const char* who) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= HEADER, who, ": packed weight from pack()");
+  int64_t head[4];
+  std::memcpy(head, packed.data_ptr<int8_t>(), sizeof(head));
+  TORCH_CHECK(head[0] == MAGIC, who, ": packed weight from pack()");
+  TORCH_CHECK(head[1] == N && head[2] == K, who, ": the packed weight is (", head[1], ", ", head[2],
+              "), the call wants (", N, ", ", K, ")");
+  const Layout L = layout(N, K);
+  TORCH_CHECK(packed.numel() == L.total_bytes(), who, ": packed weight has the wrong size");
+  return L;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact (bf16 is float32's top half)
+
+// Quantizes one row of K values into q[0, K) and returns its a_scale. `flip` is XORed into every byte:
+// 0 gives the int8 x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernel's unsigned operand).
+template <typename T>
+inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
+  float amax = 0.f;
+  int64_t k = 0;
+#if QASR_INT8_AVX512
+  __m512 vmax = _mm512_setzero_ps();
+  for (; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = _mm512_maskz_loadu_ps(m, x + k);
+    } else {
+      const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x) + k);
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+  }
+  amax = _mm512_reduce_max_ps(vmax);  // max is exact in any order
+#else
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+#endif
+  if (amax == 0.f) {
+    std::memset(q, flip, K);  // x_q = 0 everywhere
+    return 0.f;
+  }
+  const float inv = 127.f / amax, scale = amax / 127.f;
+#if QASR_INT8_AVX512
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+  for (k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = _mm512_maskz_loadu_ps(m, x + k);
+    } else {
+      const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x) + k);
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    // one multiply, then round half to even (explicit, whatever MXCSR says); clamping the integer equals
+    // clamping the rounded float, the bounds being integers
+    __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    i = _mm512_min_epi32(_mm512_max_epi32(i, lo), hi);
+    _mm_mask_storeu_epi8(q + k, m, _mm_xor_si128(_mm512_cvtepi32_epi8(i), vflip));
+  }
+#else
+  for (k = 0; k < K; ++k) {
+    const float r = std::nearbyint(to_float(x[k]) * inv);  // the default rounding mode: half to even
+    q[k] = static_cast<uint8_t>(static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f))) ^ flip;
+  }
+#endif
+  return scale;
+}
+
+// Rows [0, M) of x quantized into a panel of `rows_pad` rows x Kp bytes (K values, then x_q = 0 up to Kp; rows
+// past M all x_q = 0) and their a_scale (0 for the padding rows).
+template <typename T>
+inline void quantize_panel(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t rows_pad, uint8_t flip,
+                           uint8_t* panel, float* a_scale) {
+  at::parallel_for(0, rows_pad, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint8_t* dst = panel + r * Kp;
+      if (r < M) {
+        a_scale[r] = quantize_row(x + r * K, K, flip, dst);
+        std::memset(dst + K, flip, Kp - K);
+      } else {
+        a_scale[r] = 0.f;
+        std::memset(dst, flip, Kp);
+      }
+    }
+  });
+}
+
+#if QASR_INT8_AVX512
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// The epilogue of 16 (mask: fewer) columns of one row: acc -> float32 * (a_scale * w_scale) (+ bias), stored
+// as float32 or bf16 (round to nearest even, NaN to the quiet NaN 0x7FC0, as torch's .to(bfloat16)).
+inline void epilogue16(__m512i acc, float a_scale, const float* w_scale, const float* bias, __mmask16 mask,
+                       void* out, bool bf16) {
+  const __m512 s = _mm512_mul_ps(_mm512_set1_ps(a_scale), _mm512_maskz_loadu_ps(mask, w_scale));
+  __m512 y = _mm512_mul_ps(_mm512_cvt_roundepi32_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), s);
+  if (bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, bias));
+  if (!bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(out), mask, y);
+    return;
+  }
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), mask, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+// A kernel's product: panel (rows_pad x Kp bytes, from quantize_panel with the kernel's flip), rows [0, M)
+// -> out (M, N) row-major, float32 or bf16.
+struct Args {
+  const uint8_t* panel;
+  const float* a_scale;
+  int64_t M, N, Kp;
+  const int8_t* blocks;  // the packed weight's blocks
+  const int32_t* comp;   // 128 * column sums
+  const float* w_scale;
+  const float* bias;  // or null
+  void* out;
+  bool bf16;
+};
+using RunFn = void (*)(const Args& a);
+
+struct Gemm {
+  const char* name;     // the messages' prefix, e.g. "qasr AMX-INT8"
+  const char* missing;  // why supported() may be false
+  bool (*supported)();
+  RunFn run;      // null in a build without the kernel's instructions (supported() is false there)
+  uint8_t flip;   // 0: the kernel reads x_q as int8; 0x80: as x_q + 128 (uint8)
+};
+
+// Per-call panel and scales of the calling thread, kept between calls (no allocation once grown).
+struct Panel {
+  std::vector<uint8_t> q;
+  std::vector<float> scale;
+};
+inline Panel& panel_scratch() {
+  static thread_local Panel p;
+  return p;
+}
+
+inline void check_x(const torch::Tensor& x, const char* who) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), who,
+              ": x must be (M, K) bfloat16 or float32");
+  TORCH_CHECK(x.size(1) >= 1, who, ": K must be at least 1");
+}
+
+template <typename F>
+inline void dispatch_x(const torch::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat) f(x.data_ptr<float>());
+  else f(x.data_ptr<at::BFloat16>());
+}
+
+// quantize_rows(x) -> (x_q int8 (M, K), a_scale float32 (M,)), the activations' quantization alone.
+inline std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+  check_x(x, "quantize_rows");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto q = torch::empty({M, K}, xc.options().dtype(at::kChar));
+  auto s = torch::empty({M}, xc.options().dtype(at::kFloat));
+  dispatch_x(xc, [&](auto* xp) {
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        s.data_ptr<float>()[r] = quantize_row(xp + r * K, K, 0, reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>()) + r * K);
+    });
+  });
+  return {q, s};
+}
+
+// linear(x, packed, N, w_scale, bias) -> (M, N) in x's dtype: quantize x's rows, the kernel's product, epilogue.
+inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(g.supported(), g.name, " linear: ", g.missing);
+  check_x(x, "linear");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const Layout L = packed_layout(packed, N, K, "linear");
+  TORCH_CHECK(w_scale.numel() == N, "linear: w_scale must have N values");
+  auto ws = w_scale.to(at::kFloat).contiguous();
+  torch::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias must have N values");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, xc.options());
+  if (M == 0 || g.run == nullptr) return out;
+  const int64_t rows_pad = round_up(M, ROW_ALIGN);
+  Panel& p = panel_scratch();
+  if (static_cast<int64_t>(p.q.size()) < rows_pad * L.Kp) p.q.resize(rows_pad * L.Kp);
+  if (static_cast<int64_t>(p.scale.size()) < rows_pad) p.scale.resize(rows_pad);
+  dispatch_x(xc, [&](auto* xp) { quantize_panel(xp, M, K, L.Kp, rows_pad, g.flip, p.q.data(), p.scale.data()); });
+  const int8_t* blocks = packed.data_ptr<int8_t>() + HEADER;
+  const Args a{p.q.data(), p.scale.data(), M, N, L.Kp, blocks,
+               reinterpret_cast<const int32_t*>(blocks + L.weight_bytes()), ws.data_ptr<float>(), bp,
+               out.data_ptr(), xc.scalar_type() == at::kBFloat16};
+  g.run(a);
+  return out;
+}
+
+// The interface both modules share: pack(), quantize_rows() and linear() on kernel `g` (a static object).
+inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
+  m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout both int8 kernels share)");
+  m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)");
+  m.def("linear", [&g](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                       c10::optional<torch::Tensor> bias) { return linear(g, x, packed, N, w_scale, bias); },
+        linear_doc, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_scale"),
+        pybind11::arg("bias") = pybind11::none());
+}
+
+}  // namespace int8
