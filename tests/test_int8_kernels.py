@@ -1,0 +1,275 @@
+"""qasr's int8 W8A8 kernels (AMX-INT8 and AVX512-VNNI): bit for bit the torch reference of the spec on odd
+shapes and both input dtypes, every row independent of the call it is in, the packed layout as documented,
+and a kernel that gives wrong numbers is disabled by its self-test with one warning (the loader falls back)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from qasr.engine.cpu import native, selftest
+from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
+
+LOADERS = {"amx": (native.amx_int8_kernel, native.AMX_INT8_CPU, "AMX-INT8 linear"),
+           "vnni": (native.vnni_int8_kernel, native.VNNI_CPU, "AVX512-VNNI int8 linear")}
+
+
+def _available(name: str) -> ModuleType | None:
+    loader, needs, _ = LOADERS[name]
+    if os.environ.get("QASR_NO_NATIVE") == "1" or not needs <= native.cpu_flags():
+        return None
+    if name == "amx" and os.environ.get("QASR_NO_AMX") == "1":
+        return None
+    return loader()
+
+
+@pytest.fixture(scope="module", params=list(LOADERS))
+def kernel(request: pytest.FixtureRequest) -> ModuleType:
+    loader, needs, label = LOADERS[request.param]
+    missing = sorted(needs - native.cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (from /proc/cpuinfo): the {label} kernel is not built here")
+    if os.environ.get("QASR_NO_NATIVE") == "1" or (request.param == "amx" and os.environ.get("QASR_NO_AMX") == "1"):
+        pytest.skip("native kernels turned off by QASR_NO_NATIVE / QASR_NO_AMX")
+    mod = loader()
+    assert mod is not None, f"the CPU has {', '.join(sorted(needs))} but the {label} kernel did not build, " \
+                            "load or pass its self-test"
+    assert mod.supported()
+    return mod
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    native.clear_caches()
+    yield
+    native.clear_caches()
+
+
+def _weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return w_q, torch.rand(n, generator=gen) * 0.02 + 1e-4
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Rows of magnitudes from e^-3 to e^3, every seventh row zero (a_scale 0)."""
+    x = torch.randn(m, k, generator=gen) * torch.exp(6 * torch.rand(m, 1, generator=gen) - 3)
+    x[3::7] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("k", [1, 3, 65, 1000])
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_linear_is_the_reference_bit_for_bit(kernel: ModuleType, dtype: torch.dtype, has_bias: bool, k: int,
+                                            n: int) -> None:
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w_q, w_scale = _weights(n, k, gen)
+    bias = torch.randn(n, generator=gen) if has_bias else None
+    packed = kernel.pack(w_q)
+    for m in (1, 2, 17, 300):
+        x = _rows(m, k, dtype, gen)
+        got = kernel.linear(x, packed, n, w_scale, bias)
+        ref = int8_linear_reference(x, w_q, w_scale, bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert torch.equal(got, ref), f"M={m}: {int((got != ref).sum())} of {ref.numel()} values differ"
+
+
+def test_every_row_is_the_same_whatever_the_call(kernel: ModuleType) -> None:
+    """One row alone, and at the start, middle and end of 2-, 17- and 300-row calls (other rows random),
+    gives the same bits; the call's size and the row's position never matter."""
+    gen = torch.Generator().manual_seed(3)
+    k, n = 1000, 300
+    w_q, w_scale = _weights(n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    packed = kernel.pack(w_q)
+    for dtype in (torch.bfloat16, torch.float32):
+        row = _rows(1, k, dtype, gen)
+        alone = kernel.linear(row, packed, n, w_scale, bias)
+        for m in (2, 17, 300):
+            for at in (0, m // 2, m - 1):
+                x = _rows(m, k, dtype, gen)
+                x[at] = row[0]
+                assert torch.equal(kernel.linear(x, packed, n, w_scale, bias)[at], alone[0]), (dtype, m, at)
+
+
+def test_quantize_rows_is_the_reference(kernel: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float32):
+        for k in (1, 15, 16, 17, 1000):
+            x = _rows(40, k, dtype, gen)
+            q, scale = kernel.quantize_rows(x)
+            q_ref, scale_ref = quantize_rows_reference(x)
+            assert q.dtype == torch.int8 and scale.dtype == torch.float32
+            assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref), (dtype, k)
+    # inv = 127 / 127 = 1: the products are the values themselves, so halves round to even
+    x = torch.tensor([[127.0, 2.5, 3.5, -0.5, -1.5, 126.5, -127.0]])
+    q, scale = kernel.quantize_rows(x)
+    assert q.tolist() == [[127, 2, 4, 0, -2, 126, -127]] and scale.item() == 1.0
+    q, scale = kernel.quantize_rows(torch.zeros(2, 5, dtype=torch.bfloat16))
+    assert not q.any() and not scale.any()
+
+
+def test_a_zero_input_gives_the_bias(kernel: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w_q, w_scale = _weights(70, 33, gen)
+    bias = torch.randn(70, generator=gen)
+    packed = kernel.pack(w_q)
+    assert torch.equal(kernel.linear(torch.zeros(3, 33), packed, 70, w_scale, bias), bias.expand(3, 70))
+    assert not kernel.linear(torch.zeros(3, 33), packed, 70, w_scale, None).any()
+    assert kernel.linear(torch.zeros(0, 33), packed, 70, w_scale, bias).shape == (0, 70)
+
+
+def test_long_k_is_exact_where_the_shifted_sum_overflows(kernel: ModuleType) -> None:
+    """K = 70000 at full scale: acc = 127 * 127 * 70000 fits int32 but the VNNI kernel's shifted sum
+    (x_q + 128) * w does not: it wraps, and so does the subtraction of the column sums, exactly."""
+    k = 70000
+    x = torch.full((2, k), 3.0)
+    x[1, ::2] = -3.0
+    w_q = torch.full((16, k), 127, dtype=torch.int8)
+    w_q[5] = -127
+    w_scale = torch.ones(16)
+    got = kernel.linear(x, kernel.pack(w_q), 16, w_scale, None)
+    assert torch.equal(got, int8_linear_reference(x, w_q, w_scale))
+    assert got[0, 0].item() == pytest.approx(3.0 * 127 * k, rel=1e-6) and got[0, 5].item() < 0
+
+
+def test_pack_layout(kernel: ModuleType) -> None:
+    """Header (magic, N, K, K padded to 64), then blocks of (K/4 groups, 64 columns, 4 values), zero past N
+    and K, then 128 x every column's sum as int32."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 70, 67
+    w_q, _ = _weights(n, k, gen)
+    packed = kernel.pack(w_q)
+    kp, blocks = 128, 2
+    assert packed.dtype == torch.int8 and packed.dim() == 1
+    assert packed.numel() == 64 + blocks * kp * 64 + blocks * 64 * 4
+    raw = packed.numpy()
+    assert raw[:32].view(np.int64)[1:].tolist() == [n, k, kp]
+    body = raw[64:64 + blocks * kp * 64].reshape(blocks, kp // 4, 64, 4)
+    want = np.zeros((blocks * 64, kp), dtype=np.int8)
+    want[:n, :k] = w_q.numpy()
+    # block b, group g, column c, value j = w[64 b + c, 4 g + j]
+    assert np.array_equal(body.transpose(0, 2, 1, 3).reshape(blocks * 64, kp), want)
+    comp = raw[64 + blocks * kp * 64:].view(np.int32)
+    assert comp.tolist() == (128 * want.astype(np.int64).sum(1)).tolist()
+
+
+def test_a_mismatched_packed_weight_is_refused(kernel: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(7)
+    w_q, w_scale = _weights(20, 40, gen)
+    packed = kernel.pack(w_q)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kernel.linear(torch.randn(2, 41), packed, 20, w_scale, None)  # K 41 pads to the same size as 40
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kernel.linear(torch.randn(2, 40), packed, 19, w_scale[:19], None)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kernel.linear(torch.randn(2, 40), w_q.flatten(), 20, w_scale, None)
+
+
+def test_weights_packed_by_one_kernel_serve_the_other() -> None:
+    amx, vnni = _available("amx"), _available("vnni")
+    if amx is None or vnni is None:
+        pytest.skip("needs both the AMX-INT8 and the AVX512-VNNI kernel on this CPU")
+    gen = torch.Generator().manual_seed(8)
+    w_q, w_scale = _weights(130, 200, gen)
+    x = _rows(33, 200, torch.bfloat16, gen)
+    assert torch.equal(amx.pack(w_q), vnni.pack(w_q))
+    assert torch.equal(amx.linear(x, vnni.pack(w_q), 130, w_scale), vnni.linear(x, amx.pack(w_q), 130, w_scale))
+
+
+# --- the self-test, on torch stand-ins and on the real modules ------------------------------------------------
+
+def torch_int8(linear=None, quantize_rows=quantize_rows_reference) -> ModuleType:  # noqa: ANN001
+    """A correct int8 module in plain torch (the "packed" weight is the weight), or one with a broken part."""
+    mod = ModuleType("fake_int8")
+    mod.supported = lambda: True
+    mod.KIND = "torch"
+    mod.pack = lambda w: w.contiguous()
+    mod.quantize_rows = quantize_rows
+    mod.linear = linear or (lambda x, p, n, ws, b=None: int8_linear_reference(x, p, ws, b))
+    return mod
+
+
+def one_ulp_off(x, p, n, ws, b=None):  # noqa: ANN001, ANN201
+    out = int8_linear_reference(x, p, ws, b)
+    return torch.nextafter(out, torch.tensor(float("inf"), dtype=out.dtype))
+
+
+def batch_dependent(x, p, n, ws, b=None):  # noqa: ANN001, ANN201
+    """Right in big calls, one ulp off in calls of one or two rows."""
+    return int8_linear_reference(x, p, ws, b) if x.shape[0] > 2 else one_ulp_off(x, p, n, ws, b)
+
+
+def with_fma(x, p, n, ws, b=None):  # noqa: ANN001, ANN201
+    """The epilogue fused into one rounding (float64 then float32), as an FMA-contracted build would."""
+    q, s = quantize_rows_reference(x)
+    acc = q.long() @ p.long().t()
+    y = acc.double() * (s[:, None] * ws[None, :]).double() + (0 if b is None else b.double())
+    return y.float().to(x.dtype)
+
+
+def truncating_quantize(x):  # noqa: ANN001, ANN201
+    q, s = quantize_rows_reference(x)
+    return torch.trunc(x.float() / s.clamp_min(1e-30)[:, None]).clamp(-127, 127).to(torch.int8), s
+
+
+def test_a_correct_torch_int8_module_passes() -> None:
+    selftest.check_int8_gemm(torch_int8())  # the check demands what is right, not what our kernels do
+
+
+@pytest.mark.parametrize(("broken", "message"), [
+    (torch_int8(linear=one_ulp_off), "differ from the reference"),
+    (torch_int8(linear=batch_dependent), "alone differ"),
+    (torch_int8(linear=with_fma), "differ from the reference"),
+    (torch_int8(quantize_rows=truncating_quantize), "quantize_rows"),
+], ids=["one-ulp", "batch-dependent", "fma", "truncating-quantize"])
+def test_a_broken_int8_module_is_rejected_with_one_warning(broken: ModuleType, message: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        assert selftest.verified("broken int8", broken, selftest.check_int8_gemm) is None
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "broken int8" in warnings[0].getMessage()
+    assert message in warnings[0].getMessage(), warnings[0].getMessage()
+
+
+def test_the_loader_falls_back_from_a_failing_amx_kernel(fresh: None, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """On stand-ins (any CPU): AMX-INT8 made to fail -> int8_kernel() is the VNNI one, with one warning."""
+    good, bad = torch_int8(), torch_int8(linear=one_ulp_off)
+    modules = {native.AMX_INT8[0]: bad, native.INT8_VNNI[0]: good}
+    monkeypatch.setattr(native, "_build", lambda name, *a: modules[name])
+    monkeypatch.setattr(native, "cpu_flags", lambda: native.AMX_INT8_CPU | native.VNNI_CPU)
+    monkeypatch.delenv("QASR_NO_AMX", raising=False)
+    monkeypatch.delenv("QASR_NO_NATIVE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        assert native.int8_kernel() is good
+        assert native.int8_kernel() is good  # cached: the self-test ran once
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "AMX-INT8 linear" in warnings[0], warnings
+    monkeypatch.setenv("QASR_NO_AMX", "1")
+    native.clear_caches()
+    assert native.amx_int8_kernel() is None and native.int8_kernel() is good
+
+
+def test_the_real_kernel_made_to_fail_is_disabled(fresh: None, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """This CPU's first-choice kernel with its linear patched to return wrong values: the loader warns once
+    and hands out the next one (VNNI after AMX, else None)."""
+    first = _available("amx") or _available("vnni")
+    if first is None:
+        pytest.skip("no native int8 kernel on this CPU (needs avx512_vnni or amx_int8)")
+    fallback = _available("vnni") if first.KIND == "AMX-INT8" else None
+    label = "AMX-INT8 linear" if first.KIND == "AMX-INT8" else "AVX512-VNNI int8 linear"
+    native.clear_caches()
+    monkeypatch.setattr(first, "linear", lambda x, p, n, ws, b=None: torch.zeros(x.shape[0], n, dtype=x.dtype))
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        assert native.int8_kernel() is fallback
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and label in warnings[0], warnings
