@@ -130,11 +130,11 @@ static void run(const int8::Args& a) {
         if (nrows > TR) tiles<true>(rows, a.Kp, blk, c0, cbuf);
         else tiles<false>(rows, a.Kp, blk, c0, cbuf);
         for (int64_t h = 0; h < HC && n0 + h < a.N; h += 16) {
-          const __mmask16 mask = int8::tail_mask(a.N - n0 - h);
+          const int8::Cols16 cols = int8::cols16(a.w_scale + n0 + h, a.bias ? a.bias + n0 + h : nullptr,
+                                                 int8::tail_mask(a.N - n0 - h));
           for (int64_t r = 0; r < nrows; ++r) {
             const int64_t m = m0 + r;
-            int8::epilogue16(_mm512_load_si512(cbuf + r * HC + h), a.a_scale[m], a.w_scale + n0 + h,
-                             a.bias ? a.bias + n0 + h : nullptr, mask,
+            int8::epilogue16(_mm512_load_si512(cbuf + r * HC + h), a.a_scale[m], cols,
                              static_cast<char*>(a.out) + (m * a.N + n0 + h) * es, a.bf16);
           }
         }

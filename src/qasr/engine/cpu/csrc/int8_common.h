@@ -181,22 +181,33 @@ inline void quantize_panel(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t
 #if QASR_INT8_AVX512
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
-// The epilogue of 16 (mask: fewer) columns of one row: acc -> float32 * (a_scale * w_scale) (+ bias), stored
-// as float32 or bf16 (round to nearest even, NaN to the quiet NaN 0x7FC0, as torch's .to(bfloat16)).
-inline void epilogue16(__m512i acc, float a_scale, const float* w_scale, const float* bias, __mmask16 mask,
-                       void* out, bool bf16) {
-  const __m512 s = _mm512_mul_ps(_mm512_set1_ps(a_scale), _mm512_maskz_loadu_ps(mask, w_scale));
+// The epilogue of 16 columns (mask: fewer) of a C block: their w_scale and bias, loaded once for all rows.
+struct Cols16 {
+  __m512 w_scale, bias;
+  bool has_bias;
+  __mmask16 mask;
+};
+inline Cols16 cols16(const float* w_scale, const float* bias, __mmask16 mask) {
+  return Cols16{_mm512_maskz_loadu_ps(mask, w_scale), bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps(),
+                bias != nullptr, mask};
+}
+
+// One row's 16 values: acc -> float32 * (a_scale * w_scale) (+ bias), stored as float32 or bf16 (round to
+// nearest even, NaN to the quiet NaN 0x7FC0, as torch's .to(bfloat16)). Without a bias nothing is added
+// (adding +0.0 would turn -0.0 into +0.0).
+inline void epilogue16(__m512i acc, float a_scale, const Cols16& c, void* out, bool bf16) {
+  const __m512 s = _mm512_mul_ps(_mm512_set1_ps(a_scale), c.w_scale);
   __m512 y = _mm512_mul_ps(_mm512_cvt_roundepi32_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), s);
-  if (bias != nullptr) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(mask, bias));
+  if (c.has_bias) y = _mm512_add_ps(y, c.bias);
   if (!bf16) {
-    _mm512_mask_storeu_ps(static_cast<float*>(out), mask, y);
+    _mm512_mask_storeu_ps(static_cast<float*>(out), c.mask, y);
     return;
   }
   const __m512i u = _mm512_castps_si512(y);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), mask, _mm512_cvtepi32_epi16(r));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), c.mask, _mm512_cvtepi32_epi16(r));
 }
 #endif
 
@@ -296,7 +307,8 @@ inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed
 // The interface both modules share: pack(), quantize_rows() and linear() on kernel `g` (a static object).
 inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
   m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout both int8 kernels share)");
-  m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)");
+  m.def("quantize_rows", &quantize_rows,
+        "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)");
   m.def("linear", [&g](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
                        c10::optional<torch::Tensor> bias) { return linear(g, x, packed, N, w_scale, bias); },
         linear_doc, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_scale"),

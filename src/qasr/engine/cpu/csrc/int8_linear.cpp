@@ -57,13 +57,13 @@ static inline void pass(const int8::Args& a, int64_t m0, int64_t b) {
   for (int j = 0; j < 4; ++j) {
     const int64_t n0 = b * int8::NB + 16 * j;
     if (n0 >= a.N) break;
-    const __mmask16 mask = int8::tail_mask(a.N - n0);
+    const int8::Cols16 cols =
+        int8::cols16(a.w_scale + n0, a.bias ? a.bias + n0 : nullptr, int8::tail_mask(a.N - n0));
     const __m512i comp = _mm512_loadu_si512(a.comp + n0);  // comp is padded to whole blocks
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      int8::epilogue16(_mm512_sub_epi32(acc[r][j], comp), a.a_scale[m], a.w_scale + n0,
-                       a.bias ? a.bias + n0 : nullptr, mask, static_cast<char*>(a.out) + (m * a.N + n0) * es,
-                       a.bf16);
+      int8::epilogue16(_mm512_sub_epi32(acc[r][j], comp), a.a_scale[m], cols,
+                       static_cast<char*>(a.out) + (m * a.N + n0) * es, a.bf16);
     }
   }
 }
