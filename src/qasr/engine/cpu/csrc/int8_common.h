@@ -263,10 +263,11 @@ inline std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   const int64_t M = xc.size(0), K = xc.size(1);
   auto q = torch::empty({M, K}, xc.options().dtype(at::kChar));
   auto s = torch::empty({M}, xc.options().dtype(at::kFloat));
+  uint8_t* qp = reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>());
+  float* sp = s.data_ptr<float>();
   dispatch_x(xc, [&](auto* xp) {
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        s.data_ptr<float>()[r] = quantize_row(xp + r * K, K, 0, reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>()) + r * K);
+      for (int64_t r = r0; r < r1; ++r) sp[r] = quantize_row(xp + r * K, K, 0, qp + r * K);
     });
   });
   return {q, s};
