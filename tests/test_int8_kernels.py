@@ -1,11 +1,14 @@
-"""qasr's int8 W8A8 kernels (AMX-INT8 and AVX512-VNNI): bit for bit the torch reference of the spec on odd
-shapes and both input dtypes, every row independent of the call it is in, the packed layout as documented,
-and a kernel that gives wrong numbers is disabled by its self-test with one warning (the loader falls back)."""
+"""qasr's int8 W8A8 kernels (AMX-INT8, AVX512-VNNI, 256-bit AVX-VNNI): bit for bit the torch reference of the
+spec on odd shapes and both input dtypes, every row independent of the call it is in, the packed layout as
+documented, and a kernel that gives wrong numbers is disabled by its self-test with one warning (the loader
+falls back)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -17,7 +20,8 @@ from qasr.engine.cpu import native, selftest
 from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
 
 LOADERS = {"amx": (native.amx_int8_kernel, native.AMX_INT8_CPU, "AMX-INT8 linear"),
-           "vnni": (native.vnni_int8_kernel, native.VNNI_CPU, "AVX512-VNNI int8 linear")}
+           "vnni": (native.vnni_int8_kernel, native.VNNI_CPU, "AVX512-VNNI int8 linear"),
+           "avx_vnni": (native.avx_vnni_int8_kernel, native.AVX_VNNI_CPU, "AVX-VNNI int8 linear")}
 
 
 def _available(name: str) -> ModuleType | None:
@@ -173,15 +177,28 @@ def test_a_mismatched_packed_weight_is_refused(kernel: ModuleType) -> None:
         kernel.linear(torch.randn(2, 40), w_q.flatten(), 20, w_scale, None)
 
 
-def test_weights_packed_by_one_kernel_serve_the_other() -> None:
-    amx, vnni = _available("amx"), _available("vnni")
-    if amx is None or vnni is None:
-        pytest.skip("needs both the AMX-INT8 and the AVX512-VNNI kernel on this CPU")
+def test_weights_packed_by_one_kernel_serve_the_others() -> None:
+    mods = [m for m in (_available(name) for name in LOADERS) if m is not None]
+    if len(mods) < 2:
+        pytest.skip("needs two of the int8 kernels on this CPU")
     gen = torch.Generator().manual_seed(8)
     w_q, w_scale = _weights(130, 200, gen)
     x = _rows(33, 200, torch.bfloat16, gen)
-    assert torch.equal(amx.pack(w_q), vnni.pack(w_q))
-    assert torch.equal(amx.linear(x, vnni.pack(w_q), 130, w_scale), vnni.linear(x, amx.pack(w_q), 130, w_scale))
+    first = mods[0].linear(x, mods[0].pack(w_q), 130, w_scale)
+    for mod in mods[1:]:
+        assert torch.equal(mod.pack(w_q), mods[0].pack(w_q))
+        assert torch.equal(mod.linear(x, mods[0].pack(w_q), 130, w_scale), first), mod.KIND
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to look at the compiled instructions")
+def test_the_avx_vnni_build_has_no_avx512_instructions() -> None:
+    """It is for CPUs without AVX-512: its built module must hold no zmm register and use the VEX (AVX-VNNI)
+    encoding of vpdpbusd, also when built on a CPU that has AVX-512 (as this one may)."""
+    mod = _available("avx_vnni")
+    if mod is None:
+        pytest.skip("this CPU has no AVX-VNNI (avx2 and avx_vnni in /proc/cpuinfo)")
+    asm = subprocess.run(["objdump", "-d", mod.__file__], capture_output=True, text=True, check=True).stdout
+    assert "zmm" not in asm and "{vex} vpdpbusd" in asm
 
 
 # --- the self-test, on torch stand-ins and on the real modules ------------------------------------------------
@@ -243,9 +260,9 @@ def test_the_loader_falls_back_from_a_failing_amx_kernel(fresh: None, monkeypatc
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """On stand-ins (any CPU): AMX-INT8 made to fail -> int8_kernel() is the VNNI one, with one warning."""
     good, bad = torch_int8(), torch_int8(linear=one_ulp_off)
-    modules = {native.AMX_INT8[0]: bad, native.INT8_VNNI[0]: good}
+    modules = {native.AMX_INT8[0]: bad, native.INT8_VNNI[0]: good, native.AVX_VNNI[0]: torch_int8()}
     monkeypatch.setattr(native, "_build", lambda name, *a: modules[name])
-    monkeypatch.setattr(native, "cpu_flags", lambda: native.AMX_INT8_CPU | native.VNNI_CPU)
+    monkeypatch.setattr(native, "cpu_flags", lambda: native.AMX_INT8_CPU | native.VNNI_CPU | native.AVX_VNNI_CPU)
     monkeypatch.delenv("QASR_NO_AMX", raising=False)
     monkeypatch.delenv("QASR_NO_NATIVE", raising=False)
     with caplog.at_level(logging.WARNING, logger="qasr"):
@@ -261,12 +278,11 @@ def test_the_loader_falls_back_from_a_failing_amx_kernel(fresh: None, monkeypatc
 def test_the_real_kernel_made_to_fail_is_disabled(fresh: None, monkeypatch: pytest.MonkeyPatch,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     """This CPU's first-choice kernel with its linear patched to return wrong values: the loader warns once
-    and hands out the next one (VNNI after AMX, else None)."""
-    first = _available("amx") or _available("vnni")
-    if first is None:
-        pytest.skip("no native int8 kernel on this CPU (needs avx512_vnni or amx_int8)")
-    fallback = _available("vnni") if first.KIND == "AMX-INT8" else None
-    label = "AMX-INT8 linear" if first.KIND == "AMX-INT8" else "AVX512-VNNI int8 linear"
+    and hands out the next one (AVX512-VNNI after AMX-INT8, AVX-VNNI after that, else None)."""
+    chain = [(LOADERS[name][2], m) for name in LOADERS if (m := _available(name)) is not None]
+    if not chain:
+        pytest.skip("no native int8 kernel on this CPU (needs amx_int8, avx512_vnni or avx_vnni)")
+    (label, first), fallback = chain[0], chain[1][1] if len(chain) > 1 else None
     native.clear_caches()
     monkeypatch.setattr(first, "linear", lambda x, p, n, ws, b=None: torch.zeros(x.shape[0], n, dtype=x.dtype))
     with caplog.at_level(logging.WARNING, logger="qasr"):

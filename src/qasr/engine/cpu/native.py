@@ -9,7 +9,8 @@ before anything uses it.
   does not promise): on AMX tiles where the CPU has them (amx_linear.cpp), else AVX512-BF16
   (bf16_linear.cpp, which also holds the flash-style prefill attention). Both pack weights the same way.
 - exact int8 W8A8 GEMMs (int8_reference.py is the arithmetic, bit for bit): on AMX-INT8 tiles
-  (amx_int8.cpp), else AVX512-VNNI (int8_linear.cpp). Both pack weights the same way.
+  (amx_int8.cpp), else AVX512-VNNI (int8_linear.cpp), else 256-bit AVX-VNNI (int8_avx_vnni.cpp). All pack
+  weights the same way.
 A kernel that cannot be built, or fails its self-test, is None: the engine falls back to the next kernel or
 to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_NO_AMX=1 the AMX one.
 """
@@ -39,11 +40,14 @@ BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
 NO_FMA = ("-ffp-contract=off",)
 INT8_VNNI = ("qasr_int8_vnni", "int8_linear.cpp", NO_FMA)
 AMX_INT8 = ("qasr_amx_int8", "amx_int8.cpp", (*NO_FMA, "-mamx-tile", "-mamx-int8"))
+# without AVX-512 even where the CPU has it: this kernel is for CPUs that lack it, and must run as it would there
+AVX_VNNI = ("qasr_int8_avx_vnni", "int8_avx_vnni.cpp", (*NO_FMA, "-mno-avx512f", "-mavxvnni"))
 # the CPU flags without which a kernel is not even built (it would compile to supported() == False)
 AMX_CPU = frozenset({"amx_bf16", "amx_tile"})
 AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 VNNI_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 AMX_INT8_CPU = frozenset({"amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl"})  # AVX-512: quantize, epilogue
+AVX_VNNI_CPU = frozenset({"avx2", "avx_vnni"})
 
 
 @functools.cache
@@ -99,9 +103,13 @@ def attention_kernel() -> ModuleType | None:
 @functools.cache
 def int8_kernel() -> ModuleType | None:
     """The fastest exact int8 W8A8 GEMM module that passed its self-test here (pack, quantize_rows, linear):
-    the AMX-INT8 one, else the AVX512-VNNI one, else None."""
-    amx = amx_int8_kernel()
-    return amx if amx is not None else vnni_int8_kernel()
+    the AMX-INT8 one, else the AVX512-VNNI one, else the AVX-VNNI (256-bit) one, else None. Each is built
+    only when the ones before it are unavailable."""
+    for loader in (amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel):
+        mod = loader()
+        if mod is not None:
+            return mod
+    return None
 
 
 @functools.cache
@@ -131,11 +139,23 @@ def vnni_int8_kernel() -> ModuleType | None:
     return selftest.verified("AVX512-VNNI int8 linear", mod, selftest.check_int8_gemm)
 
 
+@functools.cache
+def avx_vnni_int8_kernel() -> ModuleType | None:
+    """The 256-bit AVX-VNNI int8 GEMM module (int8_avx_vnni.cpp, for AVX2 CPUs without AVX-512) if it passed
+    its self-test here."""
+    if not AVX_VNNI_CPU <= cpu_flags():
+        return None
+    mod = _build(*AVX_VNNI)
+    if mod is None or not mod.supported():
+        return None
+    return selftest.verified("AVX-VNNI int8 linear", mod, selftest.check_int8_gemm)
+
+
 def clear_caches() -> None:
     """Forget which kernels were chosen and verified, so QASR_NO_AMX / QASR_NO_NATIVE are read again
     (tests). Built modules stay loaded: a build is expensive and a loaded extension cannot be unloaded."""
     for fn in (decode_kernel, decoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel, attention_kernel,
-               int8_kernel, amx_int8_kernel, vnni_int8_kernel, _bf16_module, cpu_flags):
+               int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, _bf16_module, cpu_flags):
         getattr(fn, "cache_clear", lambda: None)()  # a test may have replaced one by a plain function
 
 

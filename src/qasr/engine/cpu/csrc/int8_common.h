@@ -1,6 +1,7 @@
-// What qasr's two int8 W8A8 GEMM kernels share (amx_int8.cpp on AMX-INT8 tiles, int8_linear.cpp on
-// AVX512-VNNI registers): the packed weight layout and pack(), the per-row activation quantization, the float32
-// epilogue and the front of linear(), which quantizes x into a panel and hands it to the kernel's own run().
+// What qasr's int8 W8A8 GEMM kernels share (amx_int8.cpp on AMX-INT8 tiles, int8_linear.cpp on AVX512-VNNI
+// registers, int8_avx_vnni.cpp on 256-bit AVX-VNNI for AVX2-only CPUs): the packed weight layout and pack(),
+// the per-row activation quantization, the float32 epilogue and the front of linear(), which quantizes x into
+// a panel and hands it to the kernel's own run().
 //
 // The arithmetic is fixed bit for bit (int8_reference.py holds it in torch ops):
 //   a_amax = max_k |x[m,k]|; a_scale = a_amax / 127, inv = 127 / a_amax (float32 divisions; 0 for a zero row)
@@ -10,7 +11,7 @@
 // so any correct kernel gives the same bits as the reference, and a row never depends on the other rows.
 // Build with -ffp-contract=off: GCC would otherwise fuse the epilogue's multiply and add into one FMA.
 //
-// Packed weight (one int8 tensor, both kernels read the same layout):
+// Packed weight (one int8 tensor, every kernel reads the same layout):
 //   bytes [0, 64): header, int64 magic, N, K, Kp (K rounded up to 64)
 //   then (N_pad / 64) blocks of (Kp / 4, 64, 4) int8: for each group of 4 input features, 64 columns x 4
 //   weights = 256 contiguous bytes (the VNNI dot-product operand: 4 bytes per int32 lane; an AMX B tile is
@@ -26,8 +27,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#define QASR_INT8_AVX2 1
+#else
+#define QASR_INT8_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QASR_INT8_AVX512 1
 #else
 #define QASR_INT8_AVX512 0
@@ -103,6 +109,14 @@ inline Layout packed_layout(const torch::Tensor& packed, int64_t N, int64_t K, c
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact (bf16 is float32's top half)
 
+#if QASR_INT8_AVX2
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // Quantizes one row of K values into q[0, K) and returns its a_scale. `flip` is XORed into every byte:
 // 0 gives the int8 x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernel's unsigned operand).
 template <typename T>
@@ -123,6 +137,14 @@ inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
   }
   amax = _mm512_reduce_max_ps(vmax);  // max is exact in any order
+#elif QASR_INT8_AVX2
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x + k), absmask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (const float v : lanes) amax = std::max(amax, v);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
 #else
   for (; k < K; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
 #endif
@@ -151,7 +173,17 @@ inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
     _mm_mask_storeu_epi8(q + k, m, _mm_xor_si128(_mm512_cvtepi32_epi8(i), vflip));
   }
 #else
-  for (k = 0; k < K; ++k) {
+  k = 0;
+#if QASR_INT8_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (; k + 8 <= K; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(load8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)));
+    for (int j = 0; j < 8; ++j) q[k + j] = static_cast<uint8_t>(static_cast<int8_t>(t[j])) ^ flip;
+  }
+#endif
+  for (; k < K; ++k) {
     const float r = std::nearbyint(to_float(x[k]) * inv);  // the default rounding mode: half to even
     q[k] = static_cast<uint8_t>(static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f))) ^ flip;
   }
@@ -208,6 +240,46 @@ inline void epilogue16(__m512i acc, float a_scale, const Cols16& c, void* out, b
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), c.mask, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+#if QASR_INT8_AVX2
+// The same epilogue, 8 columns at a time (`n` of them valid, 1..8), for the AVX2 kernel.
+struct Cols8 {
+  __m256 w_scale, bias;
+  bool has_bias;
+  int64_t n;
+  __m256i mask;
+};
+inline Cols8 cols8(const float* w_scale, const float* bias, int64_t n) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return Cols8{_mm256_maskload_ps(w_scale, mask), bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps(),
+               bias != nullptr, std::min<int64_t>(n, 8), mask};
+}
+
+inline void epilogue8(__m256i acc, float a_scale, const Cols8& c, void* out, bool bf16) {
+  const __m256 s = _mm256_mul_ps(_mm256_set1_ps(a_scale), c.w_scale);
+  // int32 -> float32 in the current rounding mode: to nearest even, as the process starts and torch keeps it
+  __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), s);
+  if (c.has_bias) y = _mm256_add_ps(y, c.bias);
+  if (!bf16) {
+    _mm256_maskstore_ps(static_cast<float*>(out), c.mask, y);
+    return;
+  }
+  const __m256i u = _mm256_castps_si256(y);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+  // 8 x 16 bits: packus works per 128-bit lane, the permute brings lane 1's four values after lane 0's
+  const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b1000));
+  if (c.n == 8) {
+    _mm_storeu_si128(static_cast<__m128i*>(out), h);
+  } else {
+    alignas(16) uint16_t t[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+    std::memcpy(out, t, c.n * sizeof(uint16_t));
+  }
 }
 #endif
 
@@ -305,9 +377,9 @@ inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed
   return out;
 }
 
-// The interface both modules share: pack(), quantize_rows() and linear() on kernel `g` (a static object).
+// The interface every int8 module shares: pack(), quantize_rows() and linear() on kernel `g` (a static object).
 inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
-  m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout both int8 kernels share)");
+  m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout every int8 kernel shares)");
   m.def("quantize_rows", &quantize_rows,
         "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)");
   m.def("linear", [&g](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
