@@ -1,6 +1,6 @@
 """int8 W8A8 GEMM rates on this CPU, side by side in one run: the torch reference of the spec (per-row
-quantization, torch._int_mm, float32 epilogue: the whole path), qasr's AMX-INT8 and AVX512-VNNI kernels
-(quantization, product and epilogue fused), and for comparison qasr's batch-invariant bf16 kernel
+quantization, torch._int_mm, float32 epilogue: the whole path), qasr's AMX-INT8, AVX512-VNNI and 256-bit AVX-VNNI
+kernels (quantization, product and epilogue fused), and for comparison qasr's batch-invariant bf16 kernel
 (native.linear_kernel(): AMX-BF16 or AVX512-BF16) on the same shapes.
 
     PYTHONPATH=src .venv/bin/python benchmarks/int8_rates.py [--threads 2] [--repeats 5] [--min-seconds 1]
@@ -35,7 +35,7 @@ from qasr.engine.cpu.int8_reference import int8_linear_reference
 # a prefill chunk, and the square peak shape the bf16 rates use
 SHAPES = ((1, 1024, 3072), (1, 1024, 151936), (16, 1024, 3072), (64, 1024, 3072), (256, 1024, 2048),
           (1024, 1024, 3072))
-PATHS = ("torch_ref", "amx_int8", "vnni_int8", "bf16")
+PATHS = ("torch_ref", "amx_int8", "vnni_int8", "avx_vnni_int8", "bf16")
 
 
 def best_seconds(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
@@ -54,7 +54,7 @@ def best_seconds(fn: Callable[[], object], repeats: int, min_seconds: float) -> 
 
 def kernels() -> dict[str, object]:
     found = {"amx_int8": native.amx_int8_kernel(), "vnni_int8": native.vnni_int8_kernel(),
-             "bf16": native.linear_kernel()}
+             "avx_vnni_int8": native.avx_vnni_int8_kernel(), "bf16": native.linear_kernel()}
     return {name: mod for name, mod in found.items() if mod is not None}
 
 
@@ -66,7 +66,7 @@ def rates(m: int, k: int, n: int, mods: dict[str, object], repeats: int,
     w_scale = torch.rand(n, generator=gen) * 0.01
     ops = 2.0 * m * n * k
     seconds = {"torch_ref": best_seconds(lambda: int8_linear_reference(x, w_q, w_scale), repeats, min_seconds)}
-    for name in ("amx_int8", "vnni_int8"):
+    for name in ("amx_int8", "vnni_int8", "avx_vnni_int8"):
         if name in mods:
             packed = mods[name].pack(w_q)
             seconds[name] = best_seconds(lambda: mods[name].linear(x, packed, n, w_scale, None), repeats,  # noqa: B023
