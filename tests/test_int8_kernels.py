@@ -201,6 +201,15 @@ def test_the_avx_vnni_build_has_no_avx512_instructions() -> None:
     assert "zmm" not in asm and "{vex} vpdpbusd" in asm
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to look at the compiled instructions")
+def test_no_fused_multiply_add_in_the_built_kernel(kernel: ModuleType) -> None:
+    """The epilogue rounds its multiply and its add separately; a fused one rounds once and differs in rare
+    values a random self-test may miss. The builds use -ffp-contract=off; this checks the result."""
+    asm = subprocess.run(["objdump", "-d", kernel.__file__], capture_output=True, text=True, check=True).stdout
+    fused = [line for line in asm.splitlines() if any(op in line for op in ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub"))]
+    assert not fused, fused[:3]
+
+
 # --- the self-test, on torch stand-ins and on the real modules ------------------------------------------------
 
 def torch_int8(linear=None, quantize_rows=quantize_rows_reference) -> ModuleType:  # noqa: ANN001
