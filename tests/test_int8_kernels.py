@@ -120,6 +120,30 @@ def test_quantize_rows_is_the_reference(kernel: ModuleType) -> None:
     assert not q.any() and not scale.any()
 
 
+def test_tiny_and_non_finite_rows_follow_the_reference(kernel: ModuleType) -> None:
+    """Where 127 / a_amax overflows (a_amax < 2^-121: 0 * inf is NaN), and rows holding inf or NaN: the
+    reference's torch ops decide (NaN propagates into a_scale, NaN products quantize to 0); the kernel gives
+    the same bits, NaN for NaN."""
+    inf, nan = float("inf"), float("nan")
+    rows = [[1e-39, 0.0, 5e-40, -1e-39, 0.0], [3e-37, 0.0, -1e-37, 0.0, 2e-38], [inf, 1.0, 0.0, -2.0, 0.0],
+            [nan, 1.0, 0.0, -2.0, 0.0], [1.0, -inf, 0.5, inf, 0.0], [0.0, 0.0, 0.0, 0.0, nan]]
+    gen = torch.Generator().manual_seed(9)
+    w_q, w_scale = _weights(20, 5, gen)
+    bias = torch.randn(20, generator=gen)
+    packed = kernel.pack(w_q)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k in (5, 21):  # vector tails and whole vectors (the rows repeated)
+            x = torch.tensor(rows).repeat(1, (k + 4) // 5)[:, :k].to(dtype)
+            q, s = kernel.quantize_rows(x)
+            q_ref, s_ref = quantize_rows_reference(x)
+            assert torch.equal(q, q_ref), (dtype, k, q, q_ref)
+            assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), (dtype, k, s, s_ref)
+            if k == 5:
+                got = kernel.linear(x, packed, 20, w_scale, bias)
+                ref = int8_linear_reference(x, w_q, w_scale, bias)
+                assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
 def test_a_zero_input_gives_the_bias(kernel: ModuleType) -> None:
     gen = torch.Generator().manual_seed(5)
     w_q, w_scale = _weights(70, 33, gen)

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -109,6 +110,14 @@ inline Layout packed_layout(const torch::Tensor& packed, int64_t N, int64_t K, c
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact (bf16 is float32's top half)
 
+#if QASR_INT8_AVX512
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline __m512 load16(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
+inline __m512 load16(const at::BFloat16* x, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 #if QASR_INT8_AVX2
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const at::BFloat16* x) {
@@ -118,76 +127,80 @@ inline __m256 load8(const at::BFloat16* x) {
 #endif
 
 // Quantizes one row of K values into q[0, K) and returns its a_scale. `flip` is XORed into every byte:
-// 0 gives the int8 x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernel's unsigned operand).
+// 0 gives the int8 x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernels' unsigned operand).
+//
+// Outside finite rows of ordinary size the reference's torch ops decide, and this follows them: a NaN makes
+// a_amax NaN (torch's amax propagates it; a plain max would drop it), and a product x * inv that is NaN (a NaN
+// or infinite input, or 0 * inf where 127 / a_amax overflows, a_amax < 2^-121) quantizes to 0, as torch's
+// float -> int8 conversion gives on x86; +-inf products clamp to +-127 like any other.
 template <typename T>
 inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
   float amax = 0.f;
+  bool nan = false;
   int64_t k = 0;
 #if QASR_INT8_AVX512
   __m512 vmax = _mm512_setzero_ps();
+  __mmask16 vnan = 0;
   for (; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-    __m512 v;
-    if constexpr (std::is_same_v<T, float>) {
-      v = _mm512_maskz_loadu_ps(m, x + k);
-    } else {
-      const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x) + k);
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    const __m512 v = load16(x + k, tail_mask(K - k));
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   }
   amax = _mm512_reduce_max_ps(vmax);  // max is exact in any order
+  nan = vnan != 0;
 #elif QASR_INT8_AVX2
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 vmax = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x + k), absmask));
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = load8(x + k);
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, absmask));
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   for (const float v : lanes) amax = std::max(amax, v);
-  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
-#else
-  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+  nan = _mm256_movemask_ps(vnan) != 0;
 #endif
+  for (; k < K; ++k) {
+    const float v = to_float(x[k]);
+    amax = std::max(amax, std::fabs(v));
+    nan = nan || std::isnan(v);
+  }
+  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
   if (amax == 0.f) {
     std::memset(q, flip, K);  // x_q = 0 everywhere
     return 0.f;
   }
   const float inv = 127.f / amax, scale = amax / 127.f;
+  k = 0;
 #if QASR_INT8_AVX512
-  const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
-  for (k = 0; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-    __m512 v;
-    if constexpr (std::is_same_v<T, float>) {
-      v = _mm512_maskz_loadu_ps(m, x + k);
-    } else {
-      const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x) + k);
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    // one multiply, then round half to even (explicit, whatever MXCSR says); clamping the integer equals
-    // clamping the rounded float, the bounds being integers
-    __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    i = _mm512_min_epi32(_mm512_max_epi32(i, lo), hi);
+  for (; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    // one multiply, then round half to even (explicit, whatever MXCSR says), clamp, NaN to 0
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k, m), vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q),
+                                         _mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    const __m512i i = _mm512_cvtt_roundps_epi32(c, _MM_FROUND_NO_EXC);  // exact: c is an integer
     _mm_mask_storeu_epi8(q + k, m, _mm_xor_si128(_mm512_cvtepi32_epi8(i), vflip));
   }
-#else
-  k = 0;
-#if QASR_INT8_AVX2
+#elif QASR_INT8_AVX2
   const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (; k + 8 <= K; k += 8) {
     const __m256 r = _mm256_round_ps(_mm256_mul_ps(load8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 c = _mm256_and_ps(_mm256_cmp_ps(r, r, _CMP_ORD_Q), _mm256_min_ps(_mm256_max_ps(r, lo), hi));
     alignas(32) int32_t t[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvttps_epi32(c));
     for (int j = 0; j < 8; ++j) q[k + j] = static_cast<uint8_t>(static_cast<int8_t>(t[j])) ^ flip;
   }
 #endif
   for (; k < K; ++k) {
     const float r = std::nearbyint(to_float(x[k]) * inv);  // the default rounding mode: half to even
-    q[k] = static_cast<uint8_t>(static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f))) ^ flip;
+    const float c = std::isnan(r) ? 0.f : std::min(std::max(r, -127.f), 127.f);
+    q[k] = static_cast<uint8_t>(static_cast<int8_t>(c)) ^ flip;
   }
-#endif
   return scale;
 }
 
@@ -211,8 +224,6 @@ inline void quantize_panel(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t
 }
 
 #if QASR_INT8_AVX512
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
 // The epilogue of 16 columns (mask: fewer) of a C block: their w_scale and bias, loaded once for all rows.
 struct Cols16 {
   __m512 w_scale, bias;
