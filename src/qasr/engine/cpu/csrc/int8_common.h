@@ -315,7 +315,85 @@ struct Gemm {
   bool (*supported)();
   RunFn run;      // null in a build without the kernel's instructions (supported() is false there)
   uint8_t flip;   // 0: the kernel reads x_q as int8; 0x80: as x_q + 128 (uint8)
+  // calls of at most small_rows rows go to small_run instead, with its own panel flip (the integer product
+  // is exact, so which path computes a row never changes its bits)
+  int64_t small_rows = 0;
+  RunFn small_run = nullptr;
+  uint8_t small_flip = 0;
 };
+
+#if QASR_INT8_AVX512 && defined(__AVX512VNNI__)
+// The AVX512-VNNI product (int8_linear.cpp's kernel; the AMX-INT8 kernel runs it for calls of very few rows,
+// where 16-row tiles would mostly multiply padding). vpdpbusd multiplies unsigned by signed bytes, so the panel
+// holds x_q + 128 (flip 0x80) and the packed column sums fix it afterwards:
+//   sum_k (x_q + 128) * w = sum_k x_q * w + 128 * sum_k w,   acc = that - comp[n]
+// vpdpbusd (not the saturating vpdpbusds) wraps modulo 2^32, and the subtraction does too, so the result is the
+// exact acc whenever acc itself fits int32, even when the shifted sum overflows on the way. Padded K holds zero
+// weights: whatever the panel has there adds nothing.
+// Work items are (64-column block, chunk of up to 96 rows), block-major, so a thread keeps one block's weights
+// in cache while its rows pass; a call of <= 96 rows (decode) is one chunk, and the items are the column
+// blocks: the weights stream once, split over the threads. Inside an item, passes of up to 6 rows x 64
+// columns keep 24 int32 accumulators in registers, each pass over all of K.
+constexpr int64_t VNNI_MR = 6;          // rows per register pass
+constexpr int64_t VNNI_ROW_CHUNK = 96;  // rows per work item
+
+// Rows [m0, m0 + R) x block b's 64 columns over all of K, then the epilogue.
+template <int R>
+inline void vnni512_pass(const Args& a, int64_t m0, int64_t b) {
+  const int64_t groups = a.Kp / 4;
+  const int8_t* blk = a.blocks + b * groups * NB * 4;
+  const uint8_t* rows = a.panel + m0 * a.Kp;
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = blk + g * NB * 4;
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128),
+                  w3 = _mm512_loadu_si512(w + 192);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, rows + r * a.Kp + 4 * g, 4);
+      const __m512i x = _mm512_set1_epi32(four);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], x, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], x, w3);
+    }
+  }
+  const int64_t es = a.bf16 ? 2 : 4;
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n0 = b * NB + 16 * j;
+    if (n0 >= a.N) break;
+    const Cols16 cols = cols16(a.w_scale + n0, a.bias ? a.bias + n0 : nullptr, tail_mask(a.N - n0));
+    const __m512i comp = _mm512_loadu_si512(a.comp + n0);  // comp is padded to whole blocks
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      epilogue16(_mm512_sub_epi32(acc[r][j], comp), a.a_scale[m], cols,
+                 static_cast<char*>(a.out) + (m * a.N + n0) * es, a.bf16);
+    }
+  }
+}
+
+inline void vnni512_run(const Args& a) {
+  const int64_t blocks = (a.N + NB - 1) / NB, chunks = (a.M + VNNI_ROW_CHUNK - 1) / VNNI_ROW_CHUNK;
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / chunks, c = item % chunks;
+      const int64_t end = std::min(a.M, (c + 1) * VNNI_ROW_CHUNK);
+      int64_t m = c * VNNI_ROW_CHUNK;
+      for (; m + VNNI_MR <= end; m += VNNI_MR) vnni512_pass<VNNI_MR>(a, m, b);
+      switch (end - m) {
+        case 5: vnni512_pass<5>(a, m, b); break;
+        case 4: vnni512_pass<4>(a, m, b); break;
+        case 3: vnni512_pass<3>(a, m, b); break;
+        case 2: vnni512_pass<2>(a, m, b); break;
+        case 1: vnni512_pass<1>(a, m, b); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
 
 // Per-call panel and scales of the calling thread, kept between calls (no allocation once grown).
 struct Panel {
@@ -379,12 +457,14 @@ inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed
   Panel& p = panel_scratch();
   if (static_cast<int64_t>(p.q.size()) < rows_pad * L.Kp) p.q.resize(rows_pad * L.Kp);
   if (static_cast<int64_t>(p.scale.size()) < rows_pad) p.scale.resize(rows_pad);
-  dispatch_x(xc, [&](auto* xp) { quantize_panel(xp, M, K, L.Kp, rows_pad, g.flip, p.q.data(), p.scale.data()); });
+  const bool small = g.small_run != nullptr && M <= g.small_rows;
+  const uint8_t flip = small ? g.small_flip : g.flip;
+  dispatch_x(xc, [&](auto* xp) { quantize_panel(xp, M, K, L.Kp, rows_pad, flip, p.q.data(), p.scale.data()); });
   const int8_t* blocks = packed.data_ptr<int8_t>() + HEADER;
   const Args a{p.q.data(), p.scale.data(), M, N, L.Kp, blocks,
                reinterpret_cast<const int32_t*>(blocks + L.weight_bytes()), ws.data_ptr<float>(), bp,
                out.data_ptr(), xc.scalar_type() == at::kBFloat16};
-  g.run(a);
+  (small ? g.small_run : g.run)(a);
   return out;
 }
 
