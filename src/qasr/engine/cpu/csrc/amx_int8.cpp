@@ -150,9 +150,9 @@ static constexpr int8::RunFn run = nullptr;
 #endif
 
 #if QASR_AMX_INT8 && defined(__AVX512VNNI__)
-// Up to 4 rows, AVX512-VNNI registers beat 16-row tiles that mostly multiply padding (single thread, K = 1024,
-// N = 3072 on the 2-vCPU AMX Xeon of docs/kernels.md, VNNI vs tiles: 1 row 63 vs 54 GOP/s, 4 rows 248 vs 201; 6 rows
-// 266 vs 294).
+// Up to 4 rows, AVX512-VNNI registers beat 16-row tiles that mostly multiply padding (single thread,
+// K = 1024, N = 3072 on the 2-vCPU AMX Xeon of docs/kernels.md, VNNI vs tiles: 1 row 63 vs 54 GOP/s, 4 rows
+// 248 vs 201; 6 rows 266 vs 294).
 static const int8::Gemm GEMM{"qasr AMX-INT8", "this build or CPU lacks AMX-INT8, or the OS refused tile data",
                              supported, run, 0, 4, int8::vnni512_run, 0x80};
 #else
