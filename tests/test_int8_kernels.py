@@ -5,16 +5,21 @@ falls back)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import sysconfig
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.cpp_extension import include_paths
 
 from qasr.engine.cpu import native, selftest
 from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
@@ -199,6 +204,8 @@ def test_a_mismatched_packed_weight_is_refused(kernel: ModuleType) -> None:
         kernel.linear(torch.randn(2, 40), packed, 19, w_scale[:19], None)
     with pytest.raises(RuntimeError, match="packed weight"):
         kernel.linear(torch.randn(2, 40), w_q.flatten(), 20, w_scale, None)
+    with pytest.raises(RuntimeError, match="at most 132104"):
+        kernel.pack(torch.zeros(1, 132105, dtype=torch.int8))  # 128 x its column sum could overflow int32
 
 
 def test_weights_packed_by_one_kernel_serve_the_others() -> None:
@@ -212,6 +219,38 @@ def test_weights_packed_by_one_kernel_serve_the_others() -> None:
     for mod in mods[1:]:
         assert torch.equal(mod.pack(w_q), mods[0].pack(w_q))
         assert torch.equal(mod.linear(x, mods[0].pack(w_q), 130, w_scale), first), mod.KIND
+
+
+# Compiled with explicit instruction-set flags instead of -march=native, so the paths are checked on machines
+# that cannot run them (an AMD EPYC without AMX, a CPU without AVX-512): compile only, then look for the
+# instructions each must use.
+EXPLICIT = {
+    "amx_int8.cpp": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+                     ["ldtilecfg", "tileloadd", "tdpbssd", "tilestored", "vpdpbusd"]),
+    "int8_linear.cpp": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], ["vpdpbusd"]),
+    "int8_avx_vnni.cpp": (["-mavx2", "-mavxvnni"], ["{vex} vpdpbusd"]),
+}
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("objdump") is None, reason="no c++ or objdump")
+@pytest.mark.parametrize("source", list(EXPLICIT))
+def test_each_kernel_compiles_with_explicit_flags(source: str) -> None:
+    flags, instructions = EXPLICIT[source]
+    src = native.CSRC / source
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+    key = hashlib.sha256(src.read_bytes() + headers + " ".join(flags).encode() + torch.__version__.encode())
+    out = Path(tempfile.gettempdir()) / f"qasr_int8_check_{key.hexdigest()[:16]}.o"
+    if not out.exists():  # the same source was checked before: reuse the object (a compile takes ~30 s)
+        inc = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+        cmd = ["c++", "-std=c++20", "-fPIC", "-O1", "-fopenmp", "-ffp-contract=off",
+               "-DTORCH_EXTENSION_NAME=qasr_int8_compile_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *inc, *flags,
+               "-c", str(src), "-o", str(out.with_suffix(".tmp.o"))]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        out.with_suffix(".tmp.o").replace(out)
+    asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True, check=True).stdout
+    for instruction in instructions:
+        assert instruction in asm, f"{instruction} missing: the path was compiled out"
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to look at the compiled instructions")

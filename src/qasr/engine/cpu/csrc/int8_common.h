@@ -47,6 +47,8 @@ constexpr int64_t KALIGN = 64;  // K padding: one AMX tile row of int8
 constexpr int64_t HEADER = 64;  // bytes before the blocks (keeps them 64-byte aligned)
 constexpr int64_t MAGIC = 0x3150384951534151LL;  // "QASQI8P1"
 constexpr int64_t ROW_ALIGN = 32;  // panel rows are padded to this (the AMX kernel's row pair)
+// The largest K whose column sums x 128 (|128 * 127 K|) and products (|127 * 127 K|) fit int32.
+constexpr int64_t MAX_K = 132104;
 
 inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -65,6 +67,7 @@ inline torch::Tensor pack(torch::Tensor w_q) {
   TORCH_CHECK(w_q.dim() == 2 && w_q.scalar_type() == at::kChar, "pack: (N, K) int8 weight");
   const int64_t N = w_q.size(0), K = w_q.size(1);
   TORCH_CHECK(N >= 1 && K >= 1, "pack: N and K must be at least 1");
+  TORCH_CHECK(K <= MAX_K, "pack: K must be at most ", MAX_K, " (int32 sums), got ", K);
   const Layout L = layout(N, K);
   auto w = w_q.contiguous();
   auto out = torch::zeros({L.total_bytes()}, w_q.options());
@@ -86,7 +89,7 @@ inline torch::Tensor pack(torch::Tensor w_q) {
           blk[((k / 4) * NB + c) * 4 + k % 4] = row[k];
           sum += row[k];
         }
-        comp[b * NB + c] = 128 * sum;  // |sum| <= 127 K: exact in int32 for K < 132000
+        comp[b * NB + c] = 128 * sum;  // |sum| <= 127 K: exact in int32 for K <= MAX_K
       }
     }
   });
@@ -409,6 +412,7 @@ inline void check_x(const torch::Tensor& x, const char* who) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), who,
               ": x must be (M, K) bfloat16 or float32");
   TORCH_CHECK(x.size(1) >= 1, who, ": K must be at least 1");
+  TORCH_CHECK(x.device().is_cpu(), who, ": x must be on the CPU");
 }
 
 template <typename F>
