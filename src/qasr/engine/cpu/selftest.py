@@ -115,7 +115,8 @@ def check_int8_gemm(kernel: ModuleType) -> None:
     """pack / quantize_rows / linear against the torch reference of the int8 spec, bit for bit, on odd
     shapes (K = 1, 3, 65, 1000: K tails of every size; N = 1, 17, 300: column tails), bf16 and float32 inputs,
     with and without bias, a zero row; and rows alone (M = 1), in 2- and 17-row calls equal to the same rows
-    of a 300-row call."""
+    of a 300-row call (the one-row and few-row calls may take another path than the big one: the AMX kernel
+    runs up to 4 rows on VNNI registers)."""
     gen = torch.Generator().manual_seed(20261202)
     for i, (k, n) in enumerate((k, n) for k in (1, 3, 65, 1000) for n in (1, 17, 300)):
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
@@ -141,7 +142,7 @@ def check_int8_gemm(kernel: ModuleType) -> None:
             first = tuple(bad[0].tolist())
             raise SelfTestFailure(f"{what}: {len(bad)} of {ref.numel()} values differ from the reference, first "
                                   f"at {first}: {full[first].item()} vs {ref[first].item()}")
-        for rows in (slice(0, 1), slice(7, 8), slice(299, 300), slice(0, 2), slice(150, 167)):
+        for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):  # M = 1 (the last row), 2 (with the zero row), 17
             if not torch.equal(kernel.linear(x[rows], packed, n, w_scale, bias), full[rows]):
                 raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
 
