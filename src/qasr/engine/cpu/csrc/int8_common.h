@@ -9,14 +9,14 @@
 //   out = dtype((float32(acc) * (a_scale[m] * w_scale[n])) + bias[n]), each step one IEEE rounding.
 // The integer product is exact whatever order or blocking a kernel uses, and every other step is per element,
 // so any correct kernel gives the same bits as the reference, and a row never depends on the other rows.
-// Build with -ffp-contract=off: GCC would otherwise fuse the epilogue's multiply and add into one FMA.
+// Build with -ffp-contract=off: GCC may otherwise fuse the epilogue's multiply and add into one FMA.
 //
 // Packed weight (one int8 tensor, every kernel reads the same layout):
 //   bytes [0, 64): header, int64 magic, N, K, Kp (K rounded up to 64)
 //   then (N_pad / 64) blocks of (Kp / 4, 64, 4) int8: for each group of 4 input features, 64 columns x 4
 //   weights = 256 contiguous bytes (the VNNI dot-product operand: 4 bytes per int32 lane; an AMX B tile is
 //   16 groups x 16 columns = 16 rows of 64 bytes of it, read in place with a 256-byte stride);
-//   then N_pad int32: 128 * sum_k w_q[n, k] (for the VNNI kernel's u8 x s8 trick, see int8_linear.cpp).
+//   then N_pad int32: 128 * sum_k w_q[n, k] (for the VNNI kernels' u8 x s8 trick, see vnni512_run).
 // Padded columns and padded K are zero weights: they add nothing to any product.
 #pragma once
 #include <torch/extension.h>
