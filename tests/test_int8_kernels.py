@@ -12,6 +12,8 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -147,6 +149,42 @@ def test_tiny_and_non_finite_rows_follow_the_reference(kernel: ModuleType) -> No
                 got = kernel.linear(x, packed, 20, w_scale, bias)
                 ref = int8_linear_reference(x, w_q, w_scale, bias)
                 assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+def test_linear_releases_the_gil(kernel: ModuleType) -> None:
+    """While a long product (at least 100 ms) runs in one thread, a Python loop in another keeps going: its
+    longest pause stays below one call's time, which it would last at least with the GIL held (one thread
+    for the kernel, so the loop has the other CPU; the margin is for a busy machine's scheduling)."""
+    gen = torch.Generator().manual_seed(10)
+    w_q, w_scale = _weights(2048, 2048, gen)
+    packed = kernel.pack(w_q)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m, call = 256, 0.0
+        while call < 0.1 and m <= 16384:
+            m *= 2
+            x = _rows(m, 2048, torch.bfloat16, gen)
+            start = time.perf_counter()
+            kernel.linear(x, packed, 2048, w_scale)
+            call = time.perf_counter() - start
+        done = threading.Event()
+
+        def products() -> None:
+            for _ in range(3):
+                kernel.linear(x, packed, 2048, w_scale)
+            done.set()
+
+        worker = threading.Thread(target=products)
+        worker.start()
+        longest, last = 0.0, time.perf_counter()
+        while not done.is_set():
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert longest < 0.8 * call, (longest, call)
 
 
 def test_a_zero_input_gives_the_bias(kernel: ModuleType) -> None:

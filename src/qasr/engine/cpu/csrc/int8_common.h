@@ -473,14 +473,17 @@ inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed
 }
 
 // The interface every int8 module shares: pack(), quantize_rows() and linear() on kernel `g` (a static object).
+// Each releases the GIL while it runs: a product can take tens of milliseconds, and holding the GIL that long
+// would stall every other Python thread (a server's event loop); the bodies touch no Python object.
 inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
-  m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout every int8 kernel shares)");
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout every int8 kernel shares)", no_gil);
   m.def("quantize_rows", &quantize_rows,
-        "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)");
+        "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)", no_gil);
   m.def("linear", [&g](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
                        c10::optional<torch::Tensor> bias) { return linear(g, x, packed, N, w_scale, bias); },
         linear_doc, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_scale"),
-        pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("bias") = pybind11::none(), no_gil);
 }
 
 }  // namespace int8
