@@ -62,6 +62,9 @@ def _entries() -> list[_Entry]:
         _Entry("AVX512-BF16 prefill attention", native.attention_kernel, native.BF16_LINEAR,
                native.AVX512_BF16_CPU),
         _Entry("AMX-BF16 linear", native.amx_kernel, native.AMX_LINEAR, native.AMX_CPU),
+        _Entry("AVX512-VNNI int8 linear", native.vnni_int8_kernel, native.INT8_VNNI, native.VNNI_CPU),
+        _Entry("AMX-INT8 linear", native.amx_int8_kernel, native.AMX_INT8, native.AMX_INT8_CPU),
+        _Entry("AVX-VNNI int8 linear", native.avx_vnni_int8_kernel, native.AVX_VNNI, native.AVX_VNNI_CPU),
     ]
 
 
@@ -76,7 +79,7 @@ def _build_all() -> int:
         if missing:
             print(f"{entry.label}: not for this CPU (no {', '.join(missing)}); not built")
             continue
-        if entry.needs == native.AMX_CPU and os.environ.get("QASR_NO_AMX") == "1":
+        if "amx_tile" in entry.needs and os.environ.get("QASR_NO_AMX") == "1":
             print(f"{entry.label}: skipped (QASR_NO_AMX=1)")
             continue
         cached = build.is_built(native.spec(*entry.build))

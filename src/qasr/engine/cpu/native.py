@@ -8,6 +8,9 @@ before anything uses it.
 - batch-invariant bf16 GEMMs (a row's result never depends on the other rows of the call, which oneDNN
   does not promise): on AMX tiles where the CPU has them (amx_linear.cpp), else AVX512-BF16
   (bf16_linear.cpp, which also holds the flash-style prefill attention). Both pack weights the same way.
+- exact int8 W8A8 GEMMs (int8_reference.py is the arithmetic, bit for bit): on AMX-INT8 tiles
+  (amx_int8.cpp), else AVX512-VNNI (int8_linear.cpp), else 256-bit AVX-VNNI (int8_avx_vnni.cpp). All pack
+  weights the same way.
 A kernel that cannot be built, or fails its self-test, is None: the engine falls back to the next kernel or
 to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_NO_AMX=1 the AMX one.
 """
@@ -33,9 +36,18 @@ DECODE_ATTENTION = ("qasr_decode_attention", "decode_attention.cpp", ("-ffast-ma
 DECODER_OPS = ("qasr_decoder_ops", "decoder_ops.cpp", ())
 AMX_LINEAR = ("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
 BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
+# The int8 epilogue is specified without fused multiply-add: GCC contracts even intrinsics' mul + add otherwise.
+NO_FMA = ("-ffp-contract=off",)
+INT8_VNNI = ("qasr_int8_vnni", "int8_linear.cpp", NO_FMA)
+AMX_INT8 = ("qasr_amx_int8", "amx_int8.cpp", (*NO_FMA, "-mamx-tile", "-mamx-int8"))
+# without AVX-512 even where the CPU has it: this kernel is for CPUs that lack it, and must run as it would there
+AVX_VNNI = ("qasr_int8_avx_vnni", "int8_avx_vnni.cpp", (*NO_FMA, "-mno-avx512f", "-mavxvnni"))
 # the CPU flags without which a kernel is not even built (it would compile to supported() == False)
 AMX_CPU = frozenset({"amx_bf16", "amx_tile"})
 AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+VNNI_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+AMX_INT8_CPU = frozenset({"amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl"})  # AVX-512: quantize, epilogue
+AVX_VNNI_CPU = frozenset({"avx2", "avx_vnni"})
 
 
 @functools.cache
@@ -88,11 +100,62 @@ def attention_kernel() -> ModuleType | None:
     return selftest.verified("AVX512-BF16 prefill attention", _bf16_module(), selftest.check_prefill_attention)
 
 
+@functools.cache
+def int8_kernel() -> ModuleType | None:
+    """The fastest exact int8 W8A8 GEMM module that passed its self-test here (pack, quantize_rows, linear):
+    the AMX-INT8 one, else the AVX512-VNNI one, else the AVX-VNNI (256-bit) one, else None. Each is built
+    only when the ones before it are unavailable."""
+    for loader in (amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel):
+        mod = loader()
+        if mod is not None:
+            return mod
+    return None
+
+
+@functools.cache
+def amx_int8_kernel() -> ModuleType | None:
+    """The AMX-INT8 GEMM module, or None: QASR_NO_AMX=1, no AMX-INT8 in /proc/cpuinfo, no build, the OS
+    refused tile data, or the self-test failed."""
+    if os.environ.get("QASR_NO_AMX") == "1" or not AMX_INT8_CPU <= cpu_flags():
+        return None
+    mod = _build(*AMX_INT8)
+    if mod is None:
+        return None
+    if not mod.supported():
+        log.warning("qasr: the AMX-INT8 kernel cannot run here (the CPU or OS refused AMX tile data); "
+                    "using AVX512-VNNI")
+        return None
+    return selftest.verified("AMX-INT8 linear", mod, selftest.check_int8_gemm)
+
+
+@functools.cache
+def vnni_int8_kernel() -> ModuleType | None:
+    """The AVX512-VNNI int8 GEMM module (int8_linear.cpp) if it passed its self-test here."""
+    if not VNNI_CPU <= cpu_flags():
+        return None
+    mod = _build(*INT8_VNNI)
+    if mod is None or not mod.supported():
+        return None
+    return selftest.verified("AVX512-VNNI int8 linear", mod, selftest.check_int8_gemm)
+
+
+@functools.cache
+def avx_vnni_int8_kernel() -> ModuleType | None:
+    """The 256-bit AVX-VNNI int8 GEMM module (int8_avx_vnni.cpp, for AVX2 CPUs without AVX-512) if it passed
+    its self-test here."""
+    if not AVX_VNNI_CPU <= cpu_flags():
+        return None
+    mod = _build(*AVX_VNNI)
+    if mod is None or not mod.supported():
+        return None
+    return selftest.verified("AVX-VNNI int8 linear", mod, selftest.check_int8_gemm)
+
+
 def clear_caches() -> None:
     """Forget which kernels were chosen and verified, so QASR_NO_AMX / QASR_NO_NATIVE are read again
     (tests). Built modules stay loaded: a build is expensive and a loaded extension cannot be unloaded."""
     for fn in (decode_kernel, decoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel, attention_kernel,
-               _bf16_module, cpu_flags):
+               int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, _bf16_module, cpu_flags):
         getattr(fn, "cache_clear", lambda: None)()  # a test may have replaced one by a plain function
 
 

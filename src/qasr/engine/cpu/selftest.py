@@ -19,6 +19,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
+
 log = logging.getLogger(__name__)
 
 # Seconds each passing self-test took in this process, by kernel name (for logs and reports).
@@ -107,6 +109,42 @@ def _expect_row_invariant(what: str, full: torch.Tensor, call: Callable[[slice],
     for rows in (slice(0, 1), slice(17, 18), slice(36, 37), slice(0, 5), slice(14, 19), slice(32, 37)):
         if not torch.equal(call(rows), full[rows]):
             raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 37-row call")
+
+
+def check_int8_gemm(kernel: ModuleType) -> None:
+    """pack / quantize_rows / linear against the torch reference of the int8 spec, bit for bit, on odd
+    shapes (K = 1, 3, 65, 1000: K tails of every size; N = 1, 17, 300: column tails), bf16 and float32 inputs,
+    with and without bias, a zero row; and rows alone (M = 1), in 2- and 17-row calls equal to the same rows
+    of a 300-row call (the one-row and few-row calls may take another path than the big one: the AMX kernel
+    runs up to 4 rows on VNNI registers)."""
+    gen = torch.Generator().manual_seed(20261202)
+    for i, (k, n) in enumerate((k, n) for k in (1, 3, 65, 1000) for n in (1, 17, 300)):
+        dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        w_scale = torch.rand(n, generator=gen) * 0.02 + 1e-4
+        bias = torch.randn(n, generator=gen) if i % 3 != 2 else None
+        # rows of very different magnitudes, and one zero row (a_scale 0)
+        x = torch.randn(300, k, generator=gen) * torch.exp(6 * torch.rand(300, 1, generator=gen) - 3)
+        x[7] = 0
+        x = x.to(dtype)
+        what = f"int8 linear M=300 K={k} N={n} {dtype} {'bias' if bias is not None else 'no bias'}"
+        packed = kernel.pack(w_q)
+        q, a_scale = kernel.quantize_rows(x)
+        q_ref, a_scale_ref = quantize_rows_reference(x)
+        if not (torch.equal(q, q_ref) and torch.equal(a_scale, a_scale_ref)):
+            raise SelfTestFailure(f"quantize_rows K={k} {dtype}: differs from the reference")
+        full = kernel.linear(x, packed, n, w_scale, bias)
+        ref = int8_linear_reference(x, w_q, w_scale, bias)
+        if full.dtype != dtype or full.shape != ref.shape:
+            raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {dtype}")
+        if not torch.equal(full, ref):
+            bad = (full != ref).nonzero()
+            first = tuple(bad[0].tolist())
+            raise SelfTestFailure(f"{what}: {len(bad)} of {ref.numel()} values differ from the reference, first "
+                                  f"at {first}: {full[first].item()} vs {ref[first].item()}")
+        for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):  # M = 1 (the last row), 2 (with the zero row), 17
+            if not torch.equal(kernel.linear(x[rows], packed, n, w_scale, bias), full[rows]):
+                raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
 
 
 def scattered_pool(kv_heads: int, blocks: int, block_size: int, d: int,

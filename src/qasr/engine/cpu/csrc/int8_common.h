@@ -1,0 +1,489 @@
+// What qasr's int8 W8A8 GEMM kernels share (amx_int8.cpp on AMX-INT8 tiles, int8_linear.cpp on AVX512-VNNI
+// registers, int8_avx_vnni.cpp on 256-bit AVX-VNNI for AVX2-only CPUs): the packed weight layout and pack(),
+// the per-row activation quantization, the float32 epilogue and the front of linear(), which quantizes x into
+// a panel and hands it to the kernel's own run().
+//
+// The arithmetic is fixed bit for bit (int8_reference.py holds it in torch ops):
+//   a_amax = max_k |x[m,k]|; a_scale = a_amax / 127, inv = 127 / a_amax (float32 divisions; 0 for a zero row)
+//   x_q = clamp(round_half_even(x * inv), -127, 127); acc = sum_k x_q * w_q (exact int32)
+//   out = dtype((float32(acc) * (a_scale[m] * w_scale[n])) + bias[n]), each step one IEEE rounding.
+// The integer product is exact whatever order or blocking a kernel uses, and every other step is per element,
+// so any correct kernel gives the same bits as the reference, and a row never depends on the other rows.
+// Build with -ffp-contract=off: GCC may otherwise fuse the epilogue's multiply and add into one FMA.
+//
+// Packed weight (one int8 tensor, every kernel reads the same layout):
+//   bytes [0, 64): header, int64 magic, N, K, Kp (K rounded up to 64)
+//   then (N_pad / 64) blocks of (Kp / 4, 64, 4) int8: for each group of 4 input features, 64 columns x 4
+//   weights = 256 contiguous bytes (the VNNI dot-product operand: 4 bytes per int32 lane; an AMX B tile is
+//   16 groups x 16 columns = 16 rows of 64 bytes of it, read in place with a 256-byte stride);
+//   then N_pad int32: 128 * sum_k w_q[n, k] (for the VNNI kernels' u8 x s8 trick, see vnni512_run).
+// Padded columns and padded K are zero weights: they add nothing to any product.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define QASR_INT8_AVX2 1
+#else
+#define QASR_INT8_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QASR_INT8_AVX512 1
+#else
+#define QASR_INT8_AVX512 0
+#endif
+
+namespace int8 {
+
+constexpr int64_t NB = 64;     // output columns per packed block
+constexpr int64_t KALIGN = 64;  // K padding: one AMX tile row of int8
+constexpr int64_t HEADER = 64;  // bytes before the blocks (keeps them 64-byte aligned)
+constexpr int64_t MAGIC = 0x3150384951534151LL;  // "QASQI8P1"
+constexpr int64_t ROW_ALIGN = 32;  // panel rows are padded to this (the AMX kernel's row pair)
+// The largest K whose column sums x 128 (|128 * 127 K|) and products (|127 * 127 K|) fit int32.
+constexpr int64_t MAX_K = 132104;
+
+inline int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+struct Layout {
+  int64_t N, K, Kp, blocks;
+  int64_t weight_bytes() const { return blocks * (Kp / 4) * NB * 4; }
+  int64_t total_bytes() const { return HEADER + weight_bytes() + blocks * NB * 4; }
+};
+
+inline Layout layout(int64_t N, int64_t K) {
+  return Layout{N, K, round_up(K, KALIGN), (N + NB - 1) / NB};
+}
+
+// w_q: (N, K) int8 -> the packed tensor described above.
+inline torch::Tensor pack(torch::Tensor w_q) {
+  TORCH_CHECK(w_q.dim() == 2 && w_q.scalar_type() == at::kChar, "pack: (N, K) int8 weight");
+  const int64_t N = w_q.size(0), K = w_q.size(1);
+  TORCH_CHECK(N >= 1 && K >= 1, "pack: N and K must be at least 1");
+  TORCH_CHECK(K <= MAX_K, "pack: K must be at most ", MAX_K, " (int32 sums), got ", K);
+  const Layout L = layout(N, K);
+  auto w = w_q.contiguous();
+  auto out = torch::zeros({L.total_bytes()}, w_q.options());
+  int8_t* base = out.data_ptr<int8_t>();
+  const int64_t head[4] = {MAGIC, N, K, L.Kp};
+  std::memcpy(base, head, sizeof(head));
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* blocks = base + HEADER;
+  int32_t* comp = reinterpret_cast<int32_t*>(blocks + L.weight_bytes());
+  const int64_t groups = L.Kp / 4;
+  at::parallel_for(0, L.blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min<int64_t>(NB, N - b * NB);
+      int8_t* blk = blocks + b * groups * NB * 4;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int8_t* row = src + (b * NB + c) * K;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          blk[((k / 4) * NB + c) * 4 + k % 4] = row[k];
+          sum += row[k];
+        }
+        comp[b * NB + c] = 128 * sum;  // |sum| <= 127 K: exact in int32 for K <= MAX_K
+      }
+    }
+  });
+  return out;
+}
+
+// The layout of a tensor from pack(), checked against the caller's N and K.
+inline Layout packed_layout(const torch::Tensor& packed, int64_t N, int64_t K, const char* who) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= HEADER, who, ": packed weight from pack()");
+  int64_t head[4];
+  std::memcpy(head, packed.data_ptr<int8_t>(), sizeof(head));
+  TORCH_CHECK(head[0] == MAGIC, who, ": packed weight from pack()");
+  TORCH_CHECK(head[1] == N && head[2] == K, who, ": the packed weight is (", head[1], ", ", head[2],
+              "), the call wants (", N, ", ", K, ")");
+  const Layout L = layout(N, K);
+  TORCH_CHECK(packed.numel() == L.total_bytes(), who, ": packed weight has the wrong size");
+  return L;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact (bf16 is float32's top half)
+
+#if QASR_INT8_AVX512
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline __m512 load16(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
+inline __m512 load16(const at::BFloat16* x, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+#if QASR_INT8_AVX2
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// Quantizes one row of K values into q[0, K) and returns its a_scale. `flip` is XORed into every byte:
+// 0 gives the int8 x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernels' unsigned operand).
+//
+// Outside finite rows of ordinary size the reference's torch ops decide, and this follows them: a NaN makes
+// a_amax NaN (torch's amax propagates it; a plain max would drop it), and a product x * inv that is NaN (a NaN
+// or infinite input, or 0 * inf where 127 / a_amax overflows, a_amax < 2^-121) quantizes to 0, as torch's
+// float -> int8 conversion gives on x86; +-inf products clamp to +-127 like any other.
+template <typename T>
+inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
+  float amax = 0.f;
+  bool nan = false;
+  int64_t k = 0;
+#if QASR_INT8_AVX512
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 vnan = 0;
+  for (; k < K; k += 16) {
+    const __m512 v = load16(x + k, tail_mask(K - k));
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  amax = _mm512_reduce_max_ps(vmax);  // max is exact in any order
+  nan = vnan != 0;
+#elif QASR_INT8_AVX2
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = load8(x + k);
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, absmask));
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (const float v : lanes) amax = std::max(amax, v);
+  nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; k < K; ++k) {
+    const float v = to_float(x[k]);
+    amax = std::max(amax, std::fabs(v));
+    nan = nan || std::isnan(v);
+  }
+  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0.f) {
+    std::memset(q, flip, K);  // x_q = 0 everywhere
+    return 0.f;
+  }
+  const float inv = 127.f / amax, scale = amax / 127.f;
+  k = 0;
+#if QASR_INT8_AVX512
+  const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
+  for (; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    // one multiply, then round half to even (explicit, whatever MXCSR says), clamp, NaN to 0
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k, m), vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q),
+                                         _mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    const __m512i i = _mm512_cvtt_roundps_epi32(c, _MM_FROUND_NO_EXC);  // exact: c is an integer
+    _mm_mask_storeu_epi8(q + k, m, _mm_xor_si128(_mm512_cvtepi32_epi8(i), vflip));
+  }
+#elif QASR_INT8_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (; k + 8 <= K; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(load8(x + k), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 c = _mm256_and_ps(_mm256_cmp_ps(r, r, _CMP_ORD_Q), _mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_cvttps_epi32(c));
+    for (int j = 0; j < 8; ++j) q[k + j] = static_cast<uint8_t>(static_cast<int8_t>(t[j])) ^ flip;
+  }
+#endif
+  for (; k < K; ++k) {
+    const float r = std::nearbyint(to_float(x[k]) * inv);  // the default rounding mode: half to even
+    const float c = std::isnan(r) ? 0.f : std::min(std::max(r, -127.f), 127.f);
+    q[k] = static_cast<uint8_t>(static_cast<int8_t>(c)) ^ flip;
+  }
+  return scale;
+}
+
+// Rows [0, M) of x quantized into a panel of `rows_pad` rows x Kp bytes (K values, then x_q = 0 up to Kp; rows
+// past M all x_q = 0) and their a_scale (0 for the padding rows).
+template <typename T>
+inline void quantize_panel(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t rows_pad, uint8_t flip,
+                           uint8_t* panel, float* a_scale) {
+  at::parallel_for(0, rows_pad, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint8_t* dst = panel + r * Kp;
+      if (r < M) {
+        a_scale[r] = quantize_row(x + r * K, K, flip, dst);
+        std::memset(dst + K, flip, Kp - K);
+      } else {
+        a_scale[r] = 0.f;
+        std::memset(dst, flip, Kp);
+      }
+    }
+  });
+}
+
+#if QASR_INT8_AVX512
+// The epilogue of 16 columns (mask: fewer) of a C block: their w_scale and bias, loaded once for all rows.
+struct Cols16 {
+  __m512 w_scale, bias;
+  bool has_bias;
+  __mmask16 mask;
+};
+inline Cols16 cols16(const float* w_scale, const float* bias, __mmask16 mask) {
+  return Cols16{_mm512_maskz_loadu_ps(mask, w_scale), bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps(),
+                bias != nullptr, mask};
+}
+
+// One row's 16 values: acc -> float32 * (a_scale * w_scale) (+ bias), stored as float32 or bf16 (round to
+// nearest even, NaN to the quiet NaN 0x7FC0, as torch's .to(bfloat16)). Without a bias nothing is added
+// (adding +0.0 would turn -0.0 into +0.0).
+inline void epilogue16(__m512i acc, float a_scale, const Cols16& c, void* out, bool bf16) {
+  const __m512 s = _mm512_mul_ps(_mm512_set1_ps(a_scale), c.w_scale);
+  __m512 y = _mm512_mul_ps(_mm512_cvt_roundepi32_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), s);
+  if (c.has_bias) y = _mm512_add_ps(y, c.bias);
+  if (!bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(out), c.mask, y);
+    return;
+  }
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), c.mask, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+#if QASR_INT8_AVX2
+// The same epilogue, 8 columns at a time (`n` of them valid, 1..8), for the AVX2 kernel.
+struct Cols8 {
+  __m256 w_scale, bias;
+  bool has_bias;
+  int64_t n;
+  __m256i mask;
+};
+inline Cols8 cols8(const float* w_scale, const float* bias, int64_t n) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return Cols8{_mm256_maskload_ps(w_scale, mask), bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps(),
+               bias != nullptr, std::min<int64_t>(n, 8), mask};
+}
+
+inline void epilogue8(__m256i acc, float a_scale, const Cols8& c, void* out, bool bf16) {
+  const __m256 s = _mm256_mul_ps(_mm256_set1_ps(a_scale), c.w_scale);
+  // int32 -> float32 in the current rounding mode: to nearest even, as the process starts and torch keeps it
+  __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), s);
+  if (c.has_bias) y = _mm256_add_ps(y, c.bias);
+  if (!bf16) {
+    _mm256_maskstore_ps(static_cast<float*>(out), c.mask, y);
+    return;
+  }
+  const __m256i u = _mm256_castps_si256(y);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+  // 8 x 16 bits: packus works per 128-bit lane, the permute brings lane 1's four values after lane 0's
+  const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b1000));
+  if (c.n == 8) {
+    _mm_storeu_si128(static_cast<__m128i*>(out), h);
+  } else {
+    alignas(16) uint16_t t[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+    std::memcpy(out, t, c.n * sizeof(uint16_t));
+  }
+}
+#endif
+
+// A kernel's product: panel (rows_pad x Kp bytes, from quantize_panel with the kernel's flip), rows [0, M)
+// -> out (M, N) row-major, float32 or bf16.
+struct Args {
+  const uint8_t* panel;
+  const float* a_scale;
+  int64_t M, N, Kp;
+  const int8_t* blocks;  // the packed weight's blocks
+  const int32_t* comp;   // 128 * column sums
+  const float* w_scale;
+  const float* bias;  // or null
+  void* out;
+  bool bf16;
+};
+using RunFn = void (*)(const Args& a);
+
+struct Gemm {
+  const char* name;     // the messages' prefix, e.g. "qasr AMX-INT8"
+  const char* missing;  // why supported() may be false
+  bool (*supported)();
+  RunFn run;      // null in a build without the kernel's instructions (supported() is false there)
+  uint8_t flip;   // 0: the kernel reads x_q as int8; 0x80: as x_q + 128 (uint8)
+  // calls of at most small_rows rows go to small_run instead, with its own panel flip (the integer product
+  // is exact, so which path computes a row never changes its bits)
+  int64_t small_rows = 0;
+  RunFn small_run = nullptr;
+  uint8_t small_flip = 0;
+};
+
+#if QASR_INT8_AVX512 && defined(__AVX512VNNI__)
+// The AVX512-VNNI product (int8_linear.cpp's kernel; the AMX-INT8 kernel runs it for calls of very few rows,
+// where 16-row tiles would mostly multiply padding). vpdpbusd multiplies unsigned by signed bytes, so the panel
+// holds x_q + 128 (flip 0x80) and the packed column sums fix it afterwards:
+//   sum_k (x_q + 128) * w = sum_k x_q * w + 128 * sum_k w,   acc = that - comp[n]
+// vpdpbusd (not the saturating vpdpbusds) wraps modulo 2^32, and the subtraction does too, so the result is the
+// exact acc whenever acc itself fits int32, even when the shifted sum overflows on the way. Padded K holds zero
+// weights: whatever the panel has there adds nothing.
+// Work items are (64-column block, chunk of up to 96 rows), block-major, so a thread keeps one block's weights
+// in cache while its rows pass; a call of <= 96 rows (decode) is one chunk, and the items are the column
+// blocks: the weights stream once, split over the threads. Inside an item, passes of up to 6 rows x 64
+// columns keep 24 int32 accumulators in registers, each pass over all of K.
+constexpr int64_t VNNI_MR = 6;          // rows per register pass
+constexpr int64_t VNNI_ROW_CHUNK = 96;  // rows per work item
+
+// Rows [m0, m0 + R) x block b's 64 columns over all of K, then the epilogue.
+template <int R>
+inline void vnni512_pass(const Args& a, int64_t m0, int64_t b) {
+  const int64_t groups = a.Kp / 4;
+  const int8_t* blk = a.blocks + b * groups * NB * 4;
+  const uint8_t* rows = a.panel + m0 * a.Kp;
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = blk + g * NB * 4;
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128),
+                  w3 = _mm512_loadu_si512(w + 192);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, rows + r * a.Kp + 4 * g, 4);
+      const __m512i x = _mm512_set1_epi32(four);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], x, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], x, w3);
+    }
+  }
+  const int64_t es = a.bf16 ? 2 : 4;
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n0 = b * NB + 16 * j;
+    if (n0 >= a.N) break;
+    const Cols16 cols = cols16(a.w_scale + n0, a.bias ? a.bias + n0 : nullptr, tail_mask(a.N - n0));
+    const __m512i comp = _mm512_loadu_si512(a.comp + n0);  // comp is padded to whole blocks
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      epilogue16(_mm512_sub_epi32(acc[r][j], comp), a.a_scale[m], cols,
+                 static_cast<char*>(a.out) + (m * a.N + n0) * es, a.bf16);
+    }
+  }
+}
+
+inline void vnni512_run(const Args& a) {
+  const int64_t blocks = (a.N + NB - 1) / NB, chunks = (a.M + VNNI_ROW_CHUNK - 1) / VNNI_ROW_CHUNK;
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / chunks, c = item % chunks;
+      const int64_t end = std::min(a.M, (c + 1) * VNNI_ROW_CHUNK);
+      int64_t m = c * VNNI_ROW_CHUNK;
+      for (; m + VNNI_MR <= end; m += VNNI_MR) vnni512_pass<VNNI_MR>(a, m, b);
+      switch (end - m) {
+        case 5: vnni512_pass<5>(a, m, b); break;
+        case 4: vnni512_pass<4>(a, m, b); break;
+        case 3: vnni512_pass<3>(a, m, b); break;
+        case 2: vnni512_pass<2>(a, m, b); break;
+        case 1: vnni512_pass<1>(a, m, b); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
+
+// Per-call panel and scales of the calling thread, kept between calls (no allocation once grown).
+struct Panel {
+  std::vector<uint8_t> q;
+  std::vector<float> scale;
+};
+inline Panel& panel_scratch() {
+  static thread_local Panel p;
+  return p;
+}
+
+inline void check_x(const torch::Tensor& x, const char* who) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), who,
+              ": x must be (M, K) bfloat16 or float32");
+  TORCH_CHECK(x.size(1) >= 1, who, ": K must be at least 1");
+  TORCH_CHECK(x.device().is_cpu(), who, ": x must be on the CPU");
+}
+
+template <typename F>
+inline void dispatch_x(const torch::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat) f(x.data_ptr<float>());
+  else f(x.data_ptr<at::BFloat16>());
+}
+
+// quantize_rows(x) -> (x_q int8 (M, K), a_scale float32 (M,)), the activations' quantization alone.
+inline std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+  check_x(x, "quantize_rows");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto q = torch::empty({M, K}, xc.options().dtype(at::kChar));
+  auto s = torch::empty({M}, xc.options().dtype(at::kFloat));
+  uint8_t* qp = reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>());
+  float* sp = s.data_ptr<float>();
+  dispatch_x(xc, [&](auto* xp) {
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) sp[r] = quantize_row(xp + r * K, K, 0, qp + r * K);
+    });
+  });
+  return {q, s};
+}
+
+// linear(x, packed, N, w_scale, bias) -> (M, N) in x's dtype: quantize x's rows, the kernel's product, epilogue.
+inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(g.supported(), g.name, " linear: ", g.missing);
+  check_x(x, "linear");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const Layout L = packed_layout(packed, N, K, "linear");
+  TORCH_CHECK(w_scale.numel() == N, "linear: w_scale must have N values");
+  auto ws = w_scale.to(at::kFloat).contiguous();
+  torch::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias must have N values");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, xc.options());
+  if (M == 0 || g.run == nullptr) return out;
+  const int64_t rows_pad = round_up(M, ROW_ALIGN);
+  Panel& p = panel_scratch();
+  if (static_cast<int64_t>(p.q.size()) < rows_pad * L.Kp) p.q.resize(rows_pad * L.Kp);
+  if (static_cast<int64_t>(p.scale.size()) < rows_pad) p.scale.resize(rows_pad);
+  const bool small = g.small_run != nullptr && M <= g.small_rows;
+  const uint8_t flip = small ? g.small_flip : g.flip;
+  dispatch_x(xc, [&](auto* xp) { quantize_panel(xp, M, K, L.Kp, rows_pad, flip, p.q.data(), p.scale.data()); });
+  const int8_t* blocks = packed.data_ptr<int8_t>() + HEADER;
+  const Args a{p.q.data(), p.scale.data(), M, N, L.Kp, blocks,
+               reinterpret_cast<const int32_t*>(blocks + L.weight_bytes()), ws.data_ptr<float>(), bp,
+               out.data_ptr(), xc.scalar_type() == at::kBFloat16};
+  (small ? g.small_run : g.run)(a);
+  return out;
+}
+
+// The interface every int8 module shares: pack(), quantize_rows() and linear() on kernel `g` (a static object).
+// Each releases the GIL while it runs: a product can take tens of milliseconds, and holding the GIL that long
+// would stall every other Python thread (a server's event loop); the bodies touch no Python object.
+inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout every int8 kernel shares)", no_gil);
+  m.def("quantize_rows", &quantize_rows,
+        "per-row symmetric int8 quantization of (M, K) bf16/float32: (x_q, a_scale)", no_gil);
+  m.def("linear", [&g](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                       c10::optional<torch::Tensor> bias) { return linear(g, x, packed, N, w_scale, bias); },
+        linear_doc, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_scale"),
+        pybind11::arg("bias") = pybind11::none(), no_gil);
+}
+
+}  // namespace int8
