@@ -5,10 +5,11 @@ do not follow word boundaries: a token may carry a space and a word (" alarm"), 
 one word and the start of the next, or one byte of a character that the next token completes. So the
 tokens are mapped to the transcript's characters, and a word takes every token that touches one of its
 characters: a token counts for every word whose characters it overlaps (one of spaces alone counts for
-none; punctuation belongs to the word it is written with, as in the word's text). A word's score is the lowest log-probability among
-its tokens, so a word is as doubtful as its least likely piece; ``Word.probability`` is its exponential,
-a probability from 0 to 1 as faster-whisper users read it (faster-whisper averages its tokens'
-probabilities instead: a minimum lets one doubtful piece of a long word show).
+none; punctuation belongs to the word it is written with, as in the word's text). A word's score is the
+lowest log-probability among its tokens, so a word is as doubtful as its least likely piece;
+``Word.probability`` is its exponential, a probability from 0 to 1 as faster-whisper users read it
+(faster-whisper averages its tokens' probabilities instead: a minimum lets one doubtful piece of a long
+word show).
 
 A token's characters: those that decoding the tokens through it gives and decoding them only up to the
 token before it does not (the bytes of a character split over two tokens decode to a replacement
