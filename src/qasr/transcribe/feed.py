@@ -117,7 +117,8 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
 
     ``idle`` is called on the decode thread each time it is about to wait for room: segmenting ran torch
     there, and an idle OpenMP pool left on a waiting thread slows every parallel region of the engine's
-    (engine/cpu/openmp.py; measured: the folder benchmark's work took 8% longer with it left).
+    (engine/cpu/openmp.py). Before the window the decode thread never waited: it ended early, and its pool
+    with it.
     """
     events: queue.SimpleQueue = queue.SimpleQueue()
     budget = _AudioBudget(max_in_flight_s, max_in_flight_pieces)
