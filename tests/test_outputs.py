@@ -85,7 +85,8 @@ def test_json_fields_and_compact_form() -> None:
     assert [s["text"] for s in data["segments"]] == [s.text for s in SEGMENTS]
     assert [s["finish_reason"] for s in data["segments"]] == ["stop", "length", "stop", "stop"]
     assert "words" not in data["segments"][0]
-    assert data["segments"][1]["words"][0] == {"text": WORDS[0].text, "start": 3600.0, "end": 3600.3}
+    assert data["segments"][1]["words"][0] == {"text": WORDS[0].text, "start": 3600.0, "end": 3600.3,
+                                               "probability": None}  # no token log-probabilities behind these
     compact = render(RESULT, "json", compact=True)
     assert compact.count("\n") == 1 and compact.endswith("\n") and json.loads(compact) == data
 

@@ -76,7 +76,8 @@ def test_verbose_json_words_match_the_transcript_and_lie_in_segments(server, cli
 def test_word_only_omits_segments_and_srt_cues_follow_word_times(server, clip) -> None:
     body = post(server, clip, response_format="verbose_json", **{"timestamp_granularities[]": "word"}).json()
     assert "segments" not in body and [w["word"] for w in body["words"]] == body["text"].split()
-    assert set(body["words"][0]) == {"word", "start", "end"}
+    assert set(body["words"][0]) == {"word", "start", "end", "probability"}  # probability: faster-whisper's key
+    assert all(0 < w["probability"] <= 1 for w in body["words"])
     plain = post(server, clip, response_format="verbose_json").json()  # the default granularity: segments only
     assert "words" not in plain and plain["segments"] and plain["text"] == body["text"]
     cues = list(srt.parse(post(server, clip, response_format="srt",
@@ -123,7 +124,8 @@ def test_untimed_words_give_segments_instead() -> None:
     done = Finished(Transcription("hi there", "English", 1.0, segments=(seg,), timestamps="word"),
                     ((1, 2),), input_tokens=10, audio_tokens=5, output_tokens=2, ttft_s=None)
     body = verbose_json(done, words=True, segments=False)
-    assert body["words"] == [{"word": "hi", "start": 0.1, "end": 0.3}, {"word": "there", "start": 0.4, "end": 0.9}]
+    assert body["words"] == [{"word": "hi", "start": 0.1, "end": 0.3, "probability": None},
+                             {"word": "there", "start": 0.4, "end": 0.9, "probability": None}]
     assert "segments" not in body
     # a language the aligner does not cover (detected): no words, and segment times whatever was asked
     untimed = Finished(Transcription("hi there", "English", 1.0, segments=(Segment(0.0, 1.0, "hi there"),)),

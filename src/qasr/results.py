@@ -11,6 +11,10 @@ class Word:
     text: str
     start: float
     end: float
+    # confidence, as faster-whisper users read it (docs/output-formats.md): exp of the lowest log-probability
+    # among the generated tokens that overlap the word's characters (qasr.transcribe.word_confidence), so
+    # 0-1; None where it cannot be had. Left out of ``==`` like Segment.avg_logprob (float32's last bits)
+    probability: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

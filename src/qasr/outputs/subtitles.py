@@ -48,6 +48,8 @@ class Cue:
     end: float
     text: str  # one line, original spacing: what tsv writes
     lines: tuple[str, ...]  # the same text wrapped for display: what srt and vtt write
+    # the lowest probability among the cue's words (Word.probability), None without word confidence
+    probability: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class _Unit:
     space_before: bool  # a space separates it from the unit before (when both are on one line)
     start: float
     end: float
+    probability: float | None = None  # the word's (timed units only)
 
 
 def _wide(ch: str) -> bool:
@@ -126,7 +129,7 @@ def _timed_units(seg: Segment) -> list[_Unit]:
         # word times carry no spacing: spaced scripts get a space, wide (CJK) neighbours none
         space = bool(units) and not (_wide(units[-1].text[-1]) or _wide(text[0]))
         start = max(w.start, units[-1].end) if units else w.start  # keep time order if the aligner did not
-        units.append(_Unit(text, space, start, max(w.end, start)))
+        units.append(_Unit(text, space, start, max(w.end, start), w.probability))
     return units
 
 
@@ -230,5 +233,7 @@ def cues(segments: Iterable[Segment], rules: CueRules = DEFAULT_RULES) -> list[C
             start = max(group[0].start, out[-1].end) if out else group[0].start
             end = min(max(group[-1].end, start), start + rules.max_cue_s)
             lines = tuple(_join(line) for line in _wrap(group, rules))
-            out.append(Cue(start, end, _join(group), lines))
+            scores = [u.probability for u in group]
+            probability = min(scores) if seg.words and None not in scores else None  # type: ignore[type-var]
+            out.append(Cue(start, end, _join(group), lines, probability))
     return out

@@ -30,7 +30,8 @@ def _segment_dict(seg: Segment) -> dict:
                "finish_reason": seg.finish_reason, "avg_logprob": score(seg.avg_logprob),
                "compression_ratio": score(seg.compression_ratio)}
     if seg.words:
-        d["words"] = [{"text": w.text, "start": _seconds(w.start), "end": _seconds(w.end)} for w in seg.words]
+        d["words"] = [{"text": w.text, "start": _seconds(w.start), "end": _seconds(w.end),
+                       "probability": score(w.probability)} for w in seg.words]
     return d
 
 
@@ -76,9 +77,12 @@ def _vtt(cs: list[Cue]) -> str:
 
 
 def _tsv(cs: list[Cue]) -> str:
-    rows = ["start\tend\ttext"]
+    # word confidence, when every cue has it (word times with their probabilities): the cue's least sure word
+    scored = bool(cs) and all(c.probability is not None for c in cs)
+    rows = ["start\tend\ttext" + ("\tprobability" if scored else "")]
     # Cue.text is already one line with single spaces; the split keeps any tab or newline out regardless
-    rows += [f"{round(c.start * 1000)}\t{round(c.end * 1000)}\t{' '.join(c.text.split())}" for c in cs]
+    rows += [f"{round(c.start * 1000)}\t{round(c.end * 1000)}\t{' '.join(c.text.split())}"
+             + (f"\t{score(c.probability)}" if scored else "") for c in cs]
     return "\n".join(rows) + "\n"
 
 

@@ -41,7 +41,8 @@ def verbose_json(done: Finished, words: bool = False, segments: bool = True) -> 
     timed = words and t.timestamps == "word"
     body = {"task": "transcribe", "language": t.language, "duration": t.duration, "text": t.text}
     if timed:
-        body["words"] = [{"word": w.text, "start": w.start, "end": w.end} for s in t.segments for w in s.words]
+        body["words"] = [{"word": w.text, "start": w.start, "end": w.end, "probability": score(w.probability)}
+                         for s in t.segments for w in s.words]
     if segments or not timed:
         body["segments"] = [_segment(i, s, toks)
                             for i, (s, toks) in enumerate(zip(t.segments, done.segment_tokens, strict=True))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from qasr.outputs.writers import score
 from qasr.results import Segment
 
 MEDIA_TYPE = "text/event-stream"
@@ -25,7 +26,8 @@ def segment_event(index: int, segment: Segment) -> bytes:
     data = {"type": "transcript.text.segment", "id": f"seg_{index:03d}", "start": segment.start,
             "end": segment.end, "text": segment.text}
     if segment.words:
-        data["words"] = [{"word": w.text, "start": w.start, "end": w.end} for w in segment.words]
+        data["words"] = [{"word": w.text, "start": w.start, "end": w.end, "probability": score(w.probability)}
+                         for w in segment.words]
     return event(data, name="transcript.text.segment")
 
 

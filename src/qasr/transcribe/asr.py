@@ -56,11 +56,13 @@ class ASR:
     def __init__(self, checkpoint: Checkpoint, max_chunk_sec: float = 1200.0,
                  engine: EngineConfig | None = None, max_pending: int = 256,
                  max_tokens_per_second: float = 15.0, max_in_flight_s: float = 1800.0,
-                 aligner: Aligner | None = None) -> None:
+                 aligner: Aligner | None = None, max_in_flight_pieces: int | None = None) -> None:
         """``max_chunk_sec``: the longest piece of an unsegmented input (``segmentation="none"``), cut
         at the quietest spot near each limit as the official package does. ``max_in_flight_s`` bounds the
         audio submitted and not yet transcribed by one ``transcribe``, ``transcribe_iter`` or
-        ``transcribe_async`` call (memory for huge inputs and folders). ``max_pending`` is no longer used
+        ``transcribe_async`` call (memory for huge inputs and folders); ``max_in_flight_pieces`` bounds its
+        pieces (default: the engine's ``max_running`` and a quarter more, which keeps the engine's batch
+        full; see ``qasr.transcribe.feed`` for why no more). ``max_pending`` is no longer used
         (it bounded ``transcribe_async`` by inputs, whatever their length); it is accepted so existing
         calls still work.
         ``max_tokens_per_second`` sets each piece's default generation cap from its duration (see
@@ -72,6 +74,9 @@ class ASR:
         self.max_in_flight_s = max_in_flight_s
         self.max_tokens_per_second = max_tokens_per_second
         self.engine = Engine(checkpoint, engine or EngineConfig())
+        running = self.engine.config.max_running
+        # a quarter more than the engine runs: a finished piece's slot is refilled at once from the queue
+        self.max_in_flight_pieces = max_in_flight_pieces or running + max(2, running // 4)
         self.aligner = aligner
         self._release_idle_threads()  # this thread loaded the model (and the aligner)
 
@@ -292,7 +297,8 @@ class ASR:
     def _results(self, call: Call, ignore_eos: bool, progress: Callable[[float], None] | None,
                  stop: threading.Event | None = None, segments: bool = False) -> Iterator[tuple[int, object]]:
         """The pipeline behind transcribe_iter and transcribe_async: one decode thread, at most
-        ``max_in_flight_s`` of audio submitted and unfinished; ``stop`` ends it from another thread.
+        ``max_in_flight_s`` of audio and ``max_in_flight_pieces`` pieces submitted and unfinished;
+        ``stop`` ends it from another thread.
         ``segments``: also each input's segments in order, as they are ready (``transcribe_iter``)."""
         warn = not ignore_eos
         tok = self.checkpoint.tokenizer
@@ -311,7 +317,9 @@ class ASR:
         results = stream_results(len(call.items), pieces_of=call.pieces_of,
                                  submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
-                                 progress=progress, stop=stop, piece_done=segment if segments else None)
+                                 max_in_flight_pieces=self.max_in_flight_pieces,
+                                 progress=progress, stop=stop, piece_done=segment if segments else None,
+                                 idle=self._release_idle_threads)
         try:
             for i, item in results:
                 if item is not None:  # a failed piece has no segment: its input's Transcription says why

@@ -20,6 +20,7 @@ from qasr.model.tokenizer import Tokenizer
 from qasr.results import Segment, Transcription, Word, worst_finish_reason
 from qasr.transcribe.pieces import Piece, read_output
 from qasr.transcribe.text import join_segment_texts
+from qasr.transcribe.word_confidence import with_probabilities
 from qasr.transcribe.words import Aligned
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ def read_piece(tokenizer: Tokenizer, piece: Piece, outcome: Outcome, source: str
     if reason == "length" and warn:
         log.warning("%s: the piece at %.1f s was cut at max_new_tokens=%d; its text may be incomplete",
                     source, piece.offset, piece.max_new_tokens)
+    if timed:
+        timed = with_probabilities(timed, tokenizer, outcome.token_ids, outcome.logprobs, raw, text, piece.language)
     segment = Segment(round(piece.offset, 3), round(piece.offset + piece.duration, 3), text, words=timed,
                       finish_reason=reason, avg_logprob=avg_logprob(outcome), compression_ratio=compression_ratio(text))
     return PieceOutput(segment, lang, raw, tuple(outcome.token_ids), note and f"{piece.offset:.1f} s: {note}")

@@ -4,9 +4,14 @@ The calling thread only waits for events and assembles; a decode thread walks th
 each into pieces and submits every piece as soon as it exists, so the engine batches the segments of a
 long file together and the next file is decoded while the previous one is transcribed. The audio of
 submitted-but-unfinished pieces is bounded (``max_in_flight_s``), so a 2-hour file or a folder of
-thousands never sits in memory at once. Each input's result is handed back as soon as all of its
-pieces are done, in completion order, so a caller can write it out before the next one finishes; on
-request, each piece too, in its input's order, as soon as it and every piece before it are done.
+thousands never sits in memory at once; so is their number (``max_in_flight_pieces``), to what keeps the
+engine's batch full and little more. Without that bound the decode thread decoded and segmented a whole
+folder while the engine worked on its first batch: on two cores it took half the CPU from the engine
+exactly then, so no input finished until most of the run was over, and an interrupt lost every input,
+all of them in flight. With it, the inputs go through in order, a batch's worth at a time, and finish
+at a steady pace. Each input's result is handed back as soon as all of its pieces are done, in
+completion order, so a caller can write it out before the next one finishes; on request, each piece
+too, in its input's order, as soon as it and every piece before it are done.
 """
 
 from __future__ import annotations
@@ -48,26 +53,38 @@ class _Input:
 
 
 class _AudioBudget:
-    """Seconds of audio submitted and not yet finished; the decode thread waits while it is full."""
+    """Seconds of audio and pieces submitted and not yet finished; the decode thread waits while either
+    is full."""
 
-    def __init__(self, limit_s: float) -> None:
+    def __init__(self, limit_s: float, limit_pieces: int | None = None) -> None:
         self.limit_s = limit_s
+        self.limit_pieces = limit_pieces
         self.used_s = 0.0
+        self.pieces = 0
         self.cond = threading.Condition()
 
-    def acquire(self, seconds: float, stop: threading.Event) -> bool:
+    def _full(self, seconds: float) -> bool:
+        if self.pieces == 0:
+            return False  # one piece always fits into an empty budget, however long it is
+        return (self.used_s + seconds > self.limit_s
+                or (self.limit_pieces is not None and self.pieces >= self.limit_pieces))
+
+    def acquire(self, seconds: float, stop: threading.Event, before_waiting: Callable[[], None] | None = None) -> bool:
         with self.cond:
-            # one piece always fits into an empty budget, however long it is
-            while self.used_s > 0 and self.used_s + seconds > self.limit_s and not stop.is_set():
+            if before_waiting is not None and self._full(seconds) and not stop.is_set():
+                before_waiting()
+            while self._full(seconds) and not stop.is_set():
                 self.cond.wait()
             if stop.is_set():
                 return False
             self.used_s += seconds
+            self.pieces += 1
             return True
 
     def release(self, seconds: float) -> None:
         with self.cond:
             self.used_s -= seconds
+            self.pieces -= 1
             self.cond.notify_all()
 
     def wake(self) -> None:
@@ -78,13 +95,17 @@ class _AudioBudget:
 def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submit: Callable[[Piece], Future],
                    finish: Callable[[int, list[Piece], list[Future], float], object],
                    fail: Callable[[int, str], object], max_in_flight_s: float,
+                   max_in_flight_pieces: int | None = None,
                    progress: Callable[[float], None] | None = None,
                    stop: threading.Event | None = None,
-                   piece_done: Callable[[int, Piece, Future], object] | None = None) -> Iterator[tuple[int, object]]:
+                   piece_done: Callable[[int, Piece, Future], object] | None = None,
+                   idle: Callable[[], None] | None = None) -> Iterator[tuple[int, object]]:
     """Yield ``(i, result)`` for inputs ``0..count-1`` as each one completes.
 
     ``pieces_of(i)`` segments input i (raising AudioError for a bad input); ``finish(i, pieces, futures,
-    duration)`` assembles a finished input, ``fail(i, message)`` a failed one. ``progress`` receives the
+    duration)`` assembles a finished input, ``fail(i, message)`` a failed one. At most ``max_in_flight_s``
+    seconds of audio and ``max_in_flight_pieces`` pieces (None: no limit) are submitted and unfinished at
+    once; the decode thread waits for room before it segments on. ``progress`` receives the
     audio seconds of every piece as it finishes, and an input's skipped audio (silence) when it completes.
     Closing the generator early (or an exception in the caller, Ctrl-C included) cancels every unfinished
     request and stops the decode thread; so does setting ``stop``, from any thread (the generator ends
@@ -93,9 +114,14 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
     ``piece_done(i, piece, future)``, if given, is called for each piece of input i in submission (time)
     order as soon as that piece and every one before it are done, and ``(i, its return value)`` is yielded
     then, before the input's own ``(i, result)``; a failed input yields no more of them.
+
+    ``idle`` is called on the decode thread each time it is about to wait for room: segmenting ran torch
+    there, and an idle OpenMP pool left on a waiting thread slows every parallel region of the engine's
+    (engine/cpu/openmp.py). Before the window the decode thread never waited: it ended early, and its pool
+    with it.
     """
     events: queue.SimpleQueue = queue.SimpleQueue()
-    budget = _AudioBudget(max_in_flight_s)
+    budget = _AudioBudget(max_in_flight_s, max_in_flight_pieces)
     halt = threading.Event()  # the decode thread's own stop
     handover = threading.Lock()
 
@@ -114,7 +140,7 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                 try:
                     source = pieces_of(i)
                     for piece in source:
-                        if not budget.acquire(piece.duration, halt):
+                        if not budget.acquire(piece.duration, halt, idle):
                             return
                         fut = submit(piece)
                         with handover:  # the consumer either sees this request or we cancel it here
