@@ -355,3 +355,22 @@ def test_serve_and_ray_workers_take_the_option(tiny_original) -> None:
         assert isinstance(asr.engine.prepared.kernels.linear, Int8Linears)
     finally:
         asr.close()
+
+
+def test_the_engine_reference_gives_the_native_kernels_bits() -> None:
+    """The torch path of the engine (int8.py) and the native module compute the same bits, so a machine with
+    the kernel and one without give the same transcripts (random bf16 rows, odd shapes, a bias)."""
+    from qasr.engine.cpu import native
+    from qasr.engine.cpu.int8 import int8_linear_reference, quantize_weight
+
+    kernel = native.int8_kernel()
+    if kernel is None:
+        pytest.skip("no native int8 kernel on this CPU")
+    gen = torch.Generator().manual_seed(5)
+    for m, k, n in ((1, 1024, 300), (17, 65, 33), (300, 1000, 17)):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w_q, w_scale = quantize_weight(torch.randn(n, k, generator=gen))
+        bias = torch.randn(n, generator=gen)
+        want = int8_linear_reference(x, w_q, w_scale, bias)
+        got = kernel.linear(x, kernel.pack(w_q), n, w_scale, bias)
+        assert torch.equal(got, want), (m, k, n, (got.float() - want.float()).abs().max())

@@ -61,7 +61,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nonzero = amax > 0
     # a zero row gets scale 0 and quantizes to zeros (127 / 0 would be inf and 0 * inf NaN)
     scale = torch.where(nonzero, amax / QMAX, torch.zeros_like(amax))
-    inv = torch.where(nonzero, QMAX / amax, torch.zeros_like(amax))
+    # a full tensor over amax: torch computes `number / tensor` as number * (1 / tensor), two roundings where
+    # the arithmetic (and the native kernels) take one division
+    inv = torch.where(nonzero, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     x_q = torch.round(xf * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return x_q, scale
 

@@ -82,10 +82,8 @@ def _float_products(model: Qwen3ASRModel, use_native: bool) -> tuple[Linear, Con
 
 def native_int8_kernel() -> ModuleType | None:
     """The native int8 GEMM module that passed its self-test on this CPU (``native.int8_kernel()``), or None:
-    the torch reference runs instead. The one place the int8 path asks for a native module; a build of qasr
-    without that loader yet gets None."""
-    loader = getattr(native, "int8_kernel", None)
-    return None if loader is None else loader()
+    the torch reference runs instead."""
+    return native.int8_kernel()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
