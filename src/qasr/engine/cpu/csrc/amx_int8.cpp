@@ -13,12 +13,11 @@
 // while the row pairs pass; a decode call (M <= 32) is one row pair, and the items are the column blocks, so
 // the weights stream once, split over the threads. A call of <= 16 rows uses one A tile and two C tiles; a
 // call of <= 4 rows runs on AVX512-VNNI registers instead (int8_common.h: vnni512_run), the same exact sums.
+#include "amx_tiles.h"
 #include "int8_common.h"
 
 #if QASR_INT8_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define QASR_AMX_INT8 1
 #else
 #define QASR_AMX_INT8 0
@@ -32,18 +31,8 @@ static bool cpu_has_amx_int8() {
   return amx_tile && amx_int8 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
-// Linux keeps AMX tile data disabled until the process asks for it (it enlarges every thread's saved
-// state). The permission is process-wide, so existing and future threads may all use the tiles.
-static bool request_tile_permission() {
-  constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
-  unsigned long granted = 0;
-  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &granted) != 0) return false;
-  return (granted >> XFEATURE_XTILEDATA) & 1ul;
-}
-
 bool supported() {
-  static const bool ok = cpu_has_amx_int8() && request_tile_permission();  // asked once per process
+  static const bool ok = cpu_has_amx_int8() && amx::request_tile_permission();  // asked once per process
   return ok;
 }
 
@@ -51,27 +40,6 @@ constexpr int64_t TR = 16;   // rows per A / C tile
 constexpr int64_t TK = 64;   // int8 values of K per tile (one 64-byte tile row)
 constexpr int64_t PR = 32;   // rows per item: two A tiles
 constexpr int64_t HC = 32;   // columns per pass: two B tiles (a block is two passes)
-
-// The 64-byte tile configuration (palette 1); every tile is 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "AMX tile configuration is 64 bytes");
-
-static TileConfig tile_config() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = TR;
-    cfg.colsb[t] = 64;
-  }
-  return cfg;
-}
 
 // GCC's tile intrinsics are asm statements that do not say they read memory: a compiler barrier before them
 // makes the configuration (and the panel, written before the parallel region) reach memory first.
@@ -116,7 +84,7 @@ static void run(const int8::Args& a) {
   const int64_t blocks = (a.N + int8::NB - 1) / int8::NB, pairs = (a.M + PR - 1) / PR;
   const int64_t groups = a.Kp / 4, es = a.bf16 ? 2 : 4;
   at::parallel_for(0, blocks * pairs, 1, [&](int64_t i0, int64_t i1) {
-    const TileConfig cfg = tile_config();
+    const amx::TileConfig cfg = amx::full_tiles();
     TILE_MEMORY_BARRIER();
     _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
     alignas(64) int32_t cbuf[PR * HC];

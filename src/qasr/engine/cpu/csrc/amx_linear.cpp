@@ -23,6 +23,7 @@
 // Nobody on the team could run this on AMX hardware when it was written: tests compile this AMX path
 // everywhere (with explicit -mamx flags) and run it against a scalar model of the tile instructions
 // (tests/amx_emulate.h, -DQASR_AMX_EMULATE); on an AMX CPU the loader's self-test checks it before use.
+#include "amx_tiles.h"
 #include "gemm_common.h"
 #include <vector>
 
@@ -33,8 +34,6 @@
 #define QASR_AMX 1
 #elif defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 // Tile numbers must be literal constants: the intrinsics paste them into the instruction.
 #define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
 #define TILE_ZERO(t) _tile_zero(t)
@@ -66,18 +65,8 @@ static bool cpu_has_amx_bf16() {
   return amx_bf16 && amx_tile && __builtin_cpu_supports("avx512bf16");
 }
 
-// Linux keeps AMX tile data disabled until the process asks for it (it enlarges every thread's saved
-// state). The permission is process-wide, so existing and future threads may all use the tiles.
-static bool request_tile_permission() {
-  constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
-  unsigned long granted = 0;
-  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &granted) != 0) return false;
-  return (granted >> XFEATURE_XTILEDATA) & 1ul;
-}
-
 bool supported() {
-  static const bool ok = cpu_has_amx_bf16() && request_tile_permission();  // asked once per process
+  static const bool ok = cpu_has_amx_bf16() && amx::request_tile_permission();  // asked once per process
   return ok;
 }
 bool emulated() { return false; }
@@ -90,32 +79,12 @@ bool emulated() { return false; }
 #endif
 
 #if QASR_AMX
-// The 64-byte tile configuration (palette 1). Every tile used here has 16 rows of 64 bytes:
+// The tiles (amx_tiles.h: one configuration, every tile 16 rows of 64 bytes):
 //   C: tmm0..3, 16 rows x 16 float32 (tmm0 rows 0-15 / cols 0-15, tmm1 rows 0-15 / cols 16-31,
 //                                      tmm2 rows 16-31 / cols 0-15, tmm3 rows 16-31 / cols 16-31)
 //   A: tmm4 (rows 0-15), tmm5 (rows 16-31), 16 rows x 32 bf16 (16 k pairs)
 //   B: tmm6 (cols 0-15), tmm7 (cols 16-31), 16 k-pair rows x 16 columns x 2 bf16
-// One configuration for every call and shape: remainders are padded, never configured narrower.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];  // bytes per row of tile t
-  uint8_t rows[16];    // rows of tile t
-};
-static_assert(sizeof(TileConfig) == 64, "AMX tile configuration is 64 bytes");
-
-static TileConfig tile_config() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = TR;
-    cfg.colsb[t] = 64;
-  }
-  return cfg;
-}
-
+//
 // C (32 rows x 32 columns, float32) = A (32 rows: `a` and a + 16 * lda, lda in bf16 values) x the block's
 // columns [c0, c0 + 32) over every K tile in ascending order, stored to cbuf (32 x 32 floats).
 // K tile kt reads A values [32 kt, 32 kt + 32) and B k-pair rows [16 kt, 16 kt + 16): those of `wblock`
@@ -206,7 +175,7 @@ static void run(const Rows& rows, int64_t M, const uint16_t* packed, int64_t N, 
   // Item order is for the caches only: in place, consecutive items share a column block (its weights stay
   // in L2 while the row pairs pass); with a panel, they share a row pair (the panel is filled once).
   at::parallel_for(0, blocks * pairs, 1, [&](int64_t i0, int64_t i1) {
-    const TileConfig cfg = tile_config();
+    const amx::TileConfig cfg = amx::full_tiles();
     TILE_MEMORY_BARRIER();
     TILE_CONFIG(&cfg);  // per thread: the tile configuration is thread state
     Scratch& s = scratch();
