@@ -131,24 +131,25 @@ def amx_int8_kernel() -> ModuleType | None:
 @functools.cache
 def vnni_int8_kernel() -> ModuleType | None:
     """The AVX512-VNNI int8 GEMM module (int8_linear.cpp) if it passed its self-test here."""
-    if not VNNI_CPU <= cpu_flags():
-        return None
-    mod = _build(*INT8_VNNI)
-    if mod is None or not mod.supported():
-        return None
-    return selftest.verified("AVX512-VNNI int8 linear", mod, selftest.check_int8_gemm)
+    return _int8_module(VNNI_CPU, INT8_VNNI, "AVX512-VNNI int8 linear")
 
 
 @functools.cache
 def avx_vnni_int8_kernel() -> ModuleType | None:
     """The 256-bit AVX-VNNI int8 GEMM module (int8_avx_vnni.cpp, for AVX2 CPUs without AVX-512) if it passed
     its self-test here."""
-    if not AVX_VNNI_CPU <= cpu_flags():
+    return _int8_module(AVX_VNNI_CPU, AVX_VNNI, "AVX-VNNI int8 linear")
+
+
+def _int8_module(needs: frozenset[str], build_spec: tuple, name: str) -> ModuleType | None:
+    """The int8 module of ``build_spec`` if this CPU has the flags it ``needs`` (else it is not even built),
+    it reports itself supported and it passes the int8 self-test."""
+    if not needs <= cpu_flags():
         return None
-    mod = _build(*AVX_VNNI)
+    mod = _build(*build_spec)
     if mod is None or not mod.supported():
         return None
-    return selftest.verified("AVX-VNNI int8 linear", mod, selftest.check_int8_gemm)
+    return selftest.verified(name, mod, selftest.check_int8_gemm)
 
 
 def clear_caches() -> None:
