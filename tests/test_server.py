@@ -45,13 +45,9 @@ def clips(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "serve.log", "--max-upload-mb", "3",
-                        "--max-queue-audio-s", str(QUEUE_LIMIT_S), api_key=KEY)
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("server") / "serve.log", "--max-upload-mb", "3",
+                      "--max-queue-audio-s", str(QUEUE_LIMIT_S), api_key=KEY) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -63,12 +63,9 @@ def audio(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("admission") / "serve.log", "--max-queue-audio-s", str(QUEUE_LIMIT_S))
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("admission") / "serve.log", "--max-queue-audio-s",
+                       str(QUEUE_LIMIT_S)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def post(server: ServerProcess, name: str, data: bytes, timeout: float | httpx.Timeout = 60) -> httpx.Response:

@@ -19,12 +19,8 @@ SILENT_S = 3.0  # ten ping intervals without an answer
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("keepalive") / "serve.log", "--ws-ping-interval", str(PING_S))
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("keepalive") / "serve.log", "--ws-ping-interval", str(PING_S)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def handshake(port: int, path: str) -> socket.socket:

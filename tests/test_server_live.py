@@ -90,14 +90,10 @@ def live_reference(offline):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("live_server") / "serve.log", "--live-idle-timeout-s", str(IDLE_S),
-                        "--max-live-sessions", str(MAX_SESSIONS), "--live-max-backlog-s", str(BACKLOG_S),
-                        api_key=KEY)
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("live_server") / "serve.log", "--live-idle-timeout-s", str(IDLE_S),
+                      "--max-live-sessions", str(MAX_SESSIONS), "--live-max-backlog-s", str(BACKLOG_S),
+                      api_key=KEY) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def ws_url(server: ServerProcess, path: str) -> str:

@@ -42,12 +42,8 @@ def clip(tmp_path_factory) -> bytes:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     aligner = make_tiny_aligner_checkpoint(tmp_path_factory.mktemp("aligner") / "tiny", seed=1)
-    srv = ServerProcess(tmp_path_factory.mktemp("server_words") / "serve.log", "--aligner", str(aligner))
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("server_words") / "serve.log", "--aligner", str(aligner)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def post(server: ServerProcess, clip: bytes, **data: object) -> httpx.Response:

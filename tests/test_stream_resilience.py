@@ -57,13 +57,9 @@ def audio(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("resilience_server") / "serve.log", "--live-max-backlog-s",
-                        str(BACKLOG_S), "--live-idle-timeout-s", str(IDLE_S))
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("resilience_server") / "serve.log", "--live-max-backlog-s",
+                      str(BACKLOG_S), "--live-idle-timeout-s", str(IDLE_S)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def qasr_stream(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
