@@ -187,6 +187,40 @@ def test_linear_releases_the_gil(kernel: ModuleType) -> None:
     assert longest < 0.8 * call, (longest, call)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize(("cin", "stride"), [(480, (2, 2)), (37, (2, 1)), (1, (1, 1))])
+def test_conv_is_linear_on_the_im2col_rows(kernel: ModuleType, dtype: torch.dtype, cin: int,
+                                           stride: tuple[int, int]) -> None:
+    """The conv entry reads each 3x3 patch in place from the padded NHWC input: the same bits as linear() on the
+    explicit im2col rows (the encoder's 480-channel stride-2 shape among them), and an image's rows the same
+    alone as in a batch of three."""
+    gen = torch.Generator().manual_seed(cin)
+    w_q, w_scale = _weights(70, 9 * cin, gen)
+    bias = torch.randn(70, generator=gen)
+    packed = kernel.pack(w_q)
+    xp = (torch.randn(3, 11, 9, cin, generator=gen) * torch.exp(4 * torch.rand(3, 11, 1, 1, generator=gen) - 2))
+    xp[1, :, :3] = 0  # patches wholly in the zero padding: a_scale 0, the output is the bias
+    xp = xp.to(dtype)
+    got = kernel.conv(xp, packed, 70, w_scale, bias, 3, 3, *stride)
+    rows = im2col(xp, 3, 3, *stride)
+    assert got.dtype == dtype and torch.equal(got, kernel.linear(rows, packed, 70, w_scale, bias))
+    assert torch.equal(got, int8_linear_reference(rows, w_q, w_scale, bias))
+    per_image = got.shape[0] // 3
+    alone = kernel.conv(xp[2:3].contiguous(), packed, 70, w_scale, bias, 3, 3, *stride)
+    assert torch.equal(alone, got[2 * per_image:])
+
+
+def test_conv_refuses_what_it_cannot_read(kernel: ModuleType) -> None:
+    w_q, w_scale = _weights(8, 9 * 4, torch.Generator().manual_seed(0))
+    packed = kernel.pack(w_q)
+    with pytest.raises(RuntimeError, match="kernel larger"):
+        kernel.conv(torch.zeros(1, 2, 5, 4), packed, 8, w_scale, None, 3, 3, 1, 1)
+    with pytest.raises(RuntimeError, match="packed weight"):  # K = 3 * 3 * 5 does not match the packed 36
+        kernel.conv(torch.zeros(1, 5, 5, 5), packed, 8, w_scale, None, 3, 3, 1, 1)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernel.conv(torch.zeros(1, 5, 5, 4, dtype=torch.float64), packed, 8, w_scale, None, 3, 3, 1, 1)
+
+
 def test_a_zero_input_gives_the_bias(kernel: ModuleType) -> None:
     gen = torch.Generator().manual_seed(5)
     w_q, w_scale = _weights(70, 33, gen)
@@ -313,7 +347,7 @@ def test_no_fused_multiply_add_in_the_built_kernel(kernel: ModuleType) -> None:
 
 # --- the self-test, on torch stand-ins and on the real modules ------------------------------------------------
 
-def torch_int8(linear=None, quantize_rows=quantize_rows_reference) -> ModuleType:  # noqa: ANN001
+def torch_int8(linear=None, quantize_rows=quantize_rows_reference, conv=None) -> ModuleType:  # noqa: ANN001
     """A correct int8 module in plain torch (the "packed" weight is the weight), or one with a broken part."""
     mod = ModuleType("fake_int8")
     mod.supported = lambda: True
@@ -321,7 +355,18 @@ def torch_int8(linear=None, quantize_rows=quantize_rows_reference) -> ModuleType
     mod.pack = lambda w: w.contiguous()
     mod.quantize_rows = quantize_rows
     mod.linear = linear or (lambda x, p, n, ws, b=None: int8_linear_reference(x, p, ws, b))
+    mod.conv = conv or (lambda xp, p, n, ws, b, kh, kw, sh, sw:
+                        int8_linear_reference(im2col(xp, kh, kw, sh, sw), p, ws, b))
     return mod
+
+
+def im2col(xp: torch.Tensor, kh: int, kw: int, sh: int, sw: int) -> torch.Tensor:
+    """A padded NHWC input's patches as explicit rows, features in (kh, kw, cin) order."""
+    return xp.unfold(1, kh, sh).unfold(2, kw, sw).permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])
+
+
+def conv_one_ulp_off(xp, p, n, ws, b, kh, kw, sh, sw):  # noqa: ANN001, ANN201
+    return one_ulp_off(im2col(xp, kh, kw, sh, sw), p, n, ws, b)
 
 
 def one_ulp_off(x, p, n, ws, b=None):  # noqa: ANN001, ANN201
@@ -356,7 +401,8 @@ def test_a_correct_torch_int8_module_passes() -> None:
     (torch_int8(linear=batch_dependent), "alone differ"),
     (torch_int8(linear=with_fma), "differ from the reference"),
     (torch_int8(quantize_rows=truncating_quantize), "quantize_rows"),
-], ids=["one-ulp", "batch-dependent", "fma", "truncating-quantize"])
+    (torch_int8(conv=conv_one_ulp_off), "int8 conv"),
+], ids=["one-ulp", "batch-dependent", "fma", "truncating-quantize", "conv-one-ulp"])
 def test_a_broken_int8_module_is_rejected_with_one_warning(broken: ModuleType, message: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="qasr"):

@@ -142,14 +142,20 @@ def fake_kernel(calls: dict) -> types.ModuleType:
         calls["linear"] += 1
         return int8_linear_reference(x, packed, w_scale, bias)
 
-    mod.pack, mod.linear = pack, linear
+    def conv(xp, packed, n, w_scale, bias, kh, kw, sh, sw):  # noqa: ANN001, ANN202
+        assert xp.dim() == 4 and xp.is_contiguous() and packed.shape == (n, kh * kw * xp.shape[3])
+        calls["conv"] += 1
+        rows = xp.unfold(1, kh, sh).unfold(2, kw, sw).permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])
+        return int8_linear_reference(rows, packed, w_scale, bias)
+
+    mod.pack, mod.linear, mod.conv = pack, linear, conv
     return mod
 
 
 def test_int8_linears_cover_every_linear_with_or_without_a_kernel() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 5, bias=False), nn.Linear(1, 3))
-    calls = {"pack": 0, "linear": 0}
+    calls = {"pack": 0, "linear": 0, "conv": 0}
     plain, native = Int8Linears(model), Int8Linears(model, fake_kernel(calls))
     assert calls["pack"] == 3
     for layer, x in ((model[0], torch.randn(2, 3, 13)), (model[1], torch.randn(1, 7)), (model[2], torch.randn(4, 1)),
@@ -182,7 +188,7 @@ def test_int8_convs_match_an_unfold_reference_and_keep_the_first_conv_in_float(d
     first = nn.Conv2d(1, 3, 3, 2, padding=1).to(dtype)
     odd = nn.Conv2d(3, 5, 3, 2, padding=1).to(dtype)  # odd channels, odd spatial sizes
     model = nn.Sequential(first, odd)
-    calls = {"pack": 0, "linear": 0}
+    calls = {"pack": 0, "linear": 0, "conv": 0}
     for convs in (Int8Convs(model), Int8Convs(model, fake_kernel(calls))):
         x1 = torch.randn(3, 1, 11, 9).to(dtype)
         assert torch.equal(convs(first, x1), F.conv2d(x1, first.weight, first.bias, 2, 1))  # float, same maths
@@ -191,7 +197,8 @@ def test_int8_convs_match_an_unfold_reference_and_keep_the_first_conv_in_float(d
         assert out.shape == (3, 5, 4, 5) and out.dtype == dtype
         assert torch.equal(out, unfold_conv(odd, x))  # the feature order does not matter: rows are exact
         assert torch.equal(convs(odd, x[1:2]), out[1:2])  # an image alone: the same bits
-    assert calls["pack"] == 1 and calls["linear"] == 2  # the first conv never reaches it
+    # the module reads the patches in place (its conv), never an explicit im2col; the first conv never reaches it
+    assert calls == {"pack": 1, "linear": 0, "conv": 2}
 
 
 # ------------------------------------------------------------------------------ the engine vs a reference
@@ -260,7 +267,7 @@ def test_a_request_alone_and_in_a_batch_gets_the_same_tokens(dtype, request) -> 
 
 
 def test_prepare_names_the_path_and_plugs_in_a_module(ck) -> None:
-    calls = {"pack": 0, "linear": 0}
+    calls = {"pack": 0, "linear": 0, "conv": 0}
     prepared = prepare_cpu(ck.model, use_native=False, quantize="int8", int8_kernel=fake_kernel(calls))
     assert "int8" in prepared.description and "native fake" in prepared.description
     n_linear = sum(isinstance(m, nn.Linear) for m in ck.model.modules())

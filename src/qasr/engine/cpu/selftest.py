@@ -112,7 +112,7 @@ def _expect_row_invariant(what: str, full: torch.Tensor, call: Callable[[slice],
 
 
 def check_int8_gemm(kernel: ModuleType) -> None:
-    """pack / quantize_rows / linear against the torch reference of the int8 spec, bit for bit, on odd
+    """pack / quantize_rows / linear / conv against the torch reference of the int8 spec, bit for bit, on odd
     shapes (K = 1, 3, 65, 1000: K tails of every size; N = 1, 17, 300: column tails), bf16 and float32 inputs,
     with and without bias, a zero row; and rows alone (M = 1), in 2- and 17-row calls equal to the same rows
     of a 300-row call (the one-row and few-row calls may take another path than the big one: the AMX kernel
@@ -145,6 +145,25 @@ def check_int8_gemm(kernel: ModuleType) -> None:
         for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):  # M = 1 (the last row), 2 (with the zero row), 17
             if not torch.equal(kernel.linear(x[rows], packed, n, w_scale, bias), full[rows]):
                 raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
+    _check_int8_conv(kernel, gen)
+
+
+def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
+    """conv (patches read in place from a padded NHWC input) against the reference on the explicit im2col rows,
+    bit for bit, float32 and bf16, stride (2, 1) and a kernel row wider than one channel block."""
+    cin, cout = 37, 70
+    w_q = torch.randint(-127, 128, (cout, 3 * 3 * cin), generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(cout, generator=gen) * 0.02 + 1e-4
+    bias = torch.randn(cout, generator=gen)
+    packed = kernel.pack(w_q)
+    for dtype in (torch.float32, torch.bfloat16):
+        xp = (torch.randn(3, 9, 8, cin, generator=gen) * torch.exp(4 * torch.rand(3, 9, 1, 1, generator=gen) - 2))
+        xp = xp.to(dtype)
+        got = kernel.conv(xp, packed, cout, w_scale, bias, 3, 3, 2, 1)
+        rows = xp.unfold(1, 3, 2).unfold(2, 3, 1).permute(0, 1, 2, 4, 5, 3).reshape(-1, 3 * 3 * cin)
+        ref = int8_linear_reference(rows, w_q, w_scale, bias)
+        if got.dtype != dtype or not torch.equal(got, ref):
+            raise SelfTestFailure(f"int8 conv 3x3 stride (2, 1) cin={cin} {dtype}: differs from the im2col reference")
 
 
 def scattered_pool(kv_heads: int, blocks: int, block_size: int, d: int,

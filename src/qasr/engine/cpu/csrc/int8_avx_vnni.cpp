@@ -27,6 +27,13 @@ bool supported() {
 }
 
 constexpr int64_t MR = 3;          // rows per register pass
+
+// acc += u8 a x s8 b (VEX vpdpbusd) in inline assembly, as int8_common.h's dpbusd and for the same reason: GCC's
+// intrinsic lets the register allocator keep the accumulators in memory.
+static inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
+  return acc;
+}
 constexpr int64_t ROW_CHUNK = 96;  // rows per work item
 
 // Rows [m0, m0 + R) x columns [32 h, 32 h + 32) of block b over all of K, then the epilogue.
@@ -48,7 +55,7 @@ static inline void pass(const int8::Args& a, int64_t m0, int64_t b, int64_t h) {
     }
     for (int j = 0; j < 4; ++j) {
       const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_dpbusd_avx_epi32(acc[r][j], x[r], wj);
+      for (int r = 0; r < R; ++r) acc[r][j] = dpbusd(acc[r][j], x[r], wj);
     }
   }
   const int64_t es = a.bf16 ? 2 : 4;

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -129,17 +130,11 @@ inline __m256 load8(const at::BFloat16* x) {
 }
 #endif
 
-// Quantizes one row of K values into q[0, K) and returns its a_scale. `flip` is XORed into every byte:
-// 0 gives the int8 x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernels' unsigned operand).
-//
-// Outside finite rows of ordinary size the reference's torch ops decide, and this follows them: a NaN makes
-// a_amax NaN (torch's amax propagates it; a plain max would drop it), and a product x * inv that is NaN (a NaN
-// or infinite input, or 0 * inf where 127 / a_amax overflows, a_amax < 2^-121) quantizes to 0, as torch's
-// float -> int8 conversion gives on x86; +-inf products clamp to +-127 like any other.
+// The absolute maximum of K values, with `nan` set when one is NaN (max is exact in any order, so segments
+// may be taken one after the other).
 template <typename T>
-inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
+inline float abs_max(const T* x, int64_t K, bool& nan) {
   float amax = 0.f;
-  bool nan = false;
   int64_t k = 0;
 #if QASR_INT8_AVX512
   __m512 vmax = _mm512_setzero_ps();
@@ -149,8 +144,8 @@ inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
     vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   }
-  amax = _mm512_reduce_max_ps(vmax);  // max is exact in any order
-  nan = vnan != 0;
+  amax = _mm512_reduce_max_ps(vmax);
+  nan = nan || vnan != 0;
 #elif QASR_INT8_AVX2
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
@@ -162,20 +157,20 @@ inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   for (const float v : lanes) amax = std::max(amax, v);
-  nan = _mm256_movemask_ps(vnan) != 0;
+  nan = nan || _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; k < K; ++k) {
     const float v = to_float(x[k]);
     amax = std::max(amax, std::fabs(v));
     nan = nan || std::isnan(v);
   }
-  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
-  if (amax == 0.f) {
-    std::memset(q, flip, K);  // x_q = 0 everywhere
-    return 0.f;
-  }
-  const float inv = 127.f / amax, scale = amax / 127.f;
-  k = 0;
+  return amax;
+}
+
+// q[k] = clamp(round_half_even(x[k] * inv), -127, 127) (NaN products to 0), XORed with `flip`, for k < K.
+template <typename T>
+inline void quantize_values(const T* x, int64_t K, float inv, uint8_t flip, uint8_t* q) {
+  int64_t k = 0;
 #if QASR_INT8_AVX512
   const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   const __m128i vflip = _mm_set1_epi8(static_cast<char>(flip));
@@ -204,19 +199,66 @@ inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
     const float c = std::isnan(r) ? 0.f : std::min(std::max(r, -127.f), 127.f);
     q[k] = static_cast<uint8_t>(static_cast<int8_t>(c)) ^ flip;
   }
+}
+
+// Quantizes one row given as `segs` segments of `seg` contiguous values, segment i at x + i * stride (a plain
+// row: one segment; a convolution's patch: one segment per kernel row, read in place from the padded NHWC
+// input), into q[0, segs * seg), and returns its a_scale. `flip` is XORed into every byte: 0 gives the int8
+// x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernels' unsigned operand).
+//
+// Outside finite rows of ordinary size the reference's torch ops decide, and this follows them: a NaN makes
+// a_amax NaN (torch's amax propagates it; a plain max would drop it), and a product x * inv that is NaN (a NaN
+// or infinite input, or 0 * inf where 127 / a_amax overflows, a_amax < 2^-121) quantizes to 0, as torch's
+// float -> int8 conversion gives on x86; +-inf products clamp to +-127 like any other.
+template <typename T>
+inline float quantize_segments(const T* x, int64_t segs, int64_t seg, int64_t stride, uint8_t flip, uint8_t* q) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < segs; ++i) amax = std::max(amax, abs_max(x + i * stride, seg, nan));
+  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0.f) {
+    std::memset(q, flip, segs * seg);  // x_q = 0 everywhere
+    return 0.f;
+  }
+  const float inv = 127.f / amax, scale = amax / 127.f;
+  for (int64_t i = 0; i < segs; ++i) quantize_values(x + i * stride, seg, inv, flip, q + i * seg);
   return scale;
 }
 
-// Rows [0, M) of x quantized into a panel of `rows_pad` rows x Kp bytes (K values, then x_q = 0 up to Kp; rows
+template <typename T>
+inline float quantize_row(const T* x, int64_t K, uint8_t flip, uint8_t* q) {
+  return quantize_segments(x, 1, K, K, flip, q);
+}
+
+// Where a call's rows come from: row r is `segs` segments of `seg` values, segment i at row(r) + i * stride.
+// A linear's x: row(r) = x + r * K, one segment of K. A convolution's padded NHWC input (n, hp, wp, cin):
+// row (b, oy, ox) starts at its patch's top-left value, one segment of kw * cin per kernel row, a padded
+// input row (wp * cin) apart -- the patch's features in (kh, kw, cin) order, read in place (implicit im2col).
+template <typename T>
+struct Rows {
+  const T* x;
+  int64_t segs, seg, stride;
+  int64_t ho = 1, wo = 1, hp = 1, wp = 1, cin = 1, sh = 1, sw = 1;  // a convolution's geometry (segs > 1 or conv)
+  bool conv = false;
+  const T* row(int64_t r) const {
+    if (!conv) return x + r * seg;
+    const int64_t b = r / (ho * wo), oy = r / wo % ho, ox = r % wo;
+    return x + ((b * hp + oy * sh) * wp + ox * sw) * cin;
+  }
+  int64_t K() const { return segs * seg; }
+};
+
+// Rows [0, M) quantized into a panel of `rows_pad` rows x Kp bytes (K values, then x_q = 0 up to Kp; rows
 // past M all x_q = 0) and their a_scale (0 for the padding rows).
 template <typename T>
-inline void quantize_panel(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t rows_pad, uint8_t flip,
+inline void quantize_panel(const Rows<T>& src, int64_t M, int64_t Kp, int64_t rows_pad, uint8_t flip,
                            uint8_t* panel, float* a_scale) {
+  const int64_t K = src.K();
   at::parallel_for(0, rows_pad, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       uint8_t* dst = panel + r * Kp;
       if (r < M) {
-        a_scale[r] = quantize_row(x + r * K, K, flip, dst);
+        a_scale[r] = quantize_segments(src.row(r), src.segs, src.seg, src.stride, flip, dst);
         std::memset(dst + K, flip, Kp - K);
       } else {
         a_scale[r] = 0.f;
@@ -338,6 +380,15 @@ struct Gemm {
 // blocks: the weights stream once, split over the threads. Inside an item, passes of up to 6 rows x 64
 // columns keep 24 int32 accumulators in registers, each pass over all of K.
 constexpr int64_t VNNI_MR = 6;          // rows per register pass
+
+// acc += u8 a x s8 b, four bytes per int32 lane (vpdpbusd), in inline assembly: with GCC 12's intrinsic
+// (_mm512_dpbusd_epi32) the register allocator kept the 24 accumulators of a pass on the stack and loaded and
+// stored them around every instruction (seen in the disassembly; 230 GOP/s on 2 Zen 4 cores where the same loop
+// in registers runs at ~2x that); the tied "+v" operand keeps each accumulator in one register.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+  return acc;
+}
 constexpr int64_t VNNI_ROW_CHUNK = 96;  // rows per work item
 
 // Rows [m0, m0 + R) x block b's 64 columns over all of K, then the epilogue.
@@ -357,10 +408,10 @@ inline void vnni512_pass(const Args& a, int64_t m0, int64_t b) {
       int32_t four;
       std::memcpy(&four, rows + r * a.Kp + 4 * g, 4);
       const __m512i x = _mm512_set1_epi32(four);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], x, w2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], x, w3);
+      acc[r][0] = dpbusd(acc[r][0], x, w0);
+      acc[r][1] = dpbusd(acc[r][1], x, w1);
+      acc[r][2] = dpbusd(acc[r][2], x, w2);
+      acc[r][3] = dpbusd(acc[r][3], x, w3);
     }
   }
   const int64_t es = a.bf16 ? 2 : 4;
@@ -438,20 +489,19 @@ inline std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   return {q, s};
 }
 
-// linear(x, packed, N, w_scale, bias) -> (M, N) in x's dtype: quantize x's rows, the kernel's product, epilogue.
-inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
-                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(g.supported(), g.name, " linear: ", g.missing);
-  check_x(x, "linear");
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  const Layout L = packed_layout(packed, N, K, "linear");
-  TORCH_CHECK(w_scale.numel() == N, "linear: w_scale must have N values");
+// The product of M rows (from `rows_of(data pointer)`, a Rows<T>) with the packed weight -> (M, N) in x's dtype:
+// quantize the rows into a panel, the kernel's product, the epilogue. linear() and conv() differ only in rows.
+template <typename RowsOf>
+inline torch::Tensor product(const Gemm& g, const char* who, const torch::Tensor& xc, int64_t M, int64_t K,
+                             torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                             c10::optional<torch::Tensor> bias, RowsOf&& rows_of) {
+  const Layout L = packed_layout(packed, N, K, who);
+  TORCH_CHECK(w_scale.numel() == N, who, ": w_scale must have N values");
   auto ws = w_scale.to(at::kFloat).contiguous();
   torch::Tensor bf;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear: bias must have N values");
+    TORCH_CHECK(bias->numel() == N, who, ": bias must have N values");
     bf = bias->to(at::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
@@ -463,7 +513,7 @@ inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed
   if (static_cast<int64_t>(p.scale.size()) < rows_pad) p.scale.resize(rows_pad);
   const bool small = g.small_run != nullptr && M <= g.small_rows;
   const uint8_t flip = small ? g.small_flip : g.flip;
-  dispatch_x(xc, [&](auto* xp) { quantize_panel(xp, M, K, L.Kp, rows_pad, flip, p.q.data(), p.scale.data()); });
+  dispatch_x(xc, [&](auto* xp) { quantize_panel(rows_of(xp), M, L.Kp, rows_pad, flip, p.q.data(), p.scale.data()); });
   const int8_t* blocks = packed.data_ptr<int8_t>() + HEADER;
   const Args a{p.q.data(), p.scale.data(), M, N, L.Kp, blocks,
                reinterpret_cast<const int32_t*>(blocks + L.weight_bytes()), ws.data_ptr<float>(), bp,
@@ -472,7 +522,40 @@ inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed
   return out;
 }
 
-// The interface every int8 module shares: pack(), quantize_rows() and linear() on kernel `g` (a static object).
+// linear(x, packed, N, w_scale, bias) -> (M, N) in x's dtype.
+inline torch::Tensor linear(const Gemm& g, torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(g.supported(), g.name, " linear: ", g.missing);
+  check_x(x, "linear");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  return product(g, "linear", xc, M, K, packed, N, w_scale, bias, [K](auto* xp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    return Rows<T>{xp, 1, K, K};
+  });
+}
+
+// conv(xp, packed, N, w_scale, bias, kh, kw, sh, sw) -> (n * ho * wo, N) in xp's dtype: the product whose row
+// (b, oy, ox) is the kh x kw x cin patch of the padded NHWC input xp (n, hp, wp, cin) at (oy * sh, ox * sw),
+// features in (kh, kw, cin) order (the packed weight's K order). The same bits as linear() on the explicit
+// im2col rows (each row is quantized on its own scale either way), without materialising them.
+inline torch::Tensor conv(const Gemm& g, torch::Tensor xp, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                          c10::optional<torch::Tensor> bias, int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
+  TORCH_CHECK(g.supported(), g.name, " conv: ", g.missing);
+  TORCH_CHECK(xp.dim() == 4 && (xp.scalar_type() == at::kBFloat16 || xp.scalar_type() == at::kFloat) &&
+                  xp.device().is_cpu(), "conv: xp must be a (n, hp, wp, cin) bfloat16 or float32 CPU tensor");
+  TORCH_CHECK(kh >= 1 && kw >= 1 && sh >= 1 && sw >= 1, "conv: kernel and stride must be positive");
+  auto xc = xp.contiguous();
+  const int64_t n = xc.size(0), hp = xc.size(1), wp = xc.size(2), cin = xc.size(3);
+  TORCH_CHECK(cin >= 1 && hp >= kh && wp >= kw, "conv: kernel larger than the padded input");
+  const int64_t ho = (hp - kh) / sh + 1, wo = (wp - kw) / sw + 1;
+  return product(g, "conv", xc, n * ho * wo, kh * kw * cin, packed, N, w_scale, bias, [&](auto* x) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
+    return Rows<T>{x, kh, kw * cin, wp * cin, ho, wo, hp, wp, cin, sh, sw, true};
+  });
+}
+
+// The interface every int8 module shares: pack(), quantize_rows(), linear() and conv() on kernel `g` (a static object).
 // Each releases the GIL while it runs: a product can take tens of milliseconds, and holding the GIL that long
 // would stall every other Python thread (a server's event loop); the bodies touch no Python object.
 inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
@@ -484,6 +567,14 @@ inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc)
                        c10::optional<torch::Tensor> bias) { return linear(g, x, packed, N, w_scale, bias); },
         linear_doc, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_scale"),
         pybind11::arg("bias") = pybind11::none(), no_gil);
+  m.def("conv", [&g](torch::Tensor xp, torch::Tensor packed, int64_t N, torch::Tensor w_scale,
+                     c10::optional<torch::Tensor> bias, int64_t kh, int64_t kw, int64_t sh, int64_t sw) {
+          return conv(g, xp, packed, N, w_scale, bias, kh, kw, sh, sw);
+        },
+        "linear()'s product on the kh x kw patches of a padded NHWC input (n, hp, wp, cin), read in place",
+        pybind11::arg("xp"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_scale"),
+        pybind11::arg("bias"), pybind11::arg("kh"), pybind11::arg("kw"), pybind11::arg("sh"), pybind11::arg("sw"),
+        no_gil);
 }
 
 }  // namespace int8
