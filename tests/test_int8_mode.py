@@ -343,6 +343,10 @@ def test_bench_runs_an_int8_side_and_its_last_line_names_it(tiny_original) -> No
     clips = [make_clip(s, k) for k, s in enumerate((1.5, 2.5))]
     side = run_qasr(tiny_original, clips, Workload((), ((1, 1),), (1.0, 1.5)), kv_gib=0.05, seed=0, quantize="int8")
     assert "int8" in side["kernels"] and side["tokens"] > 0
+    b1 = side["decode_b1"]  # the batch-1 decode figure: one request alone, token arrivals timed
+    assert b1["tokens"] == 65 and len(b1["runs_ms"]) == 3
+    assert min(b1["runs_ms"]) <= b1["ms_per_token"] <= max(b1["runs_ms"])
+    assert b1["ms_per_token"] > 0
     report = dict(speedup=3.0, qasr=dict(rtfx=10.0), efficiency=dict(overall=0.25), qasr_int8=dict(rtfx=5.0),
                   int8=dict(speedup=1.5, int8_over_bf16=0.5, efficiency=dict(overall=0.125)))
     assert summary_line(report) == "speedup=1.50 rtfx=5.0 efficiency=0.125 int8_over_bf16=0.50"

@@ -70,12 +70,12 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     hop = ck.features.hop_length
     utterances: list[Utterance] = []
 
-    def submit(wave: np.ndarray):
+    def submit(wave: np.ndarray, tokens: int | None = None, on_token=None):  # noqa: ANN001
         frames = len(wave) // hop
         prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(frames))
-        new_tokens = round(TOKENS_PER_SECOND * len(wave) / SR)
+        new_tokens = round(TOKENS_PER_SECOND * len(wave) / SR) if tokens is None else tokens
         utterances.append(Utterance(frames, len(prompt), new_tokens))
-        return engine.submit(prompt, waveform=wave, max_new_tokens=new_tokens, ignore_eos=True)
+        return engine.submit(prompt, waveform=wave, max_new_tokens=new_tokens, ignore_eos=True, on_token=on_token)
 
     # warm-up: builds the native kernel and touches the code paths
     submit(make_clip(3.0, 999)).result()
@@ -98,7 +98,34 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
                phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured],
                foreign_cpu_s=others.seconds, foreign_cpu_share=others.share, kernels=engine.prepared.description)
     out["ttft"] = measure_ttft(submit, wl, seed)
+    out["decode_b1"] = measure_decode_batch1(submit)
     engine.close()
+    return out
+
+
+DECODE_B1_TOKENS = 65  # tokens per batch-1 run: 64 decode steps after the one prefill makes
+DECODE_B1_RUNS = 3
+
+
+def measure_decode_batch1(submit) -> dict:  # noqa: ANN001 - run_qasr's submit (its on_token goes through)
+    """Time per generated token of one request alone (batch 1: the latency a live caption feels): a 5 s clip,
+    ``DECODE_B1_TOKENS`` forced tokens, each token's arrival stamped in ``on_token`` on the engine thread;
+    ms/token = (last arrival - first arrival) / (tokens - 1), so prefill and the encoder are left out.
+    Median of ``DECODE_B1_RUNS`` runs."""
+    wave = make_clip(5.0, 4242)
+    per_token = []
+    for _ in range(DECODE_B1_RUNS):
+        stamps: list[float] = []
+
+        def stamp(token: int | None, stamps: list[float] = stamps) -> None:
+            if token is not None:
+                stamps.append(time.perf_counter())
+
+        submit(wave, tokens=DECODE_B1_TOKENS, on_token=stamp).result()
+        per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    out = dict(ms_per_token=1e3 * float(np.median(per_token)), runs_ms=[1e3 * x for x in per_token],
+               tokens=DECODE_B1_TOKENS)
+    print(f"  qasr decode at batch 1: {out['ms_per_token']:.1f} ms/token (median of {DECODE_B1_RUNS})", flush=True)
     return out
 
 
@@ -214,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     if int8 is not None:  # the bf16 figures stay where they are; int8's beside them
         report["qasr_int8"] = int8
         report["int8"] = dict(speedup=int8["rtfx"] / ref["rtfx"], int8_over_bf16=int8["rtfx"] / ours["rtfx"],
-                              efficiency=efficiency(int8))
+                              efficiency=efficiency(int8),
+                              decode_b1_over_bf16=int8["decode_b1"]["ms_per_token"] / ours["decode_b1"]["ms_per_token"])
         report["title"] += "; and qasr int8"  # its kernels are in qasr_int8.kernels (a long line for a title)
     stem = ("throughput_quick" if args.quick else "throughput") + ("_int8" if int8 is not None else "")
     save_report(report, args.out, stem, plot, machine)
@@ -239,6 +267,10 @@ def run(args: argparse.Namespace) -> int:
         if side is not None:
             print(f"\n{name} TTFT by arrival concurrency: " + ", ".join(
                 f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in side["ttft"].items()))
+    sides = [(name, side) for name, side in (("qasr", ours), ("qasr int8", int8)) if side is not None]
+    ratio = f" (int8 / bf16 = {report['int8']['decode_b1_over_bf16']:.2f})" if int8 is not None else ""
+    print("\ndecode at batch 1 (one request alone, 5 s clip): " + ", ".join(
+        f"{name} {side['decode_b1']['ms_per_token']:.1f} ms/token" for name, side in sides) + ratio)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
     if int8 is not None:
         print("bf16: " + summary_line({k: v for k, v in report.items() if k != "int8"}))
