@@ -221,6 +221,13 @@ def test_conv_refuses_what_it_cannot_read(kernel: ModuleType) -> None:
         kernel.conv(torch.zeros(1, 5, 5, 4, dtype=torch.float64), packed, 8, w_scale, None, 3, 3, 1, 1)
 
 
+def test_an_empty_call_gives_an_empty_result(kernel: ModuleType) -> None:
+    w_q, w_scale = _weights(17, 65, torch.Generator().manual_seed(0))
+    for dtype in (torch.bfloat16, torch.float32):
+        out = kernel.linear(torch.zeros(0, 65, dtype=dtype), kernel.pack(w_q), 17, w_scale, torch.ones(17))
+        assert out.shape == (0, 17) and out.dtype == dtype
+
+
 def test_a_zero_input_gives_the_bias(kernel: ModuleType) -> None:
     gen = torch.Generator().manual_seed(5)
     w_q, w_scale = _weights(70, 33, gen)
