@@ -992,12 +992,12 @@ def main(argv: list[str] | None = None) -> int:
                 "audio": str(AUDIO.relative_to(ROOT)) + " looped",
                 "transcript": "as the checkpoint generates" if args.model else args.transcript,
                 "wall_s": time.perf_counter() - t0, "load_avg_end": os.getloadavg()}
-        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-        plot(results, title, plan["at"], stem.with_suffix(".png"))  # (rewritten after each model)
+        stem.with_name(stem.name + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        plot(results, title, plan["at"], stem.with_name(stem.name + ".png"))  # (rewritten after each model)
         partial.unlink(missing_ok=True)
         partial.with_name(partial.name.replace(".partial", ".live.partial")).unlink(missing_ok=True)
     print_report(results, cpu)
-    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')} "
+    print(f"\nwrote {stem.with_name(stem.name + '.json')} and {stem.with_name(stem.name + '.png')} "
           f"({(time.perf_counter() - t0) / 60:.1f} min)")
     return 0
 
