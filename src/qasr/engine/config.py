@@ -24,6 +24,10 @@ class EngineConfig:
     # None: the checkpoint's dtype; "int8": int8 weights and per-row int8 activations in every linear and the
     # encoder's 480-channel convolutions (CPU backend only; engine/cpu/int8.py, docs/quantization.md)
     quantize: str | None = None
+    # While live (interactive) work is in the engine, the share of engine time that steps carrying batch work's
+    # encoder windows and prefill chunks may take (1.0: no limit). Live captions wait for a dozen steps each;
+    # batch decode rows still run in every step. docs/engine.md: the measurement behind the default.
+    live_batch_share: float = 0.25
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress (it would spin empty steps)."""
@@ -35,6 +39,10 @@ class EngineConfig:
         if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"EngineConfig.quantize must be None (off) or one of {', '.join(QUANTIZE_MODES)}, "
                              f"got {self.quantize!r}")
+        share = self.live_batch_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"EngineConfig.live_batch_share must be in (0, 1], got {share!r}: at 0 batch work would "
+                             "never advance while live sessions run")
         kv = self.kv_cache_bytes
         if kv is not None and (isinstance(kv, bool) or not isinstance(kv, Integral) or kv < 0):
             raise ValueError(f"EngineConfig.kv_cache_bytes must be None (or 0: the default size) or a positive byte "

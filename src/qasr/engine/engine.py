@@ -89,6 +89,8 @@ class Engine:
         self._abort = False  # the loop ends after the current step (close(drain=False))
         self._broken: BaseException | None = None
         self.steps = 0
+        self._last_step_ran = True  # whether the last step planned any work (see _wait_for_batch_turn)
+        self._batch_heavy_at = 0.0  # from this perf_counter time a step may carry batch encode/prefill beside live work
         self.encoder_calls = 0  # packed encoder calls made (encoder-only requests ride them too)
         self.generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
@@ -288,11 +290,25 @@ class Engine:
                         break
                 if not self.scheduler.idle and not self._abort:
                     self.step()
+                    self._wait_for_batch_turn()
         except BaseException as exc:  # noqa: BLE001 - the loop must never die silently
             log.exception("qasr engine loop failed; the engine is now broken")
             self._broken = exc
         finally:
             self._fail_everything()
+
+    def _wait_for_batch_turn(self) -> None:
+        """After a step that found nothing it could run because batch work's encoder and prefill steps are
+        rationed beside live work (live_batch_share), sleep until batch work's turn or the next submission,
+        instead of spinning empty steps."""
+        if self._last_step_ran or self.scheduler.batch_heavy_ok:
+            return
+        wait = self._batch_heavy_at - time.perf_counter()
+        if wait > 0:
+            try:
+                self._take(self._inbox.get(timeout=wait))
+            except queue.Empty:
+                pass
 
     def _take(self, item: Request | KVLease | None) -> None:
         if isinstance(item, KVLease):
@@ -334,7 +350,9 @@ class Engine:
         for req in sched.admit():  # submit refuses these already: a guard so nothing waits forever on memory
             req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
                                          f"{self.pool.tokens}"))
+        sched.batch_heavy_ok = t_step >= self._batch_heavy_at
         plan = sched.plan()
+        self._last_step_ran = bool(plan.encode or plan.decode or plan.prefill)
         encoded = False
         try:
             if plan.encode:
@@ -347,7 +365,11 @@ class Engine:
         self._finish_encodes(plan)
         self._apply(sampled)
         self._finish_alignments(plan)
-        self.timings["step_s"] += time.perf_counter() - t_step
+        now = time.perf_counter()
+        if plan.live_batch_work:  # ration such steps: at most live_batch_share of the time while live work runs
+            share = self.config.live_batch_share
+            self._batch_heavy_at = now + (now - t_step) * (1 - share) / share
+        self.timings["step_s"] += now - t_step
 
     def _finish_encodes(self, plan: StepPlan) -> None:
         """Encoder-only requests this step encoded are done: their rows are the result."""

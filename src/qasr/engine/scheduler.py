@@ -20,6 +20,12 @@ Interactive requests (``submit(interactive=True)``: a live session's step, with 
 admitted before the queue and beyond ``max_running``, prefilled before batch work, take blocks first and
 may preempt batch requests, which never preempt them; among requests of one kind the rule above holds. A
 caption therefore waits for one step, not for a 20-minute file queued before it.
+
+While interactive work is in the engine, batch work's heavy parts (its encoder windows and prefill chunks)
+are also rationed in time: the engine sets ``batch_heavy_ok`` before each plan (engine.py, from
+``EngineConfig.live_batch_share``), and a step planned without it runs only decode rows, interactive work and
+encoder-only requests. A live step needs a dozen engine steps (its encoding, its prefill, a token per step), so
+their length is what a caption waits for; batch decode rows still ride along in every step.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class StepPlan:
     encode: list[tuple[Request, int]]  # (request, audio tokens to encode now), from its encoded_tokens on
     decode: list[Request]  # one token each
     prefill: list[tuple[Request, int]]  # (request, chunk length); a request's chunks are consecutive
+    # batch (non-interactive) encoder slices or prefill chunks planned while interactive work was in the engine
+    live_batch_work: bool = False
 
     @property
     def requests(self) -> list[Request]:
@@ -75,6 +83,9 @@ class Scheduler:
         self.active: list[Request] = []  # admitted, in admission order
         self.encoding: list[Request] = []  # encoder-only requests (no KV), encoded whole at the next step
         self.preemptions = 0
+        # whether this step may give batch work encoder slices and prefill chunks while interactive work is in
+        # the engine (the engine rations those steps in time; without live work batch work is never held back)
+        self.batch_heavy_ok = True
         self._turn = False  # which of the oldest request and the express lane is served first
 
     def add(self, req: Request) -> None:
@@ -222,7 +233,15 @@ class Scheduler:
             if req in self.active and req.prefill_done and self._reserve(req, len(req.prompt) + len(req.output), plan):
                 plan.decode.append(req)
         self._plan_prefill(after, plan)
+        if self._live():
+            plan.live_batch_work = (any(not r.interactive and not r.encode_only for r, _ in plan.encode)
+                                    or any(not r.interactive for r, _ in plan.prefill))
         return plan
+
+    def _live(self) -> bool:
+        """Live work is in the engine: batch work gets one encoder window and one prefill chunk per step, and
+        steps that carry them are rationed in time (``batch_heavy_ok``)."""
+        return bool(self.encoding) or any(r.interactive for r in self.active)
 
     def _plan_encode(self) -> list[tuple[Request, int]]:
         """Encoder-only requests whole (a live session's window or two, and it waits for them), then slices
@@ -234,8 +253,10 @@ class Scheduler:
         plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
         jobs = len(plan)
         budget = max(cfg.encoder_tokens - sum(n for _, n in plan), cfg.window_tokens)
-        if jobs or any(r.interactive for r in self.active):
+        if self._live():
             budget = cfg.window_tokens  # live work waits on this step: batch audio gets one window of it
+            if self._live() and not self.batch_heavy_ok:  # ... or none, in the steps kept short for it
+                wanted = [r for r in wanted if r.interactive]
         for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
             cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane takes at most half
             n = self._slice(req, max(cap, cfg.window_tokens))
@@ -265,7 +286,8 @@ class Scheduler:
         wanted = [r for r in self.active if id(r) in ready]
         prefill = plan.prefill
         budget = cfg.prefill_tokens
-        live = any(r.interactive for r in self.active)
+        live = self._live()
+        rationed = live and not self.batch_heavy_ok
         batch_chunks = 0  # while live work runs, batch work gets one prefill chunk per step (short steps)
         express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)
         order = self._prefill_order(wanted, express)
@@ -278,7 +300,7 @@ class Scheduler:
                 if end > limit:
                     break  # the chunk's audio is not encoded yet: the grid stays fixed, so wait for it
                 n = end - done
-                if live and not req.interactive and batch_chunks:
+                if live and not req.interactive and (batch_chunks or rationed):
                     return
                 if prefill and n > budget:
                     return
