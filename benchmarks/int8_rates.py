@@ -32,9 +32,10 @@ from qasr.engine.cpu import native
 from qasr.engine.cpu.int8_reference import int8_linear_reference
 
 # (M, K, N): a decode row of a decoder projection and of the lm_head (vocabulary 151936), decode batches,
-# a prefill chunk, and the square peak shape the bf16 rates use
+# a prefill chunk, the square peak shape the bf16 rates use, and one second of audio through the encoder's
+# second 3x3 convolution as a GEMM (32 x 25 positions, 3 x 3 x 480 features, 480 channels)
 SHAPES = ((1, 1024, 3072), (1, 1024, 151936), (16, 1024, 3072), (64, 1024, 3072), (256, 1024, 2048),
-          (1024, 1024, 3072))
+          (1024, 1024, 3072), (800, 4320, 480))
 PATHS = ("torch_ref", "amx_int8", "vnni_int8", "avx_vnni_int8", "bf16")
 
 

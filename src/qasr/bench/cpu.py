@@ -108,11 +108,12 @@ DECODE_B1_ROUNDS = 5
 
 def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rounds: int = DECODE_B1_ROUNDS) -> dict:
     """Time per generated token of one request alone (batch 1: the latency a live caption feels), for each
-    setting in ``quantizes`` (None: the checkpoint's bf16), in one process: one engine per setting on the one
-    loaded checkpoint, their runs interleaved round by round, so that the machine's drift (2x from hour to
-    hour on shared machines) falls on both alike and the ratio is fair. A run: a 5 s clip, ``DECODE_B1_TOKENS``
-    forced tokens, each token's arrival stamped in ``on_token`` on the engine thread; ms/token = (last arrival
-    - first arrival) / (tokens - 1), so the encoder and prefill are left out. Median over ``rounds``."""
+    setting in ``quantizes`` (None: the checkpoint's bf16), in one process on the one loaded checkpoint, the
+    settings' runs interleaved round by round (an engine at a time, see below), so that the machine's drift (2x
+    from hour to hour on shared machines) falls on both alike and the ratio is fair. A run: a 5 s clip,
+    ``DECODE_B1_TOKENS`` forced tokens, each token's arrival stamped in ``on_token`` on the engine thread;
+    ms/token = (last arrival - first arrival) / (tokens - 1), so the encoder and prefill are left out. Median
+    over ``rounds``."""
     from qasr.engine.engine import Engine, EngineConfig
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
@@ -121,7 +122,6 @@ def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rou
     ck = load_checkpoint(ckpt_dir, device="cpu", dtype="bfloat16")
     wave = make_clip(5.0, 4242)
     prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // ck.features.hop_length))
-    engines = [Engine(ck, EngineConfig(kv_cache_bytes=2**28, quantize=q)) for q in quantizes]
 
     def one_run(engine: Engine) -> float:
         stamps: list[float] = []
@@ -134,16 +134,16 @@ def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rou
                       on_token=stamp).result()
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
-    try:
-        for engine in engines:
-            one_run(engine)  # warm-up: kernels built, shapes touched
-        runs: list[list[float]] = [[] for _ in engines]
-        for _ in range(rounds):
-            for k, engine in enumerate(engines):
+    # One engine at a time: two live engines in one process (two engine threads, each with its own OpenMP
+    # pool) put libgomp in its throttled mode, where every parallel region pays a futex wake-up (measured: int8
+    # 28 -> 72 ms/token with an idle bf16 engine beside it). An engine is made for each run and closed after it
+    # (the prepared kernels are kept per model and setting, so only the first one per setting pays for them).
+    runs: list[list[float]] = [[] for _ in quantizes]
+    for _ in range(rounds):
+        for k, q in enumerate(quantizes):
+            with Engine(ck, EngineConfig(kv_cache_bytes=2**28, quantize=q)) as engine:
+                one_run(engine)  # warm-up: kernels built, shapes touched
                 runs[k].append(one_run(engine))
-    finally:
-        for engine in engines:
-            engine.close()
     out = {}
     for q, r in zip(quantizes, runs, strict=True):
         name = q or "none"
