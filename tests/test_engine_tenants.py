@@ -335,13 +335,16 @@ def test_a_step_where_one_request_fails_keeps_the_engine(ck) -> None:
 
 # ---------------------------------------------------------------- 6. leaving `with Engine` on an exception
 CHILD = textwrap.dedent("""
-    import json, sys, time
+    import json, signal, sys, time
     import numpy as np
     from qasr.engine.engine import Engine, EngineConfig
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
     from qasr.model.prompt import build_prompt
 
+    # Ctrl-C as at a terminal even where this test runs with SIGINT ignored (a background job of a
+    # non-interactive shell passes SIG_IGN on, and Python keeps an ignored SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ck = load_checkpoint(sys.argv[1], device="cpu", dtype="float32")
     wave = (0.1 * np.random.default_rng(0).standard_normal(3 * 16000)).astype(np.float32)
     prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), "")

@@ -320,8 +320,18 @@ def test_kernels_build_reports_each_kernel(scenario: Scenario, tmp_path: Path) -
     assert where.code == 0 and where.out.strip() == str(scenario.kdir)
 
 
+# `python -m qasr ARGS` with Ctrl-C at its default first: where this test runs with SIGINT ignored (a background
+# job of a non-interactive shell, as some CI runners start it) the child would inherit SIG_IGN, which Python
+# keeps, and no Ctrl-C would reach it. (A caught handler, unlike an ignored one, does not pass through exec.)
+QASR_WITH_CTRL_C = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                    "sys.argv = ['qasr', *sys.argv[1:]]; runpy.run_module('qasr', run_name='__main__', alter_sys=True)")
+
+
 def _interrupted(args: list[str], tmp_path: Path) -> tuple[int, str]:
-    """Run ``args`` with a fresh kernel folder, Ctrl-C it (SIGINT to its job) while it compiles."""
+    """Run ``args`` (``python -m qasr ...``) with a fresh kernel folder, Ctrl-C it (SIGINT to its job) while it
+    compiles."""
+    assert args[:3] == [sys.executable, "-m", "qasr"], args
+    args = [sys.executable, "-c", QASR_WITH_CTRL_C, *args[3:]]
     stall, mark = _stalled(tmp_path)
     proc = _start_stalled(args, _env(tmp_path / "kernels", stall), mark, tmp_path / "err")
     os.killpg(proc.pid, signal.SIGINT)
