@@ -158,3 +158,23 @@ def test_live_batch_share_rations_batch_steps_and_everything_finishes(ck) -> Non
         EngineConfig(live_batch_share=0)
     with pytest.raises(ValueError, match="live_batch_share"):
         EngineConfig(live_batch_share=1.5)
+
+
+def test_an_engine_going_idle_frees_its_threads_pool(ck) -> None:  # noqa: ANN001
+    """The engine thread calls release_caller_threads (its idle OpenMP pool) each time it runs out of work, so
+    that an idle engine does not slow a busy one in the same process."""
+    import threading
+    import time
+
+    with Engine(ck, EngineConfig(max_running=2)) as engine:
+        calls: list[str] = []
+        release = engine.prepared.release_caller_threads
+        object.__setattr__(engine.prepared, "release_caller_threads",
+                           lambda: (calls.append(threading.current_thread().name), release()))
+        wave = noise(1.0, seed=5)
+        for _ in range(2):
+            engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=3, ignore_eos=True).result(timeout=60)
+            deadline = time.monotonic() + 10
+            while "qasr-engine" not in calls[-1:] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert calls[-1:] == ["qasr-engine"], calls  # the engine thread, once idle after the request

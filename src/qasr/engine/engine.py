@@ -282,6 +282,11 @@ class Engine:
                 if self.scheduler.idle:
                     if self._closing and self._inbox.empty():
                         break
+                    # going idle: free this thread's OpenMP pool too, or an idle engine beside a busy one (an
+                    # aligner's beside the ASR's) keeps libgomp in its throttled mode, where every parallel region
+                    # pays a futex wake-up (cpu/openmp.py; measured with two engines alive on 2 cores, decode at
+                    # batch 1: int8 59-69 -> 31 ms/token, bf16 65 -> 52-54)
+                    self.prepared.release_caller_threads()
                     self._take(self._inbox.get())  # nothing to do: sleep until a request (or close) arrives
                 while True:
                     try:
