@@ -965,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / (args.name or ("streaming" + ("_quick" if q else "") + ("_live" if live else "")
                                      + ("_empty" if args.transcript == "empty" and not args.model else "")
                                      + ("_int8" if "int8" in args.quantize else "")))
+    # with_name, not with_suffix: a --name with dots ("streaming_live_0.6b") would lose its tail
+    json_path, png_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".png")
     results: list[dict] = []
     t0 = time.perf_counter()
     end = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
@@ -992,12 +994,12 @@ def main(argv: list[str] | None = None) -> int:
                 "audio": str(AUDIO.relative_to(ROOT)) + " looped",
                 "transcript": "as the checkpoint generates" if args.model else args.transcript,
                 "wall_s": time.perf_counter() - t0, "load_avg_end": os.getloadavg()}
-        stem.with_name(stem.name + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-        plot(results, title, plan["at"], stem.with_name(stem.name + ".png"))  # (rewritten after each model)
+        json_path.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        plot(results, title, plan["at"], png_path)  # (rewritten after each model)
         partial.unlink(missing_ok=True)
         partial.with_name(partial.name.replace(".partial", ".live.partial")).unlink(missing_ok=True)
     print_report(results, cpu)
-    print(f"\nwrote {stem.with_name(stem.name + '.json')} and {stem.with_name(stem.name + '.png')} "
+    print(f"\nwrote {json_path} and {png_path} "
           f"({(time.perf_counter() - t0) / 60:.1f} min)")
     return 0
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils.cpp_extension import include_paths
 
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
+from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows, quantize_rows_reference
 
 LOADERS = {"amx": (native.amx_int8_kernel, native.AMX_INT8_CPU, "AMX-INT8 linear"),
            "vnni": (native.vnni_int8_kernel, native.VNNI_CPU, "AVX512-VNNI int8 linear"),
@@ -202,7 +202,7 @@ def test_conv_is_linear_on_the_im2col_rows(kernel: ModuleType, dtype: torch.dtyp
     xp[1, :, :3] = 0  # patches wholly in the zero padding: a_scale 0, the output is the bias
     xp = xp.to(dtype)
     got = kernel.conv(xp, packed, 70, w_scale, bias, 3, 3, *stride)
-    rows = im2col(xp, 3, 3, *stride)
+    rows = patch_rows(xp, 3, 3, *stride)
     assert got.dtype == dtype and torch.equal(got, kernel.linear(rows, packed, 70, w_scale, bias))
     assert torch.equal(got, int8_linear_reference(rows, w_q, w_scale, bias))
     per_image = got.shape[0] // 3
@@ -363,17 +363,12 @@ def torch_int8(linear=None, quantize_rows=quantize_rows_reference, conv=None) ->
     mod.quantize_rows = quantize_rows
     mod.linear = linear or (lambda x, p, n, ws, b=None: int8_linear_reference(x, p, ws, b))
     mod.conv = conv or (lambda xp, p, n, ws, b, kh, kw, sh, sw:
-                        int8_linear_reference(im2col(xp, kh, kw, sh, sw), p, ws, b))
+                        int8_linear_reference(patch_rows(xp, kh, kw, sh, sw), p, ws, b))
     return mod
 
 
-def im2col(xp: torch.Tensor, kh: int, kw: int, sh: int, sw: int) -> torch.Tensor:
-    """A padded NHWC input's patches as explicit rows, features in (kh, kw, cin) order."""
-    return xp.unfold(1, kh, sh).unfold(2, kw, sw).permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])
-
-
 def conv_one_ulp_off(xp, p, n, ws, b, kh, kw, sh, sw):  # noqa: ANN001, ANN201
-    return one_ulp_off(im2col(xp, kh, kw, sh, sw), p, n, ws, b)
+    return one_ulp_off(patch_rows(xp, kh, kw, sh, sw), p, n, ws, b)
 
 
 def one_ulp_off(x, p, n, ws, b=None):  # noqa: ANN001, ANN201

@@ -25,6 +25,7 @@ from qasr.engine.cpu.int8 import (
     quantize_rows,
     quantize_weight,
 )
+from qasr.engine.cpu.int8_reference import patch_rows
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine
@@ -145,8 +146,7 @@ def fake_kernel(calls: dict) -> types.ModuleType:
     def conv(xp, packed, n, w_scale, bias, kh, kw, sh, sw):  # noqa: ANN001, ANN202
         assert xp.dim() == 4 and xp.is_contiguous() and packed.shape == (n, kh * kw * xp.shape[3])
         calls["conv"] += 1
-        rows = xp.unfold(1, kh, sh).unfold(2, kw, sw).permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])
-        return int8_linear_reference(rows, packed, w_scale, bias)
+        return int8_linear_reference(patch_rows(xp, kh, kw, sh, sw), packed, w_scale, bias)
 
     mod.pack, mod.linear, mod.conv = pack, linear, conv
     return mod

@@ -226,14 +226,15 @@ class Scheduler:
 
         KV blocks are taken here, decode rows first (oldest first: they hold the most work), then the
         prefill chunks; a request that cannot get its blocks sits this step out (see ``_reserve``)."""
-        plan = StepPlan(self._plan_encode(), [], [])
+        live = self._live()
+        plan = StepPlan(self._plan_encode(live), [], [])
         after = {id(r): r.encoded_tokens + n for r, n in plan.encode}  # encoded tokens once this step's slices ran
         for req in sorted(self.active, key=lambda r: not r.interactive):  # interactive rows get blocks first
             # the row stores the key of its newest token, position len(prompt) + len(output) - 1
             if req in self.active and req.prefill_done and self._reserve(req, len(req.prompt) + len(req.output), plan):
                 plan.decode.append(req)
-        self._plan_prefill(after, plan)
-        if self._live():
+        self._plan_prefill(after, plan, live)
+        if live:
             plan.live_batch_work = (any(not r.interactive and not r.encode_only for r, _ in plan.encode)
                                     or any(not r.interactive for r, _ in plan.prefill))
         return plan
@@ -243,7 +244,7 @@ class Scheduler:
         steps that carry them are rationed in time (``batch_heavy_ok``)."""
         return bool(self.encoding) or any(r.interactive for r in self.active)
 
-    def _plan_encode(self) -> list[tuple[Request, int]]:
+    def _plan_encode(self, live: bool) -> list[tuple[Request, int]]:
         """Encoder-only requests whole (a live session's window or two, and it waits for them), then slices
         of the others' audio within what is left of the step's encoder budget (one window at least)."""
         cfg = self.config
@@ -253,9 +254,9 @@ class Scheduler:
         plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
         jobs = len(plan)
         budget = max(cfg.encoder_tokens - sum(n for _, n in plan), cfg.window_tokens)
-        if self._live():
+        if live:
             budget = cfg.window_tokens  # live work waits on this step: batch audio gets one window of it
-            if self._live() and not self.batch_heavy_ok:  # ... or none, in the steps kept short for it
+            if not self.batch_heavy_ok:  # ... or none, in the steps kept short for it
                 wanted = [r for r in wanted if r.interactive]
         for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
             cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane takes at most half
@@ -274,7 +275,7 @@ class Scheduler:
         left = req.audio_tokens - req.encoded_tokens
         return min(left, max(1, budget // w) * w)
 
-    def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan) -> None:
+    def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan, live: bool) -> None:
         cfg = self.config
         ready = {}
         for req in self.active:
@@ -286,7 +287,6 @@ class Scheduler:
         wanted = [r for r in self.active if id(r) in ready]
         prefill = plan.prefill
         budget = cfg.prefill_tokens
-        live = self._live()
         rationed = live and not self.batch_heavy_ok
         batch_chunks = 0  # while live work runs, batch work gets one prefill chunk per step (short steps)
         express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)

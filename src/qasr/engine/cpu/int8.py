@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qasr.engine.cpu.int8_reference import patch_rows
+
 QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
 WEIGHT_BLOCK = 1 << 22  # weight values quantized per block (16 MB of float32 temporaries)
@@ -101,12 +103,14 @@ class Int8Weight:
 
     def product(self, x: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
-        if x.shape[0] == 0:
-            return x.new_empty(0, self.n)
         if kernel is not None and x.dtype in KERNEL_DTYPES:
-            return kernel.linear(x.contiguous(), self.packed, self.n, self.scale, self.bias)
+            # straight to the module, which takes any row count (0 included) and makes x contiguous itself: a
+            # decode step makes ~200 of these calls, and each Python operation costs microseconds there
+            return kernel.linear(x, self.packed, self.n, self.scale, self.bias)
         if kernel is not None:  # the packed layout is the kernel's own: the reference cannot read it
             raise ValueError(f"the native int8 kernel takes float32 or bfloat16 activations, not {x.dtype}")
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.n)
         return int8_linear_reference(x, self.packed, self.scale, self.bias)
 
 
@@ -124,12 +128,7 @@ class Int8Linears:
         if weight is None:  # a module of another model: never silently run it in float
             raise KeyError(f"{module!r} is not a linear layer of the model these int8 weights were made from")
         shape = x.shape
-        if self.kernel is not None and x.dtype in KERNEL_DTYPES:
-            # straight to the module (it takes any row count, 0 included, and makes x contiguous itself): a decode
-            # step makes ~200 of these calls, and each Python hop costs microseconds there
-            out = self.kernel.linear(x.reshape(-1, shape[-1]), weight.packed, weight.n, weight.scale, weight.bias)
-        else:
-            out = weight.product(x.reshape(-1, shape[-1]), self.kernel)
+        out = weight.product(x.reshape(-1, shape[-1]), self.kernel)
         return out.view(*shape[:-1], weight.n)
 
 
@@ -170,9 +169,7 @@ class Int8Convs:
             # float im2col copy is 9x the input and cost more than the int8 product it feeds
             out = self.kernel.conv(xh.contiguous(), weight.packed, weight.n, weight.scale, weight.bias, kh, kw, sh, sw)
         else:
-            patches = xh.unfold(1, kh, sh).unfold(2, kw, sw)  # (n, ho, wo, cin, kh, kw)
-            rows = patches.permute(0, 1, 2, 4, 5, 3).reshape(n * ho * wo, -1)  # (positions, kh*kw*cin)
-            out = weight.product(rows, self.kernel)
+            out = weight.product(patch_rows(xh, kh, kw, sh, sw), self.kernel)
         return out.view(n, ho, wo, weight.n).permute(0, 3, 1, 2)  # NCHW shape, NHWC memory, as conv.py's
 
 

@@ -43,3 +43,11 @@ def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def patch_rows(xp: torch.Tensor, kh: int, kw: int, sh: int, sw: int) -> torch.Tensor:
+    """A padded NHWC input (n, hp, wp, cin) -> its kh x kw patches at stride (sh, sw) as rows
+    (n * ho * wo, kh * kw * cin), features in (kh, kw, cin) order: the rows an int8 convolution quantizes
+    (the order of the packed weight's K, and of the native modules' ``conv``)."""
+    patches = xp.unfold(1, kh, sh).unfold(2, kw, sw)  # (n, ho, wo, cin, kh, kw)
+    return patches.permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])

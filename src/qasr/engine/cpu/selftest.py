@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
+from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows, quantize_rows_reference
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,7 @@ def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
         xp = (torch.randn(3, 9, 8, cin, generator=gen) * torch.exp(4 * torch.rand(3, 9, 1, 1, generator=gen) - 2))
         xp = xp.to(dtype)
         got = kernel.conv(xp, packed, cout, w_scale, bias, 3, 3, 2, 1)
-        rows = xp.unfold(1, 3, 2).unfold(2, 3, 1).permute(0, 1, 2, 4, 5, 3).reshape(-1, 3 * 3 * cin)
-        ref = int8_linear_reference(rows, w_q, w_scale, bias)
+        ref = int8_linear_reference(patch_rows(xp, 3, 3, 2, 1), w_q, w_scale, bias)
         if got.dtype != dtype or not torch.equal(got, ref):
             raise SelfTestFailure(f"int8 conv 3x3 stride (2, 1) cin={cin} {dtype}: differs from the im2col reference")
 

@@ -27,6 +27,7 @@ bool supported() {
 }
 
 constexpr int64_t MR = 3;          // rows per register pass
+constexpr int64_t ROW_CHUNK = 96;  // rows per work item
 
 // acc += u8 a x s8 b (VEX vpdpbusd) in inline assembly, as int8_common.h's dpbusd and for the same reason: GCC's
 // intrinsic lets the register allocator keep the accumulators in memory.
@@ -34,7 +35,6 @@ static inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
   asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
   return acc;
 }
-constexpr int64_t ROW_CHUNK = 96;  // rows per work item
 
 // Rows [m0, m0 + R) x columns [32 h, 32 h + 32) of block b over all of K, then the epilogue.
 template <int R>
