@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -104,7 +104,8 @@ class Engine:
                max_new_tokens: int, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None,
                audio_embeds: torch.Tensor | None = None, keep_kv: bool = False,
-               kv_prefix: tuple[KVLease, int] | None = None, interactive: bool = False) -> Future:
+               kv_prefix: tuple[KVLease, int] | None = None, interactive: bool = False,
+               group: Hashable | None = None) -> Future:
         """Queue one request; the future resolves to a GenerationResult (or raises its error).
 
         ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
@@ -127,7 +128,14 @@ class Engine:
 
         ``interactive``: someone is waiting for this request now (a live session's step): it is admitted and
         prefilled before batch work (files), whatever the queue holds, and batch work never preempts it.
-        Its tokens are the same as they would be without the flag; only its place in line changes."""
+        Its tokens are the same as they would be without the flag; only its place in line changes.
+
+        ``group``: any hashable naming whose work this is (one caller's call: a long file's segments, one
+        upload's pieces). When a place in the running set frees, the waiting request whose group has the
+        fewest requests running goes first, arrival order within a group and between equals; None: the
+        request is a group of its own. So a short request submitted behind a 20-minute file's 200 segments
+        starts at the next free place, not after them. Like ``interactive``, it changes the place in line,
+        never the tokens."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -142,7 +150,8 @@ class Engine:
         audio_tokens = prompt.count(self.audio_token_id)
         req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
                       waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
-                      audio_before=self._audio_before(prompt), keep_kv=keep_kv, interactive=interactive)
+                      audio_before=self._audio_before(prompt), keep_kv=keep_kv, interactive=interactive,
+                      group=group)
         if audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
             req.audio, req.encoded_tokens = audio_embeds, audio_tokens
         if kv_prefix is None:

@@ -66,6 +66,9 @@ class Request:
     keep_kv: bool = False  # on success, keep the KV blocks and return them as a KVLease
     # a live session's step: admitted and prefilled before batch work, never preempted by it (see scheduler.py)
     interactive: bool = False
+    # the caller's share of the running set (see scheduler.py): requests of one group (one call's pieces, one
+    # upload's) queue behind each other, and the group with the fewest running requests is admitted first
+    group: object = None
     kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
     prefix_len: int = 0
     future: Future = field(default_factory=Future)
@@ -89,6 +92,11 @@ class Request:
     preempted: list[str] = field(default_factory=list)
     # log-probability of each token of ``output`` (a recomputation overwrites them with the same values)
     logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def group_key(self) -> object:
+        """Whose share this request counts against: its group, or itself alone."""
+        return ("request", self.id) if self.group is None else self.group
 
     @property
     def needs_tokens(self) -> int:

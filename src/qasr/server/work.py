@@ -84,6 +84,7 @@ class EngineRun:
         self._tokens: list[asyncio.Queue[int | None]] = []
         if stream:
             handoff = handoff or TokenHandoff(asyncio.get_running_loop())
+        group = object()  # the upload's pieces share one place in the engine's admission (Engine.submit)
         try:
             for piece in upload.pieces:
                 on_token = None
@@ -91,7 +92,7 @@ class EngineRun:
                     queue: asyncio.Queue[int | None] = asyncio.Queue()
                     self._tokens.append(queue)
                     on_token = handoff.sender(queue)  # called on the engine thread: never blocks it
-                self.futures.append(asr.submit(piece, words=words, on_token=on_token))
+                self.futures.append(asr.submit(piece, words=words, on_token=on_token, group=group))
         except BaseException as exc:
             self.cancel()
             raise _engine_error(exc) from exc

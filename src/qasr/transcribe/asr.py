@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -185,26 +185,28 @@ class ASR:
         return canonical_language(lang, self.supported_languages)
 
     def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
-               on_token: Callable[[int | None], None] | None = None) -> Future:
+               on_token: Callable[[int | None], None] | None = None, group: Hashable | None = None) -> Future:
         """Queue one piece (from ``prepare``); the future's outcome is what ``assemble`` takes for it.
 
         ``words`` (with an aligner loaded) chains the piece's alignment onto its transcription: the future
         then resolves to an ``Aligned``. ``on_token`` is the engine's (each token, then None). Raises
         what ``engine.submit`` raises (ValueError for a piece the engine refuses); cancelling the future
-        cancels the piece's requests."""
+        cancels the piece's requests. ``group``: the engine's share of the running set (``Engine.submit``);
+        give the pieces of one call the same one, so that a long file does not hold back other callers."""
         fut = self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
-                                 ignore_eos=ignore_eos, on_token=on_token)
+                                 ignore_eos=ignore_eos, on_token=on_token, group=group)
         if words and self.aligner is not None:
             from qasr.transcribe.words import with_words
 
             return with_words(piece, fut, self.aligner, self.checkpoint.tokenizer)
         return fut
 
-    def submit_or_refuse(self, piece: Piece, ignore_eos: bool = False, words: bool = False) -> Future:
+    def submit_or_refuse(self, piece: Piece, ignore_eos: bool = False, words: bool = False,
+                         group: Hashable | None = None) -> Future:
         """``submit`` that never raises: a refusal at submit becomes the future's error, so a caller with
         many pieces handles every failure in one place."""
         try:
-            return self.submit(piece, words=words, ignore_eos=ignore_eos)
+            return self.submit(piece, words=words, ignore_eos=ignore_eos, group=group)
         except Exception as exc:  # noqa: BLE001 - a refusal at submit is this input's error, like one later
             refused: Future = Future()
             refused.set_exception(exc)
@@ -314,8 +316,9 @@ class ASR:
         def fail(i: int, message: str) -> Transcription:
             return failed(call.names[i], message)
 
+        group = object()  # this call's pieces share one place in the engine's admission (Engine.submit)
         results = stream_results(len(call.items), pieces_of=call.pieces_of,
-                                 submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words),
+                                 submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words, group),
                                  finish=finish, fail=fail, max_in_flight_s=self.max_in_flight_s,
                                  max_in_flight_pieces=self.max_in_flight_pieces,
                                  progress=progress, stop=stop, piece_done=segment if segments else None,
