@@ -13,8 +13,7 @@ Admission shares the running set between callers: each request names a group (``
 call's pieces, one upload's; by default a group of its own), and when a place frees, the waiting request
 whose group has the fewest requests running goes first, queue order within a group and between equals. A
 20-minute file's 200 segments fill the running set only while nobody else waits: a short HTTP request
-submitted behind them takes the next free place instead of waiting for all of them (measured with the
-file submitted again and again beside HTTP clients: their p95 latency went from 14 s to about a second).
+submitted behind them takes the next free place instead of waiting for all of them (docs/engine.md).
 
 Memory (KV blocks, engine/kv_blocks.py): a request takes blocks as its prefill chunks are planned and
 one more whenever a decode row crosses a block boundary. Where none are free, the oldest kept prefix
