@@ -72,3 +72,63 @@ def test_requests_without_a_group_keep_the_queue_order() -> None:
         if not queues[key]:
             del queues[key]
     assert order == [r.id for r in waiting]
+
+
+def test_the_server_gives_each_uploads_pieces_one_group_of_their_own() -> None:
+    """The server's side of the sharing: every piece of one upload is submitted in one group, and two uploads
+    in two groups (one file's 200 segments must not count as 200 callers, nor two uploads as one)."""
+    from concurrent.futures import Future
+
+    import numpy as np
+
+    from qasr.server.work import EngineRun, Upload
+    from qasr.transcribe.pieces import Piece
+
+    class Recorder:  # stands in for the ASR: EngineRun only submits
+        def __init__(self) -> None:
+            self.groups: list[object] = []
+
+        def submit(self, piece: Piece, words: bool = False, on_token=None, group=None) -> Future:  # noqa: ANN001
+            self.groups.append(group)
+            return Future()
+
+    def upload(pieces: int) -> Upload:
+        return Upload("clip", float(pieces), tuple(
+            Piece("clip", 0, float(k), 1.0, np.zeros(16000, np.float32), (1, 2), None, 8) for k in range(pieces)))
+
+    asr = Recorder()
+    EngineRun(asr, upload(3), stream=False)  # type: ignore[arg-type]
+    EngineRun(asr, upload(2), stream=False)  # type: ignore[arg-type]
+    first, second = asr.groups[:3], asr.groups[3:]
+    assert first[0] is not None and first.count(first[0]) == 3
+    assert second.count(second[0]) == 2 and second[0] is not first[0]
+
+
+def test_each_transcribe_call_is_one_group() -> None:
+    """ASR's side: a call's pieces (every input's) share one group; the next call gets another."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from qasr import ASR
+
+    demo = Path(__file__).resolve().parent.parent / "models" / "qasr-demo-en"
+    asr = ASR.from_pretrained(demo, device="cpu", dtype="float32")
+    try:
+        groups: list[object] = []
+        submit = asr.engine.submit
+
+        def recording(prompt, **kwargs):  # noqa: ANN001, ANN202 - Engine.submit's own signature
+            groups.append(kwargs.get("group"))
+            return submit(prompt, **kwargs)
+
+        asr.engine.submit = recording  # type: ignore[method-assign]
+        rng = np.random.default_rng(0)
+        clips = [(0.1 * rng.standard_normal(16000 * s).astype(np.float32), 16000) for s in (1, 2)]
+        asr.transcribe(clips, segmentation="none")
+        first = list(groups)
+        asr.transcribe(clips[:1], segmentation="none")
+    finally:
+        asr.close()
+    assert len(first) == 2 and first[0] is not None and first[0] == first[1]
+    assert groups[2] is not None and groups[2] != first[0]
