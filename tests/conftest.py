@@ -85,3 +85,29 @@ def ck_bf16(tiny_original):  # noqa: ANN001, ANN201
 def prompt_for(ck, wave: np.ndarray, context: str = "") -> list[int]:  # noqa: ANN001 - a Checkpoint
     """The chat prompt of a 16 kHz waveform for ``ck``, its audio placeholders expanded."""
     return build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160), context)
+
+
+def one_behind_a_queue(ck, config, queued: int, queued_seconds: float, queued_tokens: int,  # noqa: ANN001
+                       queued_kwargs: dict | None = None,
+                       late_kwargs: dict | None = None) -> tuple[list[int], int, int]:
+    """``queued`` requests of ``queued_seconds`` of noise (``queued_tokens`` forced tokens, ``queued_kwargs``)
+    submitted at once to an engine made with ``config``; once two steps have run, one more of 1 s (6 tokens,
+    ``late_kwargs``). Returns its tokens, the steps from its submit to its end, and the steps the whole run
+    took: how long a late request waits behind a queue, counted in engine steps (not seconds, which the
+    shared machines move by 2x)."""
+    from qasr.engine.engine import Engine
+
+    with Engine(ck, config) as engine:
+        wave = noise(queued_seconds, seed=1)
+        ahead = [engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=queued_tokens, ignore_eos=True,
+                               **(queued_kwargs or {})) for _ in range(queued)]
+        while engine.steps < 2:  # the queue is under way
+            pass
+        late = noise(1.0, seed=2)
+        at = engine.steps
+        result = engine.submit(prompt_for(ck, late), waveform=late, max_new_tokens=6, ignore_eos=True,
+                               **(late_kwargs or {})).result(timeout=120)
+        took = engine.steps - at
+        for f in ahead:
+            f.result(timeout=300)
+        return result.token_ids, took, engine.steps

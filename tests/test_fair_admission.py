@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from conftest import noise, prompt_for
+from conftest import DEMO, one_behind_a_queue
 
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import EngineConfig
 from qasr.engine.request import Request
 from qasr.engine.scheduler import _by_group, _next_group
 
@@ -18,20 +18,8 @@ FILE = "a long file"
 def behind_a_file(ck, group: object | None) -> tuple[list[int], int, int]:  # noqa: ANN001
     """30 segments of one file queued (2 run at once), then one short request in ``group``: its tokens, the
     steps from its submit to its end, and the steps the whole file took."""
-    with Engine(ck, EngineConfig(max_running=2)) as engine:
-        wave = noise(2.0, seed=1)
-        segments = [engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=12, ignore_eos=True, group=FILE)
-                     for _ in range(30)]
-        while engine.steps < 2:  # the file is under way
-            pass
-        short = noise(1.0, seed=2)
-        at = engine.steps
-        result = engine.submit(prompt_for(ck, short), waveform=short, max_new_tokens=6, ignore_eos=True,
-                               group=group).result(timeout=120)
-        took = engine.steps - at
-        for f in segments:
-            f.result(timeout=300)
-        return result.token_ids, took, engine.steps
+    return one_behind_a_queue(ck, EngineConfig(max_running=2), 30, 2.0, 12, queued_kwargs={"group": FILE},
+                              late_kwargs={"group": group})
 
 
 def test_a_short_request_does_not_wait_for_a_long_files_queue(ck) -> None:  # noqa: ANN001
@@ -106,14 +94,11 @@ def test_the_server_gives_each_uploads_pieces_one_group_of_their_own() -> None:
 
 def test_each_transcribe_call_is_one_group() -> None:
     """ASR's side: a call's pieces (every input's) share one group; the next call gets another."""
-    from pathlib import Path
-
     import numpy as np
 
     from qasr import ASR
 
-    demo = Path(__file__).resolve().parent.parent / "models" / "qasr-demo-en"
-    asr = ASR.from_pretrained(demo, device="cpu", dtype="float32")
+    asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
     try:
         groups: list[object] = []
         submit = asr.engine.submit

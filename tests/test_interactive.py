@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import noise, prompt_for
+from conftest import noise, one_behind_a_queue, prompt_for
 
 from qasr.engine.engine import Engine, EngineConfig
 
 
-def run_behind_a_queue(ck, interactive: bool, kv_cache_bytes: int = 0) -> tuple[list[int], int, int]:  # noqa: ANN001
+def run_behind_a_queue(ck, interactive: bool) -> tuple[list[int], int, int]:  # noqa: ANN001
     """40 batch requests queued (4 run at once), then one more: its tokens, the steps it took from its
     submit to its end, and the steps the whole queue took."""
-    with Engine(ck, EngineConfig(max_running=4, kv_cache_bytes=kv_cache_bytes, kv_block_tokens=16)) as engine:
-        wave = noise(3.0, seed=1)
-        batch = [engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=24, ignore_eos=True)
-                 for _ in range(40)]
-        while engine.steps < 2:  # the queue is under way
-            pass
-        live = noise(1.0, seed=2)
-        at = engine.steps
-        result = engine.submit(prompt_for(ck, live), waveform=live, max_new_tokens=6, ignore_eos=True,
-                               interactive=interactive).result(timeout=120)
-        took = engine.steps - at
-        for f in batch:
-            f.result(timeout=300)
-        return result.token_ids, took, engine.steps
+    return one_behind_a_queue(ck, EngineConfig(max_running=4, kv_block_tokens=16), 40, 3.0, 24,
+                              late_kwargs={"interactive": interactive})
 
 
 def test_an_interactive_request_does_not_wait_for_the_queue(ck) -> None:  # noqa: ANN001
