@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -68,7 +68,7 @@ class Request:
     interactive: bool = False
     # the caller's share of the running set (see scheduler.py): requests of one group (one call's pieces, one
     # upload's) queue behind each other, and the group with the fewest running requests is admitted first
-    group: object = None
+    group: Hashable | None = None
     kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
     prefix_len: int = 0
     future: Future = field(default_factory=Future)
