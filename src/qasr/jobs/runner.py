@@ -142,11 +142,12 @@ class PartialText:
             sys.stdout.flush()
             return
         path = self.open.get(i)
+        mode = "a"
         if path is None:
             path = self.open[i] = self.jobs[i].output("txt").with_name(self.jobs[i].output("txt").name + ".partial")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("", encoding="utf-8")
-        with open(path, "a", encoding="utf-8") as f:
+            mode = "w"  # a stale partial from a killed run is replaced, not appended to
+        with open(path, mode, encoding="utf-8") as f:
             f.write(delta)
 
     def printed(self, i: int) -> str:
