@@ -1,4 +1,5 @@
-"""The fused bf16 decoder kernels compute what the plain torch modules compute."""
+"""The fused bf16 decoder kernels compute what the plain torch modules compute; the float forms (the same torch
+ops composed in C++, one Python call) give exactly their bits."""
 
 from __future__ import annotations
 
@@ -46,3 +47,37 @@ def test_norm_rope_matches_torch(n: int, heads: int) -> None:
     got = ops.norm_rope(x, norm.weight, cos, sin, norm.eps)
     assert close_in_bf16(got, want)
     assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "heads", "d"), [(1, 4, 64), (9, 2, 128), (130, 16, 128)])
+def test_float_forms_are_the_torch_ops_bit_for_bit(dtype: torch.dtype, n: int, heads: int, d: int) -> None:
+    torch.manual_seed(2)
+    norm = RMSNorm(d, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(d).to(dtype)
+    x = (3 * torch.randn(n, heads, d)).to(dtype)
+    emb = torch.rand(n, 1, d // 2).repeat(1, 1, 2) * 50
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    one_call = Kernels(rms_norm=ops.rms_norm_ops, norm_rope=ops.norm_rope_ops, fused_dtype=dtype)
+    with torch.no_grad():
+        y = norm(x)
+        assert torch.equal(norm(x, one_call), y)
+        assert torch.equal(norm(x[:, 0], one_call), norm(x[:, 0]))  # (N, C) rows, as the layer norms see them
+        assert torch.equal(ops.norm_rope_ops(x, norm.weight, cos, sin, norm.eps), y * cos + rotate_half(y) * sin)
+
+
+def test_a_float32_engine_takes_the_one_call_norms_and_keeps_its_tokens(ck) -> None:  # noqa: ANN001
+    from conftest import noise, prompt_for
+
+    from qasr.engine.config import EngineConfig
+    from qasr.engine.engine import Engine
+
+    wave = noise(2.0, seed=3)
+    tokens = []
+    for native in (True, False):
+        with Engine(ck, EngineConfig(native_kernels=native)) as engine:
+            assert ("norms in one call" in engine.prepared.description) == native
+            assert engine.prepared.kernels.fused(torch.zeros(1)) == native
+            tokens.append(engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=24,
+                                        ignore_eos=True).result(timeout=120).token_ids)
+    assert tokens[0] == tokens[1]

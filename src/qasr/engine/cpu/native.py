@@ -4,7 +4,8 @@ before anything uses it.
 
 - decode attention: streams every cached key and value once per step; torch's GEMM kernels run the
   (2 query heads x context) shape far below memory bandwidth on CPUs, so a small loop does it instead.
-- decoder ops: RMSNorm and q/k-norm + rotary in one pass each (a decode step is dispatch-bound there).
+- decoder ops: RMSNorm and q/k-norm + rotary in one pass each (a decode step is dispatch-bound there); for
+  float32/float16 the torch ops themselves, composed in C++ (one Python call, one GIL hand-off, same bits).
 - batch-invariant bf16 GEMMs (a row's result never depends on the other rows of the call, which oneDNN
   does not promise): on AMX tiles where the CPU has them (amx_linear.cpp), else AVX512-BF16
   (bf16_linear.cpp, which also holds the flash-style prefill attention). Both pack weights the same way.
@@ -59,7 +60,7 @@ def decode_kernel() -> ModuleType | None:
 
 @functools.cache
 def decoder_ops_kernel() -> ModuleType | None:
-    """Fused bf16 RMSNorm and q/k-norm + rotary (decoder_ops.cpp)."""
+    """Fused bf16 RMSNorm and q/k-norm + rotary, and their float forms (decoder_ops.cpp)."""
     mod = _build(*DECODER_OPS)
     return selftest.verified("decoder ops", mod, selftest.check_decoder_ops)
 

@@ -21,6 +21,7 @@ from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
 log = logging.getLogger(__name__)
+FUSED_NORM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
 Conv = Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]
 
@@ -32,7 +33,8 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     self-test here, else on the torch reference (same bits, slower)."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
-    ops = native.decoder_ops_kernel() if use_native and bf16 else None
+    # bf16: one-pass kernels; float32/float16: the same torch ops composed in C++ (one Python call each)
+    ops = native.decoder_ops_kernel() if use_native and dtype in FUSED_NORM_DTYPES else None
     parts = []
     if quantize == "int8":
         if int8_kernel is None and use_native:
@@ -51,12 +53,12 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     kernels = Kernels(
         linear=linear,
         conv=conv,
-        rms_norm=None if ops is None else ops.rms_norm,
-        norm_rope=None if ops is None else ops.norm_rope,
-        fused_dtype=torch.bfloat16 if ops is not None else None,
+        rms_norm=None if ops is None else ops.rms_norm if bf16 else ops.rms_norm_ops,
+        norm_rope=None if ops is None else ops.norm_rope if bf16 else ops.norm_rope_ops,
+        fused_dtype=None if ops is None else dtype,
     )
     if ops is not None:
-        parts.append("fused norms")
+        parts.append("fused norms" if bf16 else "norms in one call")
     decode = native.decode_kernel() if use_native and dtype in (torch.float32, torch.bfloat16) else None
     head_dim = model.cfg.decoder.head_dim
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None

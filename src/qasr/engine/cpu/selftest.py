@@ -273,6 +273,29 @@ def check_decoder_ops(kernel: ModuleType) -> None:
     y = rms(x, w)
     rotated = torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1)
     _expect_bf16_steps("norm_rope", kernel.norm_rope(x, w, cos, sin, eps), y * cos + rotated * sin)
+    check_float_decoder_ops(kernel)
+
+
+def check_float_decoder_ops(kernel: ModuleType) -> None:
+    """The float forms run the model's own torch ops in C++: the same bits as model/decoder.py, asked exactly."""
+    from qasr.model.decoder import RMSNorm, rotate_half
+
+    gen = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.float16):
+        norm = RMSNorm(64, 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64, generator=gen))
+        x = (3 * torch.randn(5, 4, 64, generator=gen)).to(dtype)
+        emb = torch.rand(5, 1, 32, generator=gen).repeat(1, 1, 2) * 50
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        with torch.no_grad():
+            y = norm(x)
+            pairs = (("rms_norm_ops", kernel.rms_norm_ops(x, norm.weight, norm.eps), y),
+                     ("norm_rope_ops", kernel.norm_rope_ops(x, norm.weight, cos, sin, norm.eps),
+                      y * cos + rotate_half(y) * sin))
+        for what, got, want in pairs:
+            if got.dtype != want.dtype or not torch.equal(got, want):
+                raise SelfTestFailure(f"{what} {dtype}: not the bits of the torch ops it stands for")
 
 
 def _expect_near(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

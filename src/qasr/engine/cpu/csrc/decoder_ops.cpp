@@ -84,9 +84,28 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor weight, torch::Tensor cos
   return out;
 }
 
+// The float32 (and float16) forms: the same torch ops as model/decoder.py, in the same order, so the same
+// bits; composed here so that a layer's two norms and two norm + rotary steps are four Python calls instead
+// of about forty, each of which hands the GIL back and forth (under a busy server, a wait for the GIL each).
+torch::Tensor rms_norm_ops(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+torch::Tensor norm_rope_ops(torch::Tensor x, torch::Tensor weight, torch::Tensor cos, torch::Tensor sin, double eps) {
+  auto y = rms_norm_ops(x, weight, eps);
+  auto halves = y.chunk(2, -1);
+  return y * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL while they run, like every qasr kernel (other Python threads go on meanwhile)
   m.def("rms_norm", &rms_norm, "bf16 RMSNorm over the last dim", py::call_guard<py::gil_scoped_release>());
   m.def("norm_rope", &norm_rope, "bf16 per-head RMSNorm followed by rotary embedding",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_ops", &rms_norm_ops, "RMSNorm as model/decoder.py computes it (any float dtype), one call",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("norm_rope_ops", &norm_rope_ops, "per-head RMSNorm + rotary as model/decoder.py computes them, one call",
         py::call_guard<py::gil_scoped_release>());
 }
