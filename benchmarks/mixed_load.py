@@ -112,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--file-loop", action="store_true",
                    help="post the file again as soon as it is answered, until the live sessions end (the file "
                         "then runs during every minute; the figures are the first request's)")
+    p.add_argument("--file-at", type=float, default=0.0,
+                   help="post the file this many seconds after the live sessions start (default 0: at once)")
     p.add_argument("--live", type=int, default=None, help="live sessions (default 16)")
     p.add_argument("--live-seconds", type=float, default=None, help="audio per live session (default 180)")
     p.add_argument("--live-variants", type=int, default=None, help="distinct live tracks (default 4)")
@@ -422,6 +424,7 @@ async def file_requests(client: httpx.AsyncClient, url: str, audio: dict, args: 
                         stop: asyncio.Event, t0: float) -> list[dict]:
     """The long file once (with ``--file-loop``: again and again until the live sessions end)."""
     out = []
+    await asyncio.sleep(max(0.0, t0 + args.file_at - time.perf_counter()))
     while not out or args.file_loop and not stop.is_set():
         try:
             f = await transcribe(client, url, audio["file"], "verbose_json", args.language)
