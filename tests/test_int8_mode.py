@@ -18,14 +18,9 @@ from torch import nn
 
 from qasr.audio.features import LogMel
 from qasr.engine.config import EngineConfig
-from qasr.engine.cpu.int8 import (
-    Int8Convs,
-    Int8Linears,
-    int8_linear_reference,
-    quantize_rows,
-    quantize_weight,
-)
-from qasr.engine.cpu.int8_reference import patch_rows
+from qasr.engine.cpu.int8 import Int8Convs, Int8Linears, quantize_weight
+from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
+from qasr.engine.cpu.int8_reference import quantize_rows_reference as quantize_rows
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine
@@ -374,7 +369,7 @@ def test_the_engine_reference_gives_the_native_kernels_bits() -> None:
     """The torch path of the engine (int8.py) and the native module compute the same bits, so a machine with
     the kernel and one without give the same transcripts (random bf16 rows, odd shapes, a bias)."""
     from qasr.engine.cpu import native
-    from qasr.engine.cpu.int8 import int8_linear_reference, quantize_weight
+    from qasr.engine.cpu.int8 import quantize_weight
 
     kernel = native.int8_kernel()
     if kernel is None:

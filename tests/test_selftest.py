@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qasr.engine.cpu import native, selftest
+from qasr.engine.cpu.int8_reference import patch_rows
 
 
 @pytest.fixture
@@ -32,9 +33,7 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | 
 
 def exact_conv(xp: torch.Tensor, w: torch.Tensor, cout: int, bias: torch.Tensor | None, kh: int, kw: int, sh: int,
                sw: int, linear: Callable = exact_linear) -> torch.Tensor:
-    patches = xp.unfold(1, kh, sh).unfold(2, kw, sw)  # (n, ho, wo, cin, kh, kw)
-    rows = patches.permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])  # (kh, kw, cin) order
-    return linear(rows, w, cout, bias)
+    return linear(patch_rows(xp, kh, kw, sh, sw), w, cout, bias)  # patches as rows, (kh, kw, cin) order
 
 
 def torch_gemm(linear: Callable = exact_linear, conv: Callable = exact_conv) -> ModuleType:

@@ -16,7 +16,7 @@ The arithmetic, which every path reproduces bit for bit:
   ``y = float32(acc) * s``, ``y = y + bias[n]`` (if any), then ``y`` to x's dtype.
 
 The products run on a native module when one is handed in (``pack(w_q) -> packed`` and ``linear(x, packed,
-n, w_scale, bias) -> y``, the same bits), else on the torch reference here (``torch._int_mm``). As for the
+n, w_scale, bias) -> y``, the same bits), else on the torch reference (int8_reference.py, ``torch._int_mm``). As for the
 bf16 kernels, the quantized copies live here, keyed by module; the model's own modules are never changed
 (so its float weights stay in memory beside the int8 ones).
 """
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.engine.cpu.int8_reference import patch_rows
+from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
 
 QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
@@ -54,36 +54,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w_q[start:start + step] = torch.round(wf / s[:, None]).clamp_(-QMAX, QMAX)
         scale[start:start + step] = s
     return w_q, scale
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (bf16 or float32) -> (x_q int8 [M, K], a_scale float32 [M]), each row on its own scale."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1)
-    nonzero = amax > 0
-    # a zero row gets scale 0 and quantizes to zeros (127 / 0 would be inf and 0 * inf NaN)
-    scale = torch.where(nonzero, amax / QMAX, torch.zeros_like(amax))
-    # a full tensor over amax: torch computes `number / tensor` as number * (1 / tensor), two roundings where
-    # the arithmetic (and the native kernels) take one division
-    inv = torch.where(nonzero, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
-    x_q = torch.round(xf * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return x_q, scale
-
-
-def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype: the quantized product in plain torch (the reference every kernel matches)."""
-    x_q, a_scale = quantize_rows(x)
-    if x_q.shape[1] == 1:  # torch 2.13's CPU _int_mm returns unset memory for K = 1 (measured): an outer product
-        acc = x_q.int() * w_q.int().t()
-    else:
-        acc = torch._int_mm(x_q, w_q.t())  # int32 [M, N], exact
-    # in place where it can be (fewer [M, N] buffers); each op is still one rounding, in the arithmetic's order
-    y = acc.float()
-    y.mul_(torch.outer(a_scale, w_scale))  # s = a_scale[m] * w_scale[n], then float32(acc) * s
-    if bias is not None:
-        y.add_(bias.float())
-    return y.to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -20,28 +20,29 @@ import torch.nn.functional as F
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (bf16 or float32) -> (x_q int8 [M, K], a_scale float32 [M])."""
+    """x [M, K] (bf16 or float32) -> (x_q int8 [M, K], a_scale float32 [M]), each row on its own scale."""
     xf = x.float()
     amax = xf.abs().amax(dim=1)
     zero = amax == 0
     safe = torch.where(zero, torch.ones_like(amax), amax)  # no division by zero; those rows are zeroed below
     a_scale = torch.where(zero, torch.zeros_like(amax), safe / torch.full_like(amax, 127.0))
     inv = torch.where(zero, torch.zeros_like(amax), torch.full_like(amax, 127.0) / safe)
-    q = torch.round(xf * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, a_scale
 
 
 def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16/float32, w_q int8 [N, K], w_scale float32 [N], bias float32 [N] or None -> [M, N] in
-    x's dtype."""
+    x's dtype. Also the int8 mode's product where no native kernel runs (engine/cpu/int8.py), hence in place
+    where it can be: fewer [M, N] buffers, each op still one rounding in the arithmetic's order."""
     q, a_scale = quantize_rows_reference(x)
     if q.shape[1] == 1:
         q, w_q = F.pad(q, (0, 1)), F.pad(w_q, (0, 1))
-    acc = torch._int_mm(q, w_q.t())
-    y = acc.float() * (a_scale[:, None] * w_scale.float()[None, :])
+    y = torch._int_mm(q, w_q.t()).float()  # int32 [M, N], exact, then float32(acc)
+    y.mul_(torch.outer(a_scale, w_scale.float()))  # s = a_scale[m] * w_scale[n], then float32(acc) * s
     if bias is not None:
-        y = y + bias.float()
+        y.add_(bias.float())
     return y.to(x.dtype)
 
 
