@@ -471,6 +471,11 @@ def per_minute(samples: list[tuple[float, float]]) -> list[dict]:
              "max_ms": 1e3 * max(v)} for m, v in sorted(by.items())]
 
 
+def file_ran_in(minute: int, file_span: tuple[float, float]) -> bool:
+    """Whether the file was being transcribed during some of that minute of the run."""
+    return minute * 60 < file_span[1] and (minute + 1) * 60 > file_span[0]
+
+
 def summarize(run: dict, ref: dict, audio: dict, args: argparse.Namespace, server_counts: dict) -> dict:
     t0 = run["t0"]
     samples, live_rows, mismatches = [], [], []
@@ -519,8 +524,7 @@ def summarize(run: dict, ref: dict, audio: dict, args: argparse.Namespace, serve
     lat = [h["latency_s"] for h in done]
     file_span = (done_files[0]["start_s"], done_files[-1]["start_s"] + done_files[-1]["latency_s"]) if done_files \
         else (0.0, 0.0)
-    during = [m for m in minutes if m["minute"] * 60 < file_span[1] and (m["minute"] + 1) * 60 > file_span[0]] \
-        or minutes
+    during = [m for m in minutes if file_ran_in(m["minute"], file_span)] or minutes
     worst = max(during, key=lambda m: m["p95_ms"]) if during else None
     in_span = [lat for at, lat in samples if file_span[0] <= at < file_span[1]]
     return {"samples": samples, "live_minutes": minutes, "live_samples": len(samples), "live_sessions": live_rows,
@@ -551,7 +555,7 @@ def report(s: dict, gauges: dict, args: argparse.Namespace, meta: dict) -> None:
     print(f"{'minute':>6} {'samples':>8} {'push p50 ms':>12} {'push p95 ms':>12} {'max ms':>8}")
     span = s["file_span_s"]
     for m in s["live_minutes"]:
-        mark = " (file running)" if m["minute"] * 60 < span[1] and (m["minute"] + 1) * 60 > span[0] else ""
+        mark = " (file running)" if file_ran_in(m["minute"], span) else ""
         print(f"{m['minute']:>6} {m['n']:>8} {m['p50_ms']:>12.0f} {m['p95_ms']:>12.0f} {m['max_ms']:>8.0f}{mark}")
     f = s["file"]
     if f.get("error"):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import noise, prompt_for
 
+from qasr.engine.config import EngineConfig
 from qasr.engine.cpu.native import decoder_ops_kernel
+from qasr.engine.engine import Engine
 from qasr.model.decoder import RMSNorm, rotate_half
 from qasr.model.kernels import Kernels
 
@@ -67,11 +70,6 @@ def test_float_forms_are_the_torch_ops_bit_for_bit(dtype: torch.dtype, n: int, h
 
 
 def test_a_float32_engine_takes_the_one_call_norms_and_keeps_its_tokens(ck) -> None:  # noqa: ANN001
-    from conftest import noise, prompt_for
-
-    from qasr.engine.config import EngineConfig
-    from qasr.engine.engine import Engine
-
     wave = noise(2.0, seed=3)
     tokens = []
     for native in (True, False):

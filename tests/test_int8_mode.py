@@ -20,7 +20,7 @@ from qasr.audio.features import LogMel
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu.int8 import Int8Convs, Int8Linears, quantize_weight
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
-from qasr.engine.cpu.int8_reference import quantize_rows_reference as quantize_rows
+from qasr.engine.cpu.int8_reference import quantize_rows_reference as quantize_rows  # the tests' short name
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine

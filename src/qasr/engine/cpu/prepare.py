@@ -50,15 +50,12 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     else:
         linear, conv, gemm_name = _float_products(model, use_native)
         parts.append(gemm_name)
-    kernels = Kernels(
-        linear=linear,
-        conv=conv,
-        rms_norm=None if ops is None else ops.rms_norm if bf16 else ops.rms_norm_ops,
-        norm_rope=None if ops is None else ops.norm_rope if bf16 else ops.norm_rope_ops,
-        fused_dtype=None if ops is None else dtype,
-    )
+    rms_norm = norm_rope = None
     if ops is not None:
+        rms_norm, norm_rope = (ops.rms_norm, ops.norm_rope) if bf16 else (ops.rms_norm_ops, ops.norm_rope_ops)
         parts.append("fused norms" if bf16 else "norms in one call")
+    kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope,
+                      fused_dtype=None if ops is None else dtype)
     decode = native.decode_kernel() if use_native and dtype in (torch.float32, torch.bfloat16) else None
     head_dim = model.cfg.decoder.head_dim
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None
