@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows, quantize_rows_reference
+from qasr.model.decoder import RMSNorm, rotate_half
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +258,11 @@ def check_decoder_ops(kernel: ModuleType) -> None:
     gen = torch.Generator().manual_seed(5)
     eps = 1e-6
 
-    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the model's own RMSNorm, with weight w
+        norm = RMSNorm(w.shape[0], eps).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(w)
+            return norm(x)
 
     x = (3 * torch.randn(5, 96, generator=gen)).to(torch.bfloat16)
     w = torch.randn(96, generator=gen).to(torch.bfloat16)
@@ -271,15 +274,12 @@ def check_decoder_ops(kernel: ModuleType) -> None:
     emb = torch.cat([angles, angles], -1)
     cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
     y = rms(x, w)
-    rotated = torch.cat([-y[..., d // 2:], y[..., :d // 2]], -1)
-    _expect_bf16_steps("norm_rope", kernel.norm_rope(x, w, cos, sin, eps), y * cos + rotated * sin)
+    _expect_bf16_steps("norm_rope", kernel.norm_rope(x, w, cos, sin, eps), y * cos + rotate_half(y) * sin)
     check_float_decoder_ops(kernel)
 
 
 def check_float_decoder_ops(kernel: ModuleType) -> None:
     """The float forms run the model's own torch ops in C++: the same bits as model/decoder.py, asked exactly."""
-    from qasr.model.decoder import RMSNorm, rotate_half
-
     gen = torch.Generator().manual_seed(6)
     for dtype in (torch.float32, torch.float16):
         norm = RMSNorm(64, 1e-6).to(dtype)
