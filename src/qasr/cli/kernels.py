@@ -65,6 +65,7 @@ def _entries() -> list[_Entry]:
         _Entry("AVX512-VNNI int8 linear", native.vnni_int8_kernel, native.INT8_VNNI, native.VNNI_CPU),
         _Entry("AMX-INT8 linear", native.amx_int8_kernel, native.AMX_INT8, native.AMX_INT8_CPU),
         _Entry("AVX-VNNI int8 linear", native.avx_vnni_int8_kernel, native.AVX_VNNI, native.AVX_VNNI_CPU),
+        _Entry("AVX512-VNNI int4 linear", native.int4_kernel, native.INT4_VNNI, native.VNNI_CPU),
     ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
-QUANTIZE_MODES = ("int8",)  # EngineConfig.quantize: None (off) or one of these (docs/quantization.md)
+QUANTIZE_MODES = ("int8", "int4")  # EngineConfig.quantize: None (off) or one of these (docs/quantization.md)
 
 
 @dataclass(frozen=True)

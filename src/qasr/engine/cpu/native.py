@@ -12,6 +12,8 @@ before anything uses it.
 - exact int8 W8A8 GEMMs (int8_reference.py is the arithmetic, bit for bit): on AMX-INT8 tiles
   (amx_int8.cpp), else AVX512-VNNI (int8_linear.cpp), else 256-bit AVX-VNNI (int8_avx_vnni.cpp). All pack
   weights the same way.
+- exact int4 W4A8 GEMM (int4_reference.py; group-wise int4 weights, int8 activations) on AVX512-VNNI
+  (int4_linear.cpp), for ``quantize="int4"``'s decoder.
 A kernel that cannot be built, or fails its self-test, is None: the engine falls back to the next kernel or
 to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_NO_AMX=1 the AMX one.
 """
@@ -40,6 +42,7 @@ BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
 # The int8 epilogue is specified without fused multiply-add: GCC contracts even intrinsics' mul + add otherwise.
 NO_FMA = ("-ffp-contract=off",)
 INT8_VNNI = ("qasr_int8_vnni", "int8_linear.cpp", NO_FMA)
+INT4_VNNI = ("qasr_int4_vnni", "int4_linear.cpp", NO_FMA)
 AMX_INT8 = ("qasr_amx_int8", "amx_int8.cpp", (*NO_FMA, "-mamx-tile", "-mamx-int8"))
 # without AVX-512 even where the CPU has it: this kernel is for CPUs that lack it, and must run as it would there
 AVX_VNNI = ("qasr_int8_avx_vnni", "int8_avx_vnni.cpp", (*NO_FMA, "-mno-avx512f", "-mavxvnni"))
@@ -142,6 +145,18 @@ def avx_vnni_int8_kernel() -> ModuleType | None:
     return _int8_module(AVX_VNNI_CPU, AVX_VNNI, "AVX-VNNI int8 linear")
 
 
+@functools.cache
+def int4_kernel() -> ModuleType | None:
+    """The AVX512-VNNI int4 W4A8 GEMM module (int4_linear.cpp: pack(w_q, w_scale), linear) if this CPU has
+    AVX512-VNNI and the module passed its self-test here, else None (the torch reference runs)."""
+    if not VNNI_CPU <= cpu_flags():
+        return None
+    mod = _build(*INT4_VNNI)
+    if mod is None or not mod.supported():
+        return None
+    return selftest.verified("AVX512-VNNI int4 linear", mod, selftest.check_int4_gemm)
+
+
 def _int8_module(needs: frozenset[str], build_spec: tuple, name: str) -> ModuleType | None:
     """The int8 module of ``build_spec`` if this CPU has the flags it ``needs`` (else it is not even built),
     it reports itself supported and it passes the int8 self-test."""
@@ -157,7 +172,8 @@ def clear_caches() -> None:
     """Forget which kernels were chosen and verified, so QASR_NO_AMX / QASR_NO_NATIVE are read again
     (tests). Built modules stay loaded: a build is expensive and a loaded extension cannot be unloaded."""
     for fn in (decode_kernel, decoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel, attention_kernel,
-               int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, _bf16_module, cpu_flags):
+               int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, int4_kernel, _bf16_module,
+               cpu_flags):
         getattr(fn, "cache_clear", lambda: None)()  # a test may have replaced one by a plain function
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
 from qasr.engine.cpu.conv import CpuConvs
+from qasr.engine.cpu.int4 import Int4DecoderLinears
 from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs, Int8Linears
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
@@ -27,24 +28,33 @@ Conv = Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]
 
 
 def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = None,
-                int8_kernel: ModuleType | None = None) -> PreparedModel:
+                int8_kernel: ModuleType | None = None, int4_kernel: ModuleType | None = None) -> PreparedModel:
     """``quantize="int8"``: every linear and the encoder's 480-channel convolutions in int8 (engine/cpu/int8.py),
     on ``int8_kernel`` when given, else on the native int8 module when ``use_native`` and one passed its
-    self-test here, else on the torch reference (same bits, slower)."""
+    self-test here, else on the torch reference (same bits, slower). ``quantize="int4"``: the same, except the
+    decoder's linears and the LM head, in int4 W4A8 (engine/cpu/int4.py) on ``int4_kernel`` or the native
+    int4 module or the torch reference."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
     # bf16: one-pass kernels; float32/float16: the same torch ops composed in C++ (one Python call each)
     ops = native.decoder_ops_kernel() if use_native and dtype in FUSED_NORM_DTYPES else None
     parts = []
-    if quantize == "int8":
+    if quantize in ("int8", "int4"):
         if int8_kernel is None and use_native:
             int8_kernel = native_int8_kernel()
+        if int4_kernel is None and use_native and quantize == "int4":
+            int4_kernel = native.int4_kernel()
         if dtype not in KERNEL_DTYPES:  # native modules take float32 or bf16 activations; float16: the reference
-            int8_kernel = None
-        linear, conv = Int8Linears(model, int8_kernel), Int8Convs(model, int8_kernel)
-        where = "torch reference, torch._int_mm" if int8_kernel is None else \
-            f"native {getattr(int8_kernel, 'KIND', int8_kernel.__name__)}"
-        parts.append(f"int8 W8A8 dynamic linears and encoder convs ({where}; first conv {dtype_name(dtype)})")
+            int8_kernel = int4_kernel = None
+        conv = Int8Convs(model, int8_kernel)
+        where = kernel_name(int8_kernel)
+        if quantize == "int8":
+            linear = Int8Linears(model, int8_kernel)
+            parts.append(f"int8 W8A8 dynamic linears and encoder convs ({where}; first conv {dtype_name(dtype)})")
+        else:
+            linear = Int4DecoderLinears(model, int8_kernel, int4_kernel)
+            parts.append(f"int4 W4A8 decoder linears and LM head (groups of 128; {kernel_name(int4_kernel)}), "
+                         f"int8 W8A8 encoder linears and convs ({where}; first conv {dtype_name(dtype)})")
     elif quantize is not None:
         raise ValueError(f"unknown quantize mode {quantize!r}")
     else:
@@ -83,6 +93,10 @@ def native_int8_kernel() -> ModuleType | None:
     """The native int8 GEMM module that passed its self-test on this CPU (``native.int8_kernel()``), or None:
     the torch reference runs instead."""
     return native.int8_kernel()
+
+
+def kernel_name(kernel: ModuleType | None) -> str:
+    return "torch reference, torch._int_mm" if kernel is None else f"native {getattr(kernel, 'KIND', kernel.__name__)}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

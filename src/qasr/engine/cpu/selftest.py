@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from qasr.engine.cpu.int4_reference import GROUP, int4_linear_reference
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows, quantize_rows_reference
 from qasr.model.decoder import RMSNorm, rotate_half
 
@@ -147,6 +148,38 @@ def check_int8_gemm(kernel: ModuleType) -> None:
             if not torch.equal(kernel.linear(x[rows], packed, n, w_scale, bias), full[rows]):
                 raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
     _check_int8_conv(kernel, gen)
+
+
+def check_int4_gemm(kernel: ModuleType) -> None:
+    """pack / linear of the W4A8 kernel against the torch reference of its spec (int4_reference.py), bit for
+    bit: K = 1, 3, 129, 1000 (one short group, a group and one, a short last group), N = 1, 17, 300 (column
+    tails), bf16 and float32 inputs, with and without bias, a zero row and an all-zero weight group; and rows
+    alone (M = 1) and in 2- and 17-row calls equal to the same rows of a 300-row call."""
+    gen = torch.Generator().manual_seed(20261203)
+    for i, (k, n) in enumerate((k, n) for k in (1, 3, 129, 1000) for n in (1, 17, 300)):
+        dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
+        w_q = torch.randint(-7, 8, (n, k), generator=gen, dtype=torch.int8)
+        w_q[0, :GROUP] = 0
+        groups = -(-k // GROUP)
+        w_scale = torch.rand(n, groups, generator=gen) * 0.02 + 1e-4
+        bias = torch.randn(n, generator=gen) if i % 3 != 2 else None
+        x = torch.randn(300, k, generator=gen) * torch.exp(6 * torch.rand(300, 1, generator=gen) - 3)
+        x[7] = 0
+        x = x.to(dtype)
+        what = f"int4 linear M=300 K={k} N={n} {dtype} {'bias' if bias is not None else 'no bias'}"
+        packed = kernel.pack(w_q, w_scale)
+        full = kernel.linear(x, packed, n, bias)
+        ref = int4_linear_reference(x, w_q, w_scale, bias)
+        if full.dtype != dtype or full.shape != ref.shape:
+            raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {dtype}")
+        if not torch.equal(full, ref):
+            bad = (full != ref).nonzero()
+            first = tuple(bad[0].tolist())
+            raise SelfTestFailure(f"{what}: {len(bad)} of {ref.numel()} values differ from the reference, first "
+                                  f"at {first}: {full[first].item()} vs {ref[first].item()}")
+        for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):
+            if not torch.equal(kernel.linear(x[rows], packed, n, bias), full[rows]):
+                raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
 
 
 def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:

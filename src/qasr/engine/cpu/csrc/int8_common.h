@@ -280,22 +280,27 @@ inline Cols16 cols16(const float* w_scale, const float* bias, __mmask16 mask) {
                 bias != nullptr, mask};
 }
 
-// One row's 16 values: acc -> float32 * (a_scale * w_scale) (+ bias), stored as float32 or bf16 (round to
-// nearest even, NaN to the quiet NaN 0x7FC0, as torch's .to(bfloat16)). Without a bias nothing is added
-// (adding +0.0 would turn -0.0 into +0.0).
-inline void epilogue16(__m512i acc, float a_scale, const Cols16& c, void* out, bool bf16) {
-  const __m512 s = _mm512_mul_ps(_mm512_set1_ps(a_scale), c.w_scale);
-  __m512 y = _mm512_mul_ps(_mm512_cvt_roundepi32_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), s);
-  if (c.has_bias) y = _mm512_add_ps(y, c.bias);
+// 16 float32 values (mask: fewer) stored as float32 or bf16 (round to nearest even, NaN to the quiet NaN 0x7FC0,
+// as torch's .to(bfloat16)).
+inline void store16(__m512 y, __mmask16 mask, void* out, bool bf16) {
   if (!bf16) {
-    _mm512_mask_storeu_ps(static_cast<float*>(out), c.mask, y);
+    _mm512_mask_storeu_ps(static_cast<float*>(out), mask, y);
     return;
   }
   const __m512i u = _mm512_castps_si512(y);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), c.mask, _mm512_cvtepi32_epi16(r));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out), mask, _mm512_cvtepi32_epi16(r));
+}
+
+// One row's 16 values: acc -> float32 * (a_scale * w_scale) (+ bias), stored by store16. Without a bias nothing
+// is added (adding +0.0 would turn -0.0 into +0.0).
+inline void epilogue16(__m512i acc, float a_scale, const Cols16& c, void* out, bool bf16) {
+  const __m512 s = _mm512_mul_ps(_mm512_set1_ps(a_scale), c.w_scale);
+  __m512 y = _mm512_mul_ps(_mm512_cvt_roundepi32_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), s);
+  if (c.has_bias) y = _mm512_add_ps(y, c.bias);
+  store16(y, c.mask, out, bf16);
 }
 #endif
 
