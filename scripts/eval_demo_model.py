@@ -66,7 +66,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quantize", default=None, choices=("int8",), help="load with this weight quantization")
+    ap.add_argument("--quantize", default=None, choices=("int8", "int4"),
+                    help="load with this weight quantization (docs/quantization.md)")
     ap.add_argument("--max-wer", type=float, default=0.05)
     ap.add_argument("--show", type=int, default=15, help="print this many wrong transcripts of each kind")
     ap.add_argument("--update-card", action="store_true", help="write the results into the model's README.md")

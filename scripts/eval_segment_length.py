@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, required=True, help="a folder of NAME.wav + NAME.txt (make_long_eval.py)")
     ap.add_argument("--model", default=str(ROOT / "models" / "qasr-demo-en"))
     ap.add_argument("--dtypes", default="float32,auto",
-                    help="comma list; auto is the CPU's default; NAME:int8 loads that dtype quantized to int8")
+                    help="comma list; auto is the CPU's default; NAME:int8 or NAME:int4 loads that dtype "
+                         "quantized (docs/quantization.md)")
     ap.add_argument("--lengths", default=",".join(f"{s:g}" for s in LENGTHS), help="max_segment_s values, seconds")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (machines here are shared)")
     ap.add_argument("--out", type=Path, default=None, help="default docs/bench/segment_length_<cpu>.json")

@@ -1,5 +1,5 @@
-"""How far int8 moves the model's outputs: teacher-forced logits of quantize="int8" against the same
-checkpoint without it, position by position.
+"""How far int8 (or int4, ``--quantize int4``) moves the model's outputs: teacher-forced logits of
+quantize="int8" against the same checkpoint without it, position by position.
 
 For each clip the unquantized engine decodes greedily (the token sequence both sides are then fed); one
 forward of the whole prompt plus those tokens runs with each side's prepared kernels (the engine's own
@@ -18,6 +18,7 @@ Two checkpoints, as the quantization docs report them:
 
     .venv/bin/python scripts/int8_logits.py --model 0.6b
     .venv/bin/python scripts/int8_logits.py --model models/qasr-demo-en --data data/demo --clips 60
+    .venv/bin/python scripts/int8_logits.py --model 0.6b --quantize int4
 
 Writes JSON (``--out``); prints a table.
 """
@@ -86,13 +87,13 @@ def logits(ck: Checkpoint, kernels: Kernels, wave: np.ndarray, tokens: list[int]
                      kernels=kernels).float()
 
 
-def compare(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None) -> dict:
+def compare(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, mode: str = "int8") -> dict:
     t0 = time.perf_counter()
     base = prepare_cpu(ck.model, use_native=True)
-    int8 = prepare_cpu(ck.model, use_native=True, quantize="int8")
-    print(f"kernels: {base.description}\n   int8: {int8.description}", flush=True)
+    int8 = prepare_cpu(ck.model, use_native=True, quantize=mode)  # the quantized side (int8 or int4)
+    print(f"kernels: {base.description}\n   {mode}: {int8.description}", flush=True)
     tokens = greedy(ck, clips, forced, None)
-    tokens_int8 = greedy(ck, clips, forced, "int8")
+    tokens_int8 = greedy(ck, clips, forced, mode)
     cos, top1, logprob_drop, per_clip = [], [], [], []
     for k, (wave, toks) in enumerate(zip(clips, tokens, strict=True)):
         if not toks:
@@ -119,7 +120,7 @@ def compare(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None) -
                 chosen_logprob_drop_mean=statistics.fmean(logprob_drop),
                 greedy_identical_clips=sum(c["greedy_identical"] for c in per_clip), clips=len(per_clip),
                 per_clip=per_clip, wall_s=round(time.perf_counter() - t0, 1),
-                kernels=base.description, kernels_int8=int8.description)
+                kernels=base.description, **{f"kernels_{mode}": int8.description})
 
 
 def main() -> int:
@@ -130,6 +131,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quantize", default="int8", choices=("int8", "int4"), help="the quantized side")
     args = ap.parse_args()
     if args.model == "0.6b":
         ck = load_checkpoint(build_checkpoint(args.cache), device="cpu", dtype="bfloat16")
@@ -145,17 +147,17 @@ def main() -> int:
         forced = None
         name = Path(args.model).name
     print(f"{name}, {ck.dtype}, {len(clips)} clips; {cpu_model()}, {torch.get_num_threads()} threads", flush=True)
-    result = compare(ck, clips, forced)
+    result = compare(ck, clips, forced, args.quantize)
     report = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), date=date.today().isoformat(),
                   cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__, model=name,
-                  dtype=str(ck.dtype).removeprefix("torch."), **result)
+                  dtype=str(ck.dtype).removeprefix("torch."), quantize=args.quantize, **result)
     print("| model | positions | cosine mean | cosine p1 | cosine min | top-1 agreement | chosen logprob drop | "
           "greedy identical |\n|---|---|---|---|---|---|---|---|")
     print(f"| {name} ({report['dtype']}) | {result['positions']} | "
           f"{result['cos_mean']:.5f} | {result['cos_p01']:.5f} | {result['cos_min']:.5f} | "
           f"{100 * result['top1_agreement']:.2f}% | {result['chosen_logprob_drop_mean']:.4f} | "
           f"{result['greedy_identical_clips']} of {result['clips']} clips |")
-    out = args.out or ROOT / "docs" / "bench" / f"int8_logits_{name}.json"
+    out = args.out or ROOT / "docs" / "bench" / f"{args.quantize}_logits_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
