@@ -1,14 +1,15 @@
 """int8 W8A8 GEMM rates on this CPU, side by side in one run: the torch reference of the spec (per-row
 quantization, torch._int_mm, float32 epilogue: the whole path), qasr's AMX-INT8, AVX512-VNNI and 256-bit AVX-VNNI
-kernels (quantization, product and epilogue fused), and for comparison qasr's batch-invariant bf16 kernel
-(native.linear_kernel(): AMX-BF16 or AVX512-BF16) on the same shapes.
+kernels (quantization, product and epilogue fused), quantize="int4"'s W4A8 AVX512-VNNI kernel (the same weights in
+int4 groups of 128), and for comparison qasr's batch-invariant bf16 kernel (native.linear_kernel(): AMX-BF16 or
+AVX512-BF16) on the same shapes.
 
     PYTHONPATH=src .venv/bin/python benchmarks/int8_rates.py [--threads 2] [--repeats 5] [--min-seconds 1]
                                                              [--rounds 1] [--out benchmarks/results]
 
 Prints a table of GOP/s (2 M N K / s; bf16 input, no bias, each path its fastest call after one untimed
 call, of at least --repeats calls and --min-seconds) and, for one-row products, GB/s of weight bytes read
-(int8: N K; bf16: 2 N K). Writes int8_rates.json to --out with the CPU, thread count, which kernels ran and
+(int8: N K; int4: the packed N K / 2 plus a float32 scale per 128; bf16: 2 N K). Writes int8_rates.json to --out with the CPU, thread count, which kernels ran and
 every rate (with --rounds N, the shapes are measured N times in turn and each path's best round is reported,
 every round kept in the JSON). Only kernels that built and passed their self-test here are measured. A small
 weight (1 x 1024 x 3072: 3 MB int8) stays in the caches between calls, so its GB/s is a cache rate; the lm_head
@@ -29,6 +30,7 @@ import torch
 
 from qasr.bench.perf.machine import ForeignCpu, cpu_info
 from qasr.engine.cpu import native
+from qasr.engine.cpu.int4_reference import quantize_weight_groups
 from qasr.engine.cpu.int8_reference import int8_linear_reference
 
 # (M, K, N): a decode row of a decoder projection and of the lm_head (vocabulary 151936), decode batches,
@@ -36,7 +38,7 @@ from qasr.engine.cpu.int8_reference import int8_linear_reference
 # second 3x3 convolution as a GEMM (32 x 25 positions, 3 x 3 x 480 features, 480 channels)
 SHAPES = ((1, 1024, 3072), (1, 1024, 151936), (16, 1024, 3072), (64, 1024, 3072), (256, 1024, 2048),
           (1024, 1024, 3072), (800, 4320, 480))
-PATHS = ("torch_ref", "amx_int8", "vnni_int8", "avx_vnni_int8", "bf16")
+PATHS = ("torch_ref", "amx_int8", "vnni_int8", "avx_vnni_int8", "vnni_int4", "bf16")
 
 
 def best_seconds(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
@@ -55,7 +57,8 @@ def best_seconds(fn: Callable[[], object], repeats: int, min_seconds: float) -> 
 
 def kernels() -> dict[str, object]:
     found = {"amx_int8": native.amx_int8_kernel(), "vnni_int8": native.vnni_int8_kernel(),
-             "avx_vnni_int8": native.avx_vnni_int8_kernel(), "bf16": native.linear_kernel()}
+             "avx_vnni_int8": native.avx_vnni_int8_kernel(), "vnni_int4": native.int4_kernel(),
+             "bf16": native.linear_kernel()}
     return {name: mod for name, mod in found.items() if mod is not None}
 
 
@@ -73,6 +76,13 @@ def rates(m: int, k: int, n: int, mods: dict[str, object], repeats: int,
             seconds[name] = best_seconds(lambda: mods[name].linear(x, packed, n, w_scale, None), repeats,  # noqa: B023
                                          min_seconds)
             del packed
+    weight_bytes = {p: n * k for p in seconds} | {"bf16": 2 * n * k}
+    if "vnni_int4" in mods:  # quantize=int4's decoder product: the same weights in int4 groups of 128
+        packed = mods["vnni_int4"].pack(*quantize_weight_groups(w_q.float() * w_scale[:, None]))
+        seconds["vnni_int4"] = best_seconds(lambda: mods["vnni_int4"].linear(x, packed, n, None), repeats,
+                                            min_seconds)
+        weight_bytes["vnni_int4"] = packed.numel()  # int4 values and their float32 scales
+        del packed
     if "bf16" in mods:
         w = (w_q.float() * w_scale[:, None]).to(torch.bfloat16)
         packed = mods["bf16"].pack(w)
@@ -80,7 +90,7 @@ def rates(m: int, k: int, n: int, mods: dict[str, object], repeats: int,
         del w, packed
     out = {"gops": {p: ops / s / 1e9 for p, s in seconds.items()}}
     if m == 1:
-        out["weight_gbs"] = {p: (2 if p == "bf16" else 1) * n * k / s / 1e9 for p, s in seconds.items()}
+        out["weight_gbs"] = {p: weight_bytes[p] / s / 1e9 for p, s in seconds.items()}
     return out
 
 
