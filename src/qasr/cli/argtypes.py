@@ -8,7 +8,8 @@ from qasr.engine.config import QUANTIZE_MODES  # plain data, no torch
 
 # --quantize of transcribe, serve and bench
 QUANTIZE_CHOICES = ("none", *QUANTIZE_MODES)
-QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions "
+QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions; "
+                 "int4: the same with int4 weights (groups of 128) in the decoder's linears and LM head "
                  "(CPU only; an --aligner is not quantized; docs/quantization.md); none (default): the --dtype "
                  "weights")
 

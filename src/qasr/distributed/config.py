@@ -31,7 +31,7 @@ class EngineSpec:
     aligner: str | None = None
     max_running: int = 64
     threads: int | None = None  # torch threads of a CPU engine; None: leave torch's default
-    quantize: str | None = None  # None/"none" or "int8" (ASR.from_pretrained's quantize)
+    quantize: str | None = None  # None/"none", "int8" or "int4" (ASR.from_pretrained's quantize)
 
     def load(self) -> ASR:
         import torch

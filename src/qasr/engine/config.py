@@ -22,7 +22,8 @@ class EngineConfig:
     backend: str = "auto"  # the device backend (engine/device.py): auto = the model's device type
     cuda_graphs: bool = True  # CUDA backend: replay pure decode steps as graphs per batch bucket
     # None: the checkpoint's dtype; "int8": int8 weights and per-row int8 activations in every linear and the
-    # encoder's 480-channel convolutions (CPU backend only; engine/cpu/int8.py, docs/quantization.md)
+    # encoder's 480-channel convolutions; "int4": the same, with int4 weights (groups of 128) in the decoder's
+    # linears and LM head (CPU backend only; engine/cpu/int8.py, int4.py, docs/quantization.md)
     quantize: str | None = None
     # While live (interactive) work is in the engine, the share of engine time that steps carrying batch work's
     # encoder windows and prefill chunks may take (1.0: no limit). Live captions wait for a dozen steps each;

@@ -35,13 +35,14 @@ def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
 def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto",
                   quantize: str | None = None) -> PreparedModel:
     """Choose the kernels for the model's device. ``native=False`` keeps to torch ops (same maths).
-    ``quantize="int8"``: int8 linears and convolutions (CPU only; engine/cpu/int8.py).
+    ``quantize="int8"``: int8 linears and convolutions; ``"int4"``: int4 decoder linears and LM head, the rest
+    int8 (CPU only; engine/cpu/int8.py, int4.py).
 
     Kept per model (and choice), so a second engine on the same model shares the prepared kernels and
     packed weights instead of making another copy."""
     chosen = backend_for(model, backend)
     if quantize is not None and (chosen != "cpu" or model.device.type != "cpu"):
-        raise ValueError(f"quantize={quantize!r} runs on the CPU backend only (no {chosen} int8 kernels yet): "
+        raise ValueError(f"quantize={quantize!r} runs on the CPU backend only (no {chosen} {quantize} kernels yet): "
                          "load the model on the CPU, or leave quantize off")
     cached = _prepared.setdefault(model, {})
     key = (chosen, native, quantize)

@@ -95,7 +95,8 @@ class ASR:
         """Load from a local directory or a hub id (local cache first); see ``ASR.__init__`` for kwargs.
         ``aligner``: a Qwen3-ForcedAligner directory or hub id (loaded with the same device and dtype), or
         a loaded ``qasr.Aligner``. ``quantize="int8"`` runs the ASR model's linears and encoder convolutions
-        in int8 (CPU only; docs/quantization.md; ``None`` or ``"none"``: off, the default); it sets the
+        in int8, ``"int4"`` the same with int4 decoder weights (CPU only; docs/quantization.md; ``None`` or
+        ``"none"``: off, the default); it sets the
         ``quantize`` of ``engine=EngineConfig(...)`` when both are given. An aligner keeps its own dtype."""
         mode = quantize_option(quantize)  # a bad value fails before anything loads
         if mode is not None:
