@@ -59,7 +59,7 @@ torch::Tensor pack(torch::Tensor w_q, torch::Tensor w_scale) {
                   w_scale.scalar_type() == at::kFloat, "pack: w_scale must be (N, ceil(K / 128)) float32");
   auto w = w_q.contiguous();
   auto s = w_scale.contiguous();
-  TORCH_CHECK(w.abs().max().item<int8_t>() <= 7, "pack: int4 weights must lie in [-7, 7]");
+  TORCH_CHECK(!w.lt(-7).logical_or(w.gt(7)).any().item<bool>(), "pack: int4 weights must lie in [-7, 7]");
   auto out = torch::zeros({L.total_bytes()}, w_q.options());
   uint8_t* base = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
   const int64_t head[4] = {MAGIC, N, K, L.Kp};
@@ -237,16 +237,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
     int8::quantize_panel(int8::Rows<T>{xp, 1, K, K}, M, L.Kp, M, 0, p.q.data(), p.scale.data());
   });
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* row = reinterpret_cast<const int8_t*>(p.q.data() + m * L.Kp);
-    for (int64_t g = 0; g < L.groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += row[k];
-      corr[m * L.groups + g] = 8 * sum;
+  int32_t* cp = corr.data();  // thread_local: the worker threads below must not name it themselves
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) {
+      const int8_t* row = reinterpret_cast<const int8_t*>(p.q.data() + m * L.Kp);
+      for (int64_t g = 0; g < L.groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += row[k];
+        cp[m * L.groups + g] = 8 * sum;
+      }
     }
-  }
+  });
   const uint8_t* blocks = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()) + HEADER;
-  const Args a{p.q.data(), p.scale.data(), corr.data(), M, N, L.Kp, L.groups, blocks,
+  const Args a{p.q.data(), p.scale.data(), cp, M, N, L.Kp, L.groups, blocks,
                reinterpret_cast<const float*>(blocks + L.weight_bytes()), bp, out.data_ptr(),
                xc.scalar_type() == at::kBFloat16};
   run(a);
