@@ -107,6 +107,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qasr.cli.argtypes import QUANTIZE_CHOICES  # plain data, no torch
+
 ROOT = Path(__file__).resolve().parent.parent
 SR = 16000
 AUDIO = ROOT / "examples" / "briefing.flac"
@@ -580,6 +582,18 @@ def search_streams(side: str, trial: Callable[[int], dict], cap: int, budget: Bu
 
 
 # ------------------------------------------------------------------------------------------ one model
+def run_label(label: str, quantize: str) -> str:
+    """A run's name in tables, plots and partial files: the model's label, and its quantize mode when one is on
+    (``0.6b dims, int4``), so that no quantized figure can be read as the bf16 one."""
+    return label if quantize == "none" else f"{label}, {quantize}"
+
+
+def quantize_suffix(modes: list[str]) -> str:
+    """The output stem's tail naming the quantized modes run, in the order given: ``_int8``, ``_int8_int4``;
+    empty when only bf16 runs (``none``)."""
+    return "".join(f"_{mode}" for mode in modes if mode != "none")
+
+
 def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
     import torch
 
@@ -906,9 +920,10 @@ def main(argv: list[str] | None = None) -> int:
                         "build_checkpoint)")
     p.add_argument("--model", default=None, help="a checkpoint directory, run as it is (instead of --dims)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=("none", "int8"),
-                   help="weight quantization; several (none int8) run each model once per value, one after the "
-                        "other in the same run (default none)")
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE_CHOICES,
+                   help="weight quantization; several (none int8 int4) run each model once per value, one after "
+                        "the other in the same run (default none); the output files end in the quantized modes "
+                        "run (_int8, _int8_int4)")
     p.add_argument("--minutes", type=int, default=None, help="stream length of run 1 (default 10; --quick 2)")
     p.add_argument("--naive-at", type=int, nargs="+", default=None,
                    help="elapsed seconds of the naive samples (default 10 30 60 120 300 600)")
@@ -957,14 +972,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dims = args.dims or (["demo"] if q else ["0.6b", "demo"])
         models = [(f"{d} dims", str(build_checkpoint(args.cache, d, args.transcript))) for d in dims]
-    runs = [(f"{label}, int8" if q8 == "int8" else label, model, q8) for label, model in models for q8 in args.quantize]
+    runs = [(run_label(label, mode), model, mode) for label, model in models for mode in args.quantize]
     info = cpu_info()
     cpu = (f"{info['model']} ({'AMX' if info['amx_bf16'] else 'no AMX'}, "
            f"{'AVX512-BF16' if info['avx512_bf16'] else 'no AVX512-BF16'})")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or ("streaming" + ("_quick" if q else "") + ("_live" if live else "")
                                      + ("_empty" if args.transcript == "empty" and not args.model else "")
-                                     + ("_int8" if "int8" in args.quantize else "")))
+                                     + quantize_suffix(args.quantize)))
     # with_name, not with_suffix: a --name with dots ("streaming_live_0.6b") would lose its tail
     json_path, png_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".png")
     results: list[dict] = []
@@ -973,12 +988,12 @@ def main(argv: list[str] | None = None) -> int:
     sides = [SIDES["live"]] if args.live_only else [SIDES["ours"]] + ([SIDES["live"]] if live else [])
     title = (f"{', '.join(sides)} vs {SIDES['naive']}; 1 s steps, max_new_tokens {plan['max_new_tokens']}, "
              f"{args.threads} threads, {cpu}")
-    for i, (label, model, q8) in enumerate(runs):
+    for i, (label, model, mode) in enumerate(runs):
         partial = args.out / f"{stem.name}.{label.replace(' ', '_').replace(',', '')}.partial.json"
         deadline = None if end is None else time.time() + (end - time.time()) / (len(runs) - i)
         result = in_subprocess(run_model, args.threads, label, model, args.dtype,
-                               dict(plan, partial=partial, deadline=deadline, quantize=q8))
-        result["quantize"] = q8
+                               dict(plan, partial=partial, deadline=deadline, quantize=mode))
+        result["quantize"] = mode
         result["summary"] = summary_rows(result)
         if "live" in result:
             result["live"]["minutes"] = live_minutes(result["live"]["rows"])

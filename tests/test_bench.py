@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qasr.bench.aligner import WORDS_PER_SECOND, agreement, workload
-from qasr.bench.cpu import PeakRss, clip_lengths, summary_line
+from qasr.bench.cpu import PeakRss, add_quantized_side, clip_lengths, summary_line
 from qasr.bench.perf.flops import (
     PhaseFlops,
     Utterance,
@@ -24,6 +24,7 @@ from qasr.bench.perf.flops import (
 from qasr.bench.perf.machine import ForeignCpu, cpu_info, gemm_peak, read_bandwidth
 from qasr.bench.perf.phases import ForwardLog, efficiency_report
 from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
+from qasr.engine.config import QUANTIZE_MODES
 from qasr.model.config import DecoderConfig, EncoderConfig, ModelConfig
 from qasr.testing import QWEN3_ASR_0_6B_DIMS, TINY_DIMS
 
@@ -181,6 +182,72 @@ def test_last_line_table_and_roofline_render() -> None:
     draw_roofline(ax, eff)
     assert len(ax.lines) >= 6  # roof, two guides, three phases
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ --quantize: a quantized side
+def _bf16_report(mode: str) -> dict:
+    """A bf16 report as run() makes it before a quantized side is added, with the mode's batch-1 figure."""
+    eff, _ = _fake_efficiency()
+    return dict(title="tiny", reference=dict(rtfx=2.0), qasr=dict(rtfx=10.0, ttft={"1": dict(p50_s=0.1, p95_s=0.2)}),
+                speedup=5.0, efficiency=eff, decode_b1={"none": dict(ms_per_token=40.0), mode: dict(ms_per_token=20.0)})
+
+
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_a_quantized_side_is_filed_under_its_mode_and_the_last_line_names_it(mode) -> None:  # noqa: ANN001
+    report = _bf16_report(mode)
+    bf16_line = summary_line(report)
+    add_quantized_side(report, mode, dict(rtfx=5.0), dict(overall=0.125))
+    assert report[f"qasr_{mode}"] == dict(rtfx=5.0) and report["title"] == f"tiny; and qasr {mode}"
+    assert report[mode] == {"speedup": 2.5, f"{mode}_over_bf16": 0.5, "efficiency": dict(overall=0.125),
+                            "decode_b1_over_bf16": 0.5}
+    assert not {m for m in QUANTIZE_MODES if m != mode} & set(report)  # no other mode's keys
+    # the format scripts and docs read (int8's exactly as before int4 came)
+    assert summary_line(report) == f"speedup=2.50 rtfx=5.0 efficiency=0.125 {mode}_over_bf16=0.50"
+    # run()'s "bf16: ..." line, printed just before: the report without the mode's figures
+    assert summary_line({k: v for k, v in report.items() if k != mode}) == bf16_line
+
+
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_the_plot_draws_the_quantized_bar_under_its_mode(tmp_path, mode) -> None:  # noqa: ANN001
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qasr.bench.cpu import plot
+
+    report = _bf16_report(mode)
+    add_quantized_side(report, mode, dict(rtfx=5.0), dict(overall=0.125))
+    plot(report, tmp_path / "throughput.png")
+    bars = plt.gcf().axes[0]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["transformers (batch 8)", "qasr", f"qasr {mode}"]
+    assert bars.get_title() == f"throughput, qasr bf16 x5.00, {mode} x2.50"
+    plt.close("all")
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_bench_refuses_a_quantized_gpu_run_naming_the_mode(capsys, mode) -> None:  # noqa: ANN001
+    import torch
+
+    from qasr.bench.main import main as bench_main
+
+    with pytest.raises(SystemExit):  # refused, not ignored: the quantized paths run on the CPU only
+        # --threads: main sets torch's thread count, and this process's must stay what conftest set
+        bench_main(["--device", "cuda", "--quantize", mode, "--threads", str(torch.get_num_threads())])
+    assert f"--quantize {mode} is for the CPU throughput mode (qasr's {mode} path" in capsys.readouterr().err
+
+
+def test_bench_runs_an_int4_side_on_a_tiny_checkpoint(tiny_original) -> None:  # noqa: ANN001
+    """run() passes the mode to both measurements; here they run in this process on int4 (int8's twin is in
+    test_int8_mode.py)."""
+    from qasr.bench.common import make_clip
+    from qasr.bench.cpu import Workload, measure_decode_batch1, run_qasr
+
+    clips = [make_clip(s, k) for k, s in enumerate((1.5, 2.5))]
+    side = run_qasr(tiny_original, clips, Workload((), ((1, 1),), (1.0, 1.5)), kv_gib=0.05, seed=0, quantize="int4")
+    assert "int4" in side["kernels"] and side["tokens"] > 0
+    b1 = measure_decode_batch1(tiny_original, (None, "int4"), rounds=1)
+    assert set(b1) == {"none", "int4"} and all(v["ms_per_token"] > 0 for v in b1.values())
 
 
 # ------------------------------------------------------------------------------------------ aligner mode

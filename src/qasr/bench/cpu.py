@@ -12,8 +12,10 @@ efficiency against it: model FLOP for the workload (qasr.bench.perf.flops) per w
 overall and per phase, with a roofline panel (qasr.bench.perf.phases, qasr.bench.perf.report). The last line is
 ``speedup=<x> rtfx=<y> efficiency=<z>``.
 
-``--quantize int8`` runs qasr twice, in bf16 and with ``quantize="int8"`` (each in its own process), against
-the same reference run; the last line then gives int8's figures and ``int8_over_bf16=<x>``.
+``--quantize <mode>`` (int8 or int4, engine/config.QUANTIZE_MODES) runs qasr twice, in bf16 and with
+``quantize=<mode>`` (each in its own process), against the same reference run; the report keeps bf16's figures
+where they are and adds ``qasr_<mode>`` and ``<mode>`` beside them, the files are named ``..._<mode>``, and the
+last line gives the mode's figures and ``<mode>_over_bf16=<x>`` (``int8_over_bf16=<x>``, ``int4_over_bf16=<x>``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from qasr.bench.perf.flops import Utterance, workload_flops
 from qasr.bench.perf.machine import ForeignCpu, probe
 from qasr.bench.perf.phases import ForwardLog, efficiency_report, timing_delta
 from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
+from qasr.engine.config import QUANTIZE_MODES
 from qasr.model.config import ModelConfig
 
 
@@ -190,6 +193,24 @@ def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> di
 
 
 # ------------------------------------------------------------------------------------------- report
+def quantized_mode(report: dict) -> str | None:
+    """The quantize mode whose side a report carries (its figures under the mode's name), or None."""
+    return next((mode for mode in QUANTIZE_MODES if mode in report), None)
+
+
+def add_quantized_side(report: dict, mode: str, side: dict, side_efficiency: dict) -> None:
+    """Put a quantized run (``run_qasr``'s dict for ``mode``) into a bf16 report: its run as ``qasr_<mode>`` and
+    its figures against the reference and bf16 as ``<mode>``; the bf16 figures stay where they are, so a
+    reader of a bf16 report reads a quantized one alike. ``report`` needs reference, qasr, decode_b1 (with
+    the mode's batch-1 run) and title."""
+    decode_b1 = report["decode_b1"]
+    report[f"qasr_{mode}"] = side
+    report[mode] = {"speedup": side["rtfx"] / report["reference"]["rtfx"],
+                    f"{mode}_over_bf16": side["rtfx"] / report["qasr"]["rtfx"], "efficiency": side_efficiency,
+                    "decode_b1_over_bf16": decode_b1[mode]["ms_per_token"] / decode_b1["none"]["ms_per_token"]}
+    report["title"] += f"; and qasr {mode}"  # its kernels are in qasr_<mode>.kernels (a long line for a title)
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -199,13 +220,14 @@ def plot(report: dict, path: Path) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = ["transformers (batch 8)", "qasr"]
     vals = [report["reference"]["rtfx"], report["qasr"]["rtfx"]]
-    if "qasr_int8" in report:
-        names.append("qasr int8")
-        vals.append(report["qasr_int8"]["rtfx"])
+    mode = quantized_mode(report)
+    if mode is not None:
+        names.append(f"qasr {mode}")
+        vals.append(report[f"qasr_{mode}"]["rtfx"])
     a.bar(names, vals, color=["#999999", "#2b7bba", "#e08a2b"][:len(vals)])
     a.set_ylabel("audio seconds per wall second (RTFx)")
     a.set_title(f"throughput, qasr bf16 x{report['speedup']:.2f}" + (
-        f", int8 x{report['int8']['speedup']:.2f}" if "int8" in report else ""))
+        f", {mode} x{report[mode]['speedup']:.2f}" if mode is not None else ""))
     for i, v in enumerate(vals):
         a.text(i, v, f"{v:.1f}", ha="center", va="bottom")
     conc = list(report["qasr"]["ttft"])
@@ -239,12 +261,14 @@ def run(args: argparse.Namespace) -> int:
     ours = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed)
     print(f"  qasr: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}, phases "
           + ", ".join(f"{k} {v:.1f}" for k, v in ours["phases"].items()), flush=True)
-    int8 = None
-    if getattr(args, "quantize", "none") == "int8":
-        int8 = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, "int8")
-        print(f"  qasr int8 ({int8['kernels']}): {int8['wall_s']:.1f} s, RTFx {int8['rtfx']:.1f}, phases "
-              + ", ".join(f"{k} {v:.1f}" for k, v in int8["phases"].items()), flush=True)
-    decode_b1 = in_subprocess(measure_decode_batch1, threads, ckpt, (None, "int8") if int8 is not None else (None,))
+    requested = getattr(args, "quantize", "none")
+    mode = None if requested == "none" else requested  # the quantized side's name (int8, int4); None: bf16 alone
+    quant = None
+    if mode is not None:
+        quant = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, mode)
+        print(f"  qasr {mode} ({quant['kernels']}): {quant['wall_s']:.1f} s, RTFx {quant['rtfx']:.1f}, phases "
+              + ", ".join(f"{k} {v:.1f}" for k, v in quant["phases"].items()), flush=True)
+    decode_b1 = in_subprocess(measure_decode_batch1, threads, ckpt, (None,) if mode is None else (None, mode))
     ref = in_subprocess(run_reference, threads, ckpt, clips)
     print(f"  transformers: {ref['wall_s']:.1f} s, RTFx {ref['rtfx']:.1f}", flush=True)
     speedup = ours["rtfx"] / ref["rtfx"]
@@ -264,19 +288,15 @@ def run(args: argparse.Namespace) -> int:
                   workload=dict(clips_s=lengths, tokens_per_second=TOKENS_PER_SECOND), machine=machine,
                   qasr=ours, reference=ref, speedup=speedup, efficiency=eff, decode_b1=decode_b1,
                   total_wall_s=time.perf_counter() - t0)
-    if int8 is not None:  # the bf16 figures stay where they are; int8's beside them
-        report["qasr_int8"] = int8
-        report["int8"] = dict(speedup=int8["rtfx"] / ref["rtfx"], int8_over_bf16=int8["rtfx"] / ours["rtfx"],
-                              efficiency=efficiency(int8),
-                              decode_b1_over_bf16=decode_b1["int8"]["ms_per_token"] / decode_b1["none"]["ms_per_token"])
-        report["title"] += "; and qasr int8"  # its kernels are in qasr_int8.kernels (a long line for a title)
-    stem = ("throughput_quick" if args.quick else "throughput") + ("_int8" if int8 is not None else "")
+    if quant is not None:
+        add_quantized_side(report, mode, quant, efficiency(quant))
+    stem = ("throughput_quick" if args.quick else "throughput") + ("" if mode is None else f"_{mode}")
     save_report(report, args.out, stem, plot, machine)
     print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency | others' CPU |")
     print("|---|---|---|---|---|---|---|---|")
     rows = [("transformers generate, batch 8", ref, eff["reference_overall"]), ("qasr engine", ours, eff["overall"])]
-    if int8 is not None:
-        rows.append(("qasr engine, int8", int8, report["int8"]["efficiency"]["overall"]))
+    if quant is not None:
+        rows.append((f"qasr engine, {mode}", quant, report[mode]["efficiency"]["overall"]))
     for name, r, e in rows:
         print(f"| {name} | {r['wall_s']:.1f} | {r['audio_s']:.0f} | {r['rtfx']:.1f} | {r['tokens']} | "
               f"{r['peak_rss_gib']:.2f} | {100 * e:.1f}% | {100 * r['foreign_cpu_share']:.0f}% |")
@@ -286,30 +306,31 @@ def run(args: argparse.Namespace) -> int:
                   f"{name} side: its figures are not representative of this machine")
     print()
     print(phase_table(eff))
-    if int8 is not None:
-        print("\nint8:")
-        print(phase_table(report["int8"]["efficiency"]))
-    for name, side in (("qasr", ours), ("qasr int8", int8)):
+    if quant is not None:
+        print(f"\n{mode}:")
+        print(phase_table(report[mode]["efficiency"]))
+    for name, side in (("qasr", ours), (f"qasr {mode}", quant)):
         if side is not None:
             print(f"\n{name} TTFT by arrival concurrency: " + ", ".join(
                 f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in side["ttft"].items()))
-    ratio = f" (int8 / bf16 = {report['int8']['decode_b1_over_bf16']:.2f})" if int8 is not None else ""
+    ratio = f" ({mode} / bf16 = {report[mode]['decode_b1_over_bf16']:.2f})" if quant is not None else ""
     print("\ndecode at batch 1 (one request alone, 5 s clip, sides interleaved in one process): " + ", ".join(
         f"qasr{'' if q == 'none' else ' ' + q} {v['ms_per_token']:.1f} ms/token" for q, v in decode_b1.items()) + ratio)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
-    if int8 is not None:
-        print("bf16: " + summary_line({k: v for k, v in report.items() if k != "int8"}))
+    if quant is not None:
+        print("bf16: " + summary_line({k: v for k, v in report.items() if k != mode}))
     print(summary_line(report))
     return 0
 
 
 def summary_line(report: dict) -> str:
-    """The CPU mode's last line, the one scripts read: qasr's figures against the reference, int8's (and
-    int8_over_bf16) when the run had an int8 side."""
-    if "int8" in report:
-        int8 = report["int8"]
-        return (f"speedup={int8['speedup']:.2f} rtfx={report['qasr_int8']['rtfx']:.1f} "
-                f"efficiency={int8['efficiency']['overall']:.3f} int8_over_bf16={int8['int8_over_bf16']:.2f}")
+    """The CPU mode's last line, the one scripts read: qasr's figures against the reference, or the quantized
+    side's (and <mode>_over_bf16, e.g. int8_over_bf16) when the run had one."""
+    mode = quantized_mode(report)
+    if mode is not None:
+        side = report[mode]
+        return (f"speedup={side['speedup']:.2f} rtfx={report[f'qasr_{mode}']['rtfx']:.1f} "
+                f"efficiency={side['efficiency']['overall']:.3f} {mode}_over_bf16={side[f'{mode}_over_bf16']:.2f}")
     return (f"speedup={report['speedup']:.2f} rtfx={report['qasr']['rtfx']:.1f} "
             f"efficiency={report['efficiency']['overall']:.3f}")
 

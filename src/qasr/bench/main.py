@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from qasr.cli.argtypes import QUANTIZE_CHOICES
+from qasr.engine.config import QUANTIZE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
-                   help="int8: run qasr twice, bf16 and quantize=\"int8\" (docs/quantization.md), against the same "
-                        "reference; the last line's speedup, rtfx and efficiency are then int8's, followed by "
-                        "int8_over_bf16=<x> (int8 RTFx over bf16 RTFx). CPU mode only")
+                   help=f"{' or '.join(QUANTIZE_MODES)}: run qasr twice, bf16 and quantize=<mode> "
+                        "(docs/quantization.md), against the same reference; the last line's speedup, rtfx and "
+                        "efficiency are then the mode's, followed by <mode>_over_bf16=<x> (its RTFx over bf16's, "
+                        "e.g. int8_over_bf16=<x>); output files end in _<mode>. CPU mode only")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU mode (qasr.bench.gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
                         "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     if args.quantize != "none" and (args.device == "cuda" or args.aligner):
-        p.error("--quantize int8 is for the CPU throughput mode (qasr's int8 path runs on the CPU only)")
+        p.error(f"--quantize {args.quantize} is for the CPU throughput mode (qasr's {args.quantize} path runs on "
+                "the CPU only)")
     if args.device == "cuda":
         if args.aligner:
             p.error("--aligner has no GPU mode yet")
