@@ -86,10 +86,14 @@ def main() -> int:
     refs, hyps = [r["text"] for r in rows], [r.text for r in results]
     for r in rows:  # manifests written before the kinds existed hold single sentences and silence
         r.setdefault("kind", "sentence" if r["text"] else "nonspeech")
-    held_out = {r["voice"] for r in rows if r["voice"]} - set(_train_voices(args.data))
+    trained = _train_voices(args.data)
+    held_out = {r["voice"] for r in rows if r["voice"]} - set(trained or ())
     sentence = [i for i, r in enumerate(rows) if r["kind"] == "sentence"]
     groups = {"all": lambda r: True, "training voices": lambda r: r["voice"] not in held_out,
               "held-out voices": lambda r: r["voice"] in held_out}
+    if trained is None:  # a validation split made alone (--splits val): which voices were trained is unknown
+        print(f"{args.data / 'train.jsonl'} not found: no split by voice", file=sys.stderr)
+        groups, held_out = {"all": groups["all"]}, set()
     lines = ["Single sentences:"]
     total_wer, _ = word_errors([refs[i] for i in sentence], [hyps[i] for i in sentence])
     for name, keep in groups.items():
@@ -173,8 +177,11 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _train_voices(data: Path) -> list[str]:
-    return [json.loads(line)["voice"] for line in (data / "train.jsonl").read_text().splitlines()]
+def _train_voices(data: Path) -> list[str] | None:
+    manifest = data / "train.jsonl"
+    if not manifest.exists():
+        return None
+    return [json.loads(line)["voice"] for line in manifest.read_text().splitlines()]
 
 
 if __name__ == "__main__":
