@@ -7,13 +7,14 @@ AVX512-BF16) on the same shapes.
     PYTHONPATH=src .venv/bin/python benchmarks/int8_rates.py [--threads 2] [--repeats 5] [--min-seconds 1]
                                                              [--rounds 1] [--out benchmarks/results]
 
-Prints a table of GOP/s (2 M N K / s; bf16 input, no bias, each path its fastest call after one untimed
-call, of at least --repeats calls and --min-seconds) and, for one-row products, GB/s of weight bytes read
-(int8: N K; int4: the packed N K / 2 plus a float32 scale per 128; bf16: 2 N K). Writes int8_rates.json to --out with the CPU, thread count, which kernels ran and
-every rate (with --rounds N, the shapes are measured N times in turn and each path's best round is reported,
-every round kept in the JSON). Only kernels that built and passed their self-test here are measured. A small
-weight (1 x 1024 x 3072: 3 MB int8) stays in the caches between calls, so its GB/s is a cache rate; the lm_head
-row (155 MB int8, 311 MB bf16) is a memory rate only where the last-level cache is smaller than that (lscpu).
+Prints a table of GOP/s (2 M N K / s; bf16 input, no bias, each path its fastest call after one untimed call, of at
+least --repeats calls and --min-seconds) and, for one-row products, GB/s of weight bytes read (int8: N K; int4: the
+packed N K / 2 plus a float32 scale per 128; bf16: 2 N K). Writes int8_rates.json to --out with the CPU, thread
+count, which kernels ran and every rate (with --rounds N, the shapes are measured N times in turn and each path's
+best round is reported, every round kept in the JSON). Only kernels that built and passed their self-test here are
+measured. A small weight (1 x 1024 x 3072: 3 MB int8) stays in the caches between calls, so its GB/s is a cache
+rate; the lm_head row (155 MB int8, 311 MB bf16) is a memory rate only where the last-level cache is smaller than
+that (lscpu).
 """
 
 from __future__ import annotations
