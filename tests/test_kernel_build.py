@@ -313,7 +313,7 @@ def test_kernels_build_reports_each_kernel(scenario: Scenario, tmp_path: Path) -
     assert lines["decode attention"].startswith("unavailable") and "test compiler: refused" in r.err, r.out
     for label, needs in (("AVX512-BF16 linear", native.AVX512_BF16_CPU), ("AMX-BF16 linear", native.AMX_CPU),
                          ("AVX512-VNNI int8 linear", native.VNNI_CPU), ("AMX-INT8 linear", native.AMX_INT8_CPU),
-                         ("AVX-VNNI int8 linear", native.AVX_VNNI_CPU)):
+                         ("AVX-VNNI int8 linear", native.AVX_VNNI_CPU), ("AVX512-VNNI int4 linear", native.VNNI_CPU)):
         assert lines[label].startswith("not for this CPU" if not needs <= native.cpu_flags() else "unavailable")
     assert r.out.rstrip().endswith(f"builds in {scenario.kdir}")
     where = _run([sys.executable, "-m", "qasr", "kernels", "where"], _env(scenario.kdir), 60)
