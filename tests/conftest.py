@@ -111,3 +111,40 @@ def one_behind_a_queue(ck, config, queued: int, queued_seconds: float, queued_to
         for f in ahead:
             f.result(timeout=300)
         return result.token_ids, took, engine.steps
+
+
+def greedy_without_engine(ck, wave: np.ndarray, new_tokens: int, kernels) -> list[int]:  # noqa: ANN001
+    """Greedy decoding of ``ck`` (a Checkpoint) with ``kernels`` (a Kernels) and the whole sequence recomputed
+    at every token: no engine, no KV reuse, no batch. The plain references of the quantized modes."""
+    from qasr.audio.features import LogMel
+    from qasr.engine.kv_cache import single_prefill
+
+    model = ck.model
+    prompt = prompt_for(ck, wave)
+    with torch.inference_mode():
+        audio = model.audio_tower([LogMel(ck.features)(wave)], kernels=kernels)[0]
+        ids = list(prompt)
+        for _ in range(new_tokens):
+            cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
+            logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta,
+                           logits_rows=torch.tensor([len(ids) - 1]), audio_embeds=audio, kernels=kernels)
+            ids.append(int(logits[0].argmax()))
+    return ids[len(prompt):]
+
+
+def int8_unfold_conv(module: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The int8 convolution computed another way than qasr's: F.unfold's (cin, kh, kw) feature order, the int8
+    reference product per row, NCHW output."""
+    import torch.nn.functional as F
+
+    from qasr.engine.cpu.int8 import quantize_weight
+    from qasr.engine.cpu.int8_reference import int8_linear_reference
+
+    n, _, h, w = x.shape
+    cols = F.unfold(x.float(), module.kernel_size, padding=module.padding, stride=module.stride)  # (n, K, L)
+    rows = cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(x.dtype)
+    w_q, scale = quantize_weight(module.weight.reshape(module.out_channels, -1))
+    y = int8_linear_reference(rows, w_q, scale, module.bias)
+    (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    return y.view(n, ho * wo, -1).transpose(1, 2).reshape(n, -1, ho, wo)

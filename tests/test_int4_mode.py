@@ -7,11 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import noise, prompt_for
+from conftest import greedy_without_engine, int8_unfold_conv, noise, prompt_for
 from torch import nn
 
-from qasr.audio.features import LogMel
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu import native, selftest
 from qasr.engine.cpu.int4 import Int4DecoderLinears, Int4Weight
@@ -20,7 +18,6 @@ from qasr.engine.cpu.int8 import Int8Convs, Int8Weight, quantize_weight
 from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine
-from qasr.engine.kv_cache import single_prefill
 from qasr.model.kernels import Kernels
 
 KV = 64 << 20
@@ -158,32 +155,9 @@ def reference_kernels() -> Kernels:
         return y.view(*x.shape[:-1], -1)
 
     def conv(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-        if module.in_channels == 1:
-            return module(x)
-        n, _, h, w = x.shape
-        cols = F.unfold(x.float(), module.kernel_size, padding=module.padding, stride=module.stride)
-        rows = cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(x.dtype)
-        y = int8_linear_reference(rows, *quantize_weight(module.weight.reshape(module.out_channels, -1)), module.bias)
-        (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
-        ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
-        return y.view(n, ho * wo, -1).transpose(1, 2).reshape(n, -1, ho, wo)
+        return module(x) if module.in_channels == 1 else int8_unfold_conv(module, x)
 
     return Kernels(linear=linear, conv=conv)
-
-
-def reference_greedy(ck, wave: np.ndarray, new_tokens: int, kernels: Kernels) -> list[int]:  # noqa: ANN001
-    """Greedy decoding with the whole sequence recomputed at every token: no engine, no KV reuse, no batch."""
-    model = ck.model
-    prompt = prompt_for(ck, wave)
-    with torch.inference_mode():
-        audio = model.audio_tower([LogMel(ck.features)(wave)], kernels=kernels)[0]
-        ids = list(prompt)
-        for _ in range(new_tokens):
-            cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
-            logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta,
-                           logits_rows=torch.tensor([len(ids) - 1]), audio_embeds=audio, kernels=kernels)
-            ids.append(int(logits[0].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.fixture()
@@ -208,7 +182,7 @@ def generate(ck, waves: list[np.ndarray], new_tokens: int = 10, **config) -> lis
 def test_engine_tokens_equal_a_plain_int4_reference(marked) -> None:
     waves = [noise(s, seed=20 + k) for k, s in enumerate((0.9, 4.3))]
     got = [r.token_ids for r in generate(marked, waves, native_kernels=False)]
-    assert got == [reference_greedy(marked, w, 10, reference_kernels()) for w in waves]
+    assert got == [greedy_without_engine(marked, w, 10, reference_kernels()) for w in waves]
 
 
 def test_the_native_kernels_in_the_model_give_the_references_tokens(marked) -> None:
@@ -219,8 +193,9 @@ def test_the_native_kernels_in_the_model_give_the_references_tokens(marked) -> N
                            int4_kernel=native.int4_kernel())
     assert "native AVX512-VNNI int4" in prepared.description
     waves = [noise(s, seed=30 + k) for k, s in enumerate((1.7, 3.1))]
+    reference = reference_kernels()
     for w in waves:
-        assert reference_greedy(marked, w, 8, prepared.kernels) == reference_greedy(marked, w, 8, reference_kernels())
+        assert greedy_without_engine(marked, w, 8, prepared.kernels) == greedy_without_engine(marked, w, 8, reference)
 
 
 def test_a_request_alone_and_in_a_batch_gets_the_same_tokens(ck_bf16) -> None:

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEMO, noise, prompt_for
+from conftest import DEMO, greedy_without_engine, int8_unfold_conv, noise, prompt_for
 from torch import nn
 
-from qasr.audio.features import LogMel
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu.int8 import Int8Convs, Int8Linears, quantize_weight
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
@@ -24,7 +23,6 @@ from qasr.engine.cpu.int8_reference import quantize_rows_reference as quantize_r
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine
-from qasr.engine.kv_cache import single_prefill
 from qasr.model.kernels import Kernels
 from qasr.outputs.writers import score
 
@@ -165,18 +163,6 @@ def test_int8_linears_cover_every_linear_with_or_without_a_kernel() -> None:
         plain(nn.Linear(13, 7), torch.randn(1, 13))  # never a silent float product
 
 
-def unfold_conv(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """The int8 convolution computed another way: F.unfold's (cin, kh, kw) feature order and NCHW output."""
-    n, _, h, w = x.shape
-    cols = F.unfold(x.float(), module.kernel_size, padding=module.padding, stride=module.stride)  # (n, K, L)
-    rows = cols.transpose(1, 2).reshape(-1, cols.shape[1]).to(x.dtype)
-    w_q, scale = quantize_weight(module.weight.reshape(module.out_channels, -1))
-    y = int8_linear_reference(rows, w_q, scale, module.bias)
-    (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
-    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
-    return y.view(n, ho * wo, -1).transpose(1, 2).reshape(n, -1, ho, wo)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_convs_match_an_unfold_reference_and_keep_the_first_conv_in_float(dtype) -> None:
     torch.manual_seed(1)
@@ -190,7 +176,7 @@ def test_int8_convs_match_an_unfold_reference_and_keep_the_first_conv_in_float(d
         x = torch.randn(3, 3, 7, 9).to(dtype)
         out = convs(odd, x)
         assert out.shape == (3, 5, 4, 5) and out.dtype == dtype
-        assert torch.equal(out, unfold_conv(odd, x))  # the feature order does not matter: rows are exact
+        assert torch.equal(out, int8_unfold_conv(odd, x))  # the feature order does not matter: rows are exact
         assert torch.equal(convs(odd, x[1:2]), out[1:2])  # an image alone: the same bits
     # the module reads the patches in place (its conv), never an explicit im2col; the first conv never reaches it
     assert calls == {"pack": 1, "linear": 0, "conv": 2}
@@ -206,25 +192,13 @@ def reference_kernels() -> Kernels:
         return y.view(*x.shape[:-1], -1)
 
     def conv(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-        return module(x) if module.in_channels == 1 else unfold_conv(module, x)
+        return module(x) if module.in_channels == 1 else int8_unfold_conv(module, x)
 
     return Kernels(linear=linear, conv=conv)
 
 
 def reference_greedy(ck, wave: np.ndarray, new_tokens: int) -> list[int]:  # noqa: ANN001 - a Checkpoint
-    """Greedy decoding with the whole sequence recomputed at every token: no engine, no KV reuse, no batch."""
-    kernels = reference_kernels()
-    model = ck.model
-    prompt = prompt_for(ck, wave)
-    with torch.inference_mode():
-        audio = model.audio_tower([LogMel(ck.features)(wave)], kernels=kernels)[0]
-        ids = list(prompt)
-        for _ in range(new_tokens):
-            cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
-            logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta,
-                           logits_rows=torch.tensor([len(ids) - 1]), audio_embeds=audio, kernels=kernels)
-            ids.append(int(logits[0].argmax()))
-    return ids[len(prompt):]
+    return greedy_without_engine(ck, wave, new_tokens, reference_kernels())
 
 
 def generate(ck, waves: list[np.ndarray], new_tokens: int = 10, **config) -> list:  # noqa: ANN001, ANN003
@@ -295,12 +269,13 @@ def test_the_option_through_asr_from_pretrained(tiny_original) -> None:
 def test_unsupported_values_are_clear_errors(tiny_original, ck) -> None:
     from qasr import ASR
 
-    with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):
-        ASR.from_pretrained(tiny_original, device="cpu", quantize="int4")
+    with pytest.raises(ValueError, match="unknown quantize mode 'int2'"):
+        ASR.from_pretrained(tiny_original, device="cpu", quantize="int2")
     with pytest.raises(ValueError, match="quantize must be None"):
         EngineConfig(quantize="fp8")
-    with pytest.raises(ValueError, match="CPU backend only"):  # the CUDA backend has no int8 kernels
-        Engine(ck, EngineConfig(kv_cache_bytes=KV, quantize="int8", backend="cuda"))
+    for mode in ("int8", "int4"):  # the CUDA backend has no int8 or int4 kernels
+        with pytest.raises(ValueError, match=f"CPU backend only \\(no cuda {mode} kernels"):
+            Engine(ck, EngineConfig(kv_cache_bytes=KV, quantize=mode, backend="cuda"))
 
 
 def test_cli_transcribes_with_int8(demo) -> None:
@@ -325,9 +300,9 @@ def test_cli_transcribes_with_int8(demo) -> None:
     assert abs(int8.segments[0].avg_logprob - floats.segments[0].avg_logprob) > 1e-4
     got = line["segments"][0]["avg_logprob"]
     assert got == score(int8.segments[0].avg_logprob) != score(floats.segments[0].avg_logprob)
-    bad = subprocess.run([sys.executable, "-m", "qasr", "transcribe", str(clip), "--quantize", "int4"],
+    bad = subprocess.run([sys.executable, "-m", "qasr", "transcribe", str(clip), "--quantize", "int2"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr
+    assert bad.returncode == 2 and "invalid choice: 'int2'" in bad.stderr
 
 
 def test_bench_runs_an_int8_side_and_its_last_line_names_it(tiny_original) -> None:

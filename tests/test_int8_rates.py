@@ -25,7 +25,8 @@ def test_rates_name_every_path_and_keep_the_best_round(tmp_path: Path, monkeypat
                      "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "int8_rates.json").read_text())
     found = {"amx_int8": native.amx_int8_kernel(), "vnni_int8": native.vnni_int8_kernel(),
-             "avx_vnni_int8": native.avx_vnni_int8_kernel(), "bf16": native.linear_kernel()}
+             "avx_vnni_int8": native.avx_vnni_int8_kernel(), "vnni_int4": native.int4_kernel(),
+             "bf16": native.linear_kernel()}
     expected = {name for name, k in found.items() if k is not None}
     assert set(result["kernels"]) == expected and result["threads"] == 1 and len(result["rates_by_round"]) == 2
     assert [r["shape"] for r in result["rates"]] == [[1, 64, 96], [3, 100, 70]]

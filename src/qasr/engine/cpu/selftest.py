@@ -135,18 +135,8 @@ def check_int8_gemm(kernel: ModuleType) -> None:
         q_ref, a_scale_ref = quantize_rows_reference(x)
         if not (torch.equal(q, q_ref) and torch.equal(a_scale, a_scale_ref)):
             raise SelfTestFailure(f"quantize_rows K={k} {dtype}: differs from the reference")
-        full = kernel.linear(x, packed, n, w_scale, bias)
-        ref = int8_linear_reference(x, w_q, w_scale, bias)
-        if full.dtype != dtype or full.shape != ref.shape:
-            raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {dtype}")
-        if not torch.equal(full, ref):
-            bad = (full != ref).nonzero()
-            first = tuple(bad[0].tolist())
-            raise SelfTestFailure(f"{what}: {len(bad)} of {ref.numel()} values differ from the reference, first "
-                                  f"at {first}: {full[first].item()} vs {ref[first].item()}")
-        for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):  # M = 1 (the last row), 2 (with the zero row), 17
-            if not torch.equal(kernel.linear(x[rows], packed, n, w_scale, bias), full[rows]):
-                raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
+        _expect_exact_rows(what, lambda rows: kernel.linear(rows, packed, n, w_scale, bias), x,  # noqa: B023
+                           int8_linear_reference(x, w_q, w_scale, bias))
     _check_int8_conv(kernel, gen)
 
 
@@ -168,18 +158,26 @@ def check_int4_gemm(kernel: ModuleType) -> None:
         x = x.to(dtype)
         what = f"int4 linear M=300 K={k} N={n} {dtype} {'bias' if bias is not None else 'no bias'}"
         packed = kernel.pack(w_q, w_scale)
-        full = kernel.linear(x, packed, n, bias)
-        ref = int4_linear_reference(x, w_q, w_scale, bias)
-        if full.dtype != dtype or full.shape != ref.shape:
-            raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {dtype}")
-        if not torch.equal(full, ref):
-            bad = (full != ref).nonzero()
-            first = tuple(bad[0].tolist())
-            raise SelfTestFailure(f"{what}: {len(bad)} of {ref.numel()} values differ from the reference, first "
-                                  f"at {first}: {full[first].item()} vs {ref[first].item()}")
-        for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):
-            if not torch.equal(kernel.linear(x[rows], packed, n, bias), full[rows]):
-                raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
+        _expect_exact_rows(what, lambda rows: kernel.linear(rows, packed, n, bias), x,  # noqa: B023
+                           int4_linear_reference(x, w_q, w_scale, bias))
+
+
+def _expect_exact_rows(what: str, linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                       ref: torch.Tensor) -> None:
+    """``linear(x)`` (300 rows) equals ``ref`` bit for bit, in x's dtype, and so do rows computed alone (M = 1,
+    the last row), in a pair (M = 2, with the zero row 7) and in 17 (M = 17): a few-row call may take another
+    path than the big one."""
+    full = linear(x)
+    if full.dtype != x.dtype or full.shape != ref.shape:
+        raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {x.dtype}")
+    if not torch.equal(full, ref):
+        bad = (full != ref).nonzero()
+        first = tuple(bad[0].tolist())
+        raise SelfTestFailure(f"{what}: {len(bad)} of {ref.numel()} values differ from the reference, first "
+                              f"at {first}: {full[first].item()} vs {ref[first].item()}")
+    for rows in (slice(299, 300), slice(6, 8), slice(150, 167)):
+        if not torch.equal(linear(x[rows]), full[rows]):
+            raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 300-row call")
 
 
 def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
