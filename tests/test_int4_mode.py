@@ -133,8 +133,9 @@ def test_decoder_and_lm_head_go_int4_and_the_encoder_int8(ck) -> None:
         linears(nn.Linear(4, 4), torch.randn(1, 4))  # never a silent float product
 
 
-def test_prepare_names_both_paths(ck) -> None:
+def test_prepare_names_both_paths_and_warns_on_the_slow_one(ck, caplog) -> None:
     plain = prepare_cpu(ck.model, use_native=False, quantize="int4")
+    assert "runs on its torch reference here" in caplog.text
     assert "int4 W4A8 decoder linears and LM head" in plain.description
     assert "int8 W8A8 encoder" in plain.description and "torch reference" in plain.description
     assert isinstance(plain.kernels.linear, Int4DecoderLinears) and isinstance(plain.kernels.conv, Int8Convs)

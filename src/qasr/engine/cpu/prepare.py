@@ -53,6 +53,10 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
             parts.append(f"int8 W8A8 dynamic linears and encoder convs ({where}; first conv {dtype_name(dtype)})")
         else:
             linear = Int4DecoderLinears(model, int8_kernel, int4_kernel)
+            if int4_kernel is None:  # the reference is exact but runs a torch._int_mm per group of 128 features
+                log.warning("qasr: quantize='int4' runs on its torch reference here (no native int4 kernel: it "
+                            "needs AVX512-VNNI and a compiler): same results, several times slower than "
+                            "quantize='int8'")
             parts.append(f"int4 W4A8 decoder linears and LM head (groups of 128; {kernel_name(int4_kernel)}), "
                          f"int8 W8A8 encoder linears and convs ({where}; first conv {dtype_name(dtype)})")
     elif quantize is not None:
