@@ -12,11 +12,12 @@ from torch import nn
 
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.int4 import Int4DecoderLinears, Int4Weight
+from qasr.engine.cpu.int4 import Int4Weight
 from qasr.engine.cpu.int4_reference import GROUP, int4_linear_reference, quantize_weight_groups
 from qasr.engine.cpu.int8 import Int8Convs, Int8Weight, quantize_weight
 from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
 from qasr.engine.cpu.prepare import prepare_cpu
+from qasr.engine.cpu.quantized_linears import int4_decoder_linears, same_input_groups
 from qasr.engine.engine import Engine
 from qasr.model.kernels import Kernels
 
@@ -122,15 +123,41 @@ def test_self_test_passes_the_kernel_and_disables_a_wrong_one(caplog) -> None:
 
 # --------------------------------------------------------------------------------- which layers, which path
 def test_decoder_and_lm_head_go_int4_and_the_encoder_int8(ck) -> None:
-    linears = Int4DecoderLinears(ck.model)
-    for module, (weight, _) in linears.weights.items():
-        in_decoder = module is ck.model.lm_head or any(module is m for m in ck.model.model.modules())
-        assert isinstance(weight, Int4Weight if in_decoder else Int8Weight)
-    assert sum(isinstance(w, Int4Weight) for w, _ in linears.weights.values()) == \
-        sum(isinstance(m, nn.Linear) for m in ck.model.model.modules()) + 1
-    assert len(linears.weights) == sum(isinstance(m, nn.Linear) for m in ck.model.modules())
+    linears = int4_decoder_linears(ck.model)
+    decoder = [m for m in ck.model.model.modules() if isinstance(m, nn.Linear)] + [ck.model.lm_head]
+    for module, product in linears.products.items():
+        assert isinstance(product.weight, Int4Weight if any(module is m for m in decoder) else Int8Weight)
+    assert len(linears.products) == sum(isinstance(m, nn.Linear) for m in ck.model.modules())
+    assert sum(isinstance(p.weight, Int4Weight) for p in linears.products.values()) == len(decoder)
     with pytest.raises(KeyError):
         linears(nn.Linear(4, 4), torch.randn(1, 4))  # never a silent float product
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_same_input_linears_as_one_product_give_each_modules_bits(ck_bf16, mode) -> None:
+    """q/k/v and gate/up as one product over their concatenated weights, split by columns: the same bits as
+    each module's own product (its columns depend only on the row's quantization and their own weights), on the
+    torch reference and on the native kernels; a member called alone gets its slice; fewer weights packed."""
+    from qasr.engine.cpu.quantized_linears import int8_linears
+
+    model = ck_bf16.model
+    groups = same_input_groups(model)
+    assert len(groups) == 2 * len(model.model.layers)
+    kernels = [(None, None)]
+    if native.int4_kernel() is not None and native.int8_kernel() is not None:
+        kernels.append((native.int8_kernel(), native.int4_kernel()))
+    x = torch.randn(3, 5, model.cfg.decoder.hidden_size).bfloat16()
+    for k8, k4 in kernels:
+        make = (lambda g: int8_linears(model, k8, g)) if mode == "int8" else \
+            (lambda g: int4_decoder_linears(model, k8, k4, g))  # noqa: B023
+        fused, separate = make(groups), make(())
+        assert len(fused.products) + len(fused.groups) < len(separate.products)
+        for group in groups:
+            together = fused.group(group, x)
+            for module, out in zip(group, together, strict=True):
+                assert out.shape == (3, 5, module.out_features)
+                assert torch.equal(out, separate(module, x))
+                assert torch.equal(fused(module, x), out)  # alone: its slice of the group's product
 
 
 def test_prepare_names_both_paths_and_warns_on_the_slow_one(ck, caplog) -> None:
@@ -138,7 +165,7 @@ def test_prepare_names_both_paths_and_warns_on_the_slow_one(ck, caplog) -> None:
     assert "runs on its torch reference here" in caplog.text
     assert "int4 W4A8 decoder linears and LM head" in plain.description
     assert "int8 W8A8 encoder" in plain.description and "torch reference" in plain.description
-    assert isinstance(plain.kernels.linear, Int4DecoderLinears) and isinstance(plain.kernels.conv, Int8Convs)
+    assert plain.kernels.linear.kind == "int4" and isinstance(plain.kernels.conv, Int8Convs)
 
 
 # ------------------------------------------------------------------------------ the engine vs a reference
@@ -216,7 +243,7 @@ def test_the_option_through_asr_from_pretrained_and_a_bad_value(tiny_original) -
     asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="bfloat16", quantize="int4",
                               engine=EngineConfig(kv_cache_bytes=KV))
     try:
-        assert isinstance(asr.engine.prepared.kernels.linear, Int4DecoderLinears)
+        assert asr.engine.prepared.kernels.linear.kind == "int4"
         assert asr.transcribe(noise(1.2, seed=3), sample_rate=16000)[0].error is None
     finally:
         asr.close()

@@ -17,11 +17,12 @@ from conftest import DEMO, greedy_without_engine, int8_unfold_conv, noise, promp
 from torch import nn
 
 from qasr.engine.config import EngineConfig
-from qasr.engine.cpu.int8 import Int8Convs, Int8Linears, quantize_weight
+from qasr.engine.cpu.int8 import Int8Convs, quantize_weight
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
 from qasr.engine.cpu.int8_reference import quantize_rows_reference as quantize_rows  # the tests' short name
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
+from qasr.engine.cpu.quantized_linears import int8_linears
 from qasr.engine.engine import Engine
 from qasr.model.kernels import Kernels
 from qasr.outputs.writers import score
@@ -149,7 +150,7 @@ def test_int8_linears_cover_every_linear_with_or_without_a_kernel() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 5, bias=False), nn.Linear(1, 3))
     calls = {"pack": 0, "linear": 0, "conv": 0}
-    plain, native = Int8Linears(model), Int8Linears(model, fake_kernel(calls))
+    plain, native = int8_linears(model), int8_linears(model, fake_kernel(calls))
     assert calls["pack"] == 3
     for layer, x in ((model[0], torch.randn(2, 3, 13)), (model[1], torch.randn(1, 7)), (model[2], torch.randn(4, 1)),
                      (model[0], torch.randn(0, 13))):
@@ -241,9 +242,10 @@ def test_prepare_names_the_path_and_plugs_in_a_module(ck) -> None:
     assert "int8" in prepared.description and "native fake" in prepared.description
     n_linear = sum(isinstance(m, nn.Linear) for m in ck.model.modules())
     n_conv = sum(isinstance(m, nn.Conv2d) and m.in_channels > 1 for m in ck.model.modules())
-    assert calls["pack"] == n_linear + n_conv
+    layers = len(ck.model.model.layers)  # each packs its q/k/v as one weight and its gate/up as one
+    assert calls["pack"] == n_linear - 3 * layers + n_conv
     plain = prepare_cpu(ck.model, use_native=False, quantize="int8")
-    assert "torch reference" in plain.description and isinstance(plain.kernels.linear, Int8Linears)
+    assert "torch reference" in plain.description and plain.kernels.linear.kind == "int8"
 
 
 # ------------------------------------------------------------------------------------------- the option
@@ -253,7 +255,7 @@ def test_the_option_through_asr_from_pretrained(tiny_original) -> None:
     asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32", quantize="int8",
                               engine=EngineConfig(kv_cache_bytes=KV, max_running=3))
     try:
-        assert isinstance(asr.engine.prepared.kernels.linear, Int8Linears)
+        assert asr.engine.prepared.kernels.linear.kind == "int8"
         assert isinstance(asr.engine.prepared.kernels.conv, Int8Convs)
         assert asr.engine.config.max_running == 3  # the other engine settings are kept
         assert asr.transcribe(noise(1.5), sample_rate=16000)[0].error is None
@@ -335,7 +337,7 @@ def test_serve_and_ray_workers_take_the_option(tiny_original) -> None:
     assert parser.parse_args(["serve"]).quantize == "none"
     asr = EngineSpec(str(tiny_original), device="cpu", dtype="float32", quantize="int8").load()
     try:
-        assert isinstance(asr.engine.prepared.kernels.linear, Int8Linears)
+        assert asr.engine.prepared.kernels.linear.kind == "int8"
     finally:
         asr.close()
 

@@ -69,10 +69,10 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVStore[Meta],
                 meta: Meta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         n = x.shape[0]
-        linear = kernels.linear
-        q = linear(self.q_proj, x).view(n, self.heads, self.head_dim)
-        k = linear(self.k_proj, x).view(n, self.kv_heads, self.head_dim)
-        v = linear(self.v_proj, x).view(n, self.kv_heads, self.head_dim)
+        q, k, v = kernels.linears((self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
         if kernels.fused(q):
             q = kernels.norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)  # type: ignore[misc]
             k = kernels.norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)  # type: ignore[misc]
@@ -81,7 +81,7 @@ class DecoderAttention(nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         out = cache.attend(self.layer, q, k, v, meta)  # (N, heads * hd)
-        return linear(self.o_proj, out)
+        return kernels.linear(self.o_proj, out)
 
 
 class DecoderLayer(nn.Module):
@@ -106,8 +106,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
-        linear = kernels.linear
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        gate, up = kernels.linears((self.gate_proj, self.up_proj), x)
+        return kernels.linear(self.down_proj, F.silu(gate) * up)
 
 
 class TextModel(nn.Module):

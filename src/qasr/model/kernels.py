@@ -28,16 +28,25 @@ def torch_conv(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 class Kernels:
     """``linear(module, x)`` and ``conv(module, x)`` compute what the module would; ``rms_norm(x, weight,
     eps)`` and ``norm_rope(x, weight, cos, sin, eps)`` (RMSNorm, then rotary) replace the decoder's norm
-    maths when set; ``dtype`` limits where those two apply (a fused kernel is written for one dtype)."""
+    maths when set; ``dtype`` limits where those two apply (a fused kernel is written for one dtype).
+    ``linear_group(modules, x)``, when set, computes several linears of the same input at once (one product
+    over their concatenated weights, split by columns); ``linears`` falls back to one call each."""
 
     linear: Callable[[nn.Linear, torch.Tensor], torch.Tensor] = torch_linear
     conv: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] = torch_conv
     rms_norm: Callable[..., torch.Tensor] | None = None
     norm_rope: Callable[..., torch.Tensor] | None = None
     fused_dtype: torch.dtype | None = None
+    linear_group: Callable[[tuple[nn.Linear, ...], torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.rms_norm is not None and x.dtype == self.fused_dtype
+
+    def linears(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each module's ``linear`` of the same ``x`` (the outputs may be column views of one product)."""
+        if self.linear_group is not None:
+            return self.linear_group(modules, x)
+        return tuple(self.linear(m, x) for m in modules)
 
 
 TORCH_KERNELS = Kernels()

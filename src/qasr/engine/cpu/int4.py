@@ -10,7 +10,7 @@ The arithmetic (int4_reference.py): weights quantized once per output channel an
 features (symmetric, [-7, 7], float32 scales); activations per row as in the int8 mode; exact int32 sums per
 group, added in float32 in group order. A row's result depends only on that row (batch invariance), on the
 native AVX512-VNNI kernel (csrc/int4_linear.cpp) and on the torch reference alike (the same bits). As for
-the other prepared kernels, the quantized copies live here and the model's modules are never changed.
+the other prepared kernels, the model's modules are never changed: quantized_linears.py keeps the copies.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from torch import nn
 
 from qasr.engine.cpu.int4_reference import int4_linear_reference, quantize_weight_groups
-from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Weight
+from qasr.engine.cpu.int8 import KERNEL_DTYPES
 
 
 @dataclass(frozen=True)
@@ -54,30 +53,3 @@ class Int4Weight:
         if x.shape[0] == 0:
             return x.new_empty(0, self.n)
         return int4_linear_reference(x, self.w_q, self.scale, self.bias)
-
-
-class Int4DecoderLinears:
-    """``linear(module, x)`` for every nn.Linear of the model: int4 (W4A8) for the decoder's and the LM head,
-    on ``int4_kernel`` or the torch reference; int8 (W8A8) for the encoder's, on ``int8_kernel`` or torch."""
-
-    def __init__(self, model: nn.Module, int8_kernel: ModuleType | None = None,
-                 int4_kernel: ModuleType | None = None) -> None:
-        self.int8_kernel, self.int4_kernel = int8_kernel, int4_kernel
-        decoder = {m for m in model.model.modules() if isinstance(m, nn.Linear)} | {model.lm_head}
-        self.weights: dict[nn.Linear, tuple[Int4Weight | Int8Weight, ModuleType | None]] = {}
-        for module in model.modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            if module in decoder:
-                self.weights[module] = (Int4Weight.of(module.weight, module.bias, int4_kernel), int4_kernel)
-            else:
-                self.weights[module] = (Int8Weight.of(module.weight, module.bias, int8_kernel), int8_kernel)
-
-    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        entry = self.weights.get(module)
-        if entry is None:  # a module of another model: never silently run it in float
-            raise KeyError(f"{module!r} is not a linear layer of the model these int4 weights were made from")
-        weight, kernel = entry
-        shape = x.shape
-        out = weight.product(x.reshape(-1, shape[-1]), kernel)
-        return out.view(*shape[:-1], weight.n)

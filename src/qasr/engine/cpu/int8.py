@@ -17,8 +17,9 @@ The arithmetic, which every path reproduces bit for bit:
 
 The products run on a native module when one is handed in (``pack(w_q) -> packed`` and ``linear(x, packed,
 n, w_scale, bias) -> y``, the same bits), else on the torch reference (int8_reference.py, ``torch._int_mm``). As for the
-bf16 kernels, the quantized copies live here, keyed by module; the model's own modules are never changed
-(so its float weights stay in memory beside the int8 ones).
+bf16 kernels, the quantized copies are kept beside the model, keyed by module (quantized_linears.py, which also
+fuses linears of one input); the model's own modules are never changed (so its float weights stay in memory
+beside the int8 ones).
 """
 
 from __future__ import annotations
@@ -82,24 +83,6 @@ class Int8Weight:
         if x.shape[0] == 0:
             return x.new_empty(0, self.n)
         return int8_linear_reference(x, self.packed, self.scale, self.bias)
-
-
-class Int8Linears:
-    """``linear(module, x)`` for every nn.Linear of a model, int8 on ``kernel`` (a native module) or torch."""
-
-    def __init__(self, model: nn.Module, kernel: ModuleType | None = None) -> None:
-        self.kernel = kernel
-        self.weights: dict[nn.Linear, Int8Weight] = {
-            module: Int8Weight.of(module.weight, module.bias, kernel)
-            for module in model.modules() if isinstance(module, nn.Linear)}
-
-    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weights.get(module)
-        if weight is None:  # a module of another model: never silently run it in float
-            raise KeyError(f"{module!r} is not a linear layer of the model these int8 weights were made from")
-        shape = x.shape
-        out = weight.product(x.reshape(-1, shape[-1]), self.kernel)
-        return out.view(*shape[:-1], weight.n)
 
 
 class Int8Convs:

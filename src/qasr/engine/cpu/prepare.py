@@ -14,10 +14,10 @@ from torch import nn
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
 from qasr.engine.cpu.conv import CpuConvs
-from qasr.engine.cpu.int4 import Int4DecoderLinears
-from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs, Int8Linears
+from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
+from qasr.engine.cpu.quantized_linears import int4_decoder_linears, int8_linears, same_input_groups
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
@@ -49,10 +49,10 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
         conv = Int8Convs(model, int8_kernel)
         where = kernel_name(int8_kernel)
         if quantize == "int8":
-            linear = Int8Linears(model, int8_kernel)
+            linear = int8_linears(model, int8_kernel, same_input_groups(model))
             parts.append(f"int8 W8A8 dynamic linears and encoder convs ({where}; first conv {dtype_name(dtype)})")
         else:
-            linear = Int4DecoderLinears(model, int8_kernel, int4_kernel)
+            linear = int4_decoder_linears(model, int8_kernel, int4_kernel, same_input_groups(model))
             if int4_kernel is None:  # the reference is exact but runs a torch._int_mm per group of 128 features
                 log.warning("qasr: quantize='int4' runs on its torch reference here (no native int4 kernel: it "
                             "needs AVX512-VNNI and a compiler): same results, several times slower than "
@@ -68,8 +68,10 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     if ops is not None:
         rms_norm, norm_rope = (ops.rms_norm, ops.norm_rope) if bf16 else (ops.rms_norm_ops, ops.norm_rope_ops)
         parts.append("fused norms" if bf16 else "norms in one call")
+    group = getattr(linear, "group", None)  # the quantized modes compute same-input linears as one product
+    parts += ["q/k/v and gate/up as one product each"] if group is not None else []
     kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope,
-                      fused_dtype=None if ops is None else dtype)
+                      fused_dtype=None if ops is None else dtype, linear_group=group)
     decode = native.decode_kernel() if use_native and dtype in (torch.float32, torch.bfloat16) else None
     head_dim = model.cfg.decoder.head_dim
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None

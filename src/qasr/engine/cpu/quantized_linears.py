@@ -1,0 +1,114 @@
+"""The quantized modes' ``linear``: a product per nn.Linear of the model (int8 or int4, engine/cpu/int8.py and
+int4.py), and groups of linears that read the same input computed as one product.
+
+Why groups: a decode step makes ~200 products of one row each, and a small product does not reach the memory
+bandwidth (measured at one row on 2 Zen 4 cores, the 0.6B decoder's q/k/v and gate/up products: int8 14-16 ms a
+step as 140 calls, 8-12 ms as 56 fused ones; int4 7.6-8.0 -> 6.6 ms). Fusing changes no bit: in both modes a
+column's result depends only on the row's quantization (the same for every linear of one input) and on that
+column's own weights and scales, so the product over the concatenated weights, split by columns, is each
+module's product. The model asks for a group through ``Kernels.linears``; a member called alone gets its slice
+of the group's product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from qasr.engine.cpu.int4 import Int4Weight
+from qasr.engine.cpu.int8 import Int8Weight
+
+
+@dataclass(frozen=True)
+class Product:
+    """One quantized weight (a module's, or a group's concatenated) and the kernel that multiplies by it."""
+
+    weight: Int8Weight | Int4Weight
+    kernel: ModuleType | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.product(x, self.kernel)
+
+
+# (weight [N, K], bias [N] or None, the module it is of: the group's first for a group) -> its product
+MakeProduct = Callable[[torch.Tensor, "torch.Tensor | None", nn.Linear], Product]
+
+
+def same_input_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """The decoder's linears that read one input: each attention's (q, k, v), each MLP's (gate, up)."""
+    from qasr.model.decoder import DecoderAttention, SwiGLU
+
+    groups: list[tuple[nn.Linear, ...]] = []
+    for module in model.modules():
+        if isinstance(module, DecoderAttention):
+            groups.append((module.q_proj, module.k_proj, module.v_proj))
+        elif isinstance(module, SwiGLU):
+            groups.append((module.gate_proj, module.up_proj))
+    return groups
+
+
+class QuantizedLinears:
+    """``linear(module, x)`` for every nn.Linear of a model, and ``group(modules, x)`` for the groups given.
+    ``kind`` names the mode ("int8", "int4") for descriptions and tests."""
+
+    def __init__(self, model: nn.Module, make: MakeProduct, kind: str,
+                 groups: Sequence[tuple[nn.Linear, ...]] = ()) -> None:
+        self.kind = kind
+        self.groups: dict[tuple[nn.Linear, ...], tuple[Product, tuple[int, ...]]] = {}
+        self._member: dict[nn.Linear, tuple[tuple[nn.Linear, ...], int]] = {}
+        for group in groups:
+            biases = [m.bias for m in group]
+            if any(b is None for b in biases) and any(b is not None for b in biases):
+                continue  # a zero bias would add +0.0 where the module adds nothing (-0.0 would turn +0.0)
+            weight = torch.cat([m.weight.detach() for m in group])
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+            self.groups[group] = (make(weight, bias, group[0]), tuple(m.out_features for m in group))
+            self._member.update({m: (group, i) for i, m in enumerate(group)})
+        self.products: dict[nn.Linear, Product] = {
+            m: make(m.weight.detach(), None if m.bias is None else m.bias.detach(), m)
+            for m in model.modules() if isinstance(m, nn.Linear) and m not in self._member}
+
+    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        product = self.products.get(module)
+        if product is None:
+            if module in self._member:  # computed with its group, which holds its weight
+                group, i = self._member[module]
+                return self.group(group, x)[i]
+            raise KeyError(f"{module!r} is not a linear layer of the model these {self.kind} weights were made from")
+        shape = x.shape
+        return product(x.reshape(-1, shape[-1])).view(*shape[:-1], product.weight.n)
+
+    def group(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each module's product of ``x``: column views of one product where ``modules`` is a prepared group."""
+        entry = self.groups.get(modules)
+        if entry is None:
+            return tuple(self(m, x) for m in modules)
+        product, sizes = entry
+        shape = x.shape
+        out = product(x.reshape(-1, shape[-1])).view(*shape[:-1], sum(sizes))
+        return out.split(sizes, dim=-1)
+
+
+def int8_linears(model: nn.Module, kernel: ModuleType | None = None,
+                 groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
+    """``quantize="int8"``: every linear W8A8, on ``kernel`` (a native int8 module) or the torch reference."""
+    return QuantizedLinears(model, lambda w, b, _: Product(Int8Weight.of(w, b, kernel), kernel), "int8", groups)
+
+
+def int4_decoder_linears(model: nn.Module, int8_kernel: ModuleType | None = None,
+                         int4_kernel: ModuleType | None = None,
+                         groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
+    """``quantize="int4"``: the decoder's linears (those under ``model.model``) and the LM head W4A8 on
+    ``int4_kernel`` or the torch reference; the encoder's W8A8 on ``int8_kernel`` or torch (engine/cpu/int4.py)."""
+    decoder = {m for m in model.model.modules() if isinstance(m, nn.Linear)} | {model.lm_head}
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Linear) -> Product:
+        if module in decoder:
+            return Product(Int4Weight.of(weight, bias, int4_kernel), int4_kernel)
+        return Product(Int8Weight.of(weight, bias, int8_kernel), int8_kernel)
+
+    return QuantizedLinears(model, make, "int4", groups)
