@@ -1,4 +1,4 @@
-"""The W4A8 product of ``quantize="int4-decode"`` in plain torch ops, exactly as the native int4 kernel
+"""The W4A8 product of ``quantize="int4"`` in plain torch ops, exactly as the native int4 kernel
 (csrc/int4_linear.cpp) must compute it; its self-test and tests compare against this bit for bit.
 
 Weights in groups of ``GROUP`` input features: per output channel n and group g, ``w_scale[n, g] =

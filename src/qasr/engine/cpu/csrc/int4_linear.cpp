@@ -1,8 +1,9 @@
-// int4 weight W4A8 linear layer on AVX512-VNNI for the decode rows of the decoder (quantize="int4-decode"):
+// int4 weight W4A8 linear layer on AVX512-VNNI for the decoder's linears and LM head (quantize="int4"):
 // group-wise int4 weights, the int8 per-row activations of int8_common.h, exact to the spec below.
 //
 // Why: a decode step reads every weight once for a handful of rows, so its time is the weights' bytes over the
-// memory bandwidth; int4 halves int8's bytes. Prefill and encoder rows (compute-bound) stay on the int8 kernels.
+// memory bandwidth; int4 halves int8's bytes. The decoder's prefill rows run here too (at 0.87-0.95x the int8
+// kernel's rate); the encoder, compute-bound, stays on the int8 kernels.
 //
 // The arithmetic (int4_reference.py holds it in torch ops), groups of G = 128 input features along K:
 //   w_scale[n, g] = max_{k in g} |w[n, k]| / 7 (1 for an all-zero group), w_q = clamp(round_half_even(w / s), -7, 7)
@@ -219,18 +220,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   const Layout L = packed_layout(packed, N, K);
-  torch::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear: bias must have N values");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const torch::Tensor bf = int8::float_bias(bias, N, "linear");
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto out = torch::empty({M, N}, xc.options());
   if (M == 0) return out;
-  int8::Panel& p = int8::panel_scratch();
-  if (static_cast<int64_t>(p.q.size()) < M * L.Kp) p.q.resize(M * L.Kp);
-  if (static_cast<int64_t>(p.scale.size()) < M) p.scale.resize(M);
+  int8::Panel& p = int8::panel_for(M, L.Kp);
   thread_local std::vector<int32_t> corr;
   if (static_cast<int64_t>(corr.size()) < M * L.groups) corr.resize(M * L.groups);
   int8::dispatch_x(xc, [&](auto* xp) {

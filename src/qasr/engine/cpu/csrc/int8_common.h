@@ -464,6 +464,21 @@ inline Panel& panel_scratch() {
   return p;
 }
 
+// The calling thread's panel, grown to hold `rows` rows of Kp bytes and their scales.
+inline Panel& panel_for(int64_t rows, int64_t Kp) {
+  Panel& p = panel_scratch();
+  if (static_cast<int64_t>(p.q.size()) < rows * Kp) p.q.resize(rows * Kp);
+  if (static_cast<int64_t>(p.scale.size()) < rows) p.scale.resize(rows);
+  return p;
+}
+
+// A call's bias as N contiguous float32 values, or an undefined tensor when it has none.
+inline torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t N, const char* who) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->numel() == N, who, ": bias must have N values");
+  return bias->to(at::kFloat).contiguous();
+}
+
 inline void check_x(const torch::Tensor& x, const char* who) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), who,
               ": x must be (M, K) bfloat16 or float32");
@@ -503,19 +518,12 @@ inline torch::Tensor product(const Gemm& g, const char* who, const torch::Tensor
   const Layout L = packed_layout(packed, N, K, who);
   TORCH_CHECK(w_scale.numel() == N, who, ": w_scale must have N values");
   auto ws = w_scale.to(at::kFloat).contiguous();
-  torch::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, who, ": bias must have N values");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const torch::Tensor bf = float_bias(bias, N, who);
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto out = torch::empty({M, N}, xc.options());
   if (M == 0 || g.run == nullptr) return out;
   const int64_t rows_pad = round_up(M, ROW_ALIGN);
-  Panel& p = panel_scratch();
-  if (static_cast<int64_t>(p.q.size()) < rows_pad * L.Kp) p.q.resize(rows_pad * L.Kp);
-  if (static_cast<int64_t>(p.scale.size()) < rows_pad) p.scale.resize(rows_pad);
+  Panel& p = panel_for(rows_pad, L.Kp);
   const bool small = g.small_run != nullptr && M <= g.small_rows;
   const uint8_t flip = small ? g.small_flip : g.flip;
   dispatch_x(xc, [&](auto* xp) { quantize_panel(rows_of(xp), M, L.Kp, rows_pad, flip, p.q.data(), p.scale.data()); });
