@@ -28,7 +28,7 @@ def test_rows_equal_the_encoder_alone_while_files_share_the_step(tiny_asr) -> No
     file = tiny_asr.submit(piece)
     calls = engine.encoder_calls
     futures = [engine.submit_encode(f) for f in feats]
-    rows = [f.result(timeout=60) for f in futures]
+    rows = [f.result(timeout=60).rows for f in futures]
     file.result(timeout=60)
     for got, want in zip(rows, alone, strict=True):
         assert got.shape == want.shape and torch.equal(got, want)
@@ -66,5 +66,5 @@ def test_a_cancelled_encode_request_is_dropped(tiny_asr) -> None:  # noqa: ANN00
         gate.set()
         del engine.step
     busy.result(timeout=60)
-    assert kept.result(timeout=60).shape[0] > 0 and doomed.cancelled()
+    assert kept.result(timeout=60).rows.shape[0] > 0 and doomed.cancelled()
     assert not engine.scheduler.encoding

@@ -236,16 +236,16 @@ def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(t
     engine = tiny_asr.engine
     tower = engine.prepared.model.audio_tower
     threads: list[str] = []  # the thread of every encoder call
-    real = tower.forward
-    tower.forward = lambda *a, **k: (threads.append(threading.current_thread().name), real(*a, **k))[1]
+    real = tower.encode
+    tower.encode = lambda *a, **k: (threads.append(threading.current_thread().name), real(*a, **k))[1]
     submitted, calls = [], engine.encoder_calls
     real_submit = engine.submit_encode
-    engine.submit_encode = lambda f: (submitted.append(1), real_submit(f))[1]
+    engine.submit_encode = lambda *a, **k: (submitted.append(1), real_submit(*a, **k))[1]
     try:
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(run, streams))
     finally:
-        del tower.forward, engine.submit_encode
+        del tower.encode, engine.submit_encode
     assert together == alone
     assert len(submitted) > engine.encoder_calls - calls  # some encoder calls packed several sessions' windows
     assert threads and set(threads) == {"qasr-engine"}, set(threads)  # no session thread touched the model

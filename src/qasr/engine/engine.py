@@ -36,10 +36,17 @@ from qasr.engine.config import EngineConfig, EngineStats
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.request import GenerationResult, KVLease, Request
+from qasr.engine.request import EncodeResult, GenerationResult, KVLease, Request
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from qasr.engine.validate import Limits, check_embeds, check_encoder_features, check_positions, check_request
+from qasr.engine.validate import (
+    Limits,
+    check_conv_head,
+    check_embeds,
+    check_encoder_features,
+    check_positions,
+    check_request,
+)
 from qasr.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -196,14 +203,19 @@ class Engine:
                       audio_before=self._audio_before(prompt))
         return self._enqueue(req)
 
-    def submit_encode(self, features: torch.Tensor) -> Future:
-        """Queue an encoder-only request: the future resolves to the audio encoder's output rows for these
-        (mel, frames) features, a (rows, hidden) tensor. It rides the next step's packed encoder call with
-        the other requests' audio slices (a live session's window: the same bits as encoded alone) and
-        holds no KV. Raises like ``submit``."""
+    def submit_encode(self, features: torch.Tensor, conv_head: torch.Tensor | None = None) -> Future:
+        """Queue an encoder-only request: the future resolves to an ``EncodeResult``, the audio encoder's
+        output rows for these (mel, frames) features and the conv front end's output of their chunks. It
+        rides the next step's packed encoder call with the other requests' audio slices (a live session's
+        window: the same bits as encoded alone) and holds no KV. ``conv_head``: the conv output of whole
+        chunks that come before ``features`` (from earlier results, for the same features), which are
+        then not convolved again; the request must then fit one attention window. Raises like ``submit``."""
         features, rows = check_encoder_features(features, self.limits)
+        if conv_head is not None:
+            rows = check_conv_head(conv_head, features.shape[-1], self.checkpoint.config.encoder,
+                                   self.prepared.model.device)
         req = Request(prompt=[], max_new_tokens=0, features=features, audio_tokens=rows, encode_only=True,
-                      audio_before=np.zeros(1, dtype=np.int64))
+                      conv_head=conv_head, audio_before=np.zeros(1, dtype=np.int64))
         return self._enqueue(req)
 
     def _audio_before(self, prompt: list[int]) -> np.ndarray:
@@ -390,7 +402,8 @@ class Engine:
         for req, _ in plan.encode:
             if req.encode_only and req.encoded and req in self.scheduler.encoding:
                 self.scheduler.finish(req)
-                req.resolve(req.audio)  # type: ignore[arg-type]
+                assert req.audio is not None and req.conv is not None
+                req.resolve(EncodeResult(req.audio, req.conv))
 
     def _encode(self, slices: list[tuple[Request, int]]) -> None:
         t0 = time.perf_counter()

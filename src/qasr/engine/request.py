@@ -46,6 +46,16 @@ class GenerationResult:
     logprobs: tuple[float, ...] = ()
 
 
+@dataclass(frozen=True)
+class EncodeResult:
+    """An encoder-only request's result: the encoder's output rows, and the conv front end's output of the
+    chunks it computed (the given conv head excluded); the whole chunks among them, with the conv head
+    before them, can serve as a later request's ``conv_head`` while their features stay the same."""
+
+    rows: torch.Tensor  # (rows, hidden)
+    conv: torch.Tensor  # (chunks, tokens_per_conv_chunk, d_model)
+
+
 @dataclass(eq=False)
 class Request:
     """A prompt plus its audio. Features are computed when the request is first encoded, not at submit,
@@ -63,6 +73,10 @@ class Request:
     classify: np.ndarray | None = None
     # encoder-only requests (``Engine.submit_encode``): no prompt, no KV; the result is the encoder's rows
     encode_only: bool = False
+    # an encoder-only request's given conv output of its first whole chunks (``features`` hold the frames after
+    # them), and the conv output of the chunks the engine computed, returned with the rows
+    conv_head: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
     keep_kv: bool = False  # on success, keep the KV blocks and return them as a KVLease
     # a live session's step: admitted and prefilled before batch work, never preempted by it (see scheduler.py)
     interactive: bool = False
@@ -145,4 +159,4 @@ class Request:
                 listener(None)
             except BaseException as exc:  # noqa: BLE001 - e.g. the consumer's event loop is closed
                 log.warning("qasr: the token listener of request %d raised %r at its end", self.id, exc)
-        self.waveform = self.features = self.audio = None
+        self.waveform = self.features = self.audio = self.conv_head = self.conv = None

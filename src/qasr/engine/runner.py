@@ -48,11 +48,16 @@ class Runner:
             f1 = f0 + -(-n // enc.window_tokens) * window_frames
             feats.append(req.features[:, f0:f1])
         feat_s = time.perf_counter() - t0
-        outs = self.model.audio_tower(feats, conv_batch=self.conv_batch, kernels=self.kernels)
+        heads = [req.conv_head for req, _ in slices]  # (a request with a conv head is one window, one slice)
+        run = self.model.audio_tower.encode(feats, heads if any(h is not None for h in heads) else None,
+                                            conv_batch=self.conv_batch, kernels=self.kernels)
+        outs = run.rows
         for (req, n), out in zip(slices, outs, strict=True):
             if out.shape[0] != n:
                 raise ValueError(f"request {req.id}: encoder gave {out.shape[0]} tokens for a slice of {n}")
-        for (req, n), out in zip(slices, outs, strict=True):
+        for (req, n), out, conv in zip(slices, outs, run.conv, strict=True):
+            if req.encode_only:
+                req.conv = conv
             if req.audio is None:
                 req.audio = out.new_empty((req.audio_tokens, out.shape[1]))
             req.audio[req.encoded_tokens:req.encoded_tokens + n] = out

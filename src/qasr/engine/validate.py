@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qasr.model.config import audio_token_count
+from qasr.model.config import EncoderConfig, audio_token_count
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,24 @@ def check_encoder_features(features: torch.Tensor, limits: Limits) -> tuple[torc
     rows they give."""
     features = _check_features(features, limits.num_mel_bins)
     return features, audio_token_count(features.shape[-1], limits.conv_chunk_frames)
+
+
+def check_conv_head(conv_head: torch.Tensor, frames: int, enc: EncoderConfig, device: torch.device) -> int:
+    """Validate an encoder-only request's conv head (the conv output of its first whole chunks, an earlier
+    ``EncodeResult.conv``) before ``frames`` more frames: ``(chunks, tokens_per_conv_chunk, d_model)``,
+    finite, on the model's device, and the whole request inside one attention window. Returns its rows."""
+    want = (enc.tokens_per_conv_chunk, enc.d_model)
+    if (not isinstance(conv_head, torch.Tensor) or conv_head.dim() != 3 or tuple(conv_head.shape[1:]) != want
+            or conv_head.shape[0] < 1 or not conv_head.is_floating_point()):
+        shape = tuple(conv_head.shape) if isinstance(conv_head, torch.Tensor) else type(conv_head).__name__
+        raise ValueError(f"conv_head must be a (chunks >= 1, {want[0]}, {want[1]}) float tensor, got {shape}")
+    if conv_head.device != device or not torch.isfinite(conv_head).all():
+        raise ValueError(f"conv_head must be finite and on the model's device ({device})")
+    rows = conv_head.shape[0] * enc.tokens_per_conv_chunk + audio_token_count(frames, enc.conv_chunk_frames)
+    if rows > enc.window_tokens:
+        raise ValueError(f"a request with a conv head must fit one attention window ({enc.window_tokens} rows), "
+                         f"it has {rows}")
+    return rows
 
 
 def _check_features(features: torch.Tensor, mel: int) -> torch.Tensor:

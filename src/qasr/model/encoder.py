@@ -5,11 +5,16 @@ Each utterance is cut into chunks of ``2 * n_window`` mel frames (the last one z
 transformers port does), all chunks of all utterances run through the conv stack together, and only
 the valid positions are kept. Attention runs inside windows of ``window_tokens`` (104 = 8 s) aligned
 at each utterance start, so an utterance's output never depends on its neighbours in the pack.
+
+A caller that already holds the conv front end's output for an utterance's first whole chunks (a live
+session's open window, re-encoded every step as it grows) passes them as that utterance's conv head
+and gives only the frames after them: each chunk convolves alone, so the result has the same bits.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,22 +45,33 @@ class EncoderPack:
     window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
     token_counts: tuple[int, ...]  # output tokens per utterance
     token_slots: torch.Tensor  # (T,) the (W * Lw) window slot of each packed token
+    # per utterance: whole chunks whose conv output the caller gave (they come first), chunks in ``chunks``
+    head_chunks: tuple[int, ...] = ()
+    fresh_chunks: tuple[int, ...] = ()
 
 
-def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu") -> EncoderPack:
+def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu",
+              head_chunks: Sequence[int] | None = None) -> EncoderPack:
     """Chunk each utterance, record which conv outputs are valid, and lay out attention windows.
-    Index tensors are built on the host and placed on ``device`` once."""
+    ``head_chunks[i]``: whole chunks of utterance i whose conv output the caller holds (they precede
+    its ``features``, which may then have no frames). Index tensors are built on the host and placed on
+    ``device`` once."""
     cf, tpc, win = cfg.conv_chunk_frames, cfg.tokens_per_conv_chunk, cfg.window_tokens
-    chunks, valid, counts = [], [], []
+    heads = list(head_chunks) if head_chunks is not None else [0] * len(features)
+    chunks, valid, counts, fresh = [], [], [], []
     windows: list[tuple[int, int]] = []  # (start in packed tokens, length)
     chunk_base = 0
     token_base = 0
-    for feat in features:
+    for feat, head in zip(features, heads, strict=True):
         frames = feat.shape[-1]
-        n_chunks = max(1, math.ceil(frames / cf))
-        padded = F.pad(feat, (0, n_chunks * cf - frames))
-        chunks.append(padded.reshape(feat.shape[0], n_chunks, cf).permute(1, 0, 2))
-        total = 0
+        n_chunks = math.ceil(frames / cf) if head else max(1, math.ceil(frames / cf))
+        if n_chunks:
+            padded = F.pad(feat, (0, n_chunks * cf - frames))
+            chunks.append(padded.reshape(feat.shape[0], n_chunks, cf).permute(1, 0, 2))
+        fresh.append(n_chunks)
+        valid.append(torch.arange(chunk_base * tpc, (chunk_base + head) * tpc))  # given chunks are whole
+        chunk_base += head
+        total = head * tpc
         for c in range(n_chunks):
             n_valid = post_conv_length(min(cf, frames - c * cf))
             start = (chunk_base + c) * tpc
@@ -79,14 +95,27 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
     # where each token sits in the window grid, known here on the host: reading the attention output
     # back needs no boolean mask on the device (a mask index is a host/device sync, in every layer)
     slots = torch.cat([i * lw + torch.arange(length) for i, (_, length) in enumerate(windows)])
+    mel = features[0].shape[0]
     return EncoderPack(
-        chunks=torch.cat(chunks, 0).unsqueeze(1),
+        chunks=(torch.cat(chunks, 0) if chunks else features[0].new_zeros(0, mel, cf)).unsqueeze(1),
         valid_index=_to(torch.cat(valid), device),
         window_index=_to(index, device),
         window_mask=_to(mask[:, None, None, :], device),
         token_counts=tuple(counts),
         token_slots=_to(slots, device),
+        head_chunks=tuple(heads),
+        fresh_chunks=tuple(fresh),
     )
+
+
+@dataclass(frozen=True)
+class EncoderRun:
+    """One encoder call's outputs per utterance: the embeddings, and the conv front end's output of the
+    chunks this call computed (``(chunks, tokens_per_conv_chunk, d_model)``, the utterance's given conv
+    head excluded), which a caller may hand back as a later call's conv head."""
+
+    rows: list[torch.Tensor]
+    conv: list[torch.Tensor]
 
 
 def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -186,19 +215,41 @@ class AudioEncoder(nn.Module):
     def forward(self, features: list[torch.Tensor], conv_batch: int | None = None,
                 kernels: Kernels = TORCH_KERNELS) -> list[torch.Tensor]:
         """Per-utterance (mel, frames) features -> per-utterance (tokens, output_dim) embeddings."""
+        return self.encode(features, conv_batch=conv_batch, kernels=kernels).rows
+
+    def encode(self, features: list[torch.Tensor], conv_heads: Sequence[torch.Tensor | None] | None = None,
+               conv_batch: int | None = None, kernels: Kernels = TORCH_KERNELS) -> EncoderRun:
+        """``forward``, where ``conv_heads[i]`` (``(chunks, tokens_per_conv_chunk, d_model)``, the
+        ``conv`` of an earlier run) stands for utterance i's first whole chunks and ``features[i]`` holds
+        the frames after them; also returns the conv output of the chunks computed here."""
         p = self.parameters().__next__()
         feats = [f.to(p.device, p.dtype) for f in features]
+        heads = list(conv_heads) if conv_heads is not None else [None] * len(feats)
         n_real = len(feats)
-        if sum(audio_token_count(f.shape[-1], self.cfg.conv_chunk_frames) for f in feats) < MIN_ENCODER_ROWS:
+        cf, tpc = self.cfg.conv_chunk_frames, self.cfg.tokens_per_conv_chunk
+        rows = sum(audio_token_count(f.shape[-1], cf) + (h.shape[0] * tpc if h is not None else 0)
+                   for f, h in zip(feats, heads, strict=True))
+        if rows < MIN_ENCODER_ROWS:
             # BLAS matmuls pick other kernels for a handful of rows (with MKL sgemm, 1-11 rows give
             # different low bits than the same rows inside a bigger product), so a short window alone
             # and the same window packed with others would differ. A zero dummy utterance keeps every
             # call above that size; windows never attend across utterances, so it changes nothing else.
-            feats.append(feats[0].new_zeros(feats[0].shape[0], 2 * self.cfg.conv_chunk_frames))
-        pack = plan_pack(feats, self.cfg, p.device)
-        x = self.conv_front(pack.chunks, conv_batch, kernels)
+            feats.append(feats[0].new_zeros(feats[0].shape[0], 2 * cf))
+            heads.append(None)
+        pack = plan_pack(feats, self.cfg, p.device, [h.shape[0] if h is not None else 0 for h in heads])
+        fresh = self.conv_front(pack.chunks, conv_batch, kernels) if pack.chunks.shape[0] else None
+        parts, computed, at = [], [], 0
+        for head, n in zip(heads, pack.fresh_chunks, strict=True):
+            if head is not None:
+                parts.append(head.to(p.dtype))
+            own = fresh[at:at + n] if fresh is not None else pack.chunks.new_zeros(0, tpc, self.cfg.d_model)
+            parts.append(own)
+            computed.append(own)
+            at += n
+        x = torch.cat(parts) if any(h is not None for h in heads) else fresh
+        assert x is not None
         x = x.reshape(-1, x.shape[-1])[pack.valid_index]
         for layer in self.layers:
             x = layer(x, pack, kernels)
         x = kernels.linear(self.proj2, F.gelu(kernels.linear(self.proj1, self.ln_post(x))))
-        return list(torch.split(x, list(pack.token_counts)))[:n_real]
+        return EncoderRun(list(torch.split(x, list(pack.token_counts)))[:n_real], computed[:n_real])

@@ -53,6 +53,7 @@ class SessionStats:
     frames: list[int] = field(default_factory=list)  # log-mel frames computed
     encoder_tokens: list[int] = field(default_factory=list)  # encoder output rows computed
     windows_recomputed: list[int] = field(default_factory=list)  # kept windows redone (clamp floor rose)
+    conv_chunks: list[int] = field(default_factory=list)  # 1 s conv chunks convolved (the rest: kept conv output)
     prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens prefilled (the rest: kept KV)
     stable_conflicts: int = 0  # steps whose transcript contradicted the committed stable text
 
@@ -125,9 +126,11 @@ class Session:
     def _step(self, prefix: str, final: bool) -> Update:
         samples = self.audio.view(self.consumed)
         self.stats.frames.append(self.mel.advance(samples))
-        embeds, computed, recomputed = self.encoder.encode(self.mel)
-        self.stats.encoder_tokens.append(computed)
-        self.stats.windows_recomputed.append(recomputed)
+        encoded = self.encoder.encode(self.mel)
+        embeds = encoded.rows
+        self.stats.encoder_tokens.append(encoded.computed)
+        self.stats.windows_recomputed.append(encoded.recomputed)
+        self.stats.conv_chunks.append(encoded.conv_chunks)
         prompt = self.state.prompts(embeds.shape[0], prefix)
         reuse = self._reusable(prompt)
         lease, self._lease = self._lease, None
