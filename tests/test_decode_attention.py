@@ -151,3 +151,25 @@ def test_prefill_chunk_attention_matches_float32(ctx: int, n: int) -> None:
     kc, vc = torch.zeros_like(kpool), torch.zeros_like(vpool)
     kc[:, :ctx + n], vc[:, :ctx + n] = kpool[:, r], vpool[:, r]
     assert torch.equal(flash.prefill_attention(q, kc, vc, torch.arange(-(-(ctx + n) // BS)), BS, ctx, scale), got)
+
+
+@pytest.mark.parametrize("cut", [1, 37, 64, 100])
+def test_prefill_rows_do_not_depend_on_where_the_chunk_starts(cut: int) -> None:
+    """Positions [ctx, ctx + n) as one chunk, or cut at ``cut`` into two chunks (the second with the first's
+    keys as context): the same bits. The engine relies on it to continue a kept KV prefix from any position."""
+    from qasr.engine.cpu.native import attention_kernel
+
+    flash = attention_kernel()
+    if flash is None:
+        pytest.skip("no AVX512-BF16")
+    torch.manual_seed(cut)
+    kv_heads, heads, dim, blocks, ctx, n = 2, 4, 128, 16, 13, 130
+    kpool = torch.randn(kv_heads, blocks * BS, dim, dtype=torch.bfloat16)
+    vpool = torch.randn(kv_heads, blocks * BS, dim, dtype=torch.bfloat16)
+    _, tabs = scattered_tables([ctx + n], blocks, seed=cut)
+    q = torch.randn(n, heads, dim, dtype=torch.bfloat16)
+    scale = dim ** -0.5
+    whole = flash.prefill_attention(q, kpool, vpool, tabs[0], BS, ctx, scale)
+    first = flash.prefill_attention(q[:cut].contiguous(), kpool, vpool, tabs[0], BS, ctx, scale)
+    second = flash.prefill_attention(q[cut:].contiguous(), kpool, vpool, tabs[0], BS, ctx + cut, scale)
+    assert torch.equal(torch.cat([first, second]), whole)

@@ -65,6 +65,10 @@ class PreparedModel:
     prefill_attention: ModuleType | None = None  # native prompt-chunk attention
     release_caller_threads: Callable[[], None] = lambda: None  # called by submitting threads
     description: str = "torch"  # which kernels run, for logs and benchmarks
+    # a prompt row's decoder output does not depend on how the prompt is cut into prefill chunks (row-invariant
+    # linears and norms, and a prefill attention that computes each query row alone over its keys in order):
+    # a kept KV prefix may then be continued from any position, not only from the prefill chunk grid
+    chunk_invariant_prefill: bool = False
     # the backend's own KV pool and runner; None: engine/kv_cache.KVPool and engine/runner.Runner
     make_pool: PoolFactory | None = None
     make_runner: RunnerFactory | None = None

@@ -87,6 +87,8 @@ class Engine:
             self.runner = Runner(prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
+        # where a kept KV prefix may be cut (see submit's kv_prefix): anywhere when prefill is chunk-invariant
+        self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
                              checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
         self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
@@ -127,8 +129,9 @@ class Engine:
 
         ``keep_kv``: on success the request's KV blocks are kept and returned as ``result.kv`` (a
         ``KVLease``). ``kv_prefix=(lease, n)`` continues such a prefix: the first n prompt positions are
-        reused, not prefilled (n a multiple of ``prefill_chunk``, so the later chunks lie on the grid a
-        fresh prefill uses and give the same bits; the caller vouches that the audio rows before n are
+        reused, not prefilled (n a multiple of ``prefix_grid``: of ``prefill_chunk``, so the later chunks
+        lie on the grid a fresh prefill uses and give the same bits, or of 1 where the kernels give a row
+        the same bits however the prompt is chunked; the caller vouches that the audio rows before n are
         those of the lease's request). Should the engine have evicted the lease to make room meanwhile,
         the whole prompt is prefilled instead (the same bits again). A lease is used once; ``release``
         frees one that is not.
@@ -164,9 +167,9 @@ class Engine:
         if kv_prefix is None:
             return self._enqueue(req)
         lease, n = kv_prefix
-        if not (0 < n < len(prompt) and n <= lease.valid and n % self.config.prefill_chunk == 0):
-            raise ValueError(f"kv_prefix length {n} must be a positive multiple of prefill_chunk "
-                             f"({self.config.prefill_chunk}), below the prompt's length and within the lease")
+        if not (0 < n < len(prompt) and n <= lease.valid and n % self.prefix_grid == 0):
+            raise ValueError(f"kv_prefix length {n} must be a positive multiple of {self.prefix_grid} (prefix_grid), "
+                             f"below the prompt's length and within the lease")
         if tuple(prompt[:n]) != lease.prompt[:n]:
             raise ValueError("kv_prefix: the prompt does not start with the kept request's tokens")
         with self._lock:

@@ -152,8 +152,9 @@ class Session:
 
     def _reusable(self, prompt: list[int]) -> int:
         """Prompt positions whose decoder KV the last step's blocks already hold: the prompt head and
-        the kept encoder windows both steps share unchanged, rounded down to the engine's prefill chunk
-        grid (later chunks then lie where a fresh prefill puts them, so they give the same bits)."""
+        the kept encoder windows both steps share unchanged, rounded down to the engine's ``prefix_grid``
+        (its prefill chunk grid, so later chunks lie where a fresh prefill puts them and give the same
+        bits; or no rounding at all where its kernels make a prompt row's bits independent of chunking)."""
         if self._lease is None:
             return 0
         shared = 0
@@ -162,8 +163,8 @@ class Session:
                 break
             shared += 1
         head = prompt.index(self.checkpoint.special.audio_pad)
-        chunk = self.engine.config.prefill_chunk
-        return (head + shared * self._window_tokens) // chunk * chunk
+        grid = self.engine.prefix_grid
+        return (head + shared * self._window_tokens) // grid * grid
 
     def close(self) -> None:
         """Free the decoder KV kept for the next step (``finish`` does this too)."""

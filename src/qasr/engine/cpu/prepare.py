@@ -77,7 +77,9 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None
     parts += ["native decode attention"] if decode is not None else []
     parts += ["native prefill attention"] if prefill is not None else []
-    prepared = PreparedModel(model, kernels, decode, prefill, release_idle_workers, ", ".join(parts))
+    prepared = PreparedModel(model, kernels, decode, prefill, release_idle_workers, ", ".join(parts),
+                             chunk_invariant_prefill=prefill is not None and ops is not None
+                             and _row_invariant(model, linear))
     log.info("qasr: CPU kernels: %s", prepared.description)
     return prepared
 
@@ -93,6 +95,16 @@ def _float_products(model: Qwen3ASRModel, use_native: bool) -> tuple[Linear, Con
     if onednn_packing_supported(model.device, dtype):
         return OneDnnLinears(model), conv, "oneDNN prepacked GEMM (not batch-invariant)"
     return TORCH_KERNELS.linear, conv, "torch GEMM"
+
+
+def _row_invariant(model: Qwen3ASRModel, linear: Linear) -> bool:
+    """Whether every decoder linear gives a row the same bits whatever rows share the call: the quantized modes'
+    products (exact int32 sums per row) and qasr's invariant bf16 GEMM (where it packed them all), not oneDNN's
+    or torch's GEMMs, which pick their blocking by the number of rows."""
+    if getattr(linear, "kind", None) in ("int8", "int4"):
+        return True
+    decoder = [m for m in model.model.modules() if isinstance(m, nn.Linear)] + [model.lm_head]
+    return isinstance(linear, InvariantLinears) and all(m in linear.packed for m in decoder)
 
 
 def native_int8_kernel() -> ModuleType | None:
