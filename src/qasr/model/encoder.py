@@ -45,8 +45,7 @@ class EncoderPack:
     window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
     token_counts: tuple[int, ...]  # output tokens per utterance
     token_slots: torch.Tensor  # (T,) the (W * Lw) window slot of each packed token
-    # per utterance: whole chunks whose conv output the caller gave (they come first), chunks in ``chunks``
-    head_chunks: tuple[int, ...] = ()
+    # per utterance: its chunks in ``chunks`` (those after the whole chunks whose conv output the caller gave)
     fresh_chunks: tuple[int, ...] = ()
 
 
@@ -103,7 +102,6 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
         window_mask=_to(mask[:, None, None, :], device),
         token_counts=tuple(counts),
         token_slots=_to(slots, device),
-        head_chunks=tuple(heads),
         fresh_chunks=tuple(fresh),
     )
 

@@ -103,6 +103,6 @@ class WindowEncoder:
         result = self.engine.submit_encode(mel.features(start + held * cf, end), conv_head=head).result()
         floor = float(mel.floor)
         whole_final = (min(mel.final, end) - start) // cf
-        for j in range(held, whole_final):
-            self._chunks.append(KeptChunk(result.conv[j - held], floor))
+        for j in range(held, whole_final):  # a copy: the row is a view of the packed call's output, all sessions'
+            self._chunks.append(KeptChunk(result.conv[j - held].clone(), floor))
         return result
