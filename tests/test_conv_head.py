@@ -101,3 +101,23 @@ def test_a_session_records_the_chunks_it_convolved(tiny_asr) -> None:  # noqa: A
     # 1 s steps: the chunk that just became final (its last frames waited for the next samples) and the new one
     assert chunks[0] == 1 and all(c == 2 for c in chunks[1:]), chunks
 
+
+
+def test_a_short_call_gets_the_smallest_zero_dummy_and_the_same_bits(tiny_asr) -> None:  # noqa: ANN001
+    """A call under 16 rows gets a zero dummy utterance (torch's GEMMs give a handful of rows other bits):
+    one chunk when that reaches 16 rows (a lone 1 s chunk, a live turn's first step), two otherwise."""
+    engine = tiny_asr.engine
+    tower, kernels, batch = engine.prepared.model.audio_tower, engine.runner.kernels, engine.runner.conv_batch
+    convolved: list[int] = []
+    real = tower.conv_front
+    tower.conv_front = lambda chunks, *a, **k: (convolved.append(chunks.shape[0]), real(chunks, *a, **k))[1]
+    try:
+        mel = LogMel(tiny_asr.checkpoint.features)
+        one_chunk, tiny = mel(noise(1.0, seed=31)), mel(noise(0.05, seed=32))
+        with torch.inference_mode():
+            alone = [tower([f], conv_batch=batch, kernels=kernels)[0] for f in (one_chunk, tiny)]
+            packed = tower([one_chunk, tiny, mel(noise(9.0, seed=33))], conv_batch=batch, kernels=kernels)
+    finally:
+        del tower.conv_front
+    assert convolved[:2] == [2, 3]  # 13 rows + a 1-chunk dummy; 1 row + a 2-chunk dummy
+    assert torch.equal(alone[0], packed[0]) and torch.equal(alone[1], packed[1])

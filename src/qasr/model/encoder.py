@@ -232,7 +232,8 @@ class AudioEncoder(nn.Module):
             # different low bits than the same rows inside a bigger product), so a short window alone
             # and the same window packed with others would differ. A zero dummy utterance keeps every
             # call above that size; windows never attend across utterances, so it changes nothing else.
-            feats.append(feats[0].new_zeros(feats[0].shape[0], 2 * cf))
+            # As few whole chunks as reach the size (one for a lone 1 s chunk, the first step of a live turn).
+            feats.append(feats[0].new_zeros(feats[0].shape[0], -(-(MIN_ENCODER_ROWS - rows) // tpc) * cf))
             heads.append(None)
         pack = plan_pack(feats, self.cfg, p.device, [h.shape[0] if h is not None else 0 for h in heads])
         fresh = self.conv_front(pack.chunks, conv_batch, kernels) if pack.chunks.shape[0] else None
