@@ -290,7 +290,8 @@ def step_cost(asr, audio: np.ndarray, settings: dict, steps: int, naive_times: l
             dt = time.perf_counter() - t0
         r, st = s.results[-1], s.stats
         ours.append(dict(t=k, seconds=dt, frames=st.frames[-1], encoder_rows=st.encoder_tokens[-1],
-                         windows_recomputed=st.windows_recomputed[-1], foreign_cpu=foreign.share,
+                         conv_chunks=st.conv_chunks[-1], windows_recomputed=st.windows_recomputed[-1],
+                         foreign_cpu=foreign.share,
                          **work_of(asr, r, st.prefill_tokens[-1])))
         if k in keep_tokens:
             tokens[k] = tuple(r.generated)
@@ -364,7 +365,7 @@ def timed_push(asr, live, watch: TurnWatch, chunk: np.ndarray) -> tuple[dict, li
         events = live.push(chunk)
         dt = time.perf_counter() - t0
     touched = ([before] if before is not None else []) + [s for s in watch.opened if s is not before]
-    work = dict(steps=0, frames=0, encoder_rows=0, prefill=0)
+    work = dict(steps=0, frames=0, encoder_rows=0, conv_chunks=0, prefill=0)
     last = None
     for s in touched:
         m, st = marks.get(id(s), 0), s.stats
@@ -372,6 +373,7 @@ def timed_push(asr, live, watch: TurnWatch, chunk: np.ndarray) -> tuple[dict, li
             work["steps"] += len(st.prefill_tokens) - m
             work["frames"] += sum(st.frames[m:])
             work["encoder_rows"] += sum(st.encoder_tokens[m:])
+            work["conv_chunks"] += sum(st.conv_chunks[m:])
             work["prefill"] += sum(st.prefill_tokens[m:])
             last = s.results[-1]
     shape = work_of(asr, last) if last is not None else dict(prompt=0, audio_tokens=0, prefix_tokens=0, generated=0)
