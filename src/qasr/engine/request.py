@@ -71,7 +71,7 @@ class Request:
     # alignment requests (max_new_tokens 0): sorted prompt positions whose head argmax is the result;
     # the request ends with its prefill
     classify: np.ndarray | None = None
-    # encoder-only requests (``Engine.submit_encode``): no prompt, no KV; the result is the encoder's rows
+    # encoder-only requests (``Engine.submit_encode``): no prompt, no KV; the result is an ``EncodeResult``
     encode_only: bool = False
     # an encoder-only request's given conv output of its first whole chunks (``features`` hold the frames after
     # them), and the conv output of the chunks the engine computed, returned with the rows

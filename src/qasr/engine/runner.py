@@ -49,8 +49,7 @@ class Runner:
             feats.append(req.features[:, f0:f1])
         feat_s = time.perf_counter() - t0
         heads = [req.conv_head for req, _ in slices]  # (a request with a conv head is one window, one slice)
-        run = self.model.audio_tower.encode(feats, heads if any(h is not None for h in heads) else None,
-                                            conv_batch=self.conv_batch, kernels=self.kernels)
+        run = self.model.audio_tower.encode(feats, heads, conv_batch=self.conv_batch, kernels=self.kernels)
         outs = run.rows
         for (req, n), out in zip(slices, outs, strict=True):
             if out.shape[0] != n:
