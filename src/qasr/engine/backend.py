@@ -69,6 +69,10 @@ class PreparedModel:
     # linears and norms, and a prefill attention that computes each query row alone over its keys in order):
     # a kept KV prefix may then be continued from any position, not only from the prefill chunk grid
     chunk_invariant_prefill: bool = False
+    # a decode row's output does not depend on the rows beside it (row-invariant linears, per-row fused norms, a
+    # native decode attention that computes each row alone): several decode rows of one sequence in a forward
+    # (guessed tokens checked at once, Engine.submit's draft) then give each row the bits of a step of its own
+    row_invariant_decode: bool = False
     # the backend's own KV pool and runner; None: engine/kv_cache.KVPool and engine/runner.Runner
     make_pool: PoolFactory | None = None
     make_runner: RunnerFactory | None = None

@@ -42,6 +42,7 @@ from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from qasr.engine.validate import (
     Limits,
     check_conv_head,
+    check_draft,
     check_embeds,
     check_encoder_features,
     check_positions,
@@ -89,6 +90,9 @@ class Engine:
         self.audio_token_id = checkpoint.config.audio_token_id
         # where a kept KV prefix may be cut (see submit's kv_prefix): anywhere when prefill is chunk-invariant
         self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
+        # whether submit's draft is used (checked in the decode rows) or dropped: only where a decode row's bits
+        # do not depend on the rows beside it, so that checking guesses never changes a token or a log-probability
+        self.verifies_drafts = prepared.row_invariant_decode
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
                              checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
         self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
@@ -106,7 +110,7 @@ class Engine:
         # wall seconds by phase; step_s is the total, what it has beyond the others is host-side work.
         # forward_mixed_s counts forwards that carry prefill chunks (decode rows may ride along).
         self.timings = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
-                            prefill_tokens=0, decode_tokens=0)
+                            prefill_tokens=0, decode_tokens=0, draft_rows=0, draft_kept=0)
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: list[int], *, waveform: np.ndarray | None = None, features: torch.Tensor | None = None,
@@ -114,7 +118,7 @@ class Engine:
                on_token: Callable[[int | None], None] | None = None,
                audio_embeds: torch.Tensor | None = None, keep_kv: bool = False,
                kv_prefix: tuple[KVLease, int] | None = None, interactive: bool = False,
-               group: Hashable | None = None) -> Future:
+               group: Hashable | None = None, draft: Sequence[int] = ()) -> Future:
         """Queue one request; the future resolves to a GenerationResult (or raises its error).
 
         ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
@@ -145,7 +149,15 @@ class Engine:
         fewest requests running goes first, arrival order within a group and between equals; None: the
         request is a group of its own. So a short request submitted behind a 20-minute file's 200 segments
         starts at the next free place, not after them. Like ``interactive``, it changes the place in line,
-        never the tokens."""
+        never the tokens.
+
+        ``draft``: ids the caller guesses the output begins with (a live step: the tokens its prefix rolled
+        back). While the output agrees with them, each decode step also feeds the next guesses (up to
+        scheduler.DRAFT_ROWS), each in a decode row of its own, and keeps the tokens of the rows whose
+        guesses before them came true: several tokens for one pass over the weights. The output, its
+        log-probabilities and the listener's calls are those without a draft, bit for bit, because a decode
+        row's result does not depend on the rows beside it; where the kernels do not promise that
+        (``verifies_drafts`` False: float32, torch or oneDNN GEMMs, CUDA) the draft is ignored."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -157,11 +169,12 @@ class Engine:
         else:
             waveform, features, _ = check_request(prompt, waveform, features, max_new_tokens, self.limits)
         prompt = [int(t) for t in prompt]
+        guess = check_draft(draft, self.limits.vocab_size) if draft else ()
         audio_tokens = prompt.count(self.audio_token_id)
         req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
                       waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
                       audio_before=self._audio_before(prompt), keep_kv=keep_kv, interactive=interactive,
-                      group=group)
+                      group=group, draft=guess if self.verifies_drafts else ())
         if audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
             req.audio, req.encoded_tokens = audio_embeds, audio_tokens
         if kv_prefix is None:
@@ -423,6 +436,10 @@ class Engine:
         st["forward_mixed_s" if plan.prefill else "forward_decode_s"] += time.perf_counter() - t0
         st["prefill_tokens"] += sum(n for _, n in plan.prefill)
         st["decode_tokens"] += len(plan.decode)
+        guessed = sum(len(g) for g in plan.drafts.values())
+        if guessed:  # each kept token beyond a row's first came from a guess that came true
+            st["draft_rows"] += guessed
+            st["draft_kept"] += len(sampled) - len({id(r) for r, _ in sampled})
         return sampled
 
     def _rerun_alone(self, plan: StepPlan, exc: Exception, encoded: bool) -> list[tuple[Request, int]]:
@@ -454,10 +471,14 @@ class Engine:
     def _apply(self, sampled: list[tuple[Request, int]]) -> None:
         now = time.perf_counter()
         generated = 0
+        ended: set[int] = set()  # a request with several tokens this step (guesses that came true) may end early
         for req, token in sampled:
+            if id(req) in ended:
+                continue
             if req.first_token_at is None:
                 req.first_token_at = now
             if not self._replays_faithfully(req, token):
+                ended.add(id(req))
                 continue
             reason = None
             if not req.ignore_eos and token in self.eos:
@@ -468,10 +489,12 @@ class Engine:
                     generated += 1
                     req.delivered += 1
                     if req.on_token is not None and not self._deliver(req, token):
+                        ended.add(id(req))
                         continue
                 if len(req.output) >= req.max_new_tokens:
                     reason = "length"
             if reason is not None:
+                ended.add(id(req))
                 lease = None
                 if req.keep_kv:  # the blocks stay held until a request takes them over or they are released
                     self.scheduler.retire(req)

@@ -84,6 +84,9 @@ class Request:
     # upload's) queue behind each other, and the group with the fewest running requests is admitted first
     group: Hashable | None = None
     kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
+    # ids the caller guesses the output begins with (``submit(draft=...)``): checked several at a time in one
+    # forward while the output agrees with them; they never change what is generated
+    draft: tuple[int, ...] = ()
     prefix_len: int = 0
     future: Future = field(default_factory=Future)
     id: int = field(default_factory=lambda: next(_ids))
@@ -127,6 +130,14 @@ class Request:
     @property
     def cancelled(self) -> bool:
         return self.future.cancelled()
+
+    def draft_ahead(self, limit: int) -> tuple[int, ...]:
+        """The next ``limit`` (at most) guessed ids after the output, while the output so far is the draft's
+        start; () once it departs from it."""
+        n = len(self.output)
+        if limit <= 0 or n >= len(self.draft) or tuple(self.output) != self.draft[:n]:
+            return ()
+        return self.draft[n:n + limit]
 
     def ready_until(self, encoded: int) -> int:
         """Prompt tokens [0, n) whose audio embeddings exist once ``encoded`` audio tokens are encoded:

@@ -77,24 +77,38 @@ class Runner:
             req.prefilled += n  # the encoder output stays: a preempted request prefills again from it
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
-        for req, i in zip(batch.sampled, batch.sampled_at, strict=True):
-            del req.logprobs[len(req.output):]  # the token made now is output[len(output)] (a recomputation overwrites)
+        made: list[tuple[Request, int]] = []
+        last: dict[int, int | None] = {}  # by request: the token of its last row kept (None: a guess failed)
+        for req, i, guess in zip(batch.sampled, batch.sampled_at, batch.guesses, strict=True):
+            if guess is not None and last[id(req)] != guess:
+                last[id(req)] = None  # this row was fed a wrong guess (or follows one): its token is not the output's
+                continue
+            k = len(req.output) + sum(r is req for r, _ in made)  # the token made now is output[k]
+            del req.logprobs[k:]  # a recomputation overwrites
             req.logprobs.append(logprobs[i])
-        return [(req, tokens[i]) for req, i in zip(batch.sampled, batch.sampled_at, strict=True)]
+            made.append((req, tokens[i]))
+            last[id(req)] = tokens[i]
+        return made
 
     def collect(self, plan: StepPlan) -> StepBatch:
         """The step's packed rows, on the host: decode rows first, then prefill chunks in plan order."""
-        b = StepBatch(num_decode=len(plan.decode))
+        b = StepBatch()
         for req in plan.decode:
+            # the newest token, then the guesses (plan.drafts) as if each had been made: a row of its own each, a
+            # decode row like any other (row-invariant kernels give it the bits of a step of its own)
             ctx = len(req.prompt) + len(req.output) - 1
-            b.ids.append(req.output[-1])
-            b.positions.append(ctx)
-            b.tables.append(req.blocks)
-            b.qlens.append(1)
-            b.ctxs.append(ctx)
-            b.sampled_at.append(len(b.rows))
-            b.rows.append(len(b.ids) - 1)
-            b.sampled.append(req)
+            guesses = plan.drafts.get(id(req), ())
+            for j, token in enumerate((req.output[-1], *guesses)):
+                b.ids.append(token)
+                b.positions.append(ctx + j)
+                b.tables.append(req.blocks)
+                b.qlens.append(1)
+                b.ctxs.append(ctx + j)
+                b.sampled_at.append(len(b.rows))
+                b.rows.append(len(b.ids) - 1)
+                b.sampled.append(req)
+                b.guesses.append(token if j else None)
+        b.num_decode = len(b.ids)
         audio_id = self.model.cfg.audio_token_id
         reached: dict[int, int] = {}  # a request's later chunks in this step start where its earlier ones end
         for req, n in plan.prefill:
@@ -119,6 +133,7 @@ class Runner:
                 b.sampled_at.append(len(b.rows))
                 b.rows.append(len(b.ids) - 1)
                 b.sampled.append(req)
+                b.guesses.append(None)
         return b
 
     def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
@@ -156,7 +171,7 @@ def read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], 
 class StepBatch:
     """One step's packed decoder rows, built on the host by ``Runner.collect``."""
 
-    num_decode: int = 0  # leading single-token decode sequences
+    num_decode: int = 0  # leading single-token decode rows (a request's guessed tokens each bring one)
     ids: list[int] = field(default_factory=list)  # (N,) token ids, packed
     positions: list[int] = field(default_factory=list)  # (N,) absolute positions
     tables: list[list[int]] = field(default_factory=list)  # per sequence: its KV block table
@@ -167,6 +182,7 @@ class StepBatch:
     rows: list[int] = field(default_factory=list)  # packed rows whose logits are computed
     sampled: list[Request] = field(default_factory=list)  # requests that get a token this step
     sampled_at: list[int] = field(default_factory=list)  # index in ``rows`` of each sampled request's row
+    guesses: list[int | None] = field(default_factory=list)  # per sampled row: the guessed id it was fed, or None
     classified: list[tuple[Request, int, int]] = field(default_factory=list)  # (alignment request, first, count)
 
     @property

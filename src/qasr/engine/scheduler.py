@@ -37,10 +37,14 @@ their length is what a caption waits for; batch decode rows still ride along in 
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qasr.engine.block_manager import BlockManager
 from qasr.engine.request import Request
+
+# guessed ids checked per request and step: a live step rolls back 5 tokens (more where a cut would split a
+# character), and rows beyond the guesses that come true cost a forward's compute for nothing
+DRAFT_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class StepPlan:
     prefill: list[tuple[Request, int]]  # (request, chunk length); a request's chunks are consecutive
     # batch (non-interactive) encoder slices or prefill chunks planned while interactive work was in the engine
     live_batch_work: bool = False
+    # by id(request) of a decode row: the guessed ids (Request.draft) fed after its newest token in rows of their own
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def requests(self) -> list[Request]:
@@ -70,8 +76,9 @@ class StepPlan:
 
     def only(self, req: Request) -> StepPlan:
         """The part of this plan that concerns one request (to rerun it alone after a failed step)."""
+        own = {id(req): self.drafts[id(req)]} if id(req) in self.drafts else {}
         return StepPlan([(r, n) for r, n in self.encode if r is req], [r for r in self.decode if r is req],
-                        [(r, n) for r, n in self.prefill if r is req])
+                        [(r, n) for r, n in self.prefill if r is req], drafts=own)
 
     def drop(self, req: Request) -> None:
         """Take a preempted request out of the plan: it is back in the queue, and the step must not touch
@@ -79,6 +86,7 @@ class StepPlan:
         self.encode[:] = [(r, n) for r, n in self.encode if r is not req]
         self.decode[:] = [r for r in self.decode if r is not req]
         self.prefill[:] = [(r, n) for r, n in self.prefill if r is not req]
+        self.drafts.pop(id(req), None)
 
 
 class Scheduler:
@@ -252,10 +260,21 @@ class Scheduler:
             if req in self.active and req.prefill_done and self._reserve(req, len(req.prompt) + len(req.output), plan):
                 plan.decode.append(req)
         self._plan_prefill(after, plan, live)
+        self._plan_drafts(plan)
         if live:
             plan.live_batch_work = (any(not r.interactive and not r.encode_only for r, _ in plan.encode)
                                     or any(not r.interactive for r, _ in plan.prefill))
         return plan
+
+    def _plan_drafts(self, plan: StepPlan) -> None:
+        """A decode row's request with guessed ids ahead (``Request.draft``) gets up to ``DRAFT_ROWS`` more rows,
+        one per guess, within its ``max_new_tokens``: the runner keeps the tokens of those whose guesses
+        before them came true. Their blocks come from what is free once everything else is planned: a guess
+        never evicts a kept prefix or preempts anyone."""
+        for req in plan.decode:
+            ahead = req.draft_ahead(min(DRAFT_ROWS, req.max_new_tokens - len(req.output) - 1))
+            if ahead and self.blocks.grow(req, len(req.prompt) + len(req.output) + len(ahead)):
+                plan.drafts[id(req)] = ahead
 
     def _live(self) -> bool:
         """Live work is in the engine: batch work gets one encoder window and one prefill chunk per step, and

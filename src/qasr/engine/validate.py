@@ -3,6 +3,7 @@ batch (where it would cost its neighbours a retry)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,16 @@ def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, l
     if need > limits.kv_tokens:
         raise ValueError(f"request needs {need} KV-cache tokens but the cache holds {limits.kv_tokens}")
     return embeds
+
+
+def check_draft(draft: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """A request's guessed output ids (``submit(draft=...)``) as a tuple, after checking they are token ids."""
+    ids = tuple(draft)
+    if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
+        raise ValueError("draft must be a sequence of token ids")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"draft has token ids outside [0, {vocab_size})")
+    return tuple(int(t) for t in ids)
 
 
 def check_positions(positions: object, prompt_len: int) -> np.ndarray:

@@ -140,7 +140,7 @@ class Session:
         try:
             future = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens,
                                         keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None,
-                                        interactive=True)
+                                        interactive=True, draft=self.state.guess(prefix))
         except Exception:
             if lease is not None:
                 self.engine.release(lease)  # refused at submit: the blocks were not handed over

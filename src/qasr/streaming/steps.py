@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qasr.streaming.config import StreamConfig
-from qasr.streaming.text import PromptBuilder, rollback
+from qasr.streaming.text import PromptBuilder, encode_raw, rollback
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,18 @@ class StreamText:
             return ""
         p = self.prompts
         return rollback(p.tokenizer, p.special, self.raw, self.config.unfixed_token_num, at_finish=at_finish)
+
+    def guess(self, prefix: str) -> list[int]:
+        """What the step fed ``prefix`` most likely generates first: the ids of the last output that the
+        prefix leaves out (the rolled-back tokens; the whole last output while the prefix is empty). The
+        engine checks such a draft as it decodes; it never changes the output, only how many tokens a
+        pass over the weights makes."""
+        if not self.raw:
+            return []
+        p = self.prompts
+        ids = encode_raw(p.tokenizer, p.special, self.raw)
+        head = encode_raw(p.tokenizer, p.special, prefix) if prefix else []
+        return ids[len(head):] if ids[:len(head)] == head else []
 
     def absorb(self, samples: int, prefix: str, prompt: list[int], generated: list[int], final: bool) -> StepResult:
         """Take one step's output: raw = prefix + decoded generation, parsed; chunk_id advances."""

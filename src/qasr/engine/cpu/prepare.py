@@ -77,9 +77,11 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None
     parts += ["native decode attention"] if decode is not None else []
     parts += ["native prefill attention"] if prefill is not None else []
+    rows_invariant = ops is not None and _row_invariant(model, linear)
     prepared = PreparedModel(model, kernels, decode, prefill, release_idle_workers, ", ".join(parts),
-                             chunk_invariant_prefill=prefill is not None and ops is not None
-                             and _row_invariant(model, linear))
+                             chunk_invariant_prefill=prefill is not None and rows_invariant,
+                             # the per-row fused norms are the bf16 ones (float32's compose torch ops)
+                             row_invariant_decode=decode is not None and bf16 and rows_invariant)
     log.info("qasr: CPU kernels: %s", prepared.description)
     return prepared
 
