@@ -621,7 +621,7 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
         warm.close()
     from qasr.testing.speaking import word_ids
 
-    words = word_ids(Path(model)) if args["transcript"] == "words" else None
+    words = word_ids(Path(model)) if args["transcript"] in ("words", "steady") else None
     naive_times = [t for t in args["naive_at"] if t <= steps]
     out: dict = {"label": label, "model": model, "dtype": dtype, "settings": settings, "machine": machine,
                  "threads": torch.get_num_threads(), "sides": SIDES, "step_cost": {}}
@@ -917,9 +917,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", nargs="+", default=None, choices=("0.6b", "demo"),
                    help="random checkpoints at these dims (default: 0.6b demo; --quick: demo)")
-    p.add_argument("--transcript", default="words", choices=("words", "empty"),
-                   help="what the random checkpoints' text is (default words: it grows like speech; see "
-                        "build_checkpoint)")
+    p.add_argument("--transcript", default="words", choices=("words", "empty", "steady"),
+                   help="what the random checkpoints' text is (default words: it grows like speech; steady: a "
+                        "fixed chain of words that a later step makes again, like a trained model's transcript; "
+                        "see qasr.testing.speaking)")
     p.add_argument("--model", default=None, help="a checkpoint directory, run as it is (instead of --dims)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE_CHOICES,

@@ -173,6 +173,18 @@ def test_a_draft_is_ignored_where_rows_are_not_invariant(tiny_asr) -> None:  # n
     assert got.token_ids == plain.token_ids and rows == kept == 0
 
 
+def test_drafts_can_be_turned_off(path128) -> None:  # noqa: ANN001
+    from qasr.model.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(path128, device="cpu", dtype="bfloat16")
+    with Engine(ck, EngineConfig(kv_cache_bytes=KV, drafts=False)) as eng:
+        assert not eng.verifies_drafts
+        wave = noise(2.0, seed=7)
+        plain = run(eng, wave, new_tokens=12)[0]
+        got, _, rows, kept, _ = run(eng, wave, draft=plain.token_ids, new_tokens=12)
+        assert got.token_ids == plain.token_ids and rows == kept == 0
+
+
 def test_a_malformed_draft_is_refused_at_submit(tiny_asr) -> None:  # noqa: ANN001
     eng = tiny_asr.engine
     wave = noise(1.0, seed=1)

@@ -29,6 +29,9 @@ class EngineConfig:
     # encoder windows and prefill chunks may take (1.0: no limit). Live captions wait for a dozen steps each;
     # batch decode rows still run in every step. docs/engine.md: the measurement behind the default.
     live_batch_share: float = 0.25
+    # check the tokens a request guesses it will make (submit's draft: a live step's rolled-back tokens) in decode
+    # rows beside its own, where the kernels make that exact (Engine.verifies_drafts); False: drafts are ignored
+    drafts: bool = True
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress (it would spin empty steps)."""

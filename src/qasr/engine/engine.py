@@ -92,7 +92,7 @@ class Engine:
         self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
         # whether submit's draft is used (checked in the decode rows) or dropped: only where a decode row's bits
         # do not depend on the rows beside it, so that checking guesses never changes a token or a log-probability
-        self.verifies_drafts = prepared.row_invariant_decode
+        self.verifies_drafts = config.drafts and prepared.row_invariant_decode
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
                              checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
         self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
