@@ -47,6 +47,7 @@ class EncoderPack:
     token_slots: torch.Tensor  # (T,) the (W * Lw) window slot of each packed token
     # per utterance: its chunks in ``chunks`` (those after the whole chunks whose conv output the caller gave)
     fresh_chunks: tuple[int, ...] = ()
+    windows: torch.Tensor | None = None  # (W, 2) int64: each window's (first packed token, length)
 
 
 def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu",
@@ -103,6 +104,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
         token_counts=tuple(counts),
         token_slots=_to(slots, device),
         fresh_chunks=tuple(fresh),
+        windows=_to(torch.tensor(windows, dtype=torch.long).reshape(-1, 2), device),
     )
 
 
@@ -135,8 +137,13 @@ class EncoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pack: EncoderPack, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         # x: (T, d). Gather into (W, heads, Lw, hd) windows; one padded row (zeros) serves every pad slot.
-        _, d = x.shape
+        n, d = x.shape
         linear = kernels.linear
+        if kernels.encoder_attention is not None and x.dtype == torch.bfloat16 and pack.windows is not None:
+            # qasr's kernel: each window on its own rows, no padding (a row depends on its window alone there too)
+            q, k, v = (linear(m, x).view(n, self.heads, self.head_dim) for m in (self.q_proj, self.k_proj, self.v_proj))
+            out = kernels.encoder_attention(q, k, v, pack.windows, self.head_dim ** -0.5)
+            return linear(self.out_proj, out.view(n, d))
         qkv = torch.stack([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)])  # (3, T, d)
         qkv = torch.cat([qkv, qkv.new_zeros(3, 1, d)], dim=1)
         w, lw = pack.window_index.shape

@@ -30,7 +30,9 @@ class Kernels:
     eps)`` and ``norm_rope(x, weight, cos, sin, eps)`` (RMSNorm, then rotary) replace the decoder's norm
     maths when set; ``dtype`` limits where those two apply (a fused kernel is written for one dtype).
     ``linear_group(modules, x)``, when set, computes several linears of the same input at once (one product
-    over their concatenated weights, split by columns); ``linears`` falls back to one call each."""
+    over their concatenated weights, split by columns); ``linears`` falls back to one call each.
+    ``encoder_attention``, when set, replaces the encoder's padded, masked SDPA for bf16 activations (float32
+    keeps torch's, the reference maths; see model/encoder.py)."""
 
     linear: Callable[[nn.Linear, torch.Tensor], torch.Tensor] = torch_linear
     conv: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] = torch_conv
@@ -38,6 +40,9 @@ class Kernels:
     norm_rope: Callable[..., torch.Tensor] | None = None
     fused_dtype: torch.dtype | None = None
     linear_group: Callable[[tuple[nn.Linear, ...], torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    # ``encoder_attention(q, k, v, windows, scale)``: q/k/v (rows, heads, head_dim), windows (W, 2) int64 (start,
+    # length) runs of the rows; each row attends to its window's rows. bf16 activations only
+    encoder_attention: Callable[..., torch.Tensor] | None = None
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.rms_norm is not None and x.dtype == self.fused_dtype

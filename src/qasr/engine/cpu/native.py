@@ -4,6 +4,8 @@ before anything uses it.
 
 - decode attention: streams every cached key and value once per step; torch's GEMM kernels run the
   (2 query heads x context) shape far below memory bandwidth on CPUs, so a small loop does it instead.
+- encoder attention: the audio encoder's windowed attention on each window's own rows; torch's masked SDPA
+  over windows padded to their full length costs ~3 ms a layer on 2 cores even for one short live window.
 - decoder ops: RMSNorm and q/k-norm + rotary in one pass each (a decode step is dispatch-bound there); for
   float32/float16 the torch ops themselves, composed in C++ (one Python call, one GIL hand-off, same bits).
 - batch-invariant bf16 GEMMs (a row's result never depends on the other rows of the call, which oneDNN
@@ -36,6 +38,7 @@ BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 # (module name, source, flags) of each build; `qasr kernels build` builds the same ones
 DECODE_ATTENTION = ("qasr_decode_attention", "decode_attention.cpp", ("-ffast-math",))
+ENCODER_ATTENTION = ("qasr_encoder_attention", "encoder_attention.cpp", ("-ffast-math",))
 DECODER_OPS = ("qasr_decoder_ops", "decoder_ops.cpp", ())
 AMX_LINEAR = ("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
 BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
@@ -59,6 +62,13 @@ def decode_kernel() -> ModuleType | None:
     """Batched single-token attention over the KV pool (decode_attention.cpp)."""
     mod = _build(*DECODE_ATTENTION)
     return selftest.verified("decode attention", mod, selftest.check_decode_attention)
+
+
+@functools.cache
+def encoder_attention_kernel() -> ModuleType | None:
+    """Attention within the audio encoder's windows, each row alone over its window (encoder_attention.cpp)."""
+    mod = _build(*ENCODER_ATTENTION)
+    return selftest.verified("encoder attention", mod, selftest.check_encoder_attention)
 
 
 @functools.cache

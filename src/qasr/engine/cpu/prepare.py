@@ -70,8 +70,11 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
         parts.append("fused norms" if bf16 else "norms in one call")
     group = getattr(linear, "group", None)  # the quantized modes compute same-input linears as one product
     parts += ["q/k/v and gate/up as one product each"] if group is not None else []
+    encoder_attention = native.encoder_attention_kernel() if use_native and bf16 else None
+    parts += ["native encoder attention"] if encoder_attention is not None else []
     kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope,
-                      fused_dtype=None if ops is None else dtype, linear_group=group)
+                      fused_dtype=None if ops is None else dtype, linear_group=group,
+                      encoder_attention=None if encoder_attention is None else encoder_attention.encoder_attention)
     decode = native.decode_kernel() if use_native and dtype in (torch.float32, torch.bfloat16) else None
     head_dim = model.cfg.decoder.head_dim
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None

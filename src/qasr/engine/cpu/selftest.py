@@ -284,6 +284,22 @@ def check_decode_attention(kernel: ModuleType) -> None:
             raise SelfTestFailure(f"decode attention {dtype}: a sequence alone differs from it in a batch")
 
 
+def check_encoder_attention(kernel: ModuleType) -> None:
+    """Windows of 104, 13 and 1 rows (head_dim 64, the AVX-512 path, in bf16 and float32; head_dim 48, the
+    portable loop) against float32 SDPA over each window's rows; a window alone equals it among others."""
+    gen = torch.Generator().manual_seed(17)
+    windows = torch.tensor([[0, 104], [104, 13], [117, 1]])
+    for dtype, d, tol in ((torch.bfloat16, 64, 1e-2), (torch.float32, 64, 1e-4), (torch.bfloat16, 48, 1e-2)):
+        q, k, v = (torch.randn(118, 4, d, generator=gen).to(dtype) for _ in range(3))
+        got = kernel.encoder_attention(q, k, v, windows, 0.125)
+        ref = torch.cat([F.scaled_dot_product_attention(*(t[s:s + n].float().transpose(0, 1) for t in (q, k, v)),
+                                                        scale=0.125).transpose(0, 1) for s, n in windows.tolist()])
+        _expect_near(f"encoder attention {dtype} d={d}", got, ref, tol)
+        one = kernel.encoder_attention(q[104:117], k[104:117], v[104:117], torch.tensor([[0, 13]]), 0.125)
+        if not torch.equal(one, got[104:117]):
+            raise SelfTestFailure(f"encoder attention {dtype}: a window alone differs from it among others")
+
+
 def check_decoder_ops(kernel: ModuleType) -> None:
     """rms_norm and norm_rope against the same steps in torch (float math, bf16 where torch rounds)."""
     gen = torch.Generator().manual_seed(5)
