@@ -79,15 +79,17 @@ class Runner:
             req.classes.extend(tokens[first:first + m])
         made: list[tuple[Request, int]] = []
         last: dict[int, int | None] = {}  # by request: the token of its last row kept (None: a guess failed)
+        kept: dict[int, int] = {}  # by request: tokens kept so far this step
         for req, i, guess in zip(batch.sampled, batch.sampled_at, batch.guesses, strict=True):
             if guess is not None and last[id(req)] != guess:
                 last[id(req)] = None  # this row was fed a wrong guess (or follows one): its token is not the output's
                 continue
-            k = len(req.output) + sum(r is req for r, _ in made)  # the token made now is output[k]
+            k = len(req.output) + kept.get(id(req), 0)  # the token made now is output[k]
             del req.logprobs[k:]  # a recomputation overwrites
             req.logprobs.append(logprobs[i])
             made.append((req, tokens[i]))
             last[id(req)] = tokens[i]
+            kept[id(req)] = kept.get(id(req), 0) + 1
         return made
 
     def collect(self, plan: StepPlan) -> StepBatch:
