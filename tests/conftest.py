@@ -113,9 +113,11 @@ def one_behind_a_queue(ck, config, queued: int, queued_seconds: float, queued_to
         return result.token_ids, took, engine.steps
 
 
-def greedy_without_engine(ck, wave: np.ndarray, new_tokens: int, kernels) -> list[int]:  # noqa: ANN001
+def greedy_without_engine(ck, wave: np.ndarray, new_tokens: int, kernels,  # noqa: ANN001
+                          kv_dtype: str = "auto") -> list[int]:
     """Greedy decoding of ``ck`` (a Checkpoint) with ``kernels`` (a Kernels) and the whole sequence recomputed
-    at every token: no engine, no KV reuse, no batch. The plain references of the quantized modes."""
+    at every token: no engine, no KV reuse, no batch, torch's attention over a pool holding ``kv_dtype``. The
+    plain references of the quantized modes and of the int8 KV cache."""
     from qasr.audio.features import LogMel
     from qasr.engine.kv_cache import single_prefill
 
@@ -125,7 +127,7 @@ def greedy_without_engine(ck, wave: np.ndarray, new_tokens: int, kernels) -> lis
         audio = model.audio_tower([LogMel(ck.features)(wave)], kernels=kernels)[0]
         ids = list(prompt)
         for _ in range(new_tokens):
-            cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
+            cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype, kv_dtype)
             logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta,
                            logits_rows=torch.tensor([len(ids) - 1]), audio_embeds=audio, kernels=kernels)
             ids.append(int(logits[0].argmax()))

@@ -32,8 +32,8 @@ WAIT_S = 120  # far beyond what any scenario here takes: only a stuck engine rea
 
 def engine_for(ck, pool_tokens: int, **kw) -> Engine:
     """An engine with a pool of ``pool_tokens`` in 16-token blocks (the scenarios' numbers are worked out for them)."""
-    return Engine(ck, EngineConfig(kv_cache_bytes=pool_tokens * kv_bytes_per_token(ck.config.decoder, ck.dtype),
-                                   kv_block_tokens=16, **kw))
+    per_token = kv_bytes_per_token(ck.config.decoder, ck.dtype, kw.get("kv_cache_dtype", "auto"))
+    return Engine(ck, EngineConfig(kv_cache_bytes=pool_tokens * per_token, kv_block_tokens=16, **kw))
 
 
 class Gate:
@@ -124,18 +124,18 @@ def test_a_fragmented_pool_still_serves_a_request_larger_than_any_gap(ck) -> Non
 
 
 # ------------------------------------------------------------------------------------------- preemption
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_preempted_requests_give_the_tokens_of_an_unpreempted_run(dtype, request) -> None:
+@pytest.mark.parametrize(("dtype", "kv"), [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+def test_preempted_requests_give_the_tokens_of_an_unpreempted_run(dtype, kv, request) -> None:
     """A pool of 32 blocks (512 tokens). A decodes 400 tokens (28 blocks at the end). B arrives when A has
     filled 5 blocks, is admitted (its 26 prompt blocks are free) and prefills one block per step while A
     grows: A's next block is then missing and B, the youngest, is preempted in the middle of its prefill.
     C arrives next to A in a second run, both decode (past 16 blocks each) and C is preempted in its
     decode. Everyone ends with the tokens of a run alone; a preempted request's listener sees each token
-    once; all blocks come back."""
+    once; all blocks come back. The same with the int8 KV cache (recomputed rows are quantized alike)."""
     if dtype == "bfloat16" and linear_kernel() is None:
         pytest.skip("bf16 row invariance rests on qasr's AVX512-BF16 kernels")
     ck = request.getfixturevalue("ck" if dtype == "float32" else "ck_bf16")
-    config = dict(prefill_chunk=16, prefill_tokens=16)
+    config = dict(prefill_chunk=16, prefill_tokens=16, kv_cache_dtype=kv)
     a_wave, b_wave, c_wave = noise(2.0, seed=4), noise(30.0, seed=5), noise(2.0, seed=6)
     a = (prompt_for(ck, a_wave), dict(waveform=a_wave, max_new_tokens=400, ignore_eos=True))
     b = (prompt_for(ck, b_wave), dict(waveform=b_wave, max_new_tokens=8, ignore_eos=True))

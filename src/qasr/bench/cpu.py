@@ -62,14 +62,15 @@ FULL = Workload(clips_s=(), ttft_levels=((1, 8), (4, 16), (16, 48), (64, 128)), 
 
 # ---------------------------------------------------------------------------------------------- qasr
 def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: float, seed: int,
-             quantize: str | None = None) -> dict:
+             quantize: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     from qasr.engine.engine import Engine, EngineConfig
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
     from qasr.model.prompt import build_prompt
 
     ck = load_checkpoint(ckpt_dir, device="cpu", dtype="bfloat16")
-    engine = Engine(ck, EngineConfig(kv_cache_bytes=int(kv_gib * 2**30), quantize=quantize))
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=int(kv_gib * 2**30), quantize=quantize,
+                                     kv_cache_dtype=kv_cache_dtype))
     hop = ck.features.hop_length
     utterances: list[Utterance] = []
 
@@ -99,7 +100,8 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
                peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
                phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured],
-               foreign_cpu_s=others.seconds, foreign_cpu_share=others.share, kernels=engine.prepared.description)
+               foreign_cpu_s=others.seconds, foreign_cpu_share=others.share, kernels=engine.prepared.description,
+               kv_cache_dtype=kv_cache_dtype)
     out["ttft"] = measure_ttft(submit, wl, seed)
     engine.close()
     return out
@@ -109,14 +111,15 @@ DECODE_B1_TOKENS = 65  # tokens per batch-1 run: 64 decode steps after the one p
 DECODE_B1_ROUNDS = 5
 
 
-def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rounds: int = DECODE_B1_ROUNDS) -> dict:
+def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rounds: int = DECODE_B1_ROUNDS,
+                          kv_cache_dtypes: tuple[str, ...] | None = None) -> dict:
     """Time per generated token of one request alone (batch 1: the latency a live caption feels), for each
     setting in ``quantizes`` (None: the checkpoint's bf16), in one process on the one loaded checkpoint, the
     settings' runs interleaved round by round (an engine at a time, see below), so that the machine's drift (2x
     from hour to hour on shared machines) falls on both alike and the ratio is fair. A run: a 5 s clip,
     ``DECODE_B1_TOKENS`` forced tokens, each token's arrival stamped in ``on_token`` on the engine thread;
     ms/token = (last arrival - first arrival) / (tokens - 1), so the encoder and prefill are left out. Median
-    over ``rounds``."""
+    over ``rounds``. ``kv_cache_dtypes``: each setting's EngineConfig.kv_cache_dtype (default: all "auto")."""
     from qasr.engine.engine import Engine, EngineConfig
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
@@ -142,16 +145,19 @@ def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rou
     # 28 -> 72 ms/token with an idle bf16 engine beside it). An engine is made for each run and closed after it
     # (the prepared kernels are kept per model and setting, so only the first one per setting pays for them).
     runs: list[list[float]] = [[] for _ in quantizes]
+    kvs = kv_cache_dtypes or ("auto",) * len(quantizes)
     for _ in range(rounds):
         for k, q in enumerate(quantizes):
-            with Engine(ck, EngineConfig(kv_cache_bytes=2**28, quantize=q)) as engine:
+            with Engine(ck, EngineConfig(kv_cache_bytes=2**28, quantize=q, kv_cache_dtype=kvs[k])) as engine:
                 one_run(engine)  # warm-up: kernels built, shapes touched
                 runs[k].append(one_run(engine))
     out = {}
-    for q, r in zip(quantizes, runs, strict=True):
+    for q, kv, r in zip(quantizes, kvs, runs, strict=True):
         name = q or "none"
-        out[name] = dict(ms_per_token=1e3 * float(np.median(r)), runs_ms=[1e3 * x for x in r], tokens=DECODE_B1_TOKENS)
-        print(f"  qasr{'' if q is None else ' ' + q} decode at batch 1: {out[name]['ms_per_token']:.1f} ms/token "
+        out[name] = dict(ms_per_token=1e3 * float(np.median(r)), runs_ms=[1e3 * x for x in r], tokens=DECODE_B1_TOKENS,
+                         kv_cache_dtype=kv)
+        print(f"  qasr{'' if q is None else ' ' + q}{'' if kv == 'auto' else ' kv ' + kv} decode at batch 1: "
+              f"{out[name]['ms_per_token']:.1f} ms/token "
               f"(median of {rounds}, interleaved)", flush=True)
     return out
 
@@ -258,17 +264,22 @@ def run(args: argparse.Namespace) -> int:
           f"{TOKENS_PER_SECOND} forced tokens per audio second, bf16, {threads} threads", flush=True)
     t0 = time.perf_counter()
     # each side in a fresh process (one after the other), so peak RSS and warm caches are its own
-    ours = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed)
-    print(f"  qasr: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}, phases "
-          + ", ".join(f"{k} {v:.1f}" for k, v in ours["phases"].items()), flush=True)
     requested = getattr(args, "quantize", "none")
     mode = None if requested == "none" else requested  # the quantized side's name (int8, int4); None: bf16 alone
+    # --kv-cache-dtype: the quantized side's KV cache (qasr's own side's when there is none); bf16 keeps its own
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    ours = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, None,
+                         kv if mode is None else "auto")
+    print(f"  qasr{kv_label(ours)}: {ours['wall_s']:.1f} s, RTFx {ours['rtfx']:.1f}, phases "
+          + ", ".join(f"{k} {v:.1f}" for k, v in ours["phases"].items()), flush=True)
     quant = None
     if mode is not None:
-        quant = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, mode)
-        print(f"  qasr {mode} ({quant['kernels']}): {quant['wall_s']:.1f} s, RTFx {quant['rtfx']:.1f}, phases "
-              + ", ".join(f"{k} {v:.1f}" for k, v in quant["phases"].items()), flush=True)
-    decode_b1 = in_subprocess(measure_decode_batch1, threads, ckpt, (None,) if mode is None else (None, mode))
+        quant = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, mode, kv)
+        print(f"  qasr {mode}{kv_label(quant)} ({quant['kernels']}): {quant['wall_s']:.1f} s, RTFx "
+              f"{quant['rtfx']:.1f}, phases " + ", ".join(f"{k} {v:.1f}" for k, v in quant["phases"].items()),
+              flush=True)
+    decode_b1 = in_subprocess(measure_decode_batch1, threads, ckpt, (None,) if mode is None else (None, mode),
+                              DECODE_B1_ROUNDS, (kv,) if mode is None else ("auto", kv))
     ref = in_subprocess(run_reference, threads, ckpt, clips)
     print(f"  transformers: {ref['wall_s']:.1f} s, RTFx {ref['rtfx']:.1f}", flush=True)
     speedup = ours["rtfx"] / ref["rtfx"]
@@ -290,13 +301,15 @@ def run(args: argparse.Namespace) -> int:
                   total_wall_s=time.perf_counter() - t0)
     if quant is not None:
         add_quantized_side(report, mode, quant, efficiency(quant))
-    stem = ("throughput_quick" if args.quick else "throughput") + ("" if mode is None else f"_{mode}")
+    stem = (("throughput_quick" if args.quick else "throughput") + ("" if mode is None else f"_{mode}")
+            + ("" if kv == "auto" else f"_kv{kv}"))
     save_report(report, args.out, stem, plot, machine)
     print("| engine | wall s | audio s | RTFx | tokens | peak RSS GiB | efficiency | others' CPU |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = [("transformers generate, batch 8", ref, eff["reference_overall"]), ("qasr engine", ours, eff["overall"])]
+    rows = [("transformers generate, batch 8", ref, eff["reference_overall"]),
+            (f"qasr engine{kv_label(ours)}", ours, eff["overall"])]
     if quant is not None:
-        rows.append((f"qasr engine, {mode}", quant, report[mode]["efficiency"]["overall"]))
+        rows.append((f"qasr engine, {mode}{kv_label(quant)}", quant, report[mode]["efficiency"]["overall"]))
     for name, r, e in rows:
         print(f"| {name} | {r['wall_s']:.1f} | {r['audio_s']:.0f} | {r['rtfx']:.1f} | {r['tokens']} | "
               f"{r['peak_rss_gib']:.2f} | {100 * e:.1f}% | {100 * r['foreign_cpu_share']:.0f}% |")
@@ -321,6 +334,12 @@ def run(args: argparse.Namespace) -> int:
         print("bf16: " + summary_line({k: v for k, v in report.items() if k != mode}))
     print(summary_line(report))
     return 0
+
+
+def kv_label(side: dict) -> str:
+    """How a side's KV cache is named in the printed rows: nothing for the model's dtype."""
+    kv = side.get("kv_cache_dtype", "auto")
+    return "" if kv == "auto" else f" (kv {kv})"
 
 
 def summary_line(report: dict) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from qasr.cli.argtypes import QUANTIZE_CHOICES
-from qasr.engine.config import QUANTIZE_MODES
+from qasr.engine.config import KV_CACHE_DTYPES, QUANTIZE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(docs/quantization.md), against the same reference; the last line's speedup, rtfx and "
                         "efficiency are then the mode's, followed by <mode>_over_bf16=<x> (its RTFx over bf16's, "
                         "e.g. int8_over_bf16=<x>); output files end in _<mode>. CPU mode only")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="int8: the quantized side's KV cache in int8 (without --quantize: qasr's side), bf16 keeps "
+                        "its own; output files end in _kvint8. CPU mode only")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU mode (qasr.bench.gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
                         "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="cuda: KV-cache budget (default: 60%% of free memory)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.kv_cache_dtype != "auto" and (args.device == "cuda" or args.aligner):
+        p.error(f"--kv-cache-dtype {args.kv_cache_dtype} is for the CPU throughput mode")
     if args.quantize != "none" and (args.device == "cuda" or args.aligner):
         p.error(f"--quantize {args.quantize} is for the CPU throughput mode (qasr's {args.quantize} path runs on "
                 "the CPU only)")

@@ -13,6 +13,11 @@ QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's
                  "(CPU only; an --aligner is not quantized; docs/quantization.md); none (default): the --dtype "
                  "weights")
 
+# --kv-cache-dtype of transcribe, serve and bench
+KV_CACHE_HELP = ("int8: keys and values stored as int8 with a scale per token and head: about half the KV memory "
+                 "(twice the tokens held at once) and half the cache reads of a decode step, for a small accuracy "
+                 "cost (CPU only; docs/engine.md); auto (default): the model's dtype")
+
 
 def positive_int(text: str) -> int:
     value = int(text)

@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 
 from qasr import __version__
-from qasr.cli.argtypes import QUANTIZE_CHOICES, QUANTIZE_HELP, positive_float, positive_int, probability
+from qasr.cli.argtypes import (
+    KV_CACHE_HELP,
+    QUANTIZE_CHOICES,
+    QUANTIZE_HELP,
+    positive_float,
+    positive_int,
+    probability,
+)
+from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.writers.FORMATS (a test checks)
@@ -66,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     t.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
                    help=QUANTIZE_HELP)
+    t.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     t.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
     t.add_argument("--max-new-tokens", type=positive_int, default=None,
@@ -155,7 +164,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
 
     try:
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
-                                  quantize=args.quantize, engine=EngineConfig(max_running=args.max_running))
+                                  quantize=args.quantize, engine=EngineConfig(max_running=args.max_running,
+                                                                kv_cache_dtype=args.kv_cache_dtype))
         asr.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:
         print(f"qasr: error: {exc}", file=sys.stderr)

@@ -14,7 +14,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from qasr.cli.argtypes import QUANTIZE_CHOICES, QUANTIZE_HELP, positive_float, positive_int
+from qasr.cli.argtypes import KV_CACHE_HELP, QUANTIZE_CHOICES, QUANTIZE_HELP, positive_float, positive_int
+from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
 
 if TYPE_CHECKING:
     from qasr.server.config import ServerConfig
@@ -50,6 +51,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
     s.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
+    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     s.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
     s.add_argument("--decode-workers", type=positive_int, default=4, metavar="N",
@@ -117,7 +119,8 @@ def serve_command(args: argparse.Namespace) -> int:
         from qasr.transcribe.asr import ASR
 
         return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
-                                   quantize=args.quantize, engine=EngineConfig(max_running=args.max_running))
+                                   quantize=args.quantize, engine=EngineConfig(max_running=args.max_running,
+                                                                kv_cache_dtype=args.kv_cache_dtype))
 
     app = create_app(config, load)
     # uvicorn's own access log would print query strings; qasr's (logger qasr.server.access) prints no more

@@ -32,6 +32,7 @@ class EngineSpec:
     max_running: int = 64
     threads: int | None = None  # torch threads of a CPU engine; None: leave torch's default
     quantize: str | None = None  # None/"none", "int8" or "int4" (ASR.from_pretrained's quantize)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto" or "int8"
 
     def load(self) -> ASR:
         import torch
@@ -42,7 +43,8 @@ class EngineSpec:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         return ASR.from_pretrained(self.model, device=self.device, dtype=self.dtype, aligner=self.aligner,
-                                   quantize=self.quantize, engine=EngineConfig(max_running=self.max_running))
+                                   quantize=self.quantize, engine=EngineConfig(max_running=self.max_running,
+                                                                               kv_cache_dtype=self.kv_cache_dtype))
 
 
 @dataclass(frozen=True)

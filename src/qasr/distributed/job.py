@@ -32,7 +32,7 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
                        decode_cpus=args.ray_decode_cpus, batch_size=args.ray_batch)
     spec = EngineSpec(portable(args.model), device=args.device, dtype=args.dtype, aligner=portable(args.aligner),
                       max_running=args.max_running, threads=engine_threads(pool.actor_cpus, pool.actor_gpus),
-                      quantize=args.quantize)
+                      quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
     transcriber = RayTranscriber(spec, pool)
     try:
         transcriber.check_language(args.language)

@@ -115,7 +115,8 @@ def undeploy() -> None:
 def build_app(args: dict) -> object:
     """Serve application builder: ``serve run qasr.distributed.ray_serve:build_app model=PATH replicas=1-4``.
 
-    Keys (strings, as ``serve run`` passes them): model (required), device, dtype, quantize, aligner, max_running,
+    Keys (strings, as ``serve run`` passes them): model (required), device, dtype, quantize, kv_cache_dtype, aligner,
+    max_running,
     replicas (N or MIN-MAX), replica_cpus, replica_gpus, max_ongoing, target_ongoing, api_key."""
     from qasr.server.config import ServerConfig
 
@@ -126,7 +127,7 @@ def build_app(args: dict) -> object:
     max_running = int(args.get("max_running", 64))
     spec = EngineSpec(model, device=str(args.get("device", "auto")), dtype=str(args.get("dtype", "auto")),
                       aligner=args.get("aligner"), max_running=max_running, threads=engine_threads(cpus, gpus),
-                      quantize=args.get("quantize"))
+                      quantize=args.get("quantize"), kv_cache_dtype=str(args.get("kv_cache_dtype", "auto")))
     scaling = ServeScaling(int(low), int(high or low), cpus, gpus,
                            max_ongoing_requests=int(args.get("max_ongoing", 2 * max_running)),
                            target_ongoing_requests=float(args.get("target_ongoing", max_running / 2)))

@@ -39,7 +39,8 @@ def _serve(args: argparse.Namespace, config: object) -> int:
     cluster = cluster_now()
     cpus, gpus = worker_shape(cluster, args.ray_replica_cpus, args.ray_replica_gpus)
     spec = EngineSpec(portable(args.model), device=args.device, dtype=args.dtype, aligner=portable(args.aligner),
-                      max_running=args.max_running, threads=engine_threads(cpus, gpus), quantize=args.quantize)
+                      max_running=args.max_running, threads=engine_threads(cpus, gpus), quantize=args.quantize,
+                      kv_cache_dtype=args.kv_cache_dtype)
     scaling = scaling_of(args, cpus, gpus)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 QUANTIZE_MODES = ("int8", "int4")  # EngineConfig.quantize: None (off) or one of these (docs/quantization.md)
+KV_CACHE_DTYPES = ("auto", "int8")  # EngineConfig.kv_cache_dtype: auto = the model's dtype (engine/kv_quant.py)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class EngineConfig:
     # check the tokens a request guesses it will make (submit's draft: a live step's rolled-back tokens) in decode
     # rows beside its own, where the kernels make that exact (Engine.verifies_drafts); False: drafts are ignored
     drafts: bool = True
+    # "auto": the KV cache holds keys and values in the model's dtype; "int8": int8 with a float32 scale per token
+    # and kv head, about half the bytes (twice the tokens in the same kv_cache_bytes, half the cache reads per
+    # decode step) for a small accuracy cost (CPU backend only; engine/kv_quant.py, docs/engine.md)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress (it would spin empty steps)."""
@@ -43,6 +48,9 @@ class EngineConfig:
         if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"EngineConfig.quantize must be None (off) or one of {', '.join(QUANTIZE_MODES)}, "
                              f"got {self.quantize!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         share = self.live_batch_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ValueError(f"EngineConfig.live_batch_share must be in (0, 1], got {share!r}: at 0 batch work would "
@@ -75,6 +83,7 @@ class EngineStats:
     tokens_per_s: float  # generated tokens per second over the last RATE_WINDOW_S seconds
     broken: bool
     closed: bool
+    kv_cache_bytes: int = 0  # the KV pool's memory (int8 keys and values with their scales, or the model's dtype)
 
 
 def quantize_option(value: str | None) -> str | None:

@@ -68,16 +68,19 @@ class Engine:
         self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
                                                  backend=config.backend, quantize=config.quantize)
         model = prepared.model
-        per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype)
+        per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype, config.kv_cache_dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
         blocks = -(-max(budget // per_token, 256) // config.kv_block_tokens)  # rounded up: a budget of N tokens holds N
+        if config.kv_cache_dtype != "auto" and (prepared.make_pool is not None or model.device.type != "cpu"):
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the CPU backend only: load the model "
+                             "on the CPU, or leave the KV cache in the model's dtype")
         if prepared.make_pool is not None:  # the backend's own pool layout
             self.pool = prepared.make_pool(checkpoint.config.decoder, blocks, config.kv_block_tokens, model.device,
                                            model.dtype)
         else:
             self.pool = KVPool(checkpoint.config.decoder, blocks, model.device, model.dtype,
                                block_size=config.kv_block_tokens, decode_kernel=prepared.decode_attention,
-                               prefill_kernel=prepared.prefill_attention)
+                               prefill_kernel=prepared.prefill_attention, kv_dtype=config.kv_cache_dtype)
         enc = checkpoint.config.encoder
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
@@ -283,7 +286,7 @@ class Engine:
                            kv_blocks_used=alloc.used_blocks, kv_blocks_total=alloc.num_blocks,
                            kv_block_tokens=alloc.block_size, preemptions=sched.preemptions,
                            steps=self.steps, generated_tokens=self.generated_tokens, tokens_per_s=rate,
-                           broken=self._broken is not None, closed=self._closing)
+                           broken=self._broken is not None, closed=self._closing, kv_cache_bytes=self.pool.nbytes)
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests. ``drain=True`` finishes what was accepted; ``drain=False`` stops after

@@ -6,12 +6,17 @@ pool, in order within a block. The native kernels read through the table (a loop
 contiguous run of ``block_size`` keys per head: 16 KB at head_dim 128 in bf16 with 64-token blocks, long
 enough for the hardware prefetchers to stream; 4 KB runs of 16-token blocks cost decode attention up to
 60% more when the blocks are scattered); the torch fallbacks gather the rows the table names.
+
+With ``kv_dtype="int8"`` (EngineConfig.kv_cache_dtype) the pool holds int8 keys and values with one float32
+scale per (token, kv head) (engine/kv_quant.py): 132 bytes a row at head_dim 128 instead of 256. The native
+decode kernel reads it in place; prefill chunks and the torch fallbacks read their rows dequantized to the
+model's dtype, the values every path sees, so each computes what it computes over a bf16 pool of those values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from types import ModuleType
 
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qasr.engine.kv_blocks import BlockAllocator, token_rows
+from qasr.engine.kv_quant import KV_CACHE_DTYPES, dequantize_kv, quantizer
 from qasr.engine.padded_attention import PaddedPlan, padded_attention, padded_plan
 from qasr.model.config import DecoderConfig
 
@@ -78,6 +84,14 @@ class AttentionMeta:
                            self.decode_lens.device)
 
     @cached_property
+    def compact_decode(self) -> tuple[torch.Tensor, PaddedPlan]:
+        """For an int8 pool without the native kernel: the distinct pool rows the decode rows read, and the
+        padded plan over those rows laid out compactly (row i of the dequantized copy is pool row rows[i])."""
+        plan = self.padded
+        rows, inverse = torch.unique(plan.k_index, sorted=True, return_inverse=True)
+        return rows, replace(plan, k_index=inverse)
+
+    @cached_property
     def prefill_key_rows(self) -> tuple[torch.Tensor, ...]:
         """Per prefill sequence: the pool rows of all its keys (context + new), for the torch fallback."""
         nd = self.num_decode
@@ -85,24 +99,38 @@ class AttentionMeta:
                      for t, n, c in zip(self.tables[nd:], self.query_lens[nd:], self.context_lens[nd:], strict=True))
 
 
-def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+def kv_bytes_per_token(cfg: DecoderConfig, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Bytes of KV memory one token takes over all layers: keys and values in ``dtype``, or with
+    ``kv_dtype="int8"`` one byte a value plus a float32 scale per kv head."""
+    rows = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+    if kv_dtype == "int8":
+        return rows * (cfg.head_dim + 4)
+    return rows * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class KVPool:
     def __init__(self, cfg: DecoderConfig, num_blocks: int, device: torch.device, dtype: torch.dtype, *,
                  block_size: int = DEFAULT_BLOCK_TOKENS, decode_kernel: ModuleType | None = None,
-                 prefill_kernel: ModuleType | None = None) -> None:
+                 prefill_kernel: ModuleType | None = None, kv_dtype: str = "auto") -> None:
         """``decode_kernel`` / ``prefill_kernel``: native attention modules chosen by engine/device.py
-        (None: torch's SDPA, same maths)."""
+        (None: torch's SDPA, same maths). ``kv_dtype``: "auto" stores keys and values in ``dtype``, "int8"
+        as int8 with scales (engine/kv_quant.py)."""
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         self.tokens = tokens = num_blocks * block_size
+        self.dtype = dtype  # what attention computes in (an int8 pool's values are read as this dtype)
+        self.int8 = kv_dtype == "int8"
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, tokens, cfg.head_dim)
         # empty, not zeros: every slot is written before it is read, and untouched pages cost no RAM
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        store = torch.int8 if self.int8 else dtype
+        self.k = torch.empty(shape, device=device, dtype=store)
+        self.v = torch.empty(shape, device=device, dtype=store)
+        if self.int8:
+            self.k_scale = torch.empty(shape[:-1], device=device, dtype=torch.float32)
+            self.v_scale = torch.empty(shape[:-1], device=device, dtype=torch.float32)
+            self.quantize = quantizer(decode_kernel)
         self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5
         self.kernel = decode_kernel
@@ -110,7 +138,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        scales = self.k_scale.numel() * 4 * 2 if self.int8 else 0
+        return self.k.numel() * self.k.element_size() * 2 + scales
 
     def build_meta(self, tables: Sequence[Sequence[int]], query_lens: Sequence[int], context_lens: Sequence[int],
                    num_decode: int = 0) -> AttentionMeta:
@@ -124,6 +153,8 @@ class KVPool:
 
         Rows are ordered: first ``meta.num_decode`` single-token sequences, then prefill chunks.
         """
+        if self.int8:
+            return self._attend_int8(layer, q, k, v, meta)
         kc, vc = self.k[layer], self.v[layer]
         nd = meta.num_decode
         outs = []
@@ -154,15 +185,68 @@ class KVPool:
             row += n
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
 
+    def _attend_int8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMeta) -> torch.Tensor:
+        """``attend`` over the int8 pool: the new rows quantized and stored, then attention over the stored
+        values (the new tokens' own keys included, as stored), so a row reads the same keys whether they
+        came in this forward or an earlier one."""
+        kq, vq, ks, vs = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+        nd = meta.num_decode
+        outs = []
+        if nd:
+            if self.kernel is not None:  # it quantizes and stores the new keys/values itself
+                out = self.kernel.decode_attention_int8(q[:nd].contiguous(), kq, vq, ks, vs, meta.decode_tables,
+                                                        meta.decode_lens, meta.block_size, self.scale, k[:nd], v[:nd])
+                outs.append(out.reshape(nd, -1))
+            else:
+                self._store_int8(layer, meta.decode_write_index, k[:nd], v[:nd])
+                rows, plan = meta.compact_decode
+                keys = dequantize_kv(kq[:, rows], ks[:, rows], self.dtype).transpose(0, 1)  # (rows, kv_heads, hd)
+                values = dequantize_kv(vq[:, rows], vs[:, rows], self.dtype).transpose(0, 1)
+                outs.append(padded_attention(q[:nd], keys, values, plan, self.scale))
+        row = nd
+        for i in range(len(meta.tables) - nd):
+            n, ctx = meta.query_lens[nd + i], meta.context_lens[nd + i]
+            self._store_int8(layer, meta.prefill_write_index[i], k[row:row + n], v[row:row + n])
+            rows = meta.prefill_key_rows[i]  # the sequence's ctx + n positions, in order
+            keys = dequantize_kv(kq[:, rows], ks[:, rows], self.dtype)  # (kv_heads, ctx + n, hd)
+            values = dequantize_kv(vq[:, rows], vs[:, rows], self.dtype)
+            if self.prefill_kernel is not None:
+                # the kernel reads a pool of whole blocks through a table: the dequantized rows as one
+                # sequence in consecutive blocks (its result does not depend on where the blocks lie)
+                bs = meta.block_size
+                blocks = -(-(ctx + n) // bs)
+                pad = blocks * bs - (ctx + n)
+                if pad:
+                    keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+                o = self.prefill_kernel.prefill_attention(q[row:row + n], keys.contiguous(), values.contiguous(),
+                                                          torch.arange(blocks), bs, ctx, self.scale)
+            else:
+                o = self._sdpa(q[row:row + n], keys, values, ctx)
+            outs.append(o.reshape(n, -1))
+            row += n
+        return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+
+    def _store_int8(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize (n, kv_heads, hd) new keys and values and store them at pool rows ``index``."""
+        for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = self.quantize(x)
+            pool[layer][:, index] = q.transpose(0, 1)
+            scales[layer][:, index] = s.transpose(0, 1)
+
     def _gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
                   ctx: int) -> torch.Tensor:
         """The torch fallback: attention of n new tokens (already written) over the sequence's first
         ctx + n tokens, gathered from the rows its block table names. Always a gather, even where the
         blocks happen to be consecutive, so SDPA sees the same contiguous input wherever the blocks lie
         (a strided view might take another SDPA path and round differently)."""
+        return self._sdpa(q, kc[:, rows], vc[:, rows], ctx)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int) -> torch.Tensor:
+        """q (n, heads, hd) new tokens over keys / values (kv_heads, ctx + n, hd) of their sequence."""
         n = q.shape[0]
         qi = q.transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
-        keys, values = kc[:, rows].unsqueeze(0), vc[:, rows].unsqueeze(0)
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         if n == 1:
             o = F.scaled_dot_product_attention(qi, keys, values, scale=self.scale, enable_gqa=True)
         elif ctx == 0:
@@ -175,11 +259,11 @@ class KVPool:
         return o[0].transpose(0, 1)
 
 
-def single_prefill(cfg: DecoderConfig, tokens: int, device: torch.device,
-                   dtype: torch.dtype) -> tuple[KVPool, AttentionMeta]:
+def single_prefill(cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
+                   kv_dtype: str = "auto") -> tuple[KVPool, AttentionMeta]:
     """A pool just large enough for one sequence of ``tokens`` positions and the metadata of prefilling
     all of them in one forward (reference computations and benchmarks that run the model without an engine)."""
-    pool = KVPool(cfg, -(-tokens // DEFAULT_BLOCK_TOKENS), device, dtype)
+    pool = KVPool(cfg, -(-tokens // DEFAULT_BLOCK_TOKENS), device, dtype, kv_dtype=kv_dtype)
     table = pool.allocator.alloc(pool.allocator.num_blocks)
     assert table is not None
     return pool, pool.build_meta([table], [tokens], [0])

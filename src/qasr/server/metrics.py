@@ -66,6 +66,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("qasr_engine_kv_blocks_used", "KV-cache blocks in use (running requests, kept "
                                 "live-session prefixes)", value=s.kv_blocks_used)
         yield GaugeMetricFamily("qasr_engine_kv_blocks_total", "KV-cache blocks", value=s.kv_blocks_total)
+        yield GaugeMetricFamily("qasr_engine_kv_cache_bytes", "KV-cache memory in bytes (keys, values and, for an "
+                                "int8 cache, their scales)", value=s.kv_cache_bytes)
         yield CounterMetricFamily("qasr_engine_preemptions", "Requests preempted to free KV blocks (recomputed)",
                                   value=s.preemptions)
         yield GaugeMetricFamily("qasr_engine_tokens_per_second", "Generated tokens per second, recent",

@@ -282,6 +282,44 @@ def check_decode_attention(kernel: ModuleType) -> None:
         one = kernel.decode_attention(q[1:2].contiguous(), kpool, vpool, tabs[1:2], lens[1:2], bs, scale)
         if not torch.equal(one[0], got[1]):
             raise SelfTestFailure(f"decode attention {dtype}: a sequence alone differs from it in a batch")
+    check_decode_attention_int8(kernel, tables, tabs, lens, bs)
+
+
+def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tabs: torch.Tensor, lens: torch.Tensor,
+                                bs: int) -> None:
+    """The int8 pool (engine/kv_quant.py): quantize_kv equals the torch definition bit for bit (an all-zero row
+    included); decode_attention_int8 stores the new rows quantized and, in bf16, gives the bits of
+    decode_attention over a bf16 pool of the dequantized values (the AVX-512 d128 path and the portable loop);
+    float32 (the portable loop, which may factor a scale out of a sum) within float rounding of it."""
+    from qasr.engine.kv_quant import dequantize_kv, quantize_kv_reference
+
+    gen = torch.Generator().manual_seed(12)
+    for dtype, d in ((torch.bfloat16, 128), (torch.bfloat16, 64), (torch.float32, 64)):
+        kv_heads, heads, blocks = 2, 4, 14
+        x = (torch.randn(6, kv_heads, d, generator=gen) * 4).to(dtype)
+        x[2, 1] = 0
+        q8, s8 = kernel.quantize_kv(x)
+        want_q, want_s = quantize_kv_reference(x)
+        if not (torch.equal(q8, want_q) and torch.equal(s8, want_s)):
+            raise SelfTestFailure(f"quantize_kv {dtype}: differs from the torch definition")
+        shape = (kv_heads, blocks * bs, d)
+        kq = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+        vq = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+        ks, vs = torch.rand(shape[:2], generator=gen) / 20, torch.rand(shape[:2], generator=gen) / 20
+        q = torch.randn(3, heads, d, generator=gen).to(dtype)
+        k_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
+        v_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
+        got = kernel.decode_attention_int8(q, kq, vq, ks, vs, tabs, lens, bs, d ** -0.5, k_new, v_new)
+        last = torch.stack([positions(t, bs, int(m))[-1] for t, m in zip(tables, lens, strict=True)])
+        for pool, scales, new in ((kq, ks, k_new), (vq, vs, v_new)):
+            nq, ns = quantize_kv_reference(new)
+            if not (torch.equal(pool[:, last], nq.transpose(0, 1)) and torch.equal(scales[:, last], ns.T)):
+                raise SelfTestFailure(f"decode attention int8 {dtype}: new rows not stored quantized")
+        kd, vd = dequantize_kv(kq, ks, dtype).contiguous(), dequantize_kv(vq, vs, dtype).contiguous()
+        want = kernel.decode_attention(q, kd, vd, tabs, lens, bs, d ** -0.5)
+        if dtype == torch.bfloat16 and not torch.equal(got, want):
+            raise SelfTestFailure(f"decode attention int8 d={d}: not the bits of the dequantized bf16 pool")
+        _expect_near(f"decode attention int8 {dtype} d={d}", got, want.float(), 1e-5)
 
 
 def check_encoder_attention(kernel: ModuleType) -> None:

@@ -14,7 +14,7 @@
 template <typename T>
 static inline float as_float(T x) { return static_cast<float>(x); }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QASR_AVX512 1
 #else
@@ -31,13 +31,54 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
+// An int8 KV row (quantize_kv below: int8 values and one float32 scale per token and kv head) read as the
+// model's bf16 values: float(q) * scale rounded to the nearest-even bf16, exactly what torch's
+// (q.float() * s).to(bfloat16) gives. So the int8 path computes the very bits of the bf16 path over a pool
+// holding those bf16 values (integer bit operations: -ffast-math cannot fuse the rounding away).
+static inline __m512 round_to_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+// 32 int8 -> (even, odd) float vectors in load32_bf16's order: sign-extended to int16 pairs, each 32-bit lane
+// holds elements 2i (low half) and 2i + 1 (high half).
+static inline void load32_q8(const int8_t* p, __m512 scale, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i e = _mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16), o = _mm512_srai_epi32(w, 16);
+  even = round_to_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(e), scale));
+  odd = round_to_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(o), scale));
+}
+
+// Where the d128 loop reads a row's dims: a bf16 pool, or an int8 pool with its scales. row is the pool row
+// (kv head g's rows first: g * pool + token row).
+struct Bf16Rows {
+  const at::BFloat16* data;
+  struct Row {
+    const at::BFloat16* p;
+    inline void load(int c, __m512& even, __m512& odd) const { load32_bf16(p + c * 32, even, odd); }
+  };
+  inline Row at(int64_t row) const { return Row{data + row * 128}; }
+};
+
+struct Int8Rows {
+  const int8_t* data;
+  const float* scales;
+  struct Row {
+    const int8_t* p;
+    __m512 s;
+    inline void load(int c, __m512& even, __m512& odd) const { load32_q8(p + c * 32, s, even, odd); }
+  };
+  inline Row at(int64_t row) const { return Row{data + row * 128, _mm512_set1_ps(scales[row])}; }
+};
+
 // The common shape (head_dim 128, bf16) with explicit AVX-512 and float32 accumulation. The portable
 // loop below leaves the bf16 conversions to the compiler and is compute-bound well below bandwidth.
-template <int REP>
-static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, const at::BFloat16* vpool,
-                          at::BFloat16* out, const int64_t* tables, int64_t width, int64_t bs,
-                          const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
-                          float scale) {
+template <int REP, typename Rows>
+static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16* out, const int64_t* tables,
+                     int64_t width, int64_t bs, const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads,
+                     int64_t pool, float scale) {
   constexpr int64_t D = 128, C = D / 32;  // C blocks of 32 dims, each held as (even, odd) vectors
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += lens[b];
@@ -60,14 +101,14 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
       float mx[REP];  // not -INFINITY: this file is built with -ffast-math, which assumes no infinities
       for (int r = 0; r < REP; ++r) mx[r] = -std::numeric_limits<float>::max();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {  // block by block; within a block the keys are contiguous
-        const at::BFloat16* kblock = kpool + (g * pool + table[t0 / bs] * bs) * D;
+        const int64_t first = g * pool + table[t0 / bs] * bs;
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
-          const at::BFloat16* k = kblock + (t - t0) * D;
+          const auto k = kpool.at(first + (t - t0));
           __m512 acc[REP];
           for (int r = 0; r < REP; ++r) acc[r] = _mm512_setzero_ps();
           for (int c = 0; c < C; ++c) {
             __m512 ke, ko;
-            load32_bf16(k + c * 32, ke, ko);
+            k.load(c, ke, ko);
             for (int r = 0; r < REP; ++r) acc[r] = _mm512_fmadd_ps(qo[r][c], ko, _mm512_fmadd_ps(qe[r][c], ke, acc[r]));
           }
           for (int r = 0; r < REP; ++r) {
@@ -90,14 +131,14 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
       for (int r = 0; r < REP; ++r)
         for (int c = 0; c < C; ++c) oe[r][c] = oo[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const at::BFloat16* vblock = vpool + (g * pool + table[t0 / bs] * bs) * D;
+        const int64_t first = g * pool + table[t0 / bs] * bs;
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
-          const at::BFloat16* v = vblock + (t - t0) * D;
+          const auto v = vpool.at(first + (t - t0));
           __m512 p[REP];
           for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t]);
           for (int c = 0; c < C; ++c) {
             __m512 ve, vo;
-            load32_bf16(v + c * 32, ve, vo);
+            v.load(c, ve, vo);
             for (int r = 0; r < REP; ++r) {
               oe[r][c] = _mm512_fmadd_ps(p[r], ve, oe[r][c]);
               oo[r][c] = _mm512_fmadd_ps(p[r], vo, oo[r][c]);
@@ -123,10 +164,36 @@ static void run_bf16_d128(const at::BFloat16* q, const at::BFloat16* kpool, cons
 }
 #endif
 
+// Where the portable loop reads a row's dims as float: a pool of T, or an int8 pool with its scales, each
+// value as T(float(q) * scale) (the model's dtype, as torch's dequantization gives it).
 template <typename T>
-static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_t* tables, int64_t width,
-                int64_t bs, const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
-                int64_t dim, float scale) {
+struct PlainRows {
+  const T* data;
+  int64_t dim;
+  struct Row {
+    const T* p;
+    inline float operator[](int64_t d) const { return as_float(p[d]); }
+  };
+  inline Row at(int64_t row) const { return Row{data + row * dim}; }
+};
+
+template <typename T>
+struct DequantRows {
+  const int8_t* data;
+  const float* scales;
+  int64_t dim;
+  struct Row {
+    const int8_t* p;
+    float s;
+    inline float operator[](int64_t d) const { return as_float(static_cast<T>(static_cast<float>(p[d]) * s)); }
+  };
+  inline Row at(int64_t row) const { return Row{data + row * dim, scales[row]}; }
+};
+
+template <typename T, typename Rows>
+static void run(const T* q, Rows kpool, Rows vpool, T* out, const int64_t* tables, int64_t width, int64_t bs,
+                const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim,
+                float scale) {
   const int64_t rep = heads / kv_heads;
   // Small batches run on the calling thread: waking a thread team costs more than the work, and far
   // more when the cores are busy with other processes.
@@ -144,18 +211,18 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
         for (int64_t d = 0; d < dim; ++d)
           qf[r * dim + d] = as_float(q[(b * heads + g * rep + r) * dim + d]) * scale;
       for (int64_t t = 0; t < len; ++t) {  // the portable loop: one row lookup per token is fine here
-        const T* k = kpool + (g * pool + table[t / bs] * bs + t % bs) * dim;
+        const auto k = kpool.at(g * pool + table[t / bs] * bs + t % bs);
         for (int64_t r = 0; r < rep; ++r) {
           const float* qr = qf.data() + r * dim;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qr[d] * as_float(k[d]);
+          for (int64_t d = 0; d < dim; ++d) s += qr[d] * k[d];
           scores[r * len + t] = s;
         }
       }
       for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores.data() + r * len;
-        float mx = -std::numeric_limits<float>::max();  // see the note in run_bf16_d128
+        float mx = -std::numeric_limits<float>::max();  // see the note in run_d128
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sr[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) { sr[t] = std::exp(sr[t] - mx); sum += sr[t]; }
@@ -164,12 +231,12 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = vpool + (g * pool + table[t / bs] * bs + t % bs) * dim;
+        const auto v = vpool.at(g * pool + table[t / bs] * bs + t % bs);
         for (int64_t r = 0; r < rep; ++r) {
           const float p = scores[r * len + t];
           float* ar = acc.data() + r * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ar[d] += p * as_float(v[d]);
+          for (int64_t d = 0; d < dim; ++d) ar[d] += p * v[d];
         }
       }
       for (int64_t r = 0; r < rep; ++r)
@@ -177,6 +244,15 @@ static void run(const T* q, const T* kpool, const T* vpool, T* out, const int64_
           out[(b * heads + g * rep + r) * dim + d] = static_cast<T>(acc[r * dim + d]);
     }
   });
+}
+
+// Every block a sequence reads must lie in the pool: no stray reads.
+static void check_tables(const int64_t* tp, const int64_t* lp, int64_t B, int64_t W, int64_t bs, int64_t nblocks) {
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && (lp[b] + bs - 1) / bs <= W, "decode_attention: a length beyond its block table");
+    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < nblocks, "decode_attention: a block id outside the pool");
+  }
 }
 
 // q: (B, H, D); kpool, vpool: (KVH, P, D) with P a multiple of block_size; tables: (B, W) int64 block ids;
@@ -198,11 +274,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
   const int64_t W = tb.size(1), nblocks = P / bs;
   const auto* tp = tb.data_ptr<int64_t>();
   const auto* lp = ln.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {  // every block a sequence reads must lie in the pool: no stray reads
-    TORCH_CHECK(lp[b] >= 1 && (lp[b] + bs - 1) / bs <= W, "decode_attention: a length beyond its block table");
-    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
-      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < nblocks, "decode_attention: a block id outside the pool");
-  }
+  check_tables(tp, lp, B, W, bs, nblocks);
   if (k_new.has_value() && v_new.has_value()) {
     auto kn = k_new->contiguous(), vn = v_new->contiguous();
     TORCH_CHECK(kn.sizes() == vn.sizes() && kn.size(0) == B && kn.size(1) == KVH && kn.size(2) == D &&
@@ -224,32 +296,159 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
 #if QASR_AVX512
   if (q.scalar_type() == at::kBFloat16 && D == 128 && (rep == 1 || rep == 2 || rep == 4) && H == rep * KVH) {
     auto* qp = q.data_ptr<at::BFloat16>();
-    auto* kp = kpool.data_ptr<at::BFloat16>();
-    auto* vp = vpool.data_ptr<at::BFloat16>();
+    const Bf16Rows kp{kpool.data_ptr<at::BFloat16>()}, vp{vpool.data_ptr<at::BFloat16>()};
     auto* op = out.data_ptr<at::BFloat16>();
     const float sc = static_cast<float>(scale);
-    if (rep == 1) run_bf16_d128<1>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
-    if (rep == 2) run_bf16_d128<2>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
-    if (rep == 4) run_bf16_d128<4>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 1) run_d128<1>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 2) run_d128<2>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 4) run_d128<4>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
     return out;
   }
 #endif
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), kpool.data_ptr<at::BFloat16>(), vpool.data_ptr<at::BFloat16>(),
-                      out.data_ptr<at::BFloat16>(), tp, W, bs, lp, B, H, KVH, P, D, static_cast<float>(scale));
+    using T = at::BFloat16;
+    run<T>(q.data_ptr<T>(), PlainRows<T>{kpool.data_ptr<T>(), D}, PlainRows<T>{vpool.data_ptr<T>(), D},
+           out.data_ptr<T>(), tp, W, bs, lp, B, H, KVH, P, D, sc);
   } else if (q.scalar_type() == at::kFloat) {
-    run<float>(q.data_ptr<float>(), kpool.data_ptr<float>(), vpool.data_ptr<float>(), out.data_ptr<float>(), tp, W,
-               bs, lp, B, H, KVH, P, D, static_cast<float>(scale));
+    run<float>(q.data_ptr<float>(), PlainRows<float>{kpool.data_ptr<float>(), D},
+               PlainRows<float>{vpool.data_ptr<float>(), D}, out.data_ptr<float>(), tp, W, bs, lp, B, H, KVH, P, D,
+               sc);
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
   }
   return out;
 }
 
+// ---------------------------------------------------------------------------------------- the int8 KV cache
+// Each (token, kv head) row of keys or values is stored as int8 with one float32 scale: amax = max |x|,
+// q = round-to-nearest-even(x * (127 / amax)) clamped to [-127, 127], scale = amax * (1 / 127) (a product, not
+// a quotient: -ffast-math may turn a division by a constant into a product anyway, so the definition is the
+// product; qasr.engine.kv_quant.quantize_kv_reference is the same arithmetic in torch). An all-zero row gets
+// q = 0 and scale 0. A row's result depends on that row alone.
+template <typename T>
+static inline void quantize_row(const T* x, int64_t dim, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(as_float(x[d])));
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, dim);
+    *scale = 0.f;
+    return;
+  }
+  const float inv = 127.f / amax;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float r = std::nearbyint(as_float(x[d]) * inv);
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  constexpr float kInv127 = 1.f / 127.f;
+  *scale = amax * kInv127;
+}
+
+// x: (..., D) float32 or bf16 -> (q (..., D) int8, scale (...) float32).
+std::vector<torch::Tensor> quantize_kv(torch::Tensor x) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "quantize_kv: float32 or bfloat16 rows");
+  auto xc = x.contiguous();
+  const int64_t D = xc.size(-1), rows = D ? xc.numel() / D : 0;
+  auto q = torch::empty(xc.sizes(), xc.options().dtype(at::kChar));
+  auto s = torch::empty(xc.sizes().slice(0, xc.dim() - 1), xc.options().dtype(at::kFloat));
+  auto* qp = q.data_ptr<int8_t>();
+  auto* sp = s.data_ptr<float>();
+  if (xc.scalar_type() == at::kBFloat16) {
+    const auto* xp = xc.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * D, D, qp + r * D, sp + r);
+  } else {
+    const auto* xp = xc.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) quantize_row(xp + r * D, D, qp + r * D, sp + r);
+  }
+  return {q, s};
+}
+
+// decode_attention over an int8 pool: q (B, H, D) in the model's dtype (bf16 or float32); kpool, vpool (KVH, P, D)
+// int8; kscale, vscale (KVH, P) float32. Optionally first quantizes and stores each sequence's new key/value
+// (k_new, v_new: (B, KVH, D) in q's dtype) at its last position. Each stored value is read as the model's dtype
+// T(float(q) * scale): the result is the bits decode_attention gives over a pool of those values.
+torch::Tensor decode_attention_int8(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool, torch::Tensor kscale,
+                                    torch::Tensor vscale, torch::Tensor tables, torch::Tensor lens, int64_t block_size,
+                                    double scale, c10::optional<torch::Tensor> k_new,
+                                    c10::optional<torch::Tensor> v_new) {
+  TORCH_CHECK(q.is_contiguous() && kpool.is_contiguous() && vpool.is_contiguous() && kscale.is_contiguous() &&
+              vscale.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(kpool.scalar_type() == at::kChar && vpool.scalar_type() == at::kChar &&
+              kscale.scalar_type() == at::kFloat && vscale.scalar_type() == at::kFloat,
+              "decode_attention_int8: int8 pools with float32 scales");
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = kpool.size(0), P = kpool.size(1);
+  TORCH_CHECK(kpool.sizes() == vpool.sizes() && kpool.size(2) == D && kscale.dim() == 2 && kscale.size(0) == KVH &&
+              kscale.size(1) == P && vscale.sizes() == kscale.sizes(), "decode_attention_int8: pool shapes");
+  const int64_t bs = block_size;
+  auto tb = tables.contiguous(), ln = lens.contiguous();
+  TORCH_CHECK(tb.scalar_type() == at::kLong && ln.scalar_type() == at::kLong && tb.dim() == 2 && tb.size(0) == B &&
+              ln.numel() == B, "decode_attention: tables (B, W) and lens (B,) int64");
+  TORCH_CHECK(bs > 0 && P % bs == 0, "decode_attention: the pool must hold whole blocks");
+  const int64_t W = tb.size(1), nblocks = P / bs;
+  const auto* tp = tb.data_ptr<int64_t>();
+  const auto* lp = ln.data_ptr<int64_t>();
+  check_tables(tp, lp, B, W, bs, nblocks);
+  auto* kq = kpool.data_ptr<int8_t>();
+  auto* vq = vpool.data_ptr<int8_t>();
+  auto* ks = kscale.data_ptr<float>();
+  auto* vs = vscale.data_ptr<float>();
+  if (k_new.has_value() && v_new.has_value()) {
+    auto kn = k_new->contiguous(), vn = v_new->contiguous();
+    TORCH_CHECK(kn.sizes() == vn.sizes() && kn.size(0) == B && kn.size(1) == KVH && kn.size(2) == D &&
+                kn.scalar_type() == q.scalar_type() && vn.scalar_type() == q.scalar_type(),
+                "k_new/v_new: (B, kv_heads, head_dim) in q's dtype");
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t t = lp[b] - 1, pos = tp[b * W + t / bs] * bs + t % bs;
+      for (int64_t g = 0; g < KVH; ++g) {
+        const int64_t row = g * P + pos, src = (b * KVH + g) * D;
+        if (q.scalar_type() == at::kBFloat16) {
+          quantize_row(kn.data_ptr<at::BFloat16>() + src, D, kq + row * D, ks + row);
+          quantize_row(vn.data_ptr<at::BFloat16>() + src, D, vq + row * D, vs + row);
+        } else {
+          quantize_row(kn.data_ptr<float>() + src, D, kq + row * D, ks + row);
+          quantize_row(vn.data_ptr<float>() + src, D, vq + row * D, vs + row);
+        }
+      }
+    }
+  }
+  const int64_t rep = KVH > 0 ? H / KVH : 0;
+  const float sc = static_cast<float>(scale);
+#if QASR_AVX512
+  if (q.scalar_type() == at::kBFloat16 && D == 128 && (rep == 1 || rep == 2 || rep == 4) && H == rep * KVH) {
+    auto* qp = q.data_ptr<at::BFloat16>();
+    const Int8Rows kp{kq, ks}, vp{vq, vs};
+    auto* op = out.data_ptr<at::BFloat16>();
+    if (rep == 1) run_d128<1>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 2) run_d128<2>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 4) run_d128<4>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    return out;
+  }
+#endif
+  if (q.scalar_type() == at::kBFloat16) {
+    using T = at::BFloat16;
+    run<T>(q.data_ptr<T>(), DequantRows<T>{kq, ks, D}, DequantRows<T>{vq, vs, D}, out.data_ptr<T>(), tp, W, bs, lp,
+           B, H, KVH, P, D, sc);
+  } else if (q.scalar_type() == at::kFloat) {
+    run<float>(q.data_ptr<float>(), DequantRows<float>{kq, ks, D}, DequantRows<float>{vq, vs, D},
+               out.data_ptr<float>(), tp, W, bs, lp, B, H, KVH, P, D, sc);
+  } else {
+    TORCH_CHECK(false, "decode_attention_int8 supports float32 and bfloat16 queries");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released while they run: other Python threads (the server's event loop) go on meanwhile
   m.def("decode_attention", &decode_attention, "batched single-token attention over a block pool",
         py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("tables"), py::arg("lens"), py::arg("block_size"),
         py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
-        // the GIL is released while it runs: other Python threads (the server's event loop) go on meanwhile
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention_int8", &decode_attention_int8, "decode_attention over an int8 block pool with scales",
+        py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("kscale"), py::arg("vscale"), py::arg("tables"),
+        py::arg("lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_new") = py::none(),
+        py::arg("v_new") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_kv", &quantize_kv, "per-row symmetric int8 of keys or values: (q, scale)", py::arg("x"),
         py::call_guard<py::gil_scoped_release>());
 }

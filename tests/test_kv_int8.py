@@ -1,0 +1,213 @@
+"""The int8 KV cache (EngineConfig.kv_cache_dtype="int8"): its arithmetic, the native decode kernel over it, and
+the engine with it, against plain torch references of the same quantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import greedy_without_engine, noise, prompt_for
+
+from qasr.engine.cpu.native import decode_kernel, linear_kernel
+from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
+from qasr.engine.kv_quant import dequantize_kv, quantize_kv_reference
+from qasr.model.kernels import TORCH_KERNELS
+
+WAIT_S = 120
+KV = 64 << 20
+kernel = decode_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="qasr's decode attention kernel did not build here")
+
+
+# ------------------------------------------------------------------------------------------- the arithmetic
+def rows_to_quantize(dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 4, 128, generator=gen) * torch.rand(300, 4, 1, generator=gen) * 8
+    x[5, 1] = 0  # an all-zero row
+    x[6, 2] = 1e-20  # a tiny one
+    x[7, 0, :3] = torch.tensor([2.0, -1.0, 1.0])  # x * 127 / amax: 127 and the ties -63.5, 63.5
+    x[7, 0, 3:] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_is_per_row_symmetric_and_its_error_is_bounded(dtype: torch.dtype) -> None:
+    x = rows_to_quantize(dtype)
+    q, s = quantize_kv_reference(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == x.shape and s.shape == x.shape[:-1]
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert torch.equal(q[5, 1], torch.zeros(128, dtype=torch.int8)) and float(s[5, 1]) == 0
+    assert q[7, 0, :3].tolist() == [127, -64, 64]  # round half to even
+    err = (dequantize_kv(q, s, torch.float32) - x.float()).abs()
+    amax = x.float().abs().amax(-1, keepdim=True)
+    assert bool((err <= amax / 254 * (1 + 1e-5)).all())  # half a step of amax / 127
+    # a row's quantization is its own: quantizing a slice gives the same bits
+    q2, s2 = quantize_kv_reference(x[100:103])
+    assert torch.equal(q2, q[100:103]) and torch.equal(s2, s[100:103])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_quantizer_equals_the_torch_definition(dtype: torch.dtype) -> None:
+    x = rows_to_quantize(dtype)
+    q, s = kernel.quantize_kv(x)
+    want_q, want_s = quantize_kv_reference(x)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+
+
+# ------------------------------------------------------------------------------------------- the kernel
+def scattered(kv_heads: int, d: int, bs: int, gen: torch.Generator):  # noqa: ANN201
+    """An int8 pool of 14 blocks whose scales are NaN outside the rows three sequences own (a kernel that
+    reads a row it was not given returns NaN), the sequences' tables out of order."""
+    tables = [[3], [12, 1, 7, 4, 10], [6, 0, 9]]
+    lens = torch.tensor([1, 70, 33])
+    shape = (kv_heads, 14 * bs, d)
+    kq = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+    vq = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+    ks, vs = torch.full(shape[:2], float("nan")), torch.full(shape[:2], float("nan"))
+    for t, n in zip(tables, lens.tolist(), strict=True):
+        pos = torch.arange(n)
+        rows = torch.tensor(t)[pos // bs] * bs + pos % bs
+        ks[:, rows] = torch.rand(kv_heads, n, generator=gen) / 20
+        vs[:, rows] = torch.rand(kv_heads, n, generator=gen) / 20
+    tabs = torch.tensor([t + [0] * (5 - len(t)) for t in tables])
+    return tables, tabs, lens, kq, vq, ks, vs
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "dtype"), [
+    (4, 4, 128, torch.bfloat16), (8, 4, 128, torch.bfloat16), (16, 4, 128, torch.bfloat16),  # the AVX-512 path
+    (4, 2, 64, torch.bfloat16), (6, 2, 48, torch.float32)])  # the portable loop
+def test_int8_decode_attention_is_bf16_attention_over_the_dequantized_values(heads, kv_heads, d, dtype) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + d)
+    bs = 16
+    tables, tabs, lens, kq, vq, ks, vs = scattered(kv_heads, d, bs, gen)
+    q = torch.randn(3, heads, d, generator=gen).to(dtype)
+    k_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
+    v_new = torch.randn(3, kv_heads, d, generator=gen).to(dtype)
+    last = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens.tolist(), strict=True)]
+    got = kernel.decode_attention_int8(q, kq, vq, ks, vs, tabs, lens, bs, d ** -0.5, k_new, v_new)
+    assert bool(torch.isfinite(got).all())  # no row outside the tables was read
+    for b, row in enumerate(last):  # the new rows were stored quantized, as the torch definition does it
+        for pool, scales, new in ((kq, ks, k_new), (vq, vs, v_new)):
+            nq, ns = quantize_kv_reference(new[b])
+            assert torch.equal(pool[:, row], nq) and torch.equal(scales[:, row], ns)
+    kd = dequantize_kv(kq, ks.nan_to_num(), dtype).contiguous()
+    vd = dequantize_kv(vq, vs.nan_to_num(), dtype).contiguous()
+    want = kernel.decode_attention(q, kd, vd, tabs, lens, bs, d ** -0.5)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # float32's portable loop may take a row's scale out of its sum: float rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    one = kernel.decode_attention_int8(q[1:2].contiguous(), kq, vq, ks, vs, tabs[1:2], lens[1:2], bs, d ** -0.5)
+    assert torch.equal(one[0], got[1])  # a sequence alone: the same bits as in the batch
+
+
+# ------------------------------------------------------------------------------------------- the pool
+def test_an_int8_pool_takes_about_half_the_bytes(ck) -> None:  # noqa: ANN001
+    cfg = ck.config.decoder
+    per = kv_bytes_per_token(cfg, torch.bfloat16)
+    per8 = kv_bytes_per_token(cfg, torch.bfloat16, "int8")
+    assert per8 == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    pool = KVPool(cfg, 4, torch.device("cpu"), torch.bfloat16, block_size=16, kv_dtype="int8")
+    assert pool.k.dtype == torch.int8 and pool.nbytes == per8 * pool.tokens < per * pool.tokens
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        KVPool(cfg, 4, torch.device("cpu"), torch.bfloat16, kv_dtype="fp8")
+
+
+def test_the_same_budget_holds_more_tokens(ck) -> None:  # noqa: ANN001
+    budget = 1000 * kv_bytes_per_token(ck.config.decoder, ck.dtype)
+    with Engine(ck, EngineConfig(kv_cache_bytes=budget, kv_block_tokens=16)) as plain, \
+            Engine(ck, EngineConfig(kv_cache_bytes=budget, kv_block_tokens=16, kv_cache_dtype="int8")) as small:
+        a, b = plain.stats().kv_tokens_total, small.stats().kv_tokens_total
+    cfg = ck.config.decoder
+    assert b / a == pytest.approx(4 * cfg.head_dim / (cfg.head_dim + 4), rel=0.03)  # float32: ~4x; bf16: ~2x
+
+
+def test_config_refuses_unknown_dtypes_and_other_backends(ck) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="CPU backend only"):
+        Engine(ck, EngineConfig(kv_cache_bytes=KV, backend="cuda", kv_cache_dtype="int8"))
+
+
+# ------------------------------------------------------------------------------------------- the engine
+def generate(ck, waves: list[np.ndarray], new_tokens: int = 10, **config) -> list:  # noqa: ANN001, ANN003
+    with Engine(ck, EngineConfig(**{"kv_cache_bytes": KV, "kv_cache_dtype": "int8", **config})) as engine:
+        futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
+                   for w in waves]
+        return [f.result(WAIT_S) for f in futures]
+
+
+@pytest.mark.parametrize("prefill_chunk", [256, 16])
+def test_engine_tokens_equal_a_plain_reference_with_the_same_kv_quantization(ck, prefill_chunk: int) -> None:  # noqa: ANN001
+    """Torch ops on both sides (float32): the engine's decode rows over the dequantized pool, prefill chunks of
+    16 reading the earlier chunks' stored rows, against the whole sequence recomputed per token over a pool
+    that stores every row int8 too."""
+    waves = [noise(s, seed=60 + k) for k, s in enumerate((0.9, 4.3))]
+    got = [r.token_ids for r in generate(ck, waves, native_kernels=False, prefill_chunk=prefill_chunk)]
+    want = [greedy_without_engine(ck, w, 10, TORCH_KERNELS, kv_dtype="int8") for w in waves]
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_request_alone_and_in_a_batch_gets_the_same_tokens_and_log_probabilities(dtype, request) -> None:
+    if dtype == "bfloat16" and linear_kernel() is None:
+        pytest.skip("bf16 row invariance rests on qasr's AVX512-BF16 kernels")
+    ck = request.getfixturevalue("ck" if dtype == "float32" else "ck_bf16")
+    waves = [noise(s, seed=70 + k) for k, s in enumerate((0.5, 2.2, 6.1, 1.3))]
+    together = generate(ck, waves, new_tokens=12)
+    for wave, batched in zip(waves, together, strict=True):
+        alone = generate(ck, [wave], new_tokens=12, max_running=1)[0]
+        assert alone.token_ids == batched.token_ids
+        if dtype == "bfloat16" and kernel is not None:  # qasr's linears and decode attention: a row's bits are its own
+            assert alone.logprobs == batched.logprobs
+
+
+# ------------------------------------------------------------------------------------------- the front ends
+def test_qasr_serve_takes_the_option_and_reports_the_cache_in_metrics(tmp_path) -> None:  # noqa: ANN001
+    """A real server with ``--kv-cache-dtype int8``: it transcribes, and /metrics shows a pool of int8 rows
+    (bytes per token as the int8 layout takes them, a quarter of float32's)."""
+    import httpx
+    from server_proc import DEMO_MODEL, ROOT, ServerProcess, metric
+
+    from qasr.model.config import ModelConfig
+
+    cfg = ModelConfig.from_file(DEMO_MODEL / "config.json").decoder
+    with ServerProcess(tmp_path / "serve.log", "--kv-cache-dtype", "int8") as srv:
+        with open(ROOT / "examples" / "alarm.flac", "rb") as f:
+            r = httpx.post(f"{srv.url}/v1/audio/transcriptions", files={"file": ("alarm.flac", f)},
+                           data={"model": "qasr-demo-en"}, timeout=120)
+        assert r.status_code == 200 and r.json()["text"] == "set an alarm for seven thirty tomorrow"
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    tokens, nbytes = metric(text, "qasr_engine_kv_tokens_total"), metric(text, "qasr_engine_kv_cache_bytes")
+    assert tokens > 0 and nbytes == tokens * kv_bytes_per_token(cfg, torch.float32, "int8")
+
+
+def test_the_command_lines_take_the_option() -> None:
+    import subprocess
+    import sys
+
+    from server_proc import DEMO_MODEL, ROOT
+
+    from qasr.cli.main import build_parser
+    from qasr.distributed.config import EngineSpec
+
+    parser = build_parser()
+    for command in ("transcribe x.wav", "serve"):
+        assert parser.parse_args([*command.split(), "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+        assert parser.parse_args(command.split()).kv_cache_dtype == "auto"
+    asr = EngineSpec(str(DEMO_MODEL), device="cpu", dtype="float32", kv_cache_dtype="int8").load()
+    try:
+        assert asr.engine.pool.k.dtype == torch.int8
+    finally:
+        asr.close()
+    clip = ROOT / "examples" / "alarm.flac"
+    out = subprocess.run([sys.executable, "-m", "qasr", "transcribe", str(clip), "-m", str(DEMO_MODEL), "--device",
+                          "cpu", "--dtype", "float32", "--kv-cache-dtype", "int8"],
+                         capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "set an alarm for seven thirty tomorrow", out.stderr
+    bad = subprocess.run([sys.executable, "-m", "qasr", "transcribe", str(clip), "--kv-cache-dtype", "fp8"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "invalid choice: 'fp8'" in bad.stderr
