@@ -9,8 +9,8 @@ enough for the hardware prefetchers to stream; 4 KB runs of 16-token blocks cost
 
 With ``kv_dtype="int8"`` (EngineConfig.kv_cache_dtype) the pool holds int8 keys and values with one float32
 scale per (token, kv head) (engine/kv_quant.py): 132 bytes a row at head_dim 128 instead of 256. The native
-decode kernel reads it in place; prefill chunks and the torch fallbacks read their rows dequantized to the
-model's dtype, the values every path sees, so each computes what it computes over a bf16 pool of those values.
+decode kernel reads it in place (half the bytes a decode step streams); prefill chunks and the torch fallbacks
+read their sequence's rows dequantized to the model's dtype and run the plain paths over them.
 """
 
 from __future__ import annotations

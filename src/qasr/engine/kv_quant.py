@@ -2,8 +2,9 @@
 
 Each (token, kv head) row of keys or values is stored as int8 with one float32 scale:
 ``amax = max |x|``, ``q = round_half_even(x * (127 / amax))`` clamped to [-127, 127], ``scale = amax * (1 / 127)``;
-an all-zero row stores zeros with scale 0. The model reads a stored value as ``(q * scale)`` rounded to its own
-dtype, so attention over an int8 pool gives the bits of attention over a pool of those dequantized values.
+an all-zero row stores zeros with scale 0. A stored value stands for ``q * scale``: the native decode kernel
+(bf16, head_dim 128) reads it so in float32, applying a key row's scale to its dot product and a value row's to
+its softmax weight; prefill chunks and the torch paths read it rounded to the model's dtype (``dequantize_kv``).
 A row's quantization depends on that row alone: batch invariance and chunk invariance are kept.
 
 ``quantize_kv_reference`` is the definition in torch; the native decode kernel's ``quantize_kv`` does the same

@@ -31,28 +31,7 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
-// An int8 KV row (quantize_kv below: int8 values and one float32 scale per token and kv head) read as the
-// model's bf16 values: float(q) * scale rounded to the nearest-even bf16, exactly what torch's
-// (q.float() * s).to(bfloat16) gives. So the int8 path computes the very bits of the bf16 path over a pool
-// holding those bf16 values (integer bit operations: -ffast-math cannot fuse the rounding away).
-static inline __m512 round_to_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-}
-
-// 32 int8 -> (even, odd) float vectors in load32_bf16's order: sign-extended to int16 pairs, each 32-bit lane
-// holds elements 2i (low half) and 2i + 1 (high half).
-static inline void load32_q8(const int8_t* p, __m512 scale, __m512& even, __m512& odd) {
-  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i e = _mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16), o = _mm512_srai_epi32(w, 16);
-  even = round_to_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(e), scale));
-  odd = round_to_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(o), scale));
-}
-
-// Where the d128 loop reads a row's dims: a bf16 pool, or an int8 pool with its scales. row is the pool row
-// (kv head g's rows first: g * pool + token row).
+// Where the d128 loop reads a row's dims (row is the pool row: kv head g's rows first, g * pool + token row).
 struct Bf16Rows {
   const at::BFloat16* data;
   struct Row {
@@ -60,17 +39,6 @@ struct Bf16Rows {
     inline void load(int c, __m512& even, __m512& odd) const { load32_bf16(p + c * 32, even, odd); }
   };
   inline Row at(int64_t row) const { return Row{data + row * 128}; }
-};
-
-struct Int8Rows {
-  const int8_t* data;
-  const float* scales;
-  struct Row {
-    const int8_t* p;
-    __m512 s;
-    inline void load(int c, __m512& even, __m512& odd) const { load32_q8(p + c * 32, s, even, odd); }
-  };
-  inline Row at(int64_t row) const { return Row{data + row * 128, _mm512_set1_ps(scales[row])}; }
 };
 
 // The common shape (head_dim 128, bf16) with explicit AVX-512 and float32 accumulation. The portable
@@ -157,6 +125,101 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
             dst[c * 32 + 2 * i] = static_cast<at::BFloat16>(ev[i]);
             dst[c * 32 + 2 * i + 1] = static_cast<at::BFloat16>(od[i]);
           }
+        }
+      }
+    }
+  });
+}
+
+// 16 bf16 -> 16 floats in order (exact: bf16 is the top half of a float).
+static inline __m512 load16_bf16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// 16 int8 -> 16 floats in order (exact).
+static inline __m512 load16_q8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The int8 pool at head_dim 128, bf16 queries: a key row's scale multiplies its dot product with the int8
+// values once (score = scale_t * sum_d q_d k_d) and a value row's scale is folded into its softmax weight, so
+// a row costs a widening load and a conversion per 16 values beside the FMAs: half the bytes of the bf16 loop
+// at about its instruction count (dequantizing each value first made the loop compute-bound, slower than bf16).
+// float32 accumulation in position order as there; a row's result does not depend on the other rows.
+template <int REP>
+static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* ks, const int8_t* vq,
+                          const float* vs, at::BFloat16* out, const int64_t* tables, int64_t width, int64_t bs,
+                          const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
+                          float scale) {
+  constexpr int64_t D = 128, C = D / 16;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += lens[b];
+  // the same split as the bf16 loop's, by the work it stands for (keys x heads x dims)
+  const int64_t grain = total * kv_heads * D < (int64_t(1) << 18) ? batch * kv_heads : 1;
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, g = task % kv_heads;
+      const int64_t* table = tables + b * width;
+      const int64_t len = lens[b];
+      scores.resize(REP * len);
+      __m512 qv[REP][C];
+      const __m512 sc = _mm512_set1_ps(scale);
+      for (int r = 0; r < REP; ++r)
+        for (int c = 0; c < C; ++c) qv[r][c] = _mm512_mul_ps(load16_bf16(q + (b * heads + g * REP + r) * D + c * 16), sc);
+      float mx[REP];  // not -INFINITY: this file is built with -ffast-math, which assumes no infinities
+      for (int r = 0; r < REP; ++r) mx[r] = -std::numeric_limits<float>::max();
+      for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t first = g * pool + table[t0 / bs] * bs;
+        for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
+          const int64_t row = first + (t - t0);
+          const int8_t* k = kq + row * D;
+          __m512 acc[REP];
+          for (int r = 0; r < REP; ++r) acc[r] = _mm512_setzero_ps();
+          for (int c = 0; c < C; ++c) {
+            const __m512 kf = load16_q8(k + c * 16);
+            for (int r = 0; r < REP; ++r) acc[r] = _mm512_fmadd_ps(qv[r][c], kf, acc[r]);
+          }
+          for (int r = 0; r < REP; ++r) {
+            const float s = _mm512_reduce_add_ps(acc[r]) * ks[row];
+            scores[r * len + t] = s;
+            mx[r] = std::max(mx[r], s);
+          }
+        }
+      }
+      float inv[REP];
+      for (int r = 0; r < REP; ++r) {
+        float* sr = scores.data() + r * len;
+        const float m = mx[r];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
+        inv[r] = 1.f / sum;
+      }
+      __m512 o[REP][C];
+      for (int r = 0; r < REP; ++r)
+        for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t first = g * pool + table[t0 / bs] * bs;
+        for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
+          const int64_t row = first + (t - t0);
+          const int8_t* v = vq + row * D;
+          __m512 p[REP];
+          for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t] * vs[row]);
+          for (int c = 0; c < C; ++c) {
+            const __m512 vf = load16_q8(v + c * 16);
+            for (int r = 0; r < REP; ++r) o[r][c] = _mm512_fmadd_ps(p[r], vf, o[r][c]);
+          }
+        }
+      }
+      for (int r = 0; r < REP; ++r) {
+        at::BFloat16* dst = out + (b * heads + g * REP + r) * D;
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < C; ++c) {
+          alignas(64) float f[16];
+          _mm512_store_ps(f, _mm512_mul_ps(o[r][c], iv));
+          for (int i = 0; i < 16; ++i) dst[c * 16 + i] = static_cast<at::BFloat16>(f[i]);
         }
       }
     }
@@ -366,8 +429,9 @@ std::vector<torch::Tensor> quantize_kv(torch::Tensor x) {
 
 // decode_attention over an int8 pool: q (B, H, D) in the model's dtype (bf16 or float32); kpool, vpool (KVH, P, D)
 // int8; kscale, vscale (KVH, P) float32. Optionally first quantizes and stores each sequence's new key/value
-// (k_new, v_new: (B, KVH, D) in q's dtype) at its last position. Each stored value is read as the model's dtype
-// T(float(q) * scale): the result is the bits decode_attention gives over a pool of those values.
+// (k_new, v_new: (B, KVH, D) in q's dtype) at its last position. The bf16 head_dim-128 path reads each value as
+// float(q) * scale (the scale applied to a row's sums); the portable loop as T(float(q) * scale), the value
+// torch's dequantization gives in the model's dtype.
 torch::Tensor decode_attention_int8(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool, torch::Tensor kscale,
                                     torch::Tensor vscale, torch::Tensor tables, torch::Tensor lens, int64_t block_size,
                                     double scale, c10::optional<torch::Tensor> k_new,
@@ -418,11 +482,10 @@ torch::Tensor decode_attention_int8(torch::Tensor q, torch::Tensor kpool, torch:
 #if QASR_AVX512
   if (q.scalar_type() == at::kBFloat16 && D == 128 && (rep == 1 || rep == 2 || rep == 4) && H == rep * KVH) {
     auto* qp = q.data_ptr<at::BFloat16>();
-    const Int8Rows kp{kq, ks}, vp{vq, vs};
     auto* op = out.data_ptr<at::BFloat16>();
-    if (rep == 1) run_d128<1>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
-    if (rep == 2) run_d128<2>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
-    if (rep == 4) run_d128<4>(qp, kp, vp, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 1) run_int8_d128<1>(qp, kq, ks, vq, vs, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 2) run_int8_d128<2>(qp, kq, ks, vq, vs, op, tp, W, bs, lp, B, H, KVH, P, sc);
+    if (rep == 4) run_int8_d128<4>(qp, kq, ks, vq, vs, op, tp, W, bs, lp, B, H, KVH, P, sc);
     return out;
   }
 #endif
