@@ -81,9 +81,10 @@ def scattered(kv_heads: int, d: int, bs: int, gen: torch.Generator):  # noqa: AN
     (4, 2, 64, torch.bfloat16), (6, 2, 48, torch.float32)])  # the portable loop
 def test_int8_decode_attention_is_attention_over_the_values_it_stores(heads, kv_heads, d, dtype) -> None:
     """The new rows are stored as the torch definition quantizes them; the result is float32 attention over the
-    stored values (read as float(q) * scale on the AVX-512 path, rounded to the model's dtype on the portable
-    one, whose bf16 result is then the bf16 kernel's over those values bit for bit); no row outside the tables is
-    read (their scales are NaN); a sequence alone gets its bits in the batch."""
+    stored values (read as float(q) * scale on the AVX-512 path, whose queries are rounded to int16 per row, and
+    rounded to the model's dtype on the portable one, whose bf16 result is then the bf16 kernel's over those
+    values bit for bit); no row outside the tables is read (their scales are NaN); a sequence alone gets its
+    bits in the batch."""
     gen = torch.Generator().manual_seed(heads * 100 + d)
     bs = 16
     tables, tabs, lens, kq, vq, ks, vs = scattered(kv_heads, d, bs, gen)

@@ -317,7 +317,8 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
             nq, ns = quantize_kv_reference(new)
             if not (torch.equal(pool[:, last], nq.transpose(0, 1)) and torch.equal(scales[:, last], ns.T)):
                 raise SelfTestFailure(f"decode attention int8 {dtype}: new rows not stored quantized")
-        # the values each path reads: float(q) * scale on the AVX-512 path, rounded to the dtype on the portable one
+        # the values each path reads: float(q) * scale on the AVX-512 path (whose queries, rounded to int16 per row, are
+        # off by 1.5e-5 of their largest value at most), rounded to the dtype on the portable one
         read_as = torch.float32 if d == 128 else dtype
         kf, vf = dequantize_kv(kq, ks, read_as).float(), dequantize_kv(vq, vs, read_as).float()
         ref = torch.stack([
