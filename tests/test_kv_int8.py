@@ -115,6 +115,71 @@ def test_int8_decode_attention_is_attention_over_the_values_it_stores(heads, kv_
     assert torch.equal(one[0], got[1])  # a sequence alone: the same bits as in the batch
 
 
+@needs_kernel
+@pytest.mark.parametrize(("d", "dtype", "n", "length"), [
+    (128, torch.bfloat16, 333, 384), (128, torch.bfloat16, 64, 64), (48, torch.bfloat16, 17, 64),  # AVX-512 + tail
+    (128, torch.float32, 100, 128), (40, torch.float32, 5, 5), (128, torch.bfloat16, 0, 64)])
+def test_native_row_dequantization_equals_the_torch_gather_dequantize_and_pad(d, dtype, n, length) -> None:
+    """What a prefill chunk's attention reads of an int8 pool: the named rows, in order, dequantized as
+    dequantize_kv gives them (float(q) * scale rounded to the model's dtype, ties and tiny values included), and
+    zeros up to the padded length; no row outside those named is read (the others' scales are NaN)."""
+    gen = torch.Generator().manual_seed(d + n)
+    kv_heads, pool = 3, 512
+    kq = torch.randint(-127, 128, (kv_heads, pool, d), dtype=torch.int8, generator=gen)
+    vq = torch.randint(-127, 128, (kv_heads, pool, d), dtype=torch.int8, generator=gen)
+    rows = torch.randperm(pool, generator=gen)[:n]
+    ks, vs = torch.full((kv_heads, pool), float("nan")), torch.full((kv_heads, pool), float("nan"))
+    ks[:, rows] = torch.rand(kv_heads, n, generator=gen) * 2
+    vs[:, rows] = torch.rand(kv_heads, n, generator=gen) / 1000
+    if n:
+        ks[0, rows[0]] = 0.0  # an all-zero row
+        vs[1, rows[-1]] = 1e-30  # subnormal products
+        kq[2, rows[0], :4] = torch.tensor([1, 3, 5, 7], dtype=torch.int8)
+        ks[2, rows[0]] = 2 ** -8 + 2 ** -16  # products on bf16's rounding ties
+    keys = torch.full((kv_heads, length, d), 7.0).to(dtype)  # garbage: every element must be written
+    values = torch.full((kv_heads, length, d), 7.0).to(dtype)
+    kernel.dequantize_kv_rows(kq, vq, ks, vs, rows, keys, values)
+    for got, q, s in ((keys, kq, ks), (values, vq, vs)):
+        want = torch.nn.functional.pad(dequantize_kv(q[:, rows], s[:, rows], dtype), (0, 0, 0, length - n))
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="row outside the pool"):
+        kernel.dequantize_kv_rows(kq, vq, ks, vs, torch.tensor([pool]), keys, values)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_pools_prefill_reads_the_same_bits_with_and_without_the_native_dequantization(ck, dtype) -> None:  # noqa: ANN001
+    """Two chunks of one sequence (the second reads the first's stored rows) through a pool over scattered
+    blocks: the native one-pass dequantization and the torch gather + dequantize give the same output bits,
+    with the native prefill attention where it runs and with SDPA."""
+    from dataclasses import replace
+
+    from qasr.engine.cpu.native import attention_kernel
+
+    # head_dim 128: the shape the native prefill attention takes
+    cfg = replace(ck.config.decoder, head_dim=128, num_attention_heads=4, num_key_value_heads=2)
+    heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+    for prefill in {None, attention_kernel() if dtype == torch.bfloat16 else None}:
+        outs = []
+        for native in (True, False):
+            pool = KVPool(cfg, 12, torch.device("cpu"), dtype, block_size=16, decode_kernel=kernel,
+                          prefill_kernel=prefill, kv_dtype="int8")
+            if not native:
+                pool.dequantize_rows = None
+            assert native == (pool.dequantize_rows is not None)
+            table = [9, 2, 7, 0, 11, 4]
+            got = []
+            for ctx, n in ((0, 37), (37, 50)):
+                meta = pool.build_meta([table], [n], [ctx])
+                g = torch.Generator().manual_seed(ctx)
+                q, k, v = (torch.randn(n, h, hd, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+                got.append(pool.attend(0, q, k, v, meta))
+            outs.append(got)
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------- the pool
 def test_an_int8_pool_takes_about_half_the_bytes(ck) -> None:  # noqa: ANN001
     cfg = ck.config.decoder

@@ -4,7 +4,8 @@ Each (token, kv head) row of keys or values is stored as int8 with one float32 s
 ``amax = max |x|``, ``q = round_half_even(x * (127 / amax))`` clamped to [-127, 127], ``scale = amax * (1 / 127)``;
 an all-zero row stores zeros with scale 0. A stored value stands for ``q * scale``: the native decode kernel
 (bf16, head_dim 128) reads it so in float32, applying a key row's scale to its dot product and a value row's to
-its softmax weight; prefill chunks and the torch paths read it rounded to the model's dtype (``dequantize_kv``).
+its softmax weight; prefill chunks and the torch paths read it rounded to the model's dtype (``dequantize_kv``;
+the native ``dequantize_kv_rows`` gives a prefill chunk its sequence's rows so, in one pass).
 A row's quantization depends on that row alone: batch invariance and chunk invariance are kept.
 
 ``quantize_kv_reference`` is the definition in torch; the native decode kernel's ``quantize_kv`` does the same
@@ -20,7 +21,7 @@ import torch
 
 from qasr.engine.config import KV_CACHE_DTYPES
 
-__all__ = ["KV_CACHE_DTYPES", "dequantize_kv", "quantize_kv_reference", "quantizer"]
+__all__ = ["KV_CACHE_DTYPES", "dequantize_kv", "quantize_kv_reference", "quantizer", "row_dequantizer"]
 _INV127 = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(127.0, dtype=torch.float32)  # float32(1 / 127)
 
 
@@ -45,3 +46,11 @@ def quantizer(kernel: ModuleType | None) -> Callable[[torch.Tensor], Sequence[to
     if kernel is not None and hasattr(kernel, "quantize_kv"):
         return kernel.quantize_kv
     return quantize_kv_reference
+
+
+def row_dequantizer(kernel: ModuleType | None, dtype: torch.dtype) -> Callable[..., None] | None:
+    """The native ``dequantize_kv_rows`` (a sequence's rows dequantized into preallocated bf16 or float32
+    tensors, padded with zeros; the bits of ``dequantize_kv``) where the decode kernel has it, else None."""
+    if kernel is not None and hasattr(kernel, "dequantize_kv_rows") and dtype in (torch.bfloat16, torch.float32):
+        return kernel.dequantize_kv_rows
+    return None

@@ -290,7 +290,7 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
     """The int8 pool (engine/kv_quant.py): quantize_kv equals the torch definition bit for bit (an all-zero row
     included); decode_attention_int8 stores the new rows quantized and matches float32 attention over the
     values it reads (bf16 head_dim 128: the AVX-512 path; head_dim 64: the portable loop); a sequence alone
-    gets the bits it gets in a batch."""
+    gets the bits it gets in a batch; dequantize_kv_rows gives a sequence's rows dequantize_kv's bits, padded."""
     from qasr.engine.kv_quant import dequantize_kv, quantize_kv_reference
 
     gen = torch.Generator().manual_seed(12)
@@ -329,6 +329,15 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
         one = kernel.decode_attention_int8(q[1:2].contiguous(), kq, vq, ks, vs, tabs[1:2], lens[1:2], bs, scale)
         if not torch.equal(one[0], got[1]):
             raise SelfTestFailure(f"decode attention int8 {dtype}: a sequence alone differs from it in a batch")
+        # a prefill chunk's read of a sequence's rows (one pass, padded with zeros): dequantize_kv's bits
+        seq = rows[1]
+        length = -(-len(seq) // bs) * bs + bs
+        out_k, out_v = torch.empty(kv_heads, length, d, dtype=dtype), torch.empty(kv_heads, length, d, dtype=dtype)
+        kernel.dequantize_kv_rows(kq, vq, ks, vs, seq, out_k, out_v)
+        for out, pool, scales in ((out_k, kq, ks), (out_v, vq, vs)):
+            want = F.pad(dequantize_kv(pool[:, seq], scales[:, seq], dtype), (0, 0, 0, length - len(seq)))
+            if not torch.equal(out, want):
+                raise SelfTestFailure(f"dequantize_kv_rows {dtype} d={d}: differs from dequantize_kv")
 
 def check_encoder_attention(kernel: ModuleType) -> None:
     """Windows of 104, 13 and 1 rows (head_dim 64, the AVX-512 path, in bf16 and float32; head_dim 48, the

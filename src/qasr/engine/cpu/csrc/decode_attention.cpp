@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
@@ -562,6 +563,108 @@ torch::Tensor decode_attention_int8(torch::Tensor q, torch::Tensor kpool, torch:
   return out;
 }
 
+// float -> bf16, round to nearest even: c10's rounding for finite values (the pool's values are finite), as
+// torch's .to(torch.bfloat16) gives it.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One pool's rows for dequantize_kv_rows: out[g, i, :] = T(float(q[g, rows[i], :]) * scale[g, rows[i]]).
+template <typename T>
+static void dequantize_rows(const int8_t* q, const float* scales, const int64_t* rows, int64_t n, int64_t kv_heads,
+                            int64_t pool, int64_t length, int64_t dim, T* out, int64_t g, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t row = g * pool + rows[i];
+    const int8_t* src = q + row * dim;
+    const float s = scales[row];
+    T* dst = out + (g * length + i) * dim;
+    int64_t d = 0;
+#if QASR_AVX512
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+      for (; d + 16 <= dim; d += 16) {
+        const __m512 f = _mm512_mul_ps(load16_q8(src + d), sv);
+        const __m512i u = _mm512_castps_si512(f);
+        const __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm512_cvtepi32_epi16(r));
+      }
+    }
+#endif
+    for (; d < dim; ++d) {
+      const float f = static_cast<float>(src[d]) * s;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        const uint16_t b = bf16_bits(f);
+        std::memcpy(dst + d, &b, 2);
+      } else {
+        dst[d] = f;
+      }
+    }
+  }
+  (void)n;
+  (void)kv_heads;
+}
+
+// A sequence's keys and values read out of the int8 pool for a prefill chunk's attention, in one pass each:
+// k_out[g, i] and v_out[g, i] (kv_heads, length, D; bf16 or float32, preallocated by the caller) get pool row
+// rows[i] of kv head g dequantized exactly as torch's dequantize_kv gives it (float(q) * scale rounded to the
+// output's dtype); rows after rows.numel() (the padding to whole blocks) are zeros. The same bits as the torch
+// gather + dequantize + pad, which made several passes over float32 copies (slower than the attention itself).
+void dequantize_kv_rows(torch::Tensor kpool, torch::Tensor vpool, torch::Tensor kscale, torch::Tensor vscale,
+                        torch::Tensor rows, torch::Tensor k_out, torch::Tensor v_out) {
+  TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kscale.is_contiguous() && vscale.is_contiguous() &&
+              k_out.is_contiguous() && v_out.is_contiguous(), "dequantize_kv_rows: contiguous inputs");
+  TORCH_CHECK(kpool.scalar_type() == at::kChar && vpool.scalar_type() == at::kChar &&
+              kscale.scalar_type() == at::kFloat && vscale.scalar_type() == at::kFloat,
+              "dequantize_kv_rows: int8 pools with float32 scales");
+  const int64_t KVH = kpool.size(0), P = kpool.size(1), D = kpool.size(2);
+  TORCH_CHECK(kpool.sizes() == vpool.sizes() && kscale.dim() == 2 && kscale.size(0) == KVH && kscale.size(1) == P &&
+              vscale.sizes() == kscale.sizes(), "dequantize_kv_rows: pool shapes");
+  auto rc = rows.contiguous();
+  TORCH_CHECK(rc.scalar_type() == at::kLong && rc.dim() == 1, "dequantize_kv_rows: rows (N,) int64");
+  const int64_t N = rc.numel();
+  TORCH_CHECK(k_out.dim() == 3 && k_out.size(0) == KVH && k_out.size(1) >= N && k_out.size(2) == D &&
+              v_out.sizes() == k_out.sizes() && v_out.scalar_type() == k_out.scalar_type() &&
+              (k_out.scalar_type() == at::kBFloat16 || k_out.scalar_type() == at::kFloat),
+              "dequantize_kv_rows: outputs (kv_heads, length >= rows, head_dim), bf16 or float32");
+  const auto* rp = rc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < P, "dequantize_kv_rows: row outside the pool");
+  const int64_t L = k_out.size(1);
+  const auto* kq = kpool.data_ptr<int8_t>();
+  const auto* vq = vpool.data_ptr<int8_t>();
+  const auto* ks = kscale.data_ptr<float>();
+  const auto* vs = vscale.data_ptr<float>();
+  const bool bf16 = k_out.scalar_type() == at::kBFloat16;
+  const int64_t width = bf16 ? 2 : 4;
+  constexpr int64_t kRows = 64;  // rows per task
+  const int64_t per_head = (N + kRows - 1) / kRows;
+  // tasks: (pool, kv head, 64 rows); small sequences stay on the calling thread
+  at::parallel_for(0, 2 * KVH * per_head, N * KVH < 4096 ? 2 * KVH * per_head : 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t which = task / (KVH * per_head), g = (task / per_head) % KVH, c = task % per_head;
+      const int64_t i0 = c * kRows, i1 = std::min(N, i0 + kRows);
+      const int8_t* q = which ? vq : kq;
+      const float* sc = which ? vs : ks;
+      torch::Tensor& out = which ? v_out : k_out;
+      if (bf16) {
+        dequantize_rows(q, sc, rp, N, KVH, P, L, D, out.data_ptr<at::BFloat16>(), g, i0, i1);
+      } else {
+        dequantize_rows(q, sc, rp, N, KVH, P, L, D, out.data_ptr<float>(), g, i0, i1);
+      }
+      if (c == per_head - 1 && L > N) {  // the padding rows of this head
+        std::memset(static_cast<char*>(out.data_ptr()) + (g * L + N) * D * width, 0, (L - N) * D * width);
+      }
+    }
+  });
+  if (N == 0) {
+    k_out.zero_();
+    v_out.zero_();
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while they run: other Python threads (the server's event loop) go on meanwhile
   m.def("decode_attention", &decode_attention, "batched single-token attention over a block pool",
@@ -572,6 +675,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kpool"), py::arg("vpool"), py::arg("kscale"), py::arg("vscale"), py::arg("tables"),
         py::arg("lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_new") = py::none(),
         py::arg("v_new") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_kv_rows", &dequantize_kv_rows, "a sequence's int8 keys and values, dequantized and padded",
+        py::arg("kpool"), py::arg("vpool"), py::arg("kscale"), py::arg("vscale"), py::arg("rows"), py::arg("k_out"),
+        py::arg("v_out"), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_kv", &quantize_kv, "per-row symmetric int8 of keys or values: (q, scale)", py::arg("x"),
         py::call_guard<py::gil_scoped_release>());
 }
