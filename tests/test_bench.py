@@ -18,11 +18,12 @@ from qasr.bench.perf.flops import (
     decode_flops,
     decoder_weight_bytes,
     encoder_flops,
+    kv_bytes_per_position,
     prefill_flops,
     workload_flops,
 )
-from qasr.bench.perf.machine import ForeignCpu, cpu_info, gemm_peak, read_bandwidth
-from qasr.bench.perf.phases import ForwardLog, efficiency_report
+from qasr.bench.perf.machine import ForeignCpu, cpu_info, gemm_peak, int8_peak, read_bandwidth
+from qasr.bench.perf.phases import ForwardLog, Storage, efficiency_report
 from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
 from qasr.engine.config import QUANTIZE_MODES
 from qasr.model.config import DecoderConfig, EncoderConfig, ModelConfig
@@ -109,6 +110,17 @@ def test_machine_probes_are_positive_and_finite_on_tiny_sizes() -> None:
     assert math.isfinite(bw) and bw > 0
 
 
+def test_the_int8_peak_is_the_native_int8_products_rate_or_absent() -> None:
+    from qasr.engine.cpu.native import int8_kernel
+
+    peak = int8_peak(m=8, k=64, n=128, repeats=2)
+    if int8_kernel() is None:
+        assert peak is None  # no int8 module here: no peak is claimed
+    else:
+        assert peak["shape"] == [8, 64, 128] and math.isfinite(peak["ops"]) and peak["ops"] > 0
+        assert peak["kernel"] == getattr(int8_kernel(), "KIND", "int8")
+
+
 def test_foreign_cpu_is_a_share_between_0_and_1() -> None:
     with ForeignCpu() as others:
         sum(i * i for i in range(200_000))  # our own work is not counted
@@ -182,6 +194,45 @@ def test_last_line_table_and_roofline_render() -> None:
     draw_roofline(ax, eff)
     assert len(ax.lines) >= 6  # roof, two guides, three phases
     plt.close(fig)
+
+
+def test_storage_counts_the_bytes_each_mode_stores() -> None:
+    assert Storage.of(2) == Storage(2.0, 2.0, 2.0, quantized=False)
+    assert Storage.of(4, kv_cache_dtype="int8", head_dim=64) == Storage(4.0, 4.0, 1.0625, quantized=False)
+    assert Storage.of(2, "int8") == Storage(1.0, 1.0, 2.0, quantized=True)
+    assert Storage.of(2, "int8", "int8", 128) == Storage(1.0, 1.0, 1.03125, quantized=True)
+    assert Storage.of(2, "int4") == Storage(1.0, 0.53125, 2.0, quantized=True)  # int4 + a float32 scale per 128
+
+
+def test_a_quantized_side_is_measured_by_its_own_bytes_and_against_the_int8_peak() -> None:
+    utts = [Utterance(250, 40, 10)]
+    flops = workload_flops(TINY, utts)
+    log = ForwardLog(encoder_calls=1, mixed_forwards=1, decode_forwards=8, prefill_tokens=40, prefill_kv_read=40,
+                     ride_rows=1, ride_attended=41, decode_rows=8, decode_attended=8 * 45)
+    timings = dict(features_s=0.1, encoder_s=0.6, forward_mixed_s=1.0, forward_decode_s=2.0, step_s=3.7,
+                   prefill_tokens=40, decode_tokens=9)
+    machine = dict(peak_flops=1e6, bandwidth_Bps=1e8, int8_peak_ops=2e6)
+    bf16 = efficiency_report(TINY, utts, flops, 2.5, 4.0, timings, log, machine)
+    st = Storage.of(2, "int8", "int8", TINY.decoder.head_dim)
+    int8 = efficiency_report(TINY, utts, flops, 2.5, 4.0, timings, log, machine, storage=st)
+    assert "int8_overall" not in bf16 and "int8_efficiency" not in bf16["phases"]["decode"]
+    assert int8["overall"] == bf16["overall"]  # the bf16 peak stays the common yardstick
+    assert int8["int8_overall"] == pytest.approx(flops.total / 4.0 / 2e6)
+    dec, share = TINY.decoder, int8["mixed_prefill_share"]
+    want = (decoder_weight_bytes(dec, 1.0) * (8 + (1 - share))
+            + kv_bytes_per_position(dec, st.kv_value) * (8 * 45 + 41))
+    assert int8["phases"]["decode"]["bytes"] == pytest.approx(want)
+    assert int8["phases"]["decode"]["bytes"] < bf16["phases"]["decode"]["bytes"]
+    for p in ("encoder", "prefill", "decode"):
+        v = int8["phases"][p]
+        assert v["int8_efficiency"] == pytest.approx(v["flop"] / v["seconds"] / 2e6)
+    table = phase_table(int8)
+    assert "| of int8 peak |" in table and "| of int8 peak |" not in phase_table(bf16)
+    assert f"{100 * int8['int8_overall']:.1f}%" in table.splitlines()[-3]  # the 'all (wall)' row
+    machine_full = dict(cpu=dict(model="Test CPU", amx_bf16=False, avx512_bf16=True), threads=2, peak_flops=4e11,
+                        bandwidth_Bps=3e10, gemm=dict(shape=[1024, 1024, 3072], flops=dict(torch=4e11)),
+                        int8_gemm=dict(shape=[1024, 1024, 3072], ops=8.1e11, kernel="AVX512-VNNI"))
+    assert "int8 GEMM peak 810 GOP/s (AVX512-VNNI)" in machine_line(machine_full)
 
 
 # ------------------------------------------------------------------------------ --quantize: a quantized side

@@ -43,7 +43,7 @@ from qasr.bench.common import (
 )
 from qasr.bench.perf.flops import Utterance, workload_flops
 from qasr.bench.perf.machine import ForeignCpu, probe
-from qasr.bench.perf.phases import ForwardLog, efficiency_report, timing_delta
+from qasr.bench.perf.phases import ForwardLog, Storage, efficiency_report, timing_delta
 from qasr.bench.perf.report import draw_roofline, machine_line, phase_table
 from qasr.engine.config import QUANTIZE_MODES
 from qasr.model.config import ModelConfig
@@ -285,13 +285,14 @@ def run(args: argparse.Namespace) -> int:
     speedup = ours["rtfx"] / ref["rtfx"]
     cfg = ModelConfig.from_file(ckpt / "config.json")
 
-    def efficiency(side: dict) -> dict:
+    def efficiency(side: dict, quantize: str | None) -> dict:
         utterances = [Utterance(**u) for u in side["utterances"]]
+        storage = Storage.of(2, quantize, side.get("kv_cache_dtype", "auto"), cfg.decoder.head_dim)  # bf16 model
         return efficiency_report(cfg, utterances, workload_flops(cfg, utterances), side["audio_s"], side["wall_s"],
                                  side["phases"], ForwardLog(**side["forwards"]), machine,
-                                 reference_wall_s=ref["wall_s"])
+                                 reference_wall_s=ref["wall_s"], storage=storage)
 
-    eff = efficiency(ours)
+    eff = efficiency(ours, None)
     cpu = machine["cpu"]
     report = dict(title=f"Qwen3-ASR-0.6B dims (random weights), {len(clips)} clips / {sum(lengths):.0f} s, "
                   f"bf16, {threads} CPU threads, torch {torch.__version__}; {cpu['model']}, "
@@ -300,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
                   qasr=ours, reference=ref, speedup=speedup, efficiency=eff, decode_b1=decode_b1,
                   total_wall_s=time.perf_counter() - t0)
     if quant is not None:
-        add_quantized_side(report, mode, quant, efficiency(quant))
+        add_quantized_side(report, mode, quant, efficiency(quant, mode))
     stem = (("throughput_quick" if args.quick else "throughput") + ("" if mode is None else f"_{mode}")
             + ("" if kv == "auto" else f"_kv{kv}"))
     save_report(report, args.out, stem, plot, machine)

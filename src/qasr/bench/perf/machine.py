@@ -1,4 +1,5 @@
-"""What this machine can do right now: CPU model, best bf16 GEMM rate, memory read bandwidth.
+"""What this machine can do right now: CPU model, best bf16 GEMM rate, best int8 GEMM rate (where qasr's int8
+kernel runs), memory read bandwidth.
 
 These machines are shared and their speed moves 2x from hour to hour, so a benchmark measures them at
 the start of its run, with its own thread count, and reports efficiency against them, never a bare time.
@@ -104,6 +105,25 @@ def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) ->
     return dict(shape=[m, k, n], flops=rates, best_flops=rates[best], best_kernel=best)
 
 
+def int8_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict | None:
+    """Best ops/s (2 m k n per call) of an (m x k) bf16 activation @ (k x n) int8 weight product by qasr's
+    fastest int8 module here (native.int8_kernel(): AMX-INT8, AVX512-VNNI or AVX-VNNI), the whole W8A8 path
+    quantize="int8" runs (per-row activation quantization, int32 product, float32 epilogue); None where no
+    int8 module built and passed its self-test (then only the torch reference runs, and no peak is claimed)."""
+    from qasr.engine.cpu.native import int8_kernel
+
+    mod = int8_kernel()
+    if mod is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(n, generator=gen) * 0.01
+    packed = mod.pack(w_q)  # type: ignore[attr-defined]
+    seconds = best_seconds(lambda: mod.linear(x, packed, n, w_scale, None), repeats)  # type: ignore[attr-defined]
+    return dict(shape=[m, k, n], ops=2.0 * m * k * n / seconds, kernel=getattr(mod, "KIND", "int8"))
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second of a float32 sum over a buffer far larger than the caches (best of ``repeats``):
     the rate at which a decode step can stream weights and KV cache at best."""
@@ -117,7 +137,9 @@ def probe(gemm_shape: tuple[int, int, int] = (1024, 1024, 3072), bandwidth_bytes
     m, k, n = gemm_shape
     with torch.inference_mode():
         gemm = gemm_peak(m, k, n)
+        int8 = int8_peak(m, k, n)
         bw = read_bandwidth(bandwidth_bytes)
     # the load average says whether other tenants were busy while we measured (it counts this probe too)
     return dict(cpu=cpu_info(), threads=torch.get_num_threads(), gemm=gemm, peak_flops=gemm["best_flops"],
-                bandwidth_Bps=bw, load_avg_1min=os.getloadavg()[0])
+                int8_gemm=int8, int8_peak_ops=int8["ops"] if int8 else None, bandwidth_Bps=bw,
+                load_avg_1min=os.getloadavg()[0])

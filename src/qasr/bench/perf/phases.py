@@ -27,6 +27,30 @@ from qasr.model.config import ModelConfig, audio_token_count
 PHASES = ("encoder", "prefill", "decode")
 
 
+@dataclass(frozen=True)
+class Storage:
+    """Bytes a side moves per weight and per cached key or value element: what its mode stores. The minimum
+    bytes of a phase (its roofline x-axis and its share of the read bandwidth) are counted with these, so a
+    quantized side is measured against the bytes it really streams, not the bf16 model's."""
+
+    encoder_weight: float = 2.0  # per encoder parameter
+    decoder_weight: float = 2.0  # per parameter of the decoder's linears and the LM head
+    kv_value: float = 2.0  # per cached key or value element, its scale's share included
+    quantized: bool = False  # the side's products are int8 (its GEMM roof is the int8 peak)
+
+    @classmethod
+    def of(cls, itemsize: int, quantize: str | None = None, kv_cache_dtype: str = "auto",
+           head_dim: int = 128) -> Storage:
+        """``quantize``: None, "int8" (int8 weights everywhere; the per-channel scales, 4 bytes per row of
+        1,024 or more, are left out) or "int4" (the decoder's linears and LM head in int4 with a float32 scale
+        per group of 128, the encoder int8). ``kv_cache_dtype`` "int8": one byte a value plus a float32 scale
+        per row of ``head_dim``."""
+        kv = 1.0 + 4.0 / head_dim if kv_cache_dtype == "int8" else float(itemsize)
+        if quantize is None:
+            return cls(float(itemsize), float(itemsize), kv)
+        return cls(1.0, 0.5 + 4.0 / 128 if quantize == "int4" else 1.0, kv, quantized=True)
+
+
 @dataclass
 class ForwardLog:
     """Counts of what the engine's encoder calls and decoder forwards carried (no timing of its own)."""
@@ -79,20 +103,21 @@ def _phase(flop: float, seconds: float, nbytes: float, peak: float, bandwidth: f
 
 
 def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, timings: dict,
-                 log: ForwardLog, peak_flops: float, bandwidth_Bps: float, itemsize: int = 2) -> dict:
-    """Per phase: seconds, model FLOP, minimum bytes moved, achieved FLOP/s and bytes/s, and their
-    fractions of the machine's peak GEMM rate and read bandwidth. ``timings`` as in engine.timings
-    (differences over the measured window)."""
+                 log: ForwardLog, peak_flops: float, bandwidth_Bps: float, storage: Storage | None = None) -> dict:
+    """Per phase: seconds, model FLOP, minimum bytes moved (weights and KV as ``storage`` says; default bf16),
+    achieved FLOP/s and bytes/s, and their fractions of the machine's peak GEMM rate and read bandwidth.
+    ``timings`` as in engine.timings (differences over the measured window)."""
+    st = storage or Storage()
     enc, dec = cfg.encoder, cfg.decoder
     ride = decode_row_flops(dec, log.ride_rows, log.ride_attended)
     share = flops.prefill / (flops.prefill + ride) if flops.prefill + ride > 0 else 1.0
-    weights = decoder_weight_bytes(dec, itemsize)
-    kv = kv_bytes_per_position(dec, itemsize)
-    # encoder: its weights once per packed call, features in (float32), embeddings out
-    enc_bytes = (encoder_weight_bytes(enc, itemsize) * log.encoder_calls
+    weights = decoder_weight_bytes(dec, st.decoder_weight)
+    kv = kv_bytes_per_position(dec, st.kv_value)
+    # encoder: its weights once per packed call, features in (float32), embeddings out (bf16)
+    enc_bytes = (encoder_weight_bytes(enc, st.encoder_weight) * log.encoder_calls
                  + sum(u.frames for u in utterances) * enc.num_mel_bins * 4
                  + sum(audio_token_count(u.frames, enc.conv_chunk_frames) for u in utterances)
-                 * enc.output_dim * itemsize)
+                 * enc.output_dim * 2)
     pre_bytes = weights * log.mixed_forwards * share + kv * (log.prefill_kv_read + log.prefill_tokens)
     dec_bytes = (weights * (log.decode_forwards + log.mixed_forwards * (1 - share))
                  + kv * (log.decode_attended + log.ride_attended))
@@ -108,9 +133,11 @@ def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: Phase
 
 def efficiency_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, audio_s: float,
                       wall_s: float, timings: dict, log: ForwardLog, machine: dict,
-                      reference_wall_s: float | None = None) -> dict:
+                      reference_wall_s: float | None = None, storage: Storage | None = None) -> dict:
     """Overall efficiency = model FLOP / wall seconds / peak GEMM rate (= FLOP per audio second x RTFx / peak),
-    plus the per-phase report."""
+    plus the per-phase report. The peak is the machine's bf16 GEMM rate for every side (one yardstick for
+    all); a quantized side (``storage.quantized``) also gets its efficiency against the measured int8 GEMM
+    peak (``int8_overall``, each phase's ``int8_efficiency``) where the probe measured one."""
     peak, bw = machine["peak_flops"], machine["bandwidth_Bps"]
     out: dict[str, Any] = dict(
         peak_flops=peak, bandwidth_Bps=bw, flop_per_audio_s={p: getattr(flops, p) / audio_s for p in PHASES},
@@ -118,7 +145,13 @@ def efficiency_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: 
     out["flop_per_audio_s"]["total"] = flops.total / audio_s
     if reference_wall_s:
         out["reference_overall"] = flops.total / reference_wall_s / peak
-    out.update(phase_report(cfg, utterances, flops, timings, log, peak, bw))
+    out.update(phase_report(cfg, utterances, flops, timings, log, peak, bw, storage))
+    int8_peak = machine.get("int8_peak_ops")
+    if storage is not None and storage.quantized and int8_peak:
+        out["int8_peak_ops"] = int8_peak
+        out["int8_overall"] = flops.total / wall_s / int8_peak
+        for v in out["phases"].values():
+            v["int8_efficiency"] = v["flops"] / int8_peak
     return out
 
 

@@ -13,22 +13,29 @@ def machine_line(machine: dict) -> str:
     feats = ", ".join(f"{'' if cpu[f] else 'no '}{f}" for f in ("amx_bf16", "avx512_bf16"))
     rates = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in gemm["flops"].items())
     m, k, n = gemm["shape"]
+    int8 = machine.get("int8_gemm")
+    int8_part = f", int8 GEMM peak {int8['ops'] / 1e9:.0f} GOP/s ({int8['kernel']})" if int8 else ""
     return (f"machine: {cpu['model']} ({feats}), {machine['threads']} threads: bf16 GEMM peak "
-            f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s ({m}x{k}x{n}; {rates}), "
+            f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s ({m}x{k}x{n}; {rates}){int8_part}, "
             f"read bandwidth {machine['bandwidth_Bps'] / 1e9:.1f} GB/s")
 
 
 def phase_table(eff: dict) -> str:
-    """qasr's phases against the machine: model FLOP, achieved rates and their fractions of the peaks."""
-    rows = ["| qasr phase | seconds | GFLOP per audio s | GFLOP/s | of peak | FLOP/byte | GB/s | of bandwidth |",
-            "|---|---|---|---|---|---|---|---|"]
+    """qasr's phases against the machine: model FLOP, achieved rates and their fractions of the peaks (a
+    quantized side's also of the int8 GEMM peak; its bytes are what its mode stores)."""
+    int8 = "int8_overall" in eff
+    extra = (" of int8 peak |", "---|") if int8 else ("", "")
+    rows = ["| qasr phase | seconds | GFLOP per audio s | GFLOP/s | of bf16 peak |" + extra[0]
+            + " FLOP/byte | GB/s | of bandwidth |", "|---|---|---|---|---|" + extra[1] + "---|---|---|"]
     for p in PHASES:
         v = eff["phases"][p]
+        of_int8 = f" {100 * v['int8_efficiency']:.1f}% |" if int8 else ""
         rows.append(f"| {p} | {v['seconds']:.1f} | {eff['flop_per_audio_s'][p] / 1e9:.2f} | {v['flops'] / 1e9:.0f} | "
-                    f"{100 * v['efficiency']:.1f}% | {v['intensity']:.1f} | {v['bandwidth_Bps'] / 1e9:.1f} | "
+                    f"{100 * v['efficiency']:.1f}% |{of_int8} {v['intensity']:.1f} | {v['bandwidth_Bps'] / 1e9:.1f} | "
                     f"{100 * v['bandwidth_fraction']:.0f}% |")
     total = eff["flop_per_audio_s"]["total"] / 1e9
-    rows.append(f"| all (wall) | | {total:.2f} | | {100 * eff['overall']:.1f}% | | | |")
+    of_int8 = f" {100 * eff['int8_overall']:.1f}% |" if int8 else ""
+    rows.append(f"| all (wall) | | {total:.2f} | | {100 * eff['overall']:.1f}% |{of_int8} | | |")
     rows.append(f"\nmixed forwards: {100 * eff['mixed_prefill_share']:.1f}% of their seconds and weight traffic to "
                 f"prefill (by FLOP share), the rest to the decode rows riding along")
     return "\n".join(rows)
