@@ -116,6 +116,42 @@ def test_int8_decode_attention_is_attention_over_the_values_it_stores(heads, kv_
 
 
 @needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(16, 8, 128), (8, 2, 64)])
+def test_int8_decode_attention_over_uneven_long_contexts_is_split_by_keys_without_changing_a_bit(heads, kv_heads,
+                                                                                              d) -> None:
+    """Contexts of 1 to 1,500 keys in one call, enough work to run on both threads: the call splits the
+    (sequence, head) tasks by the keys they read, and each sequence still gets the bits it gets alone and the
+    float32 attention over the values it stores."""
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(d)
+    bs, lens = 64, [1, 1500, 7, 130, 1000, 17]
+    blocks = sum(-(-n // bs) for n in lens) + 3
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables = []
+    for n in lens:
+        tables.append(order[:-(-n // bs)])
+        order = order[-(-n // bs):]
+    tabs = torch.tensor([t + [0] * (24 - len(t)) for t in tables])
+    kq = torch.randint(-127, 128, (kv_heads, blocks * bs, d), dtype=torch.int8, generator=gen)
+    vq = torch.randint(-127, 128, (kv_heads, blocks * bs, d), dtype=torch.int8, generator=gen)
+    ks = torch.rand(kv_heads, blocks * bs, generator=gen) / 20
+    vs = torch.rand(kv_heads, blocks * bs, generator=gen) / 20
+    q = torch.randn(len(lens), heads, d, generator=gen).to(torch.bfloat16)
+    ln = torch.tensor(lens)
+    got = kernel.decode_attention_int8(q, kq, vq, ks, vs, tabs, ln, bs, d ** -0.5)
+    read_as = torch.float32 if d == 128 else torch.bfloat16
+    kd, vd = dequantize_kv(kq, ks, read_as).float(), dequantize_kv(vq, vs, read_as).float()
+    for b, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        r = torch.tensor(t)[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b].float()[None, :, None], kd[:, r][None], vd[:, r][None], scale=d ** -0.5, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(got[b].float(), want, rtol=1e-2, atol=1e-2)
+        one = kernel.decode_attention_int8(q[b:b + 1].contiguous(), kq, vq, ks, vs, tabs[b:b + 1], ln[b:b + 1], bs,
+                                           d ** -0.5)
+        assert torch.equal(one[0], got[b])
+
+
+@needs_kernel
 @pytest.mark.parametrize(("d", "dtype", "n", "length"), [
     (128, torch.bfloat16, 333, 384), (128, torch.bfloat16, 64, 64), (48, torch.bfloat16, 17, 64),  # AVX-512 + tail
     (128, torch.float32, 100, 128), (40, torch.float32, 5, 5), (128, torch.bfloat16, 0, 64)])

@@ -6,6 +6,7 @@
 // wherever the blocks lie. No padding to the longest sequence, no gather, no per-sequence Python call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,6 +15,37 @@
 
 template <typename T>
 static inline float as_float(T x) { return static_cast<float>(x); }
+
+// Runs body(begin, end) over the (sequence, kv head) tasks [0, batch * kv_heads), split between the threads by
+// the keys they stream rather than by their count: at::parallel_for's split by count gave one thread the long
+// sequences of a batch whose contexts differ (a 1,600-token request beside four of 100-900), and the other
+// waited. Each thread takes one contiguous run of tasks holding about an equal share of the keys. A task's
+// result does not depend on which thread runs it. Small calls stay on the calling thread: waking a thread
+// team costs more than the work, and far more when the cores are busy with other processes.
+template <typename Body>
+static void for_tasks_by_keys(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t dim, const Body& body) {
+  const int64_t n = batch * kv_heads;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += lens[b];
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (total * kv_heads * dim < (int64_t(1) << 18) || threads <= 1) {
+    body(0, n);
+    return;
+  }
+  constexpr int64_t kTaskCost = 16;  // a task's fixed cost (its query, softmax and output), in keys
+  std::vector<int64_t> cum(n + 1, 0);
+  for (int64_t t = 0; t < n; ++t) cum[t + 1] = cum[t] + lens[t / kv_heads] + kTaskCost;
+  auto first_task = [&](int64_t part) {  // the first task whose keys start at or past part / threads of them
+    return static_cast<int64_t>(std::lower_bound(cum.begin(), cum.end(), cum[n] * part / threads) - cum.begin());
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t part = p0; part < p1; ++part) {
+      const int64_t begin = part == 0 ? 0 : first_task(part), end = part + 1 == threads ? n : first_task(part + 1);
+      if (begin < end) body(begin, end);
+    }
+  });
+}
+
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -49,10 +81,7 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
                      int64_t width, int64_t bs, const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads,
                      int64_t pool, float scale) {
   constexpr int64_t D = 128, C = D / 32;  // C blocks of 32 dims, each held as (even, odd) vectors
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lens[b];
-  const int64_t grain = total * kv_heads * D < (int64_t(1) << 18) ? batch * kv_heads : 1;
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  for_tasks_by_keys(lens, batch, kv_heads, D, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, g = task % kv_heads;
@@ -170,11 +199,7 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
                           const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool,
                           float scale) {
   constexpr int64_t D = 128, C = D / 16, C16 = D / 32;
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lens[b];
-  // the same split as the bf16 loop's, by the work it stands for (keys x heads x dims)
-  const int64_t grain = total * kv_heads * D < (int64_t(1) << 18) ? batch * kv_heads : 1;
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  for_tasks_by_keys(lens, batch, kv_heads, D, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, g = task % kv_heads;
@@ -319,12 +344,7 @@ static void run(const T* q, Rows kpool, Rows vpool, T* out, const int64_t* table
                 const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim,
                 float scale) {
   const int64_t rep = heads / kv_heads;
-  // Small batches run on the calling thread: waking a thread team costs more than the work, and far
-  // more when the cores are busy with other processes.
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lens[b];
-  const int64_t grain = total * kv_heads * dim < (int64_t(1) << 18) ? batch * kv_heads : 1;
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  for_tasks_by_keys(lens, batch, kv_heads, dim, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rep * dim), acc(rep * dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, g = task % kv_heads;
