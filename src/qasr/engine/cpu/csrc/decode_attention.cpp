@@ -64,6 +64,14 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
+// The next block of a sequence lies anywhere in the pool: its first rows would start cold, after the hardware
+// prefetchers had run to the end of the current block. Each key (or pair) read asks for the next block's row at
+// the same offset, so that block is in cache by the time it is reached.
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 // Where the d128 loop reads a row's dims (row is the pool row: kv head g's rows first, g * pool + token row).
 struct Bf16Rows {
   const at::BFloat16* data;
@@ -72,6 +80,7 @@ struct Bf16Rows {
     inline void load(int c, __m512& even, __m512& odd) const { load32_bf16(p + c * 32, even, odd); }
   };
   inline Row at(int64_t row) const { return Row{data + row * 128}; }
+  inline void prefetch(int64_t row) const { prefetch_lines(data + row * 128, 128 * 2); }
 };
 
 // The common shape (head_dim 128, bf16) with explicit AVX-512 and float32 accumulation. The portable
@@ -100,8 +109,10 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
       for (int r = 0; r < REP; ++r) mx[r] = -std::numeric_limits<float>::max();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {  // block by block; within a block the keys are contiguous
         const int64_t first = g * pool + table[t0 / bs] * bs;
+        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
           const auto k = kpool.at(first + (t - t0));
+          if (next >= 0) kpool.prefetch(next + (t - t0));
           __m512 acc[REP];
           for (int r = 0; r < REP; ++r) acc[r] = _mm512_setzero_ps();
           for (int c = 0; c < C; ++c) {
@@ -130,8 +141,10 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
         for (int c = 0; c < C; ++c) oe[r][c] = oo[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs;
+        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
           const auto v = vpool.at(first + (t - t0));
+          if (next >= 0) vpool.prefetch(next + (t - t0));
           __m512 p[REP];
           for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t]);
           for (int c = 0; c < C; ++c) {
@@ -232,11 +245,14 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
       };
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs, tend = std::min(len, t0 + bs);
+        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+        if (next >= 0) prefetch_lines(ks + next, bs * 4);
         int64_t t = t0;
         for (; t + 1 < tend; t += 2) {  // two keys of the block at a time
           const int64_t row = first + (t - t0);
           const int8_t* k0 = kq + row * D;
           const int8_t* k1 = k0 + D;
+          if (next >= 0) prefetch_lines(kq + (next + (t - t0)) * D, 2 * D);  // the next block's same two rows
           __m512i acc0[REP], acc1[REP];
           for (int r = 0; r < REP; ++r) acc0[r] = acc1[r] = _mm512_setzero_si512();
           for (int c = 0; c < C16; ++c) {
@@ -288,9 +304,12 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
         for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs;
+        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+        if (next >= 0) prefetch_lines(vs + next, bs * 4);
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
           const int64_t row = first + (t - t0);
           const int8_t* v = vq + row * D;
+          if (next >= 0) prefetch_lines(vq + (next + (t - t0)) * D, D);
           __m512 p[REP];
           for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t] * vs[row]);
           for (int c = 0; c < C; ++c) {
