@@ -29,6 +29,7 @@ import jiwer
 import torch
 
 from qasr import ASR
+from qasr.engine.config import EngineConfig
 
 CARD_START, CARD_END = "<!-- eval:start -->", "<!-- eval:end -->"
 EMPTY_RAW = "language None<asr_text>"  # the model's whole output (before <|im_end|>) for no speech
@@ -68,6 +69,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantize", default=None, choices=("int8", "int4"),
                     help="load with this weight quantization (docs/quantization.md)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+                    help="the engine's KV cache: the model's dtype (auto) or int8 (docs/quantization.md)")
     ap.add_argument("--max-wer", type=float, default=0.05)
     ap.add_argument("--show", type=int, default=15, help="print this many wrong transcripts of each kind")
     ap.add_argument("--update-card", action="store_true", help="write the results into the model's README.md")
@@ -75,7 +78,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     rows = [json.loads(line) for line in (args.data / f"{args.split}.jsonl").read_text().splitlines()]
-    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                              engine=EngineConfig(kv_cache_dtype=args.kv_cache_dtype))
     start = time.perf_counter()
     results = asr.transcribe([str(args.data / r["path"]) for r in rows])  # one call: the engine batches
     elapsed = time.perf_counter() - start
@@ -118,7 +122,8 @@ def main() -> int:
                  f"`{EMPTY_RAW}` (empty text): **{len(silent) - len(noisy)} of {len(silent)}**{note}")
     audio = sum(r.duration for r in results)
     lines.append(f"- {audio:.0f} s of audio in {elapsed:.1f} s ({cpu_name()}; {asr.checkpoint.device}, "
-                 f"{asr.checkpoint.dtype}{', ' + args.quantize if args.quantize else ''}, {args.threads} thread(s), "
+                 f"{asr.checkpoint.dtype}{', ' + args.quantize if args.quantize else ''}"
+                 f"{', kv int8' if args.kv_cache_dtype == 'int8' else ''}, {args.threads} thread(s), "
                  "one batched transcribe() call)")
     print("\n".join(lines))
     wrong = [i for i in range(len(rows)) if rows[i]["text"] and normalize(refs[i]) != normalize(hyps[i])]

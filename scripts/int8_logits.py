@@ -1,5 +1,6 @@
-"""How far int8 (or int4, ``--quantize int4``) moves the model's outputs: teacher-forced logits of
-quantize="int8" against the same checkpoint without it, position by position.
+"""How far int8 (or int4, ``--quantize int4``; or the int8 KV cache, ``--kv-cache-dtype int8``) moves the
+model's outputs: teacher-forced logits of quantize="int8" against the same checkpoint without it, position by
+position.
 
 For each clip the unquantized engine decodes greedily (the token sequence both sides are then fed); one
 forward of the whole prompt plus those tokens runs with each side's prepared kernels (the engine's own
@@ -19,6 +20,14 @@ Two checkpoints, as the quantization docs report them:
     .venv/bin/python scripts/int8_logits.py --model 0.6b
     .venv/bin/python scripts/int8_logits.py --model models/qasr-demo-en --data data/demo --clips 60
     .venv/bin/python scripts/int8_logits.py --model 0.6b --quantize int4
+    .venv/bin/python scripts/int8_logits.py --model 0.6b --quantize none --kv-cache-dtype int8
+    .venv/bin/python scripts/int8_logits.py --model 0.6b --quantize int8 --kv-cache-dtype int8
+
+With ``--kv-cache-dtype int8`` the quantized side's keys and values are stored as int8 (engine/kv_quant.py):
+its teacher-forced forward prefills through an int8 pool, so every position attends over dequantized keys and
+values, as the engine's prefill chunks do (its decode kernel reads the same int8 values in float32); its greedy
+tokens come from an engine with that KV cache. ``--quantize none`` keeps the weights as they are, so the
+figures are the KV cache's alone.
 
 Writes JSON (``--out``); prints a table.
 """
@@ -60,9 +69,10 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def greedy(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, quantize: str | None) -> list[list[int]]:
+def greedy(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, quantize: str | None,
+           kv_dtype: str = "auto") -> list[list[int]]:
     """Every clip's greedy tokens from one engine (all submitted at once, as a user's batch)."""
-    with Engine(ck, EngineConfig(quantize=quantize)) as engine:
+    with Engine(ck, EngineConfig(quantize=quantize, kv_cache_dtype=kv_dtype)) as engine:
         futures = []
         for k, wave in enumerate(clips):
             prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160))
@@ -74,31 +84,36 @@ def greedy(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, qu
         return [list(f.result().token_ids) for f in futures]
 
 
-def logits(ck: Checkpoint, kernels: Kernels, wave: np.ndarray, tokens: list[int]) -> torch.Tensor:
-    """The logit rows that predicted ``tokens`` (float32), from one teacher-forced forward with ``kernels``."""
+def logits(ck: Checkpoint, kernels: Kernels, wave: np.ndarray, tokens: list[int], kv_dtype: str = "auto"
+           ) -> torch.Tensor:
+    """The logit rows that predicted ``tokens`` (float32), from one teacher-forced forward with ``kernels``
+    through a KV pool of ``kv_dtype``."""
     model = ck.model
     prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160))
     with torch.inference_mode():
         audio = model.audio_tower([LogMel(ck.features)(wave)], kernels=kernels)[0]
         ids = prompt + tokens[:-1]
-        cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
+        cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype, kv_dtype=kv_dtype)
         rows = torch.arange(len(prompt) - 1, len(ids))
         return model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, logits_rows=rows, audio_embeds=audio,
                      kernels=kernels).float()
 
 
-def compare(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, mode: str = "int8") -> dict:
+def compare(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, mode: str | None = "int8",
+            kv_dtype: str = "auto") -> dict:
+    """``mode``: the quantized side's weights (int8, int4, or None: as the base side's); ``kv_dtype``: its KV
+    cache."""
     t0 = time.perf_counter()
     base = prepare_cpu(ck.model, use_native=True)
-    int8 = prepare_cpu(ck.model, use_native=True, quantize=mode)  # the quantized side (int8 or int4)
-    print(f"kernels: {base.description}\n   {mode}: {int8.description}", flush=True)
+    int8 = prepare_cpu(ck.model, use_native=True, quantize=mode)  # the quantized side (int8, int4 or as is)
+    print(f"kernels: {base.description}\n   {mode or 'none'} (kv {kv_dtype}): {int8.description}", flush=True)
     tokens = greedy(ck, clips, forced, None)
-    tokens_int8 = greedy(ck, clips, forced, mode)
+    tokens_int8 = greedy(ck, clips, forced, mode, kv_dtype)
     cos, top1, logprob_drop, per_clip = [], [], [], []
     for k, (wave, toks) in enumerate(zip(clips, tokens, strict=True)):
         if not toks:
             continue
-        a, b = logits(ck, base.kernels, wave, toks), logits(ck, int8.kernels, wave, toks)
+        a, b = logits(ck, base.kernels, wave, toks), logits(ck, int8.kernels, wave, toks, kv_dtype)
         c = torch.nn.functional.cosine_similarity(a, b, dim=-1)
         agree = (a.argmax(-1) == b.argmax(-1)).float()
         chosen = torch.tensor(toks)
@@ -120,7 +135,7 @@ def compare(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, m
                 chosen_logprob_drop_mean=statistics.fmean(logprob_drop),
                 greedy_identical_clips=sum(c["greedy_identical"] for c in per_clip), clips=len(per_clip),
                 per_clip=per_clip, wall_s=round(time.perf_counter() - t0, 1),
-                kernels=base.description, **{f"kernels_{mode}": int8.description})
+                kernels=base.description, **{f"kernels_{mode or 'none'}": int8.description})
 
 
 def main() -> int:
@@ -131,7 +146,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "qasr-bench")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--quantize", default="int8", choices=("int8", "int4"), help="the quantized side")
+    ap.add_argument("--quantize", default="int8", choices=("none", "int8", "int4"),
+                    help="the quantized side's weights (none: as the checkpoint's, to measure the KV cache alone)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the quantized side's KV cache")
     args = ap.parse_args()
     if args.model == "0.6b":
         ck = load_checkpoint(build_checkpoint(args.cache), device="cpu", dtype="bfloat16")
@@ -147,17 +164,23 @@ def main() -> int:
         forced = None
         name = Path(args.model).name
     print(f"{name}, {ck.dtype}, {len(clips)} clips; {cpu_model()}, {torch.get_num_threads()} threads", flush=True)
-    result = compare(ck, clips, forced, args.quantize)
+    mode = None if args.quantize == "none" else args.quantize
+    if mode is None and args.kv_cache_dtype == "auto":
+        ap.error("nothing to compare: give --quantize int8/int4 or --kv-cache-dtype int8")
+    result = compare(ck, clips, forced, mode, args.kv_cache_dtype)
     report = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), date=date.today().isoformat(),
                   cpu=cpu_model(), threads=torch.get_num_threads(), torch=torch.__version__, model=name,
-                  dtype=str(ck.dtype).removeprefix("torch."), quantize=args.quantize, **result)
+                  dtype=str(ck.dtype).removeprefix("torch."), quantize=args.quantize,
+                  kv_cache_dtype=args.kv_cache_dtype, **result)
     print("| model | positions | cosine mean | cosine p1 | cosine min | top-1 agreement | chosen logprob drop | "
           "greedy identical |\n|---|---|---|---|---|---|---|---|")
     print(f"| {name} ({report['dtype']}) | {result['positions']} | "
           f"{result['cos_mean']:.5f} | {result['cos_p01']:.5f} | {result['cos_min']:.5f} | "
           f"{100 * result['top1_agreement']:.2f}% | {result['chosen_logprob_drop_mean']:.4f} | "
           f"{result['greedy_identical_clips']} of {result['clips']} clips |")
-    out = args.out or ROOT / "docs" / "bench" / f"{args.quantize}_logits_{name}.json"
+    stem = args.quantize if args.kv_cache_dtype == "auto" else (
+        f"kv{args.kv_cache_dtype}" if mode is None else f"{args.quantize}_kv{args.kv_cache_dtype}")
+    out = args.out or ROOT / "docs" / "bench" / f"{stem}_logits_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
