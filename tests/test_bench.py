@@ -150,13 +150,18 @@ def test_forward_log_counts_rows_and_attended_positions() -> None:
     assert (log.decode_rows, log.decode_attended) == (2, 12 + 5)
 
 
-def _fake_efficiency() -> tuple[dict, PhaseFlops]:
+def _fake_run() -> tuple[list[Utterance], PhaseFlops, dict, ForwardLog]:
+    """One utterance's workload, its FLOP, phase timings and forward counts, as a side's run reports them."""
     utts = [Utterance(250, 40, 10)]
-    flops = workload_flops(TINY, utts)
     log = ForwardLog(encoder_calls=1, mixed_forwards=1, decode_forwards=8, prefill_tokens=40, prefill_kv_read=40,
                      ride_rows=1, ride_attended=41, decode_rows=8, decode_attended=8 * 45)
     timings = dict(features_s=0.1, encoder_s=0.6, forward_mixed_s=1.0, forward_decode_s=2.0, step_s=3.7,
                    prefill_tokens=40, decode_tokens=9)
+    return utts, workload_flops(TINY, utts), timings, log
+
+
+def _fake_efficiency() -> tuple[dict, PhaseFlops]:
+    utts, flops, timings, log = _fake_run()
     machine = dict(peak_flops=1e6, bandwidth_Bps=1e8)
     return efficiency_report(TINY, utts, flops, 2.5, 4.0, timings, log, machine, reference_wall_s=8.0), flops
 
@@ -205,12 +210,7 @@ def test_storage_counts_the_bytes_each_mode_stores() -> None:
 
 
 def test_a_quantized_side_is_measured_by_its_own_bytes_and_against_the_int8_peak() -> None:
-    utts = [Utterance(250, 40, 10)]
-    flops = workload_flops(TINY, utts)
-    log = ForwardLog(encoder_calls=1, mixed_forwards=1, decode_forwards=8, prefill_tokens=40, prefill_kv_read=40,
-                     ride_rows=1, ride_attended=41, decode_rows=8, decode_attended=8 * 45)
-    timings = dict(features_s=0.1, encoder_s=0.6, forward_mixed_s=1.0, forward_decode_s=2.0, step_s=3.7,
-                   prefill_tokens=40, decode_tokens=9)
+    utts, flops, timings, log = _fake_run()
     machine = dict(peak_flops=1e6, bandwidth_Bps=1e8, int8_peak_ops=2e6)
     bf16 = efficiency_report(TINY, utts, flops, 2.5, 4.0, timings, log, machine)
     st = Storage.of(2, "int8", "int8", TINY.decoder.head_dim)

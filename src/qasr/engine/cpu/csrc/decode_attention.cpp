@@ -612,8 +612,8 @@ static inline uint16_t bf16_bits(float f) {
 
 // One pool's rows for dequantize_kv_rows: out[g, i, :] = T(float(q[g, rows[i], :]) * scale[g, rows[i]]).
 template <typename T>
-static void dequantize_rows(const int8_t* q, const float* scales, const int64_t* rows, int64_t n, int64_t kv_heads,
-                            int64_t pool, int64_t length, int64_t dim, T* out, int64_t g, int64_t i0, int64_t i1) {
+static void dequantize_rows(const int8_t* q, const float* scales, const int64_t* rows, int64_t pool, int64_t length,
+                            int64_t dim, T* out, int64_t g, int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t row = g * pool + rows[i];
     const int8_t* src = q + row * dim;
@@ -643,8 +643,6 @@ static void dequantize_rows(const int8_t* q, const float* scales, const int64_t*
       }
     }
   }
-  (void)n;
-  (void)kv_heads;
 }
 
 // A sequence's keys and values read out of the int8 pool for a prefill chunk's attention, in one pass each:
@@ -689,9 +687,9 @@ void dequantize_kv_rows(torch::Tensor kpool, torch::Tensor vpool, torch::Tensor 
       const float* sc = which ? vs : ks;
       torch::Tensor& out = which ? v_out : k_out;
       if (bf16) {
-        dequantize_rows(q, sc, rp, N, KVH, P, L, D, out.data_ptr<at::BFloat16>(), g, i0, i1);
+        dequantize_rows(q, sc, rp, P, L, D, out.data_ptr<at::BFloat16>(), g, i0, i1);
       } else {
-        dequantize_rows(q, sc, rp, N, KVH, P, L, D, out.data_ptr<float>(), g, i0, i1);
+        dequantize_rows(q, sc, rp, P, L, D, out.data_ptr<float>(), g, i0, i1);
       }
       if (c == per_head - 1 && L > N) {  // the padding rows of this head
         std::memset(static_cast<char*>(out.data_ptr()) + (g * L + N) * D * width, 0, (L - N) * D * width);
