@@ -288,6 +288,33 @@ def test_bench_refuses_a_quantized_gpu_run_naming_the_mode(capsys, mode) -> None
     assert f"--quantize {mode} is for the CPU throughput mode (qasr's {mode} path" in capsys.readouterr().err
 
 
+def test_rounds_report_every_pair_and_their_median_as_the_ratio() -> None:
+    from qasr.bench.cpu import add_rounds, side_pair
+
+    report = _bf16_report("int8")
+    add_quantized_side(report, "int8", dict(rtfx=15.0, wall_s=30.0), dict(overall=0.5))  # first round: 1.5
+    rounds = [side_pair(dict(wall_s=45.0, rtfx=10.0), dict(wall_s=30.0, rtfx=15.0)),
+              side_pair(dict(wall_s=50.0, rtfx=9.0), dict(wall_s=28.0, rtfx=16.2)),
+              side_pair(dict(wall_s=44.0, rtfx=10.2), dict(wall_s=31.0, rtfx=14.28))]
+    assert rounds[0] == dict(bf16_wall_s=45.0, quantized_wall_s=30.0, ratio=1.5)
+    add_rounds(report, "int8", rounds)
+    assert report["rounds"] == rounds
+    assert report["int8"]["int8_over_bf16_first"] == 1.5
+    assert report["int8"]["int8_over_bf16"] == pytest.approx(1.5)  # the median of 1.5, 1.8, 1.4
+    assert summary_line(report).endswith("int8_over_bf16=1.50")
+
+
+def test_bench_refuses_rounds_without_a_quantized_side(capsys) -> None:  # noqa: ANN001
+    import torch
+
+    from qasr.bench.main import main as bench_main
+
+    for argv in (["--rounds", "3"], ["--rounds", "0", "--quantize", "int8"]):
+        with pytest.raises(SystemExit):
+            bench_main([*argv, "--threads", str(torch.get_num_threads())])
+        assert "--rounds N (N >= 1) compares the two qasr sides" in capsys.readouterr().err
+
+
 def test_bench_runs_an_int4_side_on_a_tiny_checkpoint(tiny_original) -> None:  # noqa: ANN001
     """run() passes the mode to both measurements; here they run in this process on int4 (int8's twin is in
     test_int8_mode.py)."""

@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="int8: the quantized side's KV cache in int8 (without --quantize: qasr's side), bf16 keeps "
                         "its own; output files end in _kvint8. CPU mode only")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --quantize: run the two qasr sides this many times in turn (rounds after the first "
+                        "without TTFT) and report the median <mode>_over_bf16; the machine's drift between one "
+                        "side's run and the other's moves a single pair's ratio (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU mode (qasr.bench.gpu): closed-loop concurrency 1/16/128/512 on ~2-minute "
                         "clips, TTFT, GPU memory, bf16 batch invariance, transformers generate at batch 8 and 32; "
@@ -53,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-gib", type=float, default=0.0, help="cuda: KV-cache budget (default: 60%% of free memory)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.rounds < 1 or (args.rounds > 1 and args.quantize == "none"):
+        p.error("--rounds N (N >= 1) compares the two qasr sides: give --quantize too")
     if args.kv_cache_dtype != "auto" and (args.device == "cuda" or args.aligner):
         p.error(f"--kv-cache-dtype {args.kv_cache_dtype} is for the CPU throughput mode")
     if args.quantize != "none" and (args.device == "cuda" or args.aligner):
