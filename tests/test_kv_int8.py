@@ -153,7 +153,8 @@ def test_int8_decode_attention_over_uneven_long_contexts_is_split_by_keys_withou
 
 @needs_kernel
 @pytest.mark.parametrize(("d", "dtype", "n", "length"), [
-    (128, torch.bfloat16, 333, 384), (128, torch.bfloat16, 64, 64), (48, torch.bfloat16, 17, 64),  # AVX-512 + tail
+    (128, torch.bfloat16, 333, 384), (128, torch.bfloat16, 64, 64), (48, torch.bfloat16, 17, 64),  # AVX-512 only
+    (40, torch.bfloat16, 9, 64),  # 16 dims at a time, then an 8-dim scalar tail
     (128, torch.float32, 100, 128), (40, torch.float32, 5, 5), (128, torch.bfloat16, 0, 64)])
 def test_native_row_dequantization_equals_the_torch_gather_dequantize_and_pad(d, dtype, n, length) -> None:
     """What a prefill chunk's attention reads of an int8 pool: the named rows, in order, dequantized as

@@ -131,7 +131,7 @@ class KVPool:
             self.k_scale = torch.empty(shape[:-1], device=device, dtype=torch.float32)
             self.v_scale = torch.empty(shape[:-1], device=device, dtype=torch.float32)
             self.quantize = quantizer(decode_kernel)
-        self.dequantize_rows = row_dequantizer(decode_kernel, dtype) if self.int8 else None
+            self.dequantize_rows = row_dequantizer(decode_kernel, dtype)
         self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5
         self.kernel = decode_kernel

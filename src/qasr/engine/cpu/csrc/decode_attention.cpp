@@ -64,6 +64,12 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
+// The pool row (of kv head g) where the block after the one holding position t0 starts, or -1 past the last.
+static inline int64_t next_block_row(const int64_t* table, int64_t t0, int64_t len, int64_t bs, int64_t g,
+                                     int64_t pool) {
+  return t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+}
+
 // The next block of a sequence lies anywhere in the pool: its first rows would start cold, after the hardware
 // prefetchers had run to the end of the current block. Each key (or pair) read asks for the next block's row at
 // the same offset, so that block is in cache by the time it is reached.
@@ -109,7 +115,7 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
       for (int r = 0; r < REP; ++r) mx[r] = -std::numeric_limits<float>::max();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {  // block by block; within a block the keys are contiguous
         const int64_t first = g * pool + table[t0 / bs] * bs;
-        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+        const int64_t next = next_block_row(table, t0, len, bs, g, pool);
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
           const auto k = kpool.at(first + (t - t0));
           if (next >= 0) kpool.prefetch(next + (t - t0));
@@ -141,7 +147,7 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
         for (int c = 0; c < C; ++c) oe[r][c] = oo[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs;
-        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+        const int64_t next = next_block_row(table, t0, len, bs, g, pool);
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
           const auto v = vpool.at(first + (t - t0));
           if (next >= 0) vpool.prefetch(next + (t - t0));
@@ -245,7 +251,7 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
       };
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs, tend = std::min(len, t0 + bs);
-        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+        const int64_t next = next_block_row(table, t0, len, bs, g, pool);
         if (next >= 0) prefetch_lines(ks + next, bs * 4);
         int64_t t = t0;
         for (; t + 1 < tend; t += 2) {  // two keys of the block at a time
@@ -304,7 +310,7 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
         for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs;
-        const int64_t next = t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
+        const int64_t next = next_block_row(table, t0, len, bs, g, pool);
         if (next >= 0) prefetch_lines(vs + next, bs * 4);
         for (int64_t t = t0, tend = std::min(len, t0 + bs); t < tend; ++t) {
           const int64_t row = first + (t - t0);
@@ -602,14 +608,6 @@ torch::Tensor decode_attention_int8(torch::Tensor q, torch::Tensor kpool, torch:
   return out;
 }
 
-// float -> bf16, round to nearest even: c10's rounding for finite values (the pool's values are finite), as
-// torch's .to(torch.bfloat16) gives it.
-static inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 // One pool's rows for dequantize_kv_rows: out[g, i, :] = T(float(q[g, rows[i], :]) * scale[g, rows[i]]).
 template <typename T>
 static void dequantize_rows(const int8_t* q, const float* scales, const int64_t* rows, int64_t pool, int64_t length,
@@ -621,7 +619,7 @@ static void dequantize_rows(const int8_t* q, const float* scales, const int64_t*
     T* dst = out + (g * length + i) * dim;
     int64_t d = 0;
 #if QASR_AVX512
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // c10's round to nearest even, 16 values at a time
       const __m512 sv = _mm512_set1_ps(s);
       const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
       for (; d + 16 <= dim; d += 16) {
@@ -633,15 +631,7 @@ static void dequantize_rows(const int8_t* q, const float* scales, const int64_t*
       }
     }
 #endif
-    for (; d < dim; ++d) {
-      const float f = static_cast<float>(src[d]) * s;
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        const uint16_t b = bf16_bits(f);
-        std::memcpy(dst + d, &b, 2);
-      } else {
-        dst[d] = f;
-      }
-    }
+    for (; d < dim; ++d) dst[d] = static_cast<T>(static_cast<float>(src[d]) * s);  // as DequantRows reads it
   }
 }
 
