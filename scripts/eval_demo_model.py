@@ -29,7 +29,7 @@ import jiwer
 import torch
 
 from qasr import ASR
-from qasr.engine.config import EngineConfig
+from qasr.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 CARD_START, CARD_END = "<!-- eval:start -->", "<!-- eval:end -->"
 EMPTY_RAW = "language None<asr_text>"  # the model's whole output (before <|im_end|>) for no speech
@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantize", default=None, choices=("int8", "int4"),
                     help="load with this weight quantization (docs/quantization.md)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the engine's KV cache: the model's dtype (auto) or int8 (docs/quantization.md)")
     ap.add_argument("--max-wer", type=float, default=0.05)
     ap.add_argument("--show", type=int, default=15, help="print this many wrong transcripts of each kind")

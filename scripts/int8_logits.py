@@ -50,6 +50,7 @@ import torch
 
 from qasr.audio.features import LogMel
 from qasr.bench.common import TOKENS_PER_SECOND, build_checkpoint, clip_lengths, make_clip
+from qasr.engine.config import KV_CACHE_DTYPES
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import single_prefill
@@ -148,7 +149,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quantize", default="int8", choices=("none", "int8", "int4"),
                     help="the quantized side's weights (none: as the checkpoint's, to measure the KV cache alone)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the quantized side's KV cache")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the quantized side's KV cache")
     args = ap.parse_args()
     if args.model == "0.6b":
         ck = load_checkpoint(build_checkpoint(args.cache), device="cpu", dtype="bfloat16")

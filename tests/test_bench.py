@@ -203,7 +203,8 @@ def test_last_line_table_and_roofline_render() -> None:
 
 def test_storage_counts_the_bytes_each_mode_stores() -> None:
     assert Storage.of(2) == Storage(2.0, 2.0, 2.0, quantized=False)
-    assert Storage.of(4, kv_cache_dtype="int8", head_dim=64) == Storage(4.0, 4.0, 1.0625, quantized=False)
+    assert Storage.of(4, kv_cache_dtype="int8", head_dim=64) == Storage(4.0, 4.0, 1.0625, quantized=False,
+                                                                         activation=4.0)
     assert Storage.of(2, "int8") == Storage(1.0, 1.0, 2.0, quantized=True)
     assert Storage.of(2, "int8", "int8", 128) == Storage(1.0, 1.0, 1.03125, quantized=True)
     assert Storage.of(2, "int4") == Storage(1.0, 0.53125, 2.0, quantized=True)  # int4 + a float32 scale per 128

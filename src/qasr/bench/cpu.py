@@ -282,9 +282,10 @@ def run(args: argparse.Namespace) -> int:
               f"{quant['rtfx']:.1f}, phases " + ", ".join(f"{k} {v:.1f}" for k, v in quant["phases"].items()),
               flush=True)
     rounds = [side_pair(ours, quant)] if quant is not None else []
-    for k in range(2, getattr(args, "rounds", 1) + 1 if quant is not None else 0):
-        # the two qasr sides again, one after the other (no TTFT): the machine's drift between one side's run
-        # and the other's is what moves the ratio most, so the median of several pairs is what is reported
+    # with a quantized side, the two qasr sides again, one after the other (no TTFT): the machine's drift between
+    # one side's run and the other's is what moves the ratio most, so the median of several pairs is reported
+    n_rounds = getattr(args, "rounds", 1) if quant is not None else 0
+    for k in range(2, n_rounds + 1):
         pair = side_pair(in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, None, "auto",
                                        False),
                          in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, mode, kv, False))

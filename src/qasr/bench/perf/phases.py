@@ -22,6 +22,7 @@ from qasr.bench.perf.flops import (
     encoder_weight_bytes,
     kv_bytes_per_position,
 )
+from qasr.engine.cpu.int4_reference import GROUP as INT4_GROUP
 from qasr.model.config import ModelConfig, audio_token_count
 
 PHASES = ("encoder", "prefill", "decode")
@@ -37,6 +38,7 @@ class Storage:
     decoder_weight: float = 2.0  # per parameter of the decoder's linears and the LM head
     kv_value: float = 2.0  # per cached key or value element, its scale's share included
     quantized: bool = False  # the side's products are int8 (its GEMM roof is the int8 peak)
+    activation: float = 2.0  # per element of the encoder's output embeddings (the model's dtype)
 
     @classmethod
     def of(cls, itemsize: int, quantize: str | None = None, kv_cache_dtype: str = "auto",
@@ -47,8 +49,9 @@ class Storage:
         per row of ``head_dim``."""
         kv = 1.0 + 4.0 / head_dim if kv_cache_dtype == "int8" else float(itemsize)
         if quantize is None:
-            return cls(float(itemsize), float(itemsize), kv)
-        return cls(1.0, 0.5 + 4.0 / 128 if quantize == "int4" else 1.0, kv, quantized=True)
+            return cls(float(itemsize), float(itemsize), kv, activation=float(itemsize))
+        return cls(1.0, 0.5 + 4.0 / INT4_GROUP if quantize == "int4" else 1.0, kv, quantized=True,
+                   activation=float(itemsize))
 
 
 @dataclass
@@ -113,11 +116,11 @@ def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: Phase
     share = flops.prefill / (flops.prefill + ride) if flops.prefill + ride > 0 else 1.0
     weights = decoder_weight_bytes(dec, st.decoder_weight)
     kv = kv_bytes_per_position(dec, st.kv_value)
-    # encoder: its weights once per packed call, features in (float32), embeddings out (bf16)
+    # encoder: its weights once per packed call, features in (float32), embeddings out (the model's dtype)
     enc_bytes = (encoder_weight_bytes(enc, st.encoder_weight) * log.encoder_calls
                  + sum(u.frames for u in utterances) * enc.num_mel_bins * 4
                  + sum(audio_token_count(u.frames, enc.conv_chunk_frames) for u in utterances)
-                 * enc.output_dim * 2)
+                 * enc.output_dim * st.activation)
     pre_bytes = weights * log.mixed_forwards * share + kv * (log.prefill_kv_read + log.prefill_tokens)
     dec_bytes = (weights * (log.decode_forwards + log.mixed_forwards * (1 - share))
                  + kv * (log.decode_attended + log.ride_attended))
