@@ -54,8 +54,8 @@ def oracle_text(asr, audio: np.ndarray, config: StreamConfig) -> str:  # noqa: A
 
 
 def check_turn_events(events: list) -> list[TurnFinal]:
-    """Per turn: started before its updates, stopped before its final, deltas join to the final text,
-    stable text only grows. Returns the finals in order."""
+    """Per turn: started before its updates, stopped before its final (only updates in between), deltas
+    join to the final text, stable text only grows. Returns the finals in order."""
     finals = [e for e in events if isinstance(e, TurnFinal)]
     for final in finals:
         mine = [e for e in events if e.turn == final.turn]
@@ -63,8 +63,9 @@ def check_turn_events(events: list) -> list[TurnFinal]:
         assert kinds[-1] == "TurnFinal"
         if "SpeechStarted" in kinds:
             assert kinds[0] == "SpeechStarted"
-        if "SpeechStopped" in kinds:
-            assert kinds[-2] == "SpeechStopped"
+        if "SpeechStopped" in kinds:  # sent at the pause; the steps up to the turn's chunk boundary may follow
+            stopped = kinds.index("SpeechStopped")
+            assert set(kinds[stopped + 1:-1]) <= {"TurnUpdate"}
         updates = [e for e in mine if isinstance(e, TurnUpdate)]
         for a, b in zip(updates, updates[1:], strict=False):
             assert b.update.stable_text.startswith(a.update.stable_text)
@@ -91,6 +92,51 @@ def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(d
         assert final.text == oracle_text(demo, turn_audio, StreamConfig(chunk_size_sec=1.0))
         offline = demo.transcribe(demo_clips[k], sample_rate=SR, segmentation="none")[0].text
         assert final.text == offline
+
+
+def test_a_paused_turn_ends_at_its_chunk_boundary_without_a_tail_step(demo, demo_clips, monkeypatch) -> None:  # noqa: ANN001
+    """end_on_chunk (the default): a turn that a pause ends takes the silent frames after the pause up to
+    its chunk boundary, so its last step is a chunk step and it never runs a tail step (which, without the
+    option, can follow the last chunk's step in the same push); it is still the official algorithm on its
+    audio. Speech coming back first ends it at once, before that frame, with a tail step as without it."""
+    chunk = 2.0
+    samples = int(chunk * SR)
+    long_gap = np.zeros(3 * SR, dtype=np.float32)  # room to reach any boundary
+    short_gap = np.zeros(int(0.7 * SR), dtype=np.float32)  # the pause is found 0.5 s in, speech is back 0.2 s later
+    audio = np.concatenate([long_gap, demo_clips[0], long_gap, demo_clips[1], short_gap, demo_clips[2], long_gap])
+    real = demo.engine.submit
+    finals_of_steps: list[bool] = []  # per decoder step of a turn: keep_kv=False marks a turn's tail step
+
+    def submit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if "audio_embeds" in kwargs:  # a turn's step (the oracle submits waveforms)
+            finals_of_steps.append(not kwargs["keep_kv"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo.engine, "submit", submit)
+    cfg = StreamConfig(chunk_size_sec=chunk)
+    runs = {}
+    for option in (True, False):
+        finals_of_steps.clear()
+        events = feed(demo.live(chunk_size_sec=chunk, end_on_chunk=option), audio)
+        runs[option] = (check_turn_events(events), events, list(finals_of_steps))
+    on, on_events, on_steps = runs[True]
+    off, _, off_steps = runs[False]
+    assert len(on) == len(off) == 3 and all(f.reason == "pause" for f in on + off)
+    lengths = [round((f.end - f.start) * SR) for f in on]
+    # turns 0 and 2 reached their boundary in the long gaps: whole chunks, and no tail step
+    assert lengths[0] % samples == 0 and lengths[2] % samples == 0
+    # turn 1 met the next clip's speech first: it ended before it, later than at the pause
+    assert lengths[1] % samples != 0 and off[1].end < on[1].end < on[2].start + 0.33
+    for final in on:
+        turn_audio = audio[round(final.start * SR):round(final.end * SR)]
+        assert final.text == oracle_text(demo, turn_audio, cfg)
+    # every step of a turn is a chunk step except the tail of turn 1: 3 tail steps without the option
+    assert sum(on_steps) == 1 and sum(off_steps) == 3
+    assert len(on_steps) == sum(-(-n // samples) for n in lengths)
+    # SpeechStopped comes at the pause, as without the option
+    stops = [e.at for e in on_events if isinstance(e, SpeechStopped)]
+    assert stops == [e.at for e in feed(demo.live(chunk_size_sec=chunk, end_on_chunk=False), audio)
+                     if isinstance(e, SpeechStopped)]
 
 
 def test_silence_starts_no_turn_and_costs_no_decoding(demo) -> None:  # noqa: ANN001

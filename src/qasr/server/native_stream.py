@@ -4,7 +4,8 @@
 
        {"type": "start", "sample_rate": 16000, "format": "pcm16" | "float32", "language": null,
         "context": "", "chunk_size_sec": 1.0, "turn_detection": true, "vad_threshold": 0.5,
-        "silence_ms": 500, "prefix_padding_ms": 300, "max_turn_s": 60, "carry_context": false}
+        "silence_ms": 500, "prefix_padding_ms": 300, "max_turn_s": 60, "carry_context": false,
+        "end_on_chunk": true}
 
    and gets ``{"type": "ready", "session": ID, "config": {...}}``. A binary first message starts the
    session with the defaults (16 kHz pcm16) and is its first audio.
@@ -59,7 +60,7 @@ from qasr.streaming import (
 
 router = APIRouter()
 _LIVE_KEYS = {"turn_detection": bool, "vad_threshold": float, "silence_ms": int, "prefix_padding_ms": int,
-              "max_turn_s": float, "soft_turn_s": float, "carry_context": bool}
+              "max_turn_s": float, "soft_turn_s": float, "carry_context": bool, "end_on_chunk": bool}
 
 
 class StartError(ValueError):
@@ -224,7 +225,8 @@ def _describe(live: LiveConfig, ingest: PcmIngest) -> dict:
             "context": live.stream.context, "chunk_size_sec": live.stream.chunk_size_sec,
             "turn_detection": live.turn_detection, "vad_threshold": live.vad_threshold,
             "silence_ms": live.silence_ms, "prefix_padding_ms": live.prefix_padding_ms,
-            "soft_turn_s": live.soft_turn_s, "max_turn_s": live.max_turn_s, "carry_context": live.carry_context}
+            "soft_turn_s": live.soft_turn_s, "max_turn_s": live.max_turn_s, "carry_context": live.carry_context,
+            "end_on_chunk": live.end_on_chunk}
 
 
 def _message(e: LiveEvent) -> dict:

@@ -12,7 +12,15 @@ scored by the VAD (silero, or the energy fallback) and:
   count as silence, a frame at or above the threshold resets the count (in between changes nothing);
 * the turn ends after ``silence_ms`` of silence (its final transcript is sent; the trailing silence is
   part of the turn), or at the first silent frame once it is ``soft_turn_s`` long, or at
-  ``max_turn_s`` whatever is said (the next frame then starts a new turn at once).
+  ``max_turn_s`` whatever is said (the next frame then starts a new turn at once);
+* with ``end_on_chunk`` (the default), a turn that a pause ends first takes the silent frames that
+  follow until its audio fills whole chunks: its last step is then an ordinary chunk step and no step
+  decodes a leftover tail. The turn takes as many steps as without it, but never two back to back:
+  without it, a push in which a chunk boundary comes shortly before the pause runs that chunk's step
+  and then the tail's (the slowest pushes of a live caption). ``SpeechStopped`` is sent at the pause as
+  without it; the final transcript comes at the boundary, up to a chunk of audio later (a push later,
+  where the boundary came before the pause).
+  A frame that is not silent ends the turn at once, before that frame, as without the option.
 
 Without turn detection every frame goes to the current turn, which ends on ``commit()`` (or at
 ``max_turn_s``). ``carry_context`` hands the committed text of earlier turns (its last
@@ -51,7 +59,8 @@ class LiveConfig:
     probability that starts a turn, and the scorer ("auto" = silero when installed, else energy).
     ``silence_ms``: the pause that ends a turn. ``prefix_padding_ms``: audio before the detected start
     that the turn also gets. ``soft_turn_s``: past this, any silent frame ends the turn;
-    ``max_turn_s``: a turn never gets longer. Defaults follow OpenAI's server VAD (0.5, 300 ms, 500 ms)."""
+    ``max_turn_s``: a turn never gets longer. ``end_on_chunk``: a turn ended by silence ends at its next
+    chunk boundary (module docstring). Defaults follow OpenAI's server VAD (0.5, 300 ms, 500 ms)."""
 
     stream: StreamConfig = field(default_factory=StreamConfig)
     turn_detection: bool = True
@@ -63,6 +72,7 @@ class LiveConfig:
     max_turn_s: float = 60.0
     carry_context: bool = False
     carried_chars: int = 500
+    end_on_chunk: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.vad_threshold < 1.0:
@@ -138,6 +148,8 @@ class LiveSession:
         self._stable = ""  # the current turn's stable text as reported
         self._in_speech = False
         self._silence = 0  # samples of silence since the last speech frame of the current turn
+        # why silence ended the open turn, while it takes silent frames up to its chunk boundary
+        self._closing: EndReason | None = None
         self._carried = ""
         self.closed = False
 
@@ -172,6 +184,8 @@ class LiveSession:
         open and nothing is pending."""
         self._check_open()
         out: list[LiveEvent] = []
+        if self._closing is not None:  # silence had ended it: it ends now, as it would have without end_on_chunk
+            self._close_padded(out)
         self._flush_pending(out)
         if self._turn is not None:
             if self._in_speech:
@@ -186,13 +200,15 @@ class LiveSession:
         self.position += self._pending.size
         self._pending = np.zeros(0, dtype=np.float32)
         self._preroll.clear()
-        self._in_speech, self._silence = False, 0
+        self._in_speech, self._silence, self._closing = False, 0, None
 
     def finish(self) -> list[LiveEvent]:
         """The end of the stream: the open turn gets what is pending and its final transcript."""
         out: list[LiveEvent] = []
         if self.closed:
             return out
+        if self._closing is not None:
+            self._close_padded(out)
         self._flush_pending(out)
         if self._turn is not None:
             if self._in_speech:
@@ -216,6 +232,10 @@ class LiveSession:
 
     def _frame_detected(self, frame: np.ndarray, p: float, out: list[LiveEvent]) -> None:
         cfg = self.config
+        if self._closing is not None:
+            if p < self._exit and self._pad(frame, out):
+                return
+            self._close_padded(out)  # not silent: the turn ends before this frame, which goes on below
         if not self._in_speech:
             if p < cfg.vad_threshold:
                 self._preroll.append(frame)
@@ -238,14 +258,42 @@ class LiveSession:
         paused = self._silence >= self._silence_limit
         if silent and (paused or self.turn_seconds >= cfg.soft_turn_s):
             reason: EndReason = "pause" if paused else "long"
-            out.append(SpeechStopped(self.turns - 1, (self.position - self._silence) / SAMPLE_RATE))
             self._in_speech = False
+            out.append(SpeechStopped(self.turns - 1, (self.position - self._silence) / SAMPLE_RATE))
+            if cfg.end_on_chunk and self._chunk_room() > 0:
+                self._closing = reason  # the final comes at the chunk boundary
+                return
             self._end_turn(reason, out)
         elif self._turn_full():  # still speaking at the hard limit: the next frame opens the next turn
             out.append(SpeechStopped(self.turns - 1, self.position / SAMPLE_RATE))
             self._end_turn("max", out)
             self._silence = 0
             self._start_turn(self.position, out, announce=True)
+
+    def _chunk_room(self) -> int:
+        """Samples the open turn still needs to fill whole chunks (0 when it does)."""
+        assert self._turn is not None
+        chunk = self.config.stream.chunk_size_samples
+        return -self._turn.audio.size % chunk
+
+    def _pad(self, frame: np.ndarray, out: list[LiveEvent]) -> bool:
+        """Give a silent frame to a turn that silence ended, up to its chunk boundary (the frame is also
+        pre-roll for the next turn: it may hold the start of the next words). True if the frame was
+        taken; False (nothing done) when it would pass ``max_turn_s``."""
+        room = self._chunk_room()
+        if (self._turn.audio.size + min(room, frame.size)) / SAMPLE_RATE > self.config.max_turn_s:
+            return False
+        self._preroll.append(frame)
+        self._feed(frame[:room], out, advance=False)
+        self.position += frame.size
+        if room <= frame.size:
+            self._close_padded(out)
+        return True
+
+    def _close_padded(self, out: list[LiveEvent]) -> None:
+        assert self._closing is not None
+        reason, self._closing = self._closing, None
+        self._end_turn(reason, out)
 
     def _flush_pending(self, out: list[LiveEvent]) -> None:
         """Hand the samples short of a frame to the open turn (or to a new one without turn detection)."""
@@ -306,6 +354,7 @@ class LiveSession:
             self._carried = (f"{self._carried} {text}" if self._carried else text)[-self.config.carried_chars:]
 
     def _drop_turn(self) -> None:
+        self._closing = None
         if self._turn is not None:
             self._turn.close()
             self._turn = None
