@@ -64,6 +64,15 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
+// acc + a * b, fused (one rounding, as _mm512_fmadd_ps), in inline assembly: the values passes hold 16 float32
+// accumulators (REP 2 x 128 dims) in an array, and GCC 12 kept that array on the stack, storing every
+// accumulator back after each fma (seen in perf annotate: the values pass was most of the int8 kernel's time);
+// the tied "+v" operand keeps each accumulator in a register.
+static inline __m512 fma_acc(__m512 acc, __m512 a, __m512 b) {
+  asm("vfmadd231ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // The pool row (of kv head g) where the block after the one holding position t0 starts, or -1 past the last.
 static inline int64_t next_block_row(const int64_t* table, int64_t t0, int64_t len, int64_t bs, int64_t g,
                                      int64_t pool) {
@@ -142,8 +151,11 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
         for (int64_t t = 0; t < len; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
         inv[r] = 1.f / sum;
       }
+      // every loop over oe / oo is unrolled whole, so that their elements are registers (see fma_acc)
       __m512 oe[REP][C], oo[REP][C];
+#pragma GCC unroll 16
       for (int r = 0; r < REP; ++r)
+#pragma GCC unroll 16
         for (int c = 0; c < C; ++c) oe[r][c] = oo[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs;
@@ -153,28 +165,35 @@ static void run_d128(const at::BFloat16* q, Rows kpool, Rows vpool, at::BFloat16
           if (next >= 0) vpool.prefetch(next + (t - t0));
           __m512 p[REP];
           for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t]);
+#pragma GCC unroll 16
           for (int c = 0; c < C; ++c) {
             __m512 ve, vo;
             v.load(c, ve, vo);
+#pragma GCC unroll 16
             for (int r = 0; r < REP; ++r) {
-              oe[r][c] = _mm512_fmadd_ps(p[r], ve, oe[r][c]);
-              oo[r][c] = _mm512_fmadd_ps(p[r], vo, oo[r][c]);
+              oe[r][c] = fma_acc(oe[r][c], p[r], ve);
+              oo[r][c] = fma_acc(oo[r][c], p[r], vo);
             }
           }
         }
       }
+      alignas(64) float ev[REP][D / 2], od[REP][D / 2];
+#pragma GCC unroll 16
+      for (int r = 0; r < REP; ++r) {
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) {
+          _mm512_store_ps(ev[r] + c * 16, _mm512_mul_ps(oe[r][c], iv));
+          _mm512_store_ps(od[r] + c * 16, _mm512_mul_ps(oo[r][c], iv));
+        }
+      }
       for (int r = 0; r < REP; ++r) {
         at::BFloat16* dst = out + (b * heads + g * REP + r) * D;
-        const __m512 iv = _mm512_set1_ps(inv[r]);
-        for (int c = 0; c < C; ++c) {
-          alignas(64) float ev[16], od[16];
-          _mm512_store_ps(ev, _mm512_mul_ps(oe[r][c], iv));
-          _mm512_store_ps(od, _mm512_mul_ps(oo[r][c], iv));
+        for (int c = 0; c < C; ++c)
           for (int i = 0; i < 16; ++i) {
-            dst[c * 32 + 2 * i] = static_cast<at::BFloat16>(ev[i]);
-            dst[c * 32 + 2 * i + 1] = static_cast<at::BFloat16>(od[i]);
+            dst[c * 32 + 2 * i] = static_cast<at::BFloat16>(ev[r][c * 16 + i]);
+            dst[c * 32 + 2 * i + 1] = static_cast<at::BFloat16>(od[r][c * 16 + i]);
           }
-        }
       }
     }
   });
@@ -305,8 +324,11 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
         for (int64_t t = 0; t < len; ++t) { sr[t] = std::exp(sr[t] - m); sum += sr[t]; }
         inv[r] = 1.f / sum;
       }
+      // every loop over o is unrolled whole, so that o's elements are registers (see fma_acc)
       __m512 o[REP][C];
+#pragma GCC unroll 16
       for (int r = 0; r < REP; ++r)
+#pragma GCC unroll 16
         for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t first = g * pool + table[t0 / bs] * bs;
@@ -318,20 +340,24 @@ static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* 
           if (next >= 0) prefetch_lines(vq + (next + (t - t0)) * D, D);
           __m512 p[REP];
           for (int r = 0; r < REP; ++r) p[r] = _mm512_set1_ps(scores[r * len + t] * vs[row]);
+#pragma GCC unroll 16
           for (int c = 0; c < C; ++c) {
             const __m512 vf = load16_q8(v + c * 16);
-            for (int r = 0; r < REP; ++r) o[r][c] = _mm512_fmadd_ps(p[r], vf, o[r][c]);
+#pragma GCC unroll 16
+            for (int r = 0; r < REP; ++r) o[r][c] = fma_acc(o[r][c], p[r], vf);
           }
         }
       }
+      alignas(64) float res[REP][D];
+#pragma GCC unroll 16
+      for (int r = 0; r < REP; ++r) {
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) _mm512_store_ps(res[r] + c * 16, _mm512_mul_ps(o[r][c], iv));
+      }
       for (int r = 0; r < REP; ++r) {
         at::BFloat16* dst = out + (b * heads + g * REP + r) * D;
-        const __m512 iv = _mm512_set1_ps(inv[r]);
-        for (int c = 0; c < C; ++c) {
-          alignas(64) float f[16];
-          _mm512_store_ps(f, _mm512_mul_ps(o[r][c], iv));
-          for (int i = 0; i < 16; ++i) dst[c * 16 + i] = static_cast<at::BFloat16>(f[i]);
-        }
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(res[r][d]);
       }
     }
   });
