@@ -139,6 +139,30 @@ def test_a_paused_turn_ends_at_its_chunk_boundary_without_a_tail_step(demo, demo
                      if isinstance(e, SpeechStopped)]
 
 
+def test_commit_finish_and_clear_while_a_paused_turn_waits_for_its_boundary(demo, demo_clips) -> None:  # noqa: ANN001
+    """A turn that a pause ended but that has not reached its chunk boundary yet: commit() and finish() end it
+    at once (its final is the official algorithm on the audio it took), clear() drops it; nothing stays held."""
+    cfg = StreamConfig(chunk_size_sec=2.0)
+    gap, pause = np.zeros(SR // 2, dtype=np.float32), np.zeros(int(0.6 * SR), dtype=np.float32)
+    audio = np.concatenate([gap, demo_clips[0], pause])
+    for end in ("commit", "finish", "clear"):
+        live = demo.live(chunk_size_sec=2.0)
+        events = live.push(audio)
+        assert any(isinstance(e, SpeechStopped) for e in events)
+        assert not any(isinstance(e, TurnFinal) for e in events) and live.in_turn  # waiting for the boundary
+        if end == "clear":
+            live.clear()
+            assert not live.in_turn and live.push(np.zeros(3 * SR, dtype=np.float32)) == []
+            live.close()
+        else:
+            finals = [e for e in getattr(live, end)() if isinstance(e, TurnFinal)]
+            assert len(finals) == 1 and finals[0].reason == "pause"
+            assert round((finals[0].end - finals[0].start) * SR) % (2 * SR) != 0  # ended before the boundary
+            turn_audio = audio[round(finals[0].start * SR):round(finals[0].end * SR)]
+            assert finals[0].text == oracle_text(demo, turn_audio, cfg)
+        assert kv_in_use(demo.engine) == 0
+
+
 def test_silence_starts_no_turn_and_costs_no_decoding(demo) -> None:  # noqa: ANN001
     quiet = (noise(20.0, seed=3) * 1e-4).astype(np.float32)
     before = demo.engine.stats().steps
