@@ -30,8 +30,9 @@ only with its open turn.
    bisected; a trial stops early once that is impossible.
 3. **The production path, ``--live``** (``--live-only``: without ours (Session)).
    *Step cost*: one LiveSession with the default LiveConfig (turn detection on: a turn ends after 500 ms
-   of silence, at the first silent frame past ``soft_turn_s`` 30 s, at ``max_turn_s`` 60 s whatever is
-   said; ``carry_context`` off) gets every 1 s chunk as fast as it goes, to ``--minutes``. Per push:
+   of silence, at its next chunk boundary (``end_on_chunk``), at the first silent frame past
+   ``soft_turn_s`` 30 s, at ``max_turn_s`` 60 s whatever is said; ``carry_context`` off) gets every 1 s
+   chunk as fast as it goes, to ``--minutes``. Per push:
    its wall time, the work of the turn steps it caused (steps, log-mel frames, encoder rows, prompt
    tokens prefilled, summed; the last step's prompt, audio and prefix tokens), whether a turn was open
    before and after it, the open turn's length. Silence costs the VAD only. The turn Sessions are read
