@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http", type=int, default=None, help="closed-loop HTTP clients (default 4)")
     p.add_argument("--http-clips", type=int, default=None, help="distinct HTTP clips of 2-15 s (default 24)")
     p.add_argument("--cancel-share", type=float, default=0.1, help="HTTP requests abandoned (default 0.1)")
+    p.add_argument("--live-settings", type=json.loads, default={},
+                   help="more keys of every live session's start message, a JSON object "
+                        "(e.g. '{\"end_on_chunk\": false}')")
     p.add_argument("--drop", type=int, default=None, help="live sessions that disconnect mid-stream (default 2)")
     p.add_argument("--ack-every-message", action="store_true",
                    help="serve with --live-max-backlog-s 0.4: a progress event per 100 ms message (see above)")
@@ -290,10 +293,11 @@ class LiveClient:
     """One native /v1/stream session: sends messages ``first..`` of ``pcm`` (real time on a wall-clock
     schedule, or as fast as the flow control allows), records when each was sent and every event."""
 
-    def __init__(self, url: str, pcm: bytes, language: str) -> None:
+    def __init__(self, url: str, pcm: bytes, language: str, settings: dict | None = None) -> None:
         self.ws_url = url.replace("http://", "ws://") + "/v1/stream"
         self.msgs = [pcm[i:i + 2 * MSG] for i in range(0, len(pcm), 2 * MSG)]
         self.language = language
+        self.settings = settings or {}  # more keys of the start message (--live-settings)
         self.sent: dict[int, float] = {}
         self.progress: list[tuple[float, float]] = []  # (audio_seconds, received at)
         self.finals: list[dict] = []
@@ -309,7 +313,7 @@ class LiveClient:
         self.first = first
         async with connect(self.ws_url, max_size=None, ping_interval=None, open_timeout=120, close_timeout=5) as ws:
             await ws.send(json.dumps({"type": "start", "sample_rate": SR, "format": "pcm16",
-                                      "language": self.language}))
+                                      "language": self.language, **self.settings}))
             ready = json.loads(await ws.recv())
             if ready.get("type") != "ready":
                 raise RuntimeError(f"no ready event: {ready}")
@@ -374,11 +378,11 @@ class LiveClient:
 async def live_session(i: int, url: str, audio: dict, args: argparse.Namespace, schedule: float,
                        abort_at: int | None) -> list[LiveClient]:
     pcm = audio["live"][i % len(audio["live"])]
-    first = LiveClient(url, pcm, args.language)
+    first = LiveClient(url, pcm, args.language, args.live_settings)
     clients = [first]
     await first.run(0, schedule, abort_at)
     if abort_at is not None:  # reconnect at once as a new session with the rest of the audio
-        again = LiveClient(url, pcm, args.language)
+        again = LiveClient(url, pcm, args.language, args.live_settings)
         clients.append(again)
         await again.run(abort_at, schedule)
     return clients
@@ -393,7 +397,8 @@ async def warm_up(url: str, audio: dict, args: argparse.Namespace) -> float:
     started = time.perf_counter()
     head = [pcm[:30 * SR * 2] for pcm in audio["live"]]
     async with httpx.AsyncClient(timeout=None) as client:
-        sessions = [LiveClient(url, head[i % len(head)], args.language) for i in range(min(args.live, 8))]
+        sessions = [LiveClient(url, head[i % len(head)], args.language, args.live_settings)
+                    for i in range(min(args.live, 8))]
         await asyncio.gather(*(c.run() for c in sessions),
                              *(transcribe(client, url, c, "json", args.language) for c in audio["clips"]))
         await transcribe(client, url, audio["file"], "json", args.language)
@@ -410,7 +415,7 @@ async def alone(url: str, audio: dict, args: argparse.Namespace) -> dict:
         print(f"alone: {len(clips)} clips", flush=True)
     live = []
     for pcm in audio["live"]:
-        c = LiveClient(url, pcm, args.language)
+        c = LiveClient(url, pcm, args.language, args.live_settings)
         await c.run()
         if c.done is None or c.errors:
             raise RuntimeError(f"the alone live session failed: {c.errors}")
