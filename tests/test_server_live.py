@@ -462,3 +462,24 @@ def test_sigterm_gives_open_sessions_their_final_transcript(tmp_path: Path, clip
         assert srv.proc.wait(30) == 0
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_the_servers_end_on_chunk_default_and_the_start_message_that_changes_it(tiny_asr, flag: str) -> None:  # noqa: ANN001
+    """``qasr serve --live-end-on-chunk on|off`` sets live sessions' default (``/v1/realtime`` takes it as it is);
+    a ``/v1/stream`` start message may set ``end_on_chunk`` for its session, and ``ready`` reports it."""
+    from qasr.cli.main import build_parser
+    from qasr.cli.serve import server_config
+    from qasr.server.metrics import Metrics
+    from qasr.server.native_stream import _describe, _session_config
+    from qasr.server.state import ServerState
+
+    args = build_parser().parse_args(["serve", "-m", "some-model", "--live-end-on-chunk", flag])
+    config = server_config(args)
+    assert config.live_end_on_chunk is (flag == "on")
+    state = ServerState(config, Metrics())
+    state.asr = tiny_asr
+    live, ingest = _session_config({"type": "start"}, state)
+    assert live.end_on_chunk is (flag == "on") and _describe(live, ingest)["end_on_chunk"] is (flag == "on")
+    live, _ = _session_config({"type": "start", "end_on_chunk": flag == "off"}, state)
+    assert live.end_on_chunk is (flag == "off")

@@ -69,6 +69,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(default 20); a late answer never closes a connection (see docs/server.md)")
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
                    help="audio per live decoding step (default 1.0; the official default is 2.0)")
+    s.add_argument("--live-end-on-chunk", choices=("on", "off"), default="on",
+                   help="a live turn that a pause ends takes the silence up to its chunk boundary, so no push runs "
+                        "two decoding steps (on, the default: best for a few sessions on a small machine); off "
+                        "ends it at the pause, which did better with many sessions sharing the engine "
+                        "(docs/streaming.md); /v1/stream's start message may set end_on_chunk per session")
     s.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long accepted requests and live sessions may take to finish; "
                         "past it they end with a 'shutting_down' error and the server exits 1 (default 30)")
@@ -96,6 +101,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_upload_bytes=int(args.max_upload_mb * 2**20), aligner=args.aligner,
                         max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
                         live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s,
+                        live_end_on_chunk=args.live_end_on_chunk == "on",
                         drain_timeout_s=args.drain_timeout, decode_workers=args.decode_workers)
 
 

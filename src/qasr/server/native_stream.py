@@ -207,7 +207,7 @@ def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]
         raise StartError(str(exc), "unsupported_language") from exc
     stream = StreamConfig(chunk_size_sec=float(s.get("chunk_size_sec", state.config.live_chunk_s)),
                           language=language, context=str(s.get("context") or ""))
-    live = {}
+    live: dict = {"end_on_chunk": state.config.live_end_on_chunk}  # the server's default, which the start may change
     for key, kind in _LIVE_KEYS.items():
         if key in s:
             value = s[key]

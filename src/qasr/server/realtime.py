@@ -200,7 +200,7 @@ class RealtimeConnection:
         live = LiveConfig(stream=stream, turn_detection=s.turn_detection is not None,
                           vad_threshold=float(vad.get("threshold", 0.5)),
                           prefix_padding_ms=int(vad.get("prefix_padding_ms", 300)),
-                          silence_ms=int(vad.get("silence_duration_ms", 500)))
+                          silence_ms=int(vad.get("silence_duration_ms", 500)), end_on_chunk=cfg.live_end_on_chunk)
         return LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), PcmIngest("pcm16", s.rate),
                           self._emit, self._fail, cfg.live_max_backlog_s, self.state.live_pool, self._progress)
 
