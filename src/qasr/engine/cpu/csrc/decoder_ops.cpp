@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 
+#include "parallel_grain.h"
+
 using bf16 = at::BFloat16;
 
 static inline float rms_scale(const bf16* x, int64_t n, float eps) {
@@ -28,11 +30,6 @@ static inline void rms_row(const bf16* x, const bf16* w, bf16* out, int64_t n, f
   }
 }
 
-static int64_t grain_for(int64_t rows, int64_t cols) {
-  // below ~64k elements a single thread beats waking the team
-  return rows * cols < (int64_t(1) << 16) ? std::max<int64_t>(rows, 1) : 1;
-}
-
 // x: (N, C) bf16, weight: (C,) bf16
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "rms_norm: bfloat16");
@@ -44,7 +41,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const bf16* wp = weight.contiguous().data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, N, grain_for(N, C), [&](int64_t a, int64_t b) {
+  at::parallel_for(0, N, grain_for(N, N * C), [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) rms_row(xp + i * C, wp, op + i * C, C, e);
   });
   return out;
@@ -65,7 +62,7 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor weight, torch::Tensor cos
   const bf16* sp = sc.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, N * H, grain_for(N * H, D), [&](int64_t a, int64_t b) {
+  at::parallel_for(0, N * H, grain_for(N * H, N * H * D), [&](int64_t a, int64_t b) {
     std::vector<bf16> y(D);
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = i / H;

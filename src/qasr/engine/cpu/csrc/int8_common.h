@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel_grain.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define QASR_INT8_AVX2 1
@@ -254,10 +256,9 @@ template <typename T>
 inline void quantize_panel(const Rows<T>& src, int64_t M, int64_t Kp, int64_t rows_pad, uint8_t flip,
                            uint8_t* panel, float* a_scale) {
   const int64_t K = src.K();
-  // a decode step's few rows are quantized by the calling thread: waking the team for them cost more than
-  // the work (a fork and join per product; seen in profiles as the threads waiting in this loop)
-  const int64_t grain = M * K < (int64_t(1) << 16) ? std::max<int64_t>(rows_pad, 1) : 16;
-  at::parallel_for(0, rows_pad, grain, [&](int64_t r0, int64_t r1) {
+  // a decode step's few rows are quantized by the calling thread (seen in profiles as the threads waiting in
+  // this loop, a fork and join per product)
+  at::parallel_for(0, rows_pad, grain_for(rows_pad, M * K, 16), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       uint8_t* dst = panel + r * Kp;
       if (r < M) {
