@@ -6,7 +6,8 @@ reads its own cache, the calls cycle over as many layers' pools as make at least
 (``decode_attention`` over a bf16 pool, ``decode_attention_int8`` over int8 values with a float32 scale per row);
 the two are timed in turn, round after round, so the machine's drift falls on both.
 
-    .venv/bin/python benchmarks/kv_int8_rates.py [--threads 2] [--rounds 5] [--out benchmarks/results]
+    .venv/bin/python benchmarks/kv_int8_rates.py [--threads 2] [--rounds 5] [--blocks scattered|consecutive]
+        [--out benchmarks/results]
 
 Prints a table (ms per call, GB/s of KV bytes read: keys and values of every position, plus the scales for int8;
 the int8 / bf16 time ratio) and writes kv_int8_rates.json and kv_int8_rates.png to --out.
@@ -30,12 +31,14 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 64  # the 0.6B decoder's attentio
 SHAPES = ((1, 900), (4, 900), (16, 900), (64, 900), (4, 4096), (16, 4096))  # (sequences, keys each)
 
 
-def pools(batch: int, context: int, gen: torch.Generator) -> dict:
+def pools(batch: int, context: int, gen: torch.Generator, scattered: bool = True) -> dict:
     """A bf16 pool and its int8 twin (the same values, quantized as the engine stores them), with block tables
-    drawn at random over a pool twice as large as the sequences need."""
+    drawn at random over a pool twice as large as the sequences need (``scattered``), or each sequence's blocks
+    one after the other, as a fresh engine hands them out."""
     per_seq = -(-context // BLOCK)
     num_blocks = 2 * batch * per_seq
-    order = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    order = torch.randperm(num_blocks, generator=gen) if scattered else torch.arange(num_blocks)
+    order = order[: batch * per_seq].view(batch, per_seq)
     shape = (KV_HEADS, num_blocks * BLOCK, HEAD_DIM)
     k = torch.randn(shape, generator=gen).to(torch.bfloat16)
     v = torch.randn(shape, generator=gen).to(torch.bfloat16)
@@ -65,12 +68,12 @@ def timed(calls: list, min_seconds: float) -> float:  # noqa: ANN001 - calls, on
     return statistics.median(times)
 
 
-def measure(batch: int, context: int, rounds: int, min_seconds: float) -> dict:
+def measure(batch: int, context: int, rounds: int, min_seconds: float, scattered: bool = True) -> dict:
     kernel = decode_kernel()
     gen = torch.Generator().manual_seed(batch * 10_000 + context)
-    first = pools(batch, context, gen)
+    first = pools(batch, context, gen, scattered)
     layers = min(MAX_LAYERS, max(1, -(-LAYER_BYTES // (first["k"].numel() * 2 * 2))))
-    ps = [first] + [pools(batch, context, gen) for _ in range(layers - 1)]
+    ps = [first] + [pools(batch, context, gen, scattered) for _ in range(layers - 1)]
     scale = HEAD_DIM ** -0.5
     bf16 = [lambda p=p: kernel.decode_attention(p["q"], p["k"], p["v"], p["tables"], p["lens"], BLOCK, scale)
             for p in ps]
@@ -122,27 +125,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="bf16 and int8 timed in turn this many times (median)")
     ap.add_argument("--min-seconds", type=float, default=0.3, help="time each path at least this long a round")
+    ap.add_argument("--blocks", choices=("scattered", "consecutive"), default="scattered",
+                    help="where a sequence's blocks lie: at random over the pool (a busy engine) or one after another")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if decode_kernel() is None or not hasattr(decode_kernel(), "decode_attention_int8"):
         raise SystemExit("qasr's decode attention kernel did not build here (qasr kernels build)")
     info = cpu_info()
-    title = f"decode attention, int8 against bf16 KV: {info['model']}, {args.threads} threads"
+    title = f"decode attention, int8 against bf16 KV ({args.blocks} blocks): {info['model']}, {args.threads} threads"
     print(title)
     print("| sequences x keys | bf16 ms | bf16 GB/s | int8 ms | int8 GB/s | int8 / bf16 | cosine min | others' CPU |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     with torch.inference_mode():
         for batch, context in SHAPES:
-            r = measure(batch, context, args.rounds, args.min_seconds)
+            r = measure(batch, context, args.rounds, args.min_seconds, args.blocks == "scattered")
             rows.append(r)
             print(f"| {batch} x {context} | {r['bf16']['ms']:.3f} | {r['bf16']['gb_per_s']:.1f} | "
                   f"{r['int8']['ms']:.3f} | {r['int8']['gb_per_s']:.1f} | {r['int8_over_bf16']:.2f} | "
                   f"{r['cosine_min']:.5f} | {100 * r['foreign_cpu_share']:.0f}% |", flush=True)
     report = dict(title=title, cpu=info, torch=torch.__version__, python=platform.python_version(),
-                  threads=args.threads, rounds=args.rounds, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  block_tokens=BLOCK, rows=rows)
+                  threads=args.threads, rounds=args.rounds, blocks=args.blocks, heads=HEADS, kv_heads=KV_HEADS,
+                  head_dim=HEAD_DIM, block_tokens=BLOCK, rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_int8_rates.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(rows, args.out / "kv_int8_rates.png", title)

@@ -81,10 +81,14 @@ static inline int64_t next_block_row(const int64_t* table, int64_t t0, int64_t l
 
 // The next block of a sequence lies anywhere in the pool: its first rows would start cold, after the hardware
 // prefetchers had run to the end of the current block. Each key (or pair) read asks for the next block's row at
-// the same offset, so that block is in cache by the time it is reached.
+// the same offset, so that block is in cache by the time it is reached. Into L2 (T1), not L1 (T0): a prefetch
+// into L1 holds one of the core's few L1 miss buffers until its line arrives, and with a block's worth in
+// flight the loads of the current block queued behind them. On an AMD EPYC (Zen 4, 2 threads), 64-token blocks
+// scattered over the pool: T0 read 15-21 GB/s, T1 23-32 GB/s (0.64-0.76x the time, int8 and bf16 pools alike);
+// consecutive blocks read the same either way (benchmarks/kv_int8_rates.py, docs/kernels.md).
 static inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // Where the d128 loop reads a row's dims (row is the pool row: kv head g's rows first, g * pool + token row).
