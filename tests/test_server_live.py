@@ -470,8 +470,8 @@ def test_sigterm_gives_open_sessions_their_final_transcript(tmp_path: Path, clip
 
 @pytest.mark.parametrize("flag", ["on", "off"])
 def test_the_servers_end_on_chunk_default_and_the_start_message_that_changes_it(tiny_asr, flag: str) -> None:  # noqa: ANN001
-    """``qasr serve --live-end-on-chunk on|off`` sets live sessions' default (``/v1/realtime`` takes it as it is);
-    a ``/v1/stream`` start message may set ``end_on_chunk`` for its session, and ``ready`` reports it."""
+    """``qasr serve --live-end-on-chunk on|off`` sets live sessions' default (a ``/v1/realtime`` session takes it as
+    it is); a ``/v1/stream`` start message may set ``end_on_chunk`` for its session, and ``ready`` reports it."""
     from qasr.cli.main import build_parser
     from qasr.cli.serve import server_config
     from qasr.server.metrics import Metrics
@@ -487,3 +487,13 @@ def test_the_servers_end_on_chunk_default_and_the_start_message_that_changes_it(
     assert live.end_on_chunk is (flag == "on") and _describe(live, ingest)["end_on_chunk"] is (flag == "on")
     live, _ = _session_config({"type": "start", "end_on_chunk": flag == "off"}, state)
     assert live.end_on_chunk is (flag == "off")
+    from qasr.server.realtime import RealtimeConnection
+
+    async def realtime_default() -> bool:
+        realtime = RealtimeConnection(None, state)  # type: ignore[arg-type] - its runner is built without the socket
+        try:
+            return realtime.runner.session.config.end_on_chunk
+        finally:
+            await realtime.runner.close()
+
+    assert asyncio.run(realtime_default()) is (flag == "on")
