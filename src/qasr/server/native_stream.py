@@ -59,6 +59,7 @@ from qasr.streaming import (
 )
 
 router = APIRouter()
+# the LiveConfig fields a start message may set (with their types), and that `ready` reports
 _LIVE_KEYS = {"turn_detection": bool, "vad_threshold": float, "silence_ms": int, "prefix_padding_ms": int,
               "max_turn_s": float, "soft_turn_s": float, "carry_context": bool, "end_on_chunk": bool}
 
@@ -223,10 +224,7 @@ def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]
 def _describe(live: LiveConfig, ingest: PcmIngest) -> dict:
     return {"sample_rate": ingest.sample_rate, "format": ingest.format, "language": live.stream.language,
             "context": live.stream.context, "chunk_size_sec": live.stream.chunk_size_sec,
-            "turn_detection": live.turn_detection, "vad_threshold": live.vad_threshold,
-            "silence_ms": live.silence_ms, "prefix_padding_ms": live.prefix_padding_ms,
-            "soft_turn_s": live.soft_turn_s, "max_turn_s": live.max_turn_s, "carry_context": live.carry_context,
-            "end_on_chunk": live.end_on_chunk}
+            **{key: getattr(live, key) for key in _LIVE_KEYS}}
 
 
 def _message(e: LiveEvent) -> dict:
