@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cancel-share", type=float, default=0.1, help="HTTP requests abandoned (default 0.1)")
     p.add_argument("--live-settings", type=json.loads, default={},
                    help="more keys of every live session's start message, a JSON object "
-                        "(e.g. '{\"end_on_chunk\": false}')")
+                        "(e.g. '{\"end_on_chunk\": true}')")
     p.add_argument("--drop", type=int, default=None, help="live sessions that disconnect mid-stream (default 2)")
     p.add_argument("--ack-every-message", action="store_true",
                    help="serve with --live-max-backlog-s 0.4: a progress event per 100 ms message (see above)")

@@ -470,14 +470,16 @@ def test_sigterm_gives_open_sessions_their_final_transcript(tmp_path: Path, clip
 
 @pytest.mark.parametrize("flag", ["on", "off"])
 def test_the_servers_end_on_chunk_default_and_the_start_message_that_changes_it(tiny_asr, flag: str) -> None:  # noqa: ANN001
-    """``qasr serve --live-end-on-chunk on|off`` sets live sessions' default (a ``/v1/realtime`` session takes it as
-    it is); a ``/v1/stream`` start message may set ``end_on_chunk`` for its session, and ``ready`` reports it."""
+    """``qasr serve --live-end-on-chunk on|off`` (off by default) sets live sessions' default (a ``/v1/realtime``
+    session takes it as it is); a ``/v1/stream`` start message may set ``end_on_chunk`` for its session, and
+    ``ready`` reports it."""
     from qasr.cli.main import build_parser
     from qasr.cli.serve import server_config
     from qasr.server.metrics import Metrics
     from qasr.server.native_stream import _describe, _session_config
     from qasr.server.state import ServerState
 
+    assert server_config(build_parser().parse_args(["serve", "-m", "some-model"])).live_end_on_chunk is False
     args = build_parser().parse_args(["serve", "-m", "some-model", "--live-end-on-chunk", flag])
     config = server_config(args)
     assert config.live_end_on_chunk is (flag == "on")

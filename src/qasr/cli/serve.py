@@ -69,10 +69,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(default 20); a late answer never closes a connection (see docs/server.md)")
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
                    help="audio per live decoding step (default 1.0; the official default is 2.0)")
-    s.add_argument("--live-end-on-chunk", choices=("on", "off"), default="on",
-                   help="a live turn that a pause ends takes the silence up to its chunk boundary, so no push runs "
-                        "two decoding steps (on, the default: best for a few sessions on a small machine); off "
-                        "ends it at the pause, which did better with many sessions sharing the engine "
+    s.add_argument("--live-end-on-chunk", choices=("on", "off"), default="off",
+                   help="on: a live turn that a pause ends takes the silence up to its chunk boundary, so no push "
+                        "runs two decoding steps (best for one session on a small machine); off (the default): it "
+                        "ends at the pause, which did better with many sessions sharing the engine "
                         "(docs/streaming.md); /v1/stream's start message may set end_on_chunk per session")
     s.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long accepted requests and live sessions may take to finish; "

@@ -20,9 +20,10 @@ class ServerConfig:
     live_idle_timeout_s: float = 60.0  # a session that sends nothing for this long is closed and freed
     live_max_backlog_s: float = 30.0  # audio received and not yet processed, beyond which appends are refused
     live_chunk_s: float = 1.0  # a step per this much audio (the official default is 2.0; 1.0 for captions)
-    # a paused turn ends at its chunk boundary (LiveConfig.end_on_chunk): better for a few sessions on a small
-    # machine, worse where many sessions share the engine (docs/streaming.md); /v1/stream's start may override
-    live_end_on_chunk: bool = True
+    # whether a paused turn ends at its chunk boundary (LiveConfig.end_on_chunk, on in the library): better for one
+    # session on a small machine, worse in three measured pairs where 16 sessions, a file and HTTP clients share
+    # the engine (docs/streaming.md), which is what a server is for; /v1/stream's start message may override it
+    live_end_on_chunk: bool = False
     # uploads are probed and decoded on this many threads of their own (more wait their turn), so a burst of
     # uploads never takes the threads live sessions run on, nor those of the event loop's default executor
     decode_workers: int = 4
