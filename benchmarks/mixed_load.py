@@ -84,6 +84,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from qasr.audio.io import SAMPLE_RATE as SR
 from qasr.bench.common import percentile, start_server
 from qasr.testing.speech import speak
 
@@ -91,7 +92,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from make_demo_data import unique_sentences  # noqa: E402 - the demo model's grammar: sentences it knows
 
-SR = 16000
 MSG = SR // 10  # samples per live message: 100 ms
 VOICES = (("en-us", 160), ("en-gb", 150), ("en-us+f3", 170), ("en-gb-scotland", 145), ("en-us+m3", 180),
           ("en-029", 140))

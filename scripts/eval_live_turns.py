@@ -25,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_demo_model import word_errors  # noqa: E402
 
 from qasr import ASR  # noqa: E402
+from qasr.audio.io import SAMPLE_RATE as SR  # noqa: E402
 from qasr.streaming import TurnFinal  # noqa: E402
-
-SR = 16000
 
 
 def live_text(asr: ASR, stream: np.ndarray, chunk_s: float, end_on_chunk: bool) -> tuple[str, int, float]:

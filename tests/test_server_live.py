@@ -477,6 +477,7 @@ def test_the_servers_end_on_chunk_default_and_the_start_message_that_changes_it(
     from qasr.cli.serve import server_config
     from qasr.server.metrics import Metrics
     from qasr.server.native_stream import _describe, _session_config
+    from qasr.server.realtime import RealtimeConnection
     from qasr.server.state import ServerState
 
     assert server_config(build_parser().parse_args(["serve", "-m", "some-model"])).live_end_on_chunk is False
@@ -489,7 +490,6 @@ def test_the_servers_end_on_chunk_default_and_the_start_message_that_changes_it(
     assert live.end_on_chunk is (flag == "on") and _describe(live, ingest)["end_on_chunk"] is (flag == "on")
     live, _ = _session_config({"type": "start", "end_on_chunk": flag == "off"}, state)
     assert live.end_on_chunk is (flag == "off")
-    from qasr.server.realtime import RealtimeConnection
 
     async def realtime_default() -> bool:
         realtime = RealtimeConnection(None, state)  # type: ignore[arg-type] - its runner is built without the socket

@@ -85,7 +85,7 @@ static inline int64_t next_block_row(const int64_t* table, int64_t t0, int64_t l
 // into L1 holds one of the core's few L1 miss buffers until its line arrives, and with a block's worth in
 // flight the loads of the current block queued behind them. On an AMD EPYC (Zen 4, 2 threads), 64-token blocks
 // scattered over the pool: T0 read 15-21 GB/s, T1 23-32 GB/s (0.64-0.76x the time, int8 and bf16 pools alike);
-// consecutive blocks read the same either way (benchmarks/kv_int8_rates.py, docs/kernels.md).
+// consecutive blocks read the same either way (benchmarks/kv_int8_rates.py, docs/engine.md).
 static inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
