@@ -136,6 +136,9 @@ class TextModel(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVStore[Meta],
                 meta: Meta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta, kernels)
+        if kernels.decoder_layers is not None:  # the same ops, prepared for this model (model/kernels.py)
+            x = kernels.decoder_layers(x, cos, sin, cache, meta)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, meta, kernels)
         return self.norm(x, kernels)

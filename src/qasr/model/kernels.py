@@ -43,6 +43,10 @@ class Kernels:
     # ``encoder_attention(q, k, v, windows, scale)``: q/k/v (rows, heads, head_dim), windows (W, 2) int64 (start,
     # length) runs of the rows; each row attends to its window's rows. bf16 activations only
     encoder_attention: Callable[..., torch.Tensor] | None = None
+    # ``decoder_layers(x, cos, sin, cache, meta) -> x``, when set, runs all of the decoder's layers: DecoderLayer's
+    # ops in the same order on these kernels, with every weight and kernel looked up once (engine/cpu/
+    # decoder_plan.py: a decode step's Python cost). Built for one model; its kernels never hand it to another
+    decoder_layers: Callable[..., torch.Tensor] | None = None
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.rms_norm is not None and x.dtype == self.fused_dtype

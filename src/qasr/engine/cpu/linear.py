@@ -13,6 +13,7 @@ The packed copies live here, keyed by module; the model's own modules are never 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -40,6 +41,15 @@ class InvariantLinears:
         shape = x.shape
         out = self.kernel.linear(x.reshape(-1, shape[-1]), entry[0], module.out_features, entry[1])
         return out.view(*shape[:-1], module.out_features)
+
+
+    def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self(module, x)`` for 2-D x, with the lookup done now (engine/cpu/decoder_plan.py)."""
+        entry = self.packed.get(module)
+        if entry is None:
+            return lambda x: self(module, x)
+        linear, (packed, bias), n = self.kernel.linear, entry, module.out_features
+        return lambda x: linear(x, packed, n, bias)
 
 
 class OneDnnLinears:

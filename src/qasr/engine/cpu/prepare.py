@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
 from qasr.engine.cpu.conv import CpuConvs
+from qasr.engine.cpu.decoder_plan import plan_for
 from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
@@ -75,6 +77,10 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope,
                       fused_dtype=None if ops is None else dtype, linear_group=group,
                       encoder_attention=None if encoder_attention is None else encoder_attention.encoder_attention)
+    plan = plan_for(model.model, kernels)
+    if plan is not None:
+        kernels = replace(kernels, decoder_layers=plan)
+        parts.append("decoder layers bound once")
     decode = native.decode_kernel() if use_native and dtype in (torch.float32, torch.bfloat16) else None
     head_dim = model.cfg.decoder.head_dim
     prefill = native.attention_kernel() if use_native and bf16 and head_dim == 128 else None

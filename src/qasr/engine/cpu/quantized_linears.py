@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from qasr.engine.cpu.int4 import Int4Weight
-from qasr.engine.cpu.int8 import Int8Weight
+from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Weight
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,21 @@ class Product:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight.product(x, self.kernel)
+
+    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The same product as a callable that goes straight to the native module where there is one (for
+        activations it takes; other dtypes still get ``weight.product``'s checks)."""
+        w, kernel = self.weight, self.kernel
+        if kernel is None:
+            return self
+        linear = kernel.linear
+        if isinstance(w, Int8Weight):
+            packed, n, scale, bias = w.packed, w.n, w.scale, w.bias
+            return lambda x: linear(x, packed, n, scale, bias) if x.dtype in KERNEL_DTYPES else self(x)
+        if w.packed is None:
+            return self
+        packed4, n4, bias4 = w.packed, w.n, w.bias
+        return lambda x: linear(x, packed4, n4, bias4) if x.dtype in KERNEL_DTYPES else self(x)
 
 
 # (weight [N, K], bias [N] or None, the module it is of: the group's first for a group) -> its product
@@ -81,6 +96,21 @@ class QuantizedLinears:
             raise KeyError(f"{module!r} is not a linear layer of the model these {self.kind} weights were made from")
         shape = x.shape
         return product(x.reshape(-1, shape[-1])).view(*shape[:-1], product.weight.n)
+
+    def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self(module, x)`` for 2-D x, with the lookups done now (engine/cpu/decoder_plan.py)."""
+        product = self.products.get(module)
+        if product is None:
+            return lambda x: self(module, x)
+        return product.bound()
+
+    def bind_group(self, modules: tuple[nn.Linear, ...]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+        """``x -> self.group(modules, x)`` for 2-D x, with the lookups done now."""
+        entry = self.groups.get(modules)
+        if entry is None:
+            return lambda x: self.group(modules, x)
+        product, sizes = entry[0].bound(), entry[1]
+        return lambda x: product(x).split(sizes, dim=-1)
 
     def group(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each module's product of ``x``: column views of one product where ``modules`` is a prepared group."""
