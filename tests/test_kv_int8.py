@@ -187,8 +187,9 @@ def test_native_row_dequantization_equals_the_torch_gather_dequantize_and_pad(d,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_pools_prefill_reads_the_same_bits_with_and_without_the_native_dequantization(ck, dtype) -> None:  # noqa: ANN001
     """Two chunks of one sequence (the second reads the first's stored rows) through a pool over scattered
-    blocks: the native one-pass dequantization and the torch gather + dequantize give the same output bits,
-    with the native prefill attention where it runs and with SDPA."""
+    blocks: the native one-pass store and dequantization and the torch quantize + index store and gather +
+    dequantize give the same output bits and the same pool, with the native prefill attention where it runs and
+    with SDPA."""
     from dataclasses import replace
 
     from qasr.engine.cpu.native import attention_kernel
@@ -203,8 +204,8 @@ def test_an_int8_pools_prefill_reads_the_same_bits_with_and_without_the_native_d
             pool = KVPool(cfg, 12, torch.device("cpu"), dtype, block_size=16, decode_kernel=kernel,
                           prefill_kernel=prefill, kv_dtype="int8")
             if not native:
-                pool.dequantize_rows = None
-            assert native == (pool.dequantize_rows is not None)
+                pool.dequantize_rows = pool.store_int8 = None
+            assert native == (pool.dequantize_rows is not None) == (pool.store_int8 is not None)
             table = [9, 2, 7, 0, 11, 4]
             got = []
             for ctx, n in ((0, 37), (37, 50)):
@@ -212,6 +213,8 @@ def test_an_int8_pools_prefill_reads_the_same_bits_with_and_without_the_native_d
                 g = torch.Generator().manual_seed(ctx)
                 q, k, v = (torch.randn(n, h, hd, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
                 got.append(pool.attend(0, q, k, v, meta))
+            rows = torch.cat([torch.arange(b * 16, b * 16 + 16) for b in table])[:87]
+            got += [pool.k[0][:, rows], pool.v[0][:, rows], pool.k_scale[0][:, rows], pool.v_scale[0][:, rows]]
             outs.append(got)
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b)

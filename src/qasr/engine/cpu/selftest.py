@@ -288,9 +288,10 @@ def check_decode_attention(kernel: ModuleType) -> None:
 def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tabs: torch.Tensor, lens: torch.Tensor,
                                 bs: int) -> None:
     """The int8 pool (engine/kv_quant.py): quantize_kv equals the torch definition bit for bit (an all-zero row
-    included); decode_attention_int8 stores the new rows quantized and matches float32 attention over the
-    values it reads (bf16 head_dim 128: the AVX-512 path; head_dim 64: the portable loop); a sequence alone
-    gets the bits it gets in a batch; dequantize_kv_rows gives a sequence's rows dequantize_kv's bits, padded."""
+    included), and store_kv_int8 stores those bits at the rows it is given; decode_attention_int8 stores the new
+    rows quantized and matches float32 attention over the values it reads (bf16 head_dim 128: the AVX-512 path;
+    head_dim 64: the portable loop); a sequence alone gets the bits it gets in a batch; dequantize_kv_rows gives a
+    sequence's rows dequantize_kv's bits, padded."""
     from qasr.engine.kv_quant import dequantize_kv, quantize_kv_reference
 
     gen = torch.Generator().manual_seed(12)
@@ -302,6 +303,14 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
         want_q, want_s = quantize_kv_reference(x)
         if not (torch.equal(q8, want_q) and torch.equal(s8, want_s)):
             raise SelfTestFailure(f"quantize_kv {dtype}: differs from the torch definition")
+        # a prefill chunk's store: those rows at pool rows out of order, nothing else written
+        pool, scales = torch.zeros(kv_heads, 20, d, dtype=torch.int8), torch.full((kv_heads, 20), -1.0)
+        at = torch.tensor([17, 3, 4, 11, 0, 19])
+        kernel.store_kv_int8(x, pool, scales, at)
+        want_pool, want_scales = torch.zeros_like(pool), torch.full_like(scales, -1.0)
+        want_pool[:, at], want_scales[:, at] = want_q.transpose(0, 1), want_s.T
+        if not (torch.equal(pool, want_pool) and torch.equal(scales, want_scales)):
+            raise SelfTestFailure(f"store_kv_int8 {dtype}: not quantize_kv's rows at the rows asked")
         shape = (kv_heads, blocks * bs, d)
         kq = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
         vq = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)

@@ -563,6 +563,36 @@ std::vector<torch::Tensor> quantize_kv(torch::Tensor x) {
   return {q, s};
 }
 
+// x (n, KVH, D) float32 or bf16 quantized as quantize_kv does and stored at pool rows index (n,): row index[i] of
+// each kv head g gets x[i, g] (pool (KVH, P, D) int8, scales (KVH, P) float32). The same bits as quantize_kv
+// followed by the two index stores; one pass instead of five torch ops (a prefill chunk's keys and values).
+void store_kv_int8(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor index) {
+  TORCH_CHECK(pool.is_contiguous() && scales.is_contiguous() && pool.scalar_type() == at::kChar &&
+              scales.scalar_type() == at::kFloat && pool.dim() == 3 && scales.dim() == 2 &&
+              scales.size(0) == pool.size(0) && scales.size(1) == pool.size(1), "store_kv_int8: pool and scales");
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+              x.size(1) == pool.size(0) && x.size(2) == pool.size(2), "store_kv_int8: x (n, kv_heads, head_dim)");
+  auto xc = x.contiguous();
+  auto ic = index.contiguous();
+  const int64_t n = xc.size(0), KVH = xc.size(1), D = xc.size(2), P = pool.size(1);
+  TORCH_CHECK(ic.scalar_type() == at::kLong && ic.numel() == n, "store_kv_int8: index (n,) int64");
+  const auto* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < P, "store_kv_int8: a row outside the pool");
+  auto* qp = pool.data_ptr<int8_t>();
+  auto* sp = scales.data_ptr<float>();
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, n * KVH, n * KVH * D < (int64_t(1) << 16) ? n * KVH : 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const int64_t i = r / KVH, g = r % KVH, row = g * P + ip[i];
+      if (bf16) {
+        quantize_row(xc.data_ptr<at::BFloat16>() + r * D, D, qp + row * D, sp + row);
+      } else {
+        quantize_row(xc.data_ptr<float>() + r * D, D, qp + row * D, sp + row);
+      }
+    }
+  });
+}
+
 // decode_attention over an int8 pool: q (B, H, D) in the model's dtype (bf16 or float32); kpool, vpool (KVH, P, D)
 // int8; kscale, vscale (KVH, P) float32. Optionally first quantizes and stores each sequence's new key/value
 // (k_new, v_new: (B, KVH, D) in q's dtype) at its last position. The bf16 head_dim-128 path reads each value as
@@ -735,6 +765,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_kv_rows", &dequantize_kv_rows, "a sequence's int8 keys and values, dequantized and padded",
         py::arg("kpool"), py::arg("vpool"), py::arg("kscale"), py::arg("vscale"), py::arg("rows"), py::arg("k_out"),
         py::arg("v_out"), py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv_int8", &store_kv_int8, "rows quantized as quantize_kv does, stored at pool rows index",
+        py::arg("x"), py::arg("pool"), py::arg("scales"), py::arg("index"), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_kv", &quantize_kv, "per-row symmetric int8 of keys or values: (q, scale)", py::arg("x"),
         py::call_guard<py::gil_scoped_release>());
 }
