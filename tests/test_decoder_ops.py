@@ -3,6 +3,7 @@ ops composed in C++, one Python call) give exactly their bits."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import noise, prompt_for
@@ -79,3 +80,48 @@ def test_a_float32_engine_takes_the_one_call_norms_and_keeps_its_tokens(ck) -> N
             tokens.append(engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=24,
                                         ignore_eos=True).result(timeout=120).token_ids)
     assert tokens[0] == tokens[1]
+
+
+# -------------------------------------------- the bf16 kernels' own arithmetic, bit for bit (numpy, in order)
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bf16 (ties to even; NaN -> 0x7FC0, as c10::BFloat16), returned as float32."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    r[np.isnan(a)] = 0x7FC0
+    return (r << 16).view(np.float32)
+
+
+def rms_rows_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """Each row: the float32 sum of squares added in index order, r = 1 / sqrt(sum / n + eps), then
+    bf16(w * bf16(x * r)): the kernels' arithmetic, one IEEE rounding per step."""
+    n = np.float32(x.shape[-1])
+    sums = np.add.accumulate(x * x, axis=-1, dtype=np.float32)[..., -1:]  # sequential, unlike np.sum
+    r = np.float32(1) / np.sqrt(sums / n + np.float32(eps))
+    return bf16_round(w * bf16_round(x * r))
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 1024), (13, 1024), (300, 896), (9, 40)])
+def test_rms_norm_is_its_arithmetic_bit_for_bit(rows: int, width: int) -> None:
+    """Rows taken eight at a time and 16 values at a time give the bits of the row-by-row scalar arithmetic."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=g) * torch.logspace(-3, 4, rows)[:, None]).to(torch.bfloat16)
+    w = torch.randn(width, generator=g).to(torch.bfloat16)
+    want = rms_rows_reference(x.float().numpy(), w.float().numpy(), 1e-6)
+    got = ops.rms_norm(x, w, 1e-6).float().numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize(("n", "heads", "d"), [(1, 16, 128), (3, 8, 128), (37, 16, 128), (5, 4, 48)])
+def test_norm_rope_is_its_arithmetic_bit_for_bit(n: int, heads: int, d: int) -> None:
+    g = torch.Generator().manual_seed(n + d)
+    x = (torch.randn(n, heads, d, generator=g) * 5).to(torch.bfloat16)
+    w = torch.randn(d, generator=g).to(torch.bfloat16)
+    angles = torch.rand(n, 1, d // 2, generator=g) * 50
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    y = rms_rows_reference(x.float().numpy(), w.float().numpy(), 1e-6)
+    c, s = cos.float().numpy(), sin.float().numpy()
+    rot = np.concatenate([-y[..., d // 2:], y[..., :d // 2]], axis=-1)
+    want = bf16_round(bf16_round(y * c) + bf16_round(rot * s))
+    got = ops.norm_rope(x, w, cos, sin, 1e-6).float().numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -3,7 +3,10 @@
 // A decode step runs 28 layers of small tensors; in plain torch each RMSNorm is eight ops and the
 // rotary six more per projection, each paying a dispatch (and an OpenMP team wake-up) of several
 // microseconds -- about 7 ms of a 50 ms step. These kernels do each in one pass, row by row, with the
-// same roundings as the torch code (float math, bf16 results where torch rounds to bf16).
+// same roundings as the torch code (float math, bf16 results where torch rounds to bf16). Rows are taken
+// eight at a time, their sums of squares added side by side, and the element-wise steps run 16 values at a
+// time with AVX-512: the bits of the row-by-row scalar loops (kept for other widths and CPUs), 1.7-2.2x
+// faster (0.6B decoder, 2 Zen 4 cores: q norm + rotary 31.6 -> 17.7 us at 8 rows, 969 -> 539 us at 512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -21,13 +24,109 @@ static inline float rms_scale(const bf16* x, int64_t n, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 }
 
-// torch: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(bf16)
-static inline void rms_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps) {
-  const float r = rms_scale(x, n, eps);
+// The scales of G rows (x + j * stride, j < G), each one's sum of squares added in index order exactly as
+// rms_scale adds it (so the same bits): G independent sums in flight instead of one chain of dependent adds,
+// which is what a row's norm waited on.
+template <int G>
+static inline void rms_scales(const bf16* x, int64_t stride, int64_t n, float eps, float* r) {
+  float ss[G];
+  for (int j = 0; j < G; ++j) ss[j] = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int j = 0; j < G; ++j) {
+      const float v = static_cast<float>(x[j * stride + i]);
+      ss[j] += v * v;
+    }
+  }
+  for (int j = 0; j < G; ++j) r[j] = 1.f / std::sqrt(ss[j] / static_cast<float>(n) + eps);
+}
+
+// torch: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(bf16), with the row's scale r
+static inline void rms_apply_scalar(const bf16* x, const bf16* w, float r, bf16* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const bf16 h = static_cast<bf16>(static_cast<float>(x[i]) * r);
     out[i] = static_cast<bf16>(static_cast<float>(w[i]) * static_cast<float>(h));
   }
+}
+
+// y = norm(x) (bf16 values), then y * cos + rotate_half(y) * sin, every op rounded to bf16 as torch does
+static inline void rope_scalar(const bf16* y, const bf16* c, const bf16* s, bf16* o, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -static_cast<float>(y[d + half]) : static_cast<float>(y[d - half]);
+    const bf16 p1 = static_cast<bf16>(static_cast<float>(y[d]) * static_cast<float>(c[d]));
+    const bf16 p2 = static_cast<bf16>(static_cast<bf16>(rot) * static_cast<float>(s[d]));
+    o[d] = static_cast<bf16>(static_cast<float>(p1) + static_cast<float>(p2));
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+// The same element-wise steps 16 at a time: the same IEEE products and sums (this file is built without
+// contraction into fused multiply-adds, as the scalar loops are) and c10::BFloat16's rounding.
+static inline __m512 load16(const bf16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// f rounded to bf16 as c10::BFloat16(float) rounds (nearest even, any NaN to 0x7FC0), kept as a float
+static inline __m512 round_bf16(__m512 f) {
+  const __m512i x = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                               _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(r);
+}
+
+static inline void store16(bf16* p, __m512 rounded) {  // a float that is already a bf16 value: its top half
+  const __m256i v = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+
+static inline void rms_apply(const bf16* x, const bf16* w, float r, bf16* out, int64_t n) {
+  if (n % 16) return rms_apply_scalar(x, w, r, out, n);
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 h = round_bf16(_mm512_mul_ps(load16(x + i), rv));
+    store16(out + i, round_bf16(_mm512_mul_ps(load16(w + i), h)));
+  }
+}
+
+static inline void rope(const bf16* y, const bf16* c, const bf16* s, bf16* o, int64_t D) {
+  const int64_t half = D / 2;
+  if (half % 16) return rope_scalar(y, c, s, o, D);
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int64_t d = 0; d < half; d += 16) {
+    const __m512 lo = load16(y + d), hi = load16(y + half + d);
+    // d < half: rot = -y[d + half]; d >= half: rot = y[d - half] (negation and bf16 values: exact)
+    const __m512 p1 = round_bf16(_mm512_mul_ps(lo, load16(c + d)));
+    const __m512 p2 = round_bf16(_mm512_mul_ps(_mm512_xor_ps(hi, sign), load16(s + d)));
+    store16(o + d, round_bf16(_mm512_add_ps(p1, p2)));
+    const __m512 q1 = round_bf16(_mm512_mul_ps(hi, load16(c + half + d)));
+    const __m512 q2 = round_bf16(_mm512_mul_ps(lo, load16(s + half + d)));
+    store16(o + half + d, round_bf16(_mm512_add_ps(q1, q2)));
+  }
+}
+#else
+static inline void rms_apply(const bf16* x, const bf16* w, float r, bf16* out, int64_t n) {
+  rms_apply_scalar(x, w, r, out, n);
+}
+static inline void rope(const bf16* y, const bf16* c, const bf16* s, bf16* o, int64_t D) { rope_scalar(y, c, s, o, D); }
+#endif
+
+constexpr int ROW_GROUP = 8;  // rows whose sums of squares are added side by side
+
+// emit(i, scale) for rows [a, b) of x (rows of n values, `stride` apart), ROW_GROUP scales at a time
+template <typename Emit>
+static inline void rms_rows(const bf16* x, int64_t stride, int64_t a, int64_t b, int64_t n, float eps,
+                            const Emit& emit) {
+  float r[ROW_GROUP];
+  int64_t i = a;
+  for (; i + ROW_GROUP <= b; i += ROW_GROUP) {
+    rms_scales<ROW_GROUP>(x + i * stride, stride, n, eps, r);
+    for (int j = 0; j < ROW_GROUP; ++j) emit(i + j, r[j]);
+  }
+  for (; i < b; ++i) emit(i, rms_scale(x + i * stride, n, eps));
 }
 
 // x: (N, C) bf16, weight: (C,) bf16
@@ -41,8 +140,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const bf16* wp = weight.contiguous().data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, N, grain_for(N, N * C), [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) rms_row(xp + i * C, wp, op + i * C, C, e);
+  at::parallel_for(0, N, grain_for(N, N * C, ROW_GROUP), [&](int64_t a, int64_t b) {
+    rms_rows(xp, C, a, b, C, e, [&](int64_t i, float r) { rms_apply(xp + i * C, wp, r, op + i * C, C); });
   });
   return out;
 }
@@ -52,7 +151,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 torch::Tensor norm_rope(torch::Tensor x, torch::Tensor weight, torch::Tensor cos, torch::Tensor sin, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3, "norm_rope: (N, H, D) bfloat16");
   auto xc = x.contiguous();
-  const int64_t N = xc.size(0), H = xc.size(1), D = xc.size(2), half = D / 2;
+  const int64_t N = xc.size(0), H = xc.size(1), D = xc.size(2);
   auto cc = cos.reshape({N, D}).contiguous(), sc = sin.reshape({N, D}).contiguous();
   TORCH_CHECK(cc.scalar_type() == at::kBFloat16 && sc.scalar_type() == at::kBFloat16, "norm_rope: bf16 cos/sin");
   auto out = torch::empty_like(xc);
@@ -62,21 +161,13 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor weight, torch::Tensor cos
   const bf16* sp = sc.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, N * H, grain_for(N * H, N * H * D), [&](int64_t a, int64_t b) {
+  at::parallel_for(0, N * H, grain_for(N * H, N * H * D, ROW_GROUP), [&](int64_t a, int64_t b) {
     std::vector<bf16> y(D);
-    for (int64_t i = a; i < b; ++i) {
+    rms_rows(xp, D, a, b, D, e, [&](int64_t i, float r) {
       const int64_t n = i / H;
-      rms_row(xp + i * D, wp, y.data(), D, e);
-      const bf16* c = cp + n * D;
-      const bf16* s = sp + n * D;
-      bf16* o = op + i * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float rot = d < half ? -static_cast<float>(y[d + half]) : static_cast<float>(y[d - half]);
-        const bf16 p1 = static_cast<bf16>(static_cast<float>(y[d]) * static_cast<float>(c[d]));
-        const bf16 p2 = static_cast<bf16>(static_cast<bf16>(rot) * static_cast<float>(s[d]));
-        o[d] = static_cast<bf16>(static_cast<float>(p1) + static_cast<float>(p2));
-      }
-    }
+      rms_apply(xp + i * D, wp, r, y.data(), D);
+      rope(y.data(), cp + n * D, sp + n * D, op + i * D, D);
+    });
   });
   return out;
 }
