@@ -132,7 +132,9 @@ class KVPool:
             self.v_scale = torch.empty(shape[:-1], device=device, dtype=torch.float32)
             self.quantize = quantizer(decode_kernel)
             self.dequantize_rows = row_dequantizer(decode_kernel, dtype)
-            self.store_int8 = getattr(decode_kernel, "store_kv_int8", None)
+            # the native one-pass store takes the activations' dtypes the kernel takes (as row_dequantizer)
+            self.store_int8 = (getattr(decode_kernel, "store_kv_int8", None)
+                               if dtype in (torch.bfloat16, torch.float32) else None)
         self.heads = cfg.num_attention_heads
         self.scale = cfg.head_dim ** -0.5
         self.kernel = decode_kernel
@@ -247,7 +249,7 @@ class KVPool:
         """Quantize (n, kv_heads, hd) new keys and values and store them at pool rows ``index``: in one native pass
         each where the decode kernel has it (the same bits as the torch ops below, which took 1.2 ms a layer at a
         512-token chunk of the 0.6B decoder)."""
-        if self.store_int8 is not None and k.dtype in (torch.bfloat16, torch.float32):
+        if self.store_int8 is not None:
             self.store_int8(k, self.k[layer], self.k_scale[layer], index)
             self.store_int8(v, self.v[layer], self.v_scale[layer], index)
             return

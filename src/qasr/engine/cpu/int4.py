@@ -15,6 +15,7 @@ the other prepared kernels, the model's modules are never changed: quantized_lin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -42,6 +43,14 @@ class Int4Weight:
         if kernel is not None:  # the packed tensor holds both: the unpacked copies are dropped
             return cls(kernel.pack(w_q, scale), None, None, b, weight.shape[0])
         return cls(None, w_q, scale, b, weight.shape[0])
+
+    def bound(self, kernel: ModuleType | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self.product(x, kernel)`` with the native call's arguments bound now (engine/cpu/decoder_plan.py);
+        activations the module does not take still go through ``product``'s checks."""
+        if self.packed is None or kernel is None:
+            return lambda x: self.product(x, kernel)
+        linear, packed, n, bias = kernel.linear, self.packed, self.n, self.bias
+        return lambda x: linear(x, packed, n, bias) if x.dtype in KERNEL_DTYPES else self.product(x, kernel)
 
     def product(self, x: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""

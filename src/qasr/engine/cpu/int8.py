@@ -24,6 +24,7 @@ beside the int8 ones).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -71,6 +72,14 @@ class Int8Weight:
         w_q, scale = quantize_weight(weight)
         packed = w_q if kernel is None else kernel.pack(w_q)
         return cls(packed, scale, None if bias is None else bias.detach().float(), weight.shape[0])
+
+    def bound(self, kernel: ModuleType | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self.product(x, kernel)`` with the native call's arguments bound now (engine/cpu/decoder_plan.py);
+        activations the module does not take still go through ``product``'s checks."""
+        if kernel is None:
+            return lambda x: self.product(x, None)
+        linear, packed, n, scale, bias = kernel.linear, self.packed, self.n, self.scale, self.bias
+        return lambda x: linear(x, packed, n, scale, bias) if x.dtype in KERNEL_DTYPES else self.product(x, kernel)
 
     def product(self, x: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""

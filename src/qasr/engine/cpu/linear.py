@@ -42,7 +42,6 @@ class InvariantLinears:
         out = self.kernel.linear(x.reshape(-1, shape[-1]), entry[0], module.out_features, entry[1])
         return out.view(*shape[:-1], module.out_features)
 
-
     def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> self(module, x)`` for 2-D x, with the lookup done now (engine/cpu/decoder_plan.py)."""
         entry = self.packed.get(module)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from qasr.engine.cpu.int4 import Int4Weight
-from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Weight
+from qasr.engine.cpu.int8 import Int8Weight
 
 
 @dataclass(frozen=True)
@@ -34,19 +34,8 @@ class Product:
         return self.weight.product(x, self.kernel)
 
     def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The same product as a callable that goes straight to the native module where there is one (for
-        activations it takes; other dtypes still get ``weight.product``'s checks)."""
-        w, kernel = self.weight, self.kernel
-        if kernel is None:
-            return self
-        linear = kernel.linear
-        if isinstance(w, Int8Weight):
-            packed, n, scale, bias = w.packed, w.n, w.scale, w.bias
-            return lambda x: linear(x, packed, n, scale, bias) if x.dtype in KERNEL_DTYPES else self(x)
-        if w.packed is None:
-            return self
-        packed4, n4, bias4 = w.packed, w.n, w.bias
-        return lambda x: linear(x, packed4, n4, bias4) if x.dtype in KERNEL_DTYPES else self(x)
+        """The same product as a callable that goes straight to the native module where there is one."""
+        return self.weight.bound(self.kernel)
 
 
 # (weight [N, K], bias [N] or None, the module it is of: the group's first for a group) -> its product

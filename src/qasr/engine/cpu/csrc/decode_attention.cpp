@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel_grain.h"
+
 template <typename T>
 static inline float as_float(T x) { return static_cast<float>(x); }
 
@@ -580,14 +582,15 @@ void store_kv_int8(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, to
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < P, "store_kv_int8: a row outside the pool");
   auto* qp = pool.data_ptr<int8_t>();
   auto* sp = scales.data_ptr<float>();
-  const bool bf16 = xc.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, n * KVH, n * KVH * D < (int64_t(1) << 16) ? n * KVH : 16, [&](int64_t a, int64_t b) {
+  const auto* xb = xc.scalar_type() == at::kBFloat16 ? xc.data_ptr<at::BFloat16>() : nullptr;
+  const auto* xf = xb == nullptr ? xc.data_ptr<float>() : nullptr;
+  at::parallel_for(0, n * KVH, grain_for(n * KVH, n * KVH * D, 16), [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const int64_t i = r / KVH, g = r % KVH, row = g * P + ip[i];
-      if (bf16) {
-        quantize_row(xc.data_ptr<at::BFloat16>() + r * D, D, qp + row * D, sp + row);
+      if (xb != nullptr) {
+        quantize_row(xb + r * D, D, qp + row * D, sp + row);
       } else {
-        quantize_row(xc.data_ptr<float>() + r * D, D, qp + row * D, sp + row);
+        quantize_row(xf + r * D, D, qp + row * D, sp + row);
       }
     }
   });
