@@ -92,6 +92,26 @@ def test_linear_is_the_reference_bit_for_bit(kernel: ModuleType, dtype: torch.dt
         assert torch.equal(got, ref), f"M={m}: {int((got != ref).sum())} of {ref.numel()} values differ"
 
 
+def test_a_short_last_block_and_many_row_chunks_on_any_thread_count(kernel: ModuleType) -> None:
+    """A last column block of at most 32 columns runs on a narrower pass, and the threads split the work by its
+    cost, chunk by chunk: N = 480 (7.5 blocks, the encoder convolutions'), 32 and 33 columns, 300 rows (several
+    row chunks), on 1, 2 and 3 threads, are the reference bit for bit."""
+    gen = torch.Generator().manual_seed(480)
+    threads = torch.get_num_threads()
+    try:
+        for n in (480, 32, 33):
+            w_q, w_scale = _weights(n, 65, gen)
+            packed = kernel.pack(w_q)
+            x = _rows(300, 65, torch.bfloat16, gen)
+            ref = int8_linear_reference(x, w_q, w_scale, None)
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                got = kernel.linear(x, packed, n, w_scale, None)
+                assert torch.equal(got, ref), (n, t, int((got != ref).sum()))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_every_row_is_the_same_whatever_the_call(kernel: ModuleType) -> None:
     """One row alone, and at the start, middle and end of 2-, 17- and 300-row calls (other rows random),
     gives the same bits; the call's size and the row's position never matter."""
