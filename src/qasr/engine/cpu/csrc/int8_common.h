@@ -465,7 +465,8 @@ inline void vnni512_run(const Args& a) {
   // of four (its other two hold padding columns: zero weights whose products were thrown away), and so costs
   // about half a block. The threads split the (block, chunk) items, block-major, by that cost rather than by
   // their count: with 8 blocks over 2 threads a split by count gave one thread 4 blocks and the other 3.5.
-  const bool half_last = a.N - (blocks - 1) * NB <= 32;
+  const auto narrow = [&](int64_t b) { return a.N - b * NB <= 32; };  // only ever the last block
+  const bool half_last = narrow(blocks - 1);
   const int64_t whole = (half_last ? blocks - 1 : blocks) * chunks;  // items before the half block's
   const int64_t cost = 2 * whole + (blocks * chunks - whole);          // in half blocks
   const auto item_at = [&](int64_t c) { return c <= 2 * whole ? (c + 1) / 2 : whole + (c - 2 * whole); };
@@ -481,7 +482,7 @@ inline void vnni512_run(const Args& a) {
       for (int64_t b = first / chunks; b * chunks < last; ++b) {
         const int64_t item = b * chunks + c;
         if (item < first || item >= last) continue;
-        if (a.N - b * NB <= 32) vnni512_rows<2>(a, m, end, b);
+        if (narrow(b)) vnni512_rows<2>(a, m, end, b);
         else vnni512_rows<4>(a, m, end, b);
       }
     }
