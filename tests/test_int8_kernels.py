@@ -143,6 +143,10 @@ def test_quantize_rows_is_the_reference(kernel: ModuleType) -> None:
     x = torch.tensor([[127.0, 2.5, 3.5, -0.5, -1.5, 126.5, -127.0]])
     q, scale = kernel.quantize_rows(x)
     assert q.tolist() == [[127, 2, 4, 0, -2, 126, -127]] and scale.item() == 1.0
+    # the same in bf16 rows long enough for the 64-value integer loop (and its tail): ties to even there too
+    for k in (64, 135):
+        q, scale = kernel.quantize_rows(x.repeat(1, 20)[:, :k].to(torch.bfloat16))
+        assert q.tolist() == [([127, 2, 4, 0, -2, 126, -127] * 20)[:k]] and scale.item() == 1.0, k
     q, scale = kernel.quantize_rows(torch.zeros(2, 5, dtype=torch.bfloat16))
     assert not q.any() and not scale.any()
 
@@ -159,7 +163,7 @@ def test_tiny_and_non_finite_rows_follow_the_reference(kernel: ModuleType) -> No
     bias = torch.randn(20, generator=gen)
     packed = kernel.pack(w_q)
     for dtype in (torch.float32, torch.bfloat16):
-        for k in (5, 21):  # vector tails and whole vectors (the rows repeated)
+        for k in (5, 21, 70):  # vector tails, whole vectors and bf16's 64-value loop (the rows repeated)
             x = torch.tensor(rows).repeat(1, (k + 4) // 5)[:, :k].to(dtype)
             q, s = kernel.quantize_rows(x)
             q_ref, s_ref = quantize_rows_reference(x)
