@@ -59,6 +59,7 @@ def _entries() -> list[_Entry]:
         _Entry("decode attention", native.decode_kernel, native.DECODE_ATTENTION, frozenset()),
         _Entry("encoder attention", native.encoder_attention_kernel, native.ENCODER_ATTENTION, frozenset()),
         _Entry("decoder ops", native.decoder_ops_kernel, native.DECODER_OPS, frozenset()),
+        _Entry("encoder ops", native.encoder_ops_kernel, native.ENCODER_OPS, frozenset()),
         _Entry("AVX512-BF16 linear", native.avx512_kernel, native.BF16_LINEAR, native.AVX512_BF16_CPU),
         _Entry("AVX512-BF16 prefill attention", native.attention_kernel, native.BF16_LINEAR,
                native.AVX512_BF16_CPU),

@@ -206,9 +206,8 @@ class AudioEncoder(nn.Module):
             single = x.shape[0] == 1
             if single:  # a lone chunk convolves with other low bits than in a batch (measured): pad to two
                 x = torch.cat([x, torch.zeros_like(x)])
-            x = F.gelu(kernels.conv(self.conv2d1, x))
-            x = F.gelu(kernels.conv(self.conv2d2, x))
-            x = F.gelu(kernels.conv(self.conv2d3, x))
+            x = kernels.conv_of_gelu(self.conv2d2, kernels.conv(self.conv2d1, x))
+            x = F.gelu(kernels.conv_of_gelu(self.conv2d3, x))
             c, ch, freq, t = x.shape
             # flatten to 2-D first: a 3-D non-contiguous input makes linear expand the weight per chunk
             x = kernels.linear(self.conv_out, x.permute(0, 3, 1, 2).reshape(c * t, ch * freq))

@@ -47,6 +47,15 @@ class Kernels:
     # ops in the same order on these kernels, with every weight and kernel looked up once (engine/cpu/
     # decoder_plan.py: a decode step's Python cost). Built for one model; its kernels never hand it to another
     decoder_layers: Callable[..., torch.Tensor] | None = None
+    # ``conv_gelu(module, x)``, when set: ``conv(module, F.gelu(x))`` with the GELU fused into preparing the
+    # convolution's input (engine/cpu/padded_input.py); ``conv_of_gelu`` falls back to the two steps
+    conv_gelu: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] | None = None
+
+    def conv_of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        """``conv(module, F.gelu(x))``."""
+        if self.conv_gelu is not None:
+            return self.conv_gelu(module, x)
+        return self.conv(module, F.gelu(x))
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.rms_norm is not None and x.dtype == self.fused_dtype

@@ -7,9 +7,11 @@ runs them at ~260 GFLOP/s on two AVX512-BF16 cores; the same products as a (posi
 result whatever else is in the batch. The kernel reads each position's 3 x (3 * 480) inputs straight
 from the padded channels-last activation (implicit im2col: materialising the columns cost more than
 the time saved). Outputs stay channels-last (NCHW-shaped views of NHWC memory), so the next
-convolution reads them without a layout copy. Other convolutions (the first, one input channel and
-memory-bound; all of them without the kernel) run on oneDNN with channels-last weight copies, about
-20% faster than contiguous ones on CPUs (activations follow the weight's layout). Same maths.
+convolution reads them without a layout copy. The first convolution (one input channel) runs on the
+native encoder ops when they built (one_channel_conv.py), writing channels-last too, and the GELU between
+two convolutions is done while padding the next one's input (padded_input.py). Other convolutions (all of
+them without the kernels) run on oneDNN with channels-last weight copies, about 20% faster than contiguous
+ones on CPUs (activations follow the weight's layout). Same maths.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qasr.engine.cpu.one_channel_conv import OneChannelConvs
+from qasr.engine.cpu.padded_input import padded_nhwc
+
 
 class CpuConvs:
-    """``conv(module, x)`` for every nn.Conv2d of a model."""
+    """``conv(module, x)`` for every nn.Conv2d of a model; ``of_gelu(module, x)`` is ``conv(module, F.gelu(x))``,
+    with the GELU done while padding the GEMM's input when ``ops`` (the native encoder ops) is given."""
 
-    def __init__(self, model: nn.Module, kernel: ModuleType | None) -> None:
+    def __init__(self, model: nn.Module, kernel: ModuleType | None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel
+        self.ops = ops
+        self.one_channel = OneChannelConvs(model, ops)
         self.gemm: dict[nn.Conv2d, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.channels_last: dict[nn.Conv2d, torch.Tensor] = {}
         for module in model.modules():
@@ -41,14 +49,19 @@ class CpuConvs:
     def __call__(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         if module in self.gemm:
             return self._gemm(module, x)
+        if module in self.one_channel and x.dtype == torch.bfloat16:
+            return self.one_channel(module, x)
         weight = self.channels_last.get(module, module.weight)
         return F.conv2d(x, weight, module.bias, module.stride, module.padding, module.dilation, module.groups)
 
-    def _gemm(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    def of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(module, x, gelu=True) if module in self.gemm else self(module, F.gelu(x))
+
+    def _gemm(self, module: nn.Conv2d, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         packed, bias = self.gemm[module]
         n, _, h, w = x.shape
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
-        xh = F.pad(x.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph)).contiguous()  # (n, h+2ph, w+2pw, cin)
+        xh = padded_nhwc(x, ph, pw, gelu, self.ops)  # (n, h+2ph, w+2pw, cin)
         ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
         out = self.kernel.conv(xh, packed, module.out_channels, bias, kh, kw, sh, sw)  # type: ignore[union-attr]
         return out.view(n, ho, wo, module.out_channels).permute(0, 3, 1, 2)  # NCHW shape, NHWC memory

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
+from qasr.engine.cpu.one_channel_conv import OneChannelConvs
+from qasr.engine.cpu.padded_input import padded_nhwc
 
 QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
@@ -100,11 +102,14 @@ class Int8Convs:
 
     The first convolution (one input channel, so K = 9: each row's scale would rest on nine mel values)
     stays in float: it is memory-bound, costs little, and it is where quantization would lose the most; it
-    runs on oneDNN with a channels-last weight copy, as in conv.py. So do convolutions the GEMM form does not
-    cover (groups, dilation, other padding modes)."""
+    runs on the native encoder ops when ``ops`` is given (one_channel_conv.py), else on oneDNN with a
+    channels-last weight copy, as in conv.py. Convolutions the GEMM form does not cover (groups, dilation,
+    other padding modes) run on oneDNN too."""
 
-    def __init__(self, model: nn.Module, kernel: ModuleType | None = None) -> None:
+    def __init__(self, model: nn.Module, kernel: ModuleType | None = None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel
+        self.ops = ops  # the native encoder ops: of_gelu's GELU while padding (padded_input.py)
+        self.one_channel = OneChannelConvs(model, ops)  # the first convolution, in float (see above)
         self.weights: dict[nn.Conv2d, Int8Weight] = {}
         self.channels_last: dict[nn.Conv2d, torch.Tensor] = {}
         for module in model.modules():
@@ -117,22 +122,29 @@ class Int8Convs:
             else:
                 self.channels_last[module] = module.weight.detach().contiguous(memory_format=torch.channels_last)
 
-    def __call__(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Conv2d, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         weight = self.weights.get(module)
         if weight is None:
+            if module in self.one_channel and x.dtype == torch.bfloat16 and not gelu:
+                return self.one_channel(module, x)
             w = self.channels_last.get(module, module.weight)
+            x = F.gelu(x) if gelu else x
             return F.conv2d(x, w, module.bias, module.stride, module.padding, module.dilation, module.groups)
         n = x.shape[0]
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
-        xh = F.pad(x.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph))  # (n, h+2ph, w+2pw, cin), zero-padded
+        xh = padded_nhwc(x, ph, pw, gelu, self.ops)  # (n, h+2ph, w+2pw, cin), zero-padded
         ho, wo = (xh.shape[1] - kh) // sh + 1, (xh.shape[2] - kw) // sw + 1
         if self.kernel is not None and x.dtype in KERNEL_DTYPES:
             # the native module reads each patch in place (the same bits as the explicit rows below): the
             # float im2col copy is 9x the input and cost more than the int8 product it feeds
-            out = self.kernel.conv(xh.contiguous(), weight.packed, weight.n, weight.scale, weight.bias, kh, kw, sh, sw)
+            out = self.kernel.conv(xh, weight.packed, weight.n, weight.scale, weight.bias, kh, kw, sh, sw)
         else:
             out = weight.product(patch_rows(xh, kh, kw, sh, sw), self.kernel)
         return out.view(n, ho, wo, weight.n).permute(0, 3, 1, 2)  # NCHW shape, NHWC memory, as conv.py's
+
+    def of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        """``conv(module, F.gelu(x))``."""
+        return self(module, x, gelu=True)
 
 
 def int8_conv_supported(conv: nn.Conv2d) -> bool:

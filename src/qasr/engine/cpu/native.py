@@ -40,6 +40,7 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 DECODE_ATTENTION = ("qasr_decode_attention", "decode_attention.cpp", ("-ffast-math",))
 ENCODER_ATTENTION = ("qasr_encoder_attention", "encoder_attention.cpp", ("-ffast-math",))
 DECODER_OPS = ("qasr_decoder_ops", "decoder_ops.cpp", ())
+ENCODER_OPS = ("qasr_encoder_ops", "encoder_ops.cpp", ())
 AMX_LINEAR = ("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
 BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
 # The int8 epilogue is specified without fused multiply-add: GCC contracts even intrinsics' mul + add otherwise.
@@ -76,6 +77,13 @@ def decoder_ops_kernel() -> ModuleType | None:
     """Fused bf16 RMSNorm and q/k-norm + rotary, and their float forms (decoder_ops.cpp)."""
     mod = _build(*DECODER_OPS)
     return selftest.verified("decoder ops", mod, selftest.check_decoder_ops)
+
+
+@functools.cache
+def encoder_ops_kernel() -> ModuleType | None:
+    """GELU and zero padding between the encoder's convolutions in one pass (encoder_ops.cpp)."""
+    mod = _build(*ENCODER_OPS)
+    return selftest.verified("encoder ops", mod, selftest.check_encoder_ops)
 
 
 @functools.cache
@@ -181,9 +189,9 @@ def _int8_module(needs: frozenset[str], build_spec: tuple, name: str) -> ModuleT
 def clear_caches() -> None:
     """Forget which kernels were chosen and verified, so QASR_NO_AMX / QASR_NO_NATIVE are read again
     (tests). Built modules stay loaded: a build is expensive and a loaded extension cannot be unloaded."""
-    for fn in (decode_kernel, decoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel, attention_kernel,
-               int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, int4_kernel, _bf16_module,
-               cpu_flags):
+    for fn in (decode_kernel, decoder_ops_kernel, encoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel,
+               attention_kernel, int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, int4_kernel,
+               _bf16_module, cpu_flags):
         getattr(fn, "cache_clear", lambda: None)()  # a test may have replaced one by a plain function
 
 

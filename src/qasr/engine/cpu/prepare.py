@@ -40,6 +40,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     bf16 = dtype == torch.bfloat16
     # bf16: one-pass kernels; float32/float16: the same torch ops composed in C++ (one Python call each)
     ops = native.decoder_ops_kernel() if use_native and dtype in FUSED_NORM_DTYPES else None
+    encoder_ops = native.encoder_ops_kernel() if use_native and bf16 else None
     parts = []
     if quantize in ("int8", "int4"):
         if int8_kernel is None and use_native:
@@ -48,7 +49,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
             int4_kernel = native.int4_kernel()
         if dtype not in KERNEL_DTYPES:  # native modules take float32 or bf16 activations; float16: the reference
             int8_kernel = int4_kernel = None
-        conv = Int8Convs(model, int8_kernel)
+        conv = Int8Convs(model, int8_kernel, encoder_ops)
         where = kernel_name(int8_kernel)
         if quantize == "int8":
             linear = int8_linears(model, int8_kernel, same_input_groups(model))
@@ -64,7 +65,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     elif quantize is not None:
         raise ValueError(f"unknown quantize mode {quantize!r}")
     else:
-        linear, conv, gemm_name = _float_products(model, use_native)
+        linear, conv, gemm_name = _float_products(model, use_native, encoder_ops)
         parts.append(gemm_name)
     rms_norm = norm_rope = None
     if ops is not None:
@@ -74,7 +75,9 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     parts += ["q/k/v and gate/up as one product each"] if group is not None else []
     encoder_attention = native.encoder_attention_kernel() if use_native and bf16 else None
     parts += ["native encoder attention"] if encoder_attention is not None else []
-    kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope,
+    conv_gelu = getattr(conv, "of_gelu", None)  # with or without the native pass: the same bits (padded_input.py)
+    parts += ["native first conv; GELU and padding between convs in one pass"] if encoder_ops is not None else []
+    kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope, conv_gelu=conv_gelu,
                       fused_dtype=None if ops is None else dtype, linear_group=group,
                       encoder_attention=None if encoder_attention is None else encoder_attention.encoder_attention)
     plan = plan_for(model.model, kernels)
@@ -95,12 +98,13 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     return prepared
 
 
-def _float_products(model: Qwen3ASRModel, use_native: bool) -> tuple[Linear, Conv, str]:
+def _float_products(model: Qwen3ASRModel, use_native: bool,
+                    encoder_ops: ModuleType | None = None) -> tuple[Linear, Conv, str]:
     """The linear and conv in the checkpoint's own dtype, and the GEMM's name for the description."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
     gemm = native.linear_kernel() if use_native and bf16 else None
-    conv = CpuConvs(model, gemm) if bf16 else TORCH_KERNELS.conv
+    conv = CpuConvs(model, gemm, encoder_ops) if bf16 else TORCH_KERNELS.conv
     if gemm is not None:
         return InvariantLinears(model, gemm), conv, f"invariant GEMM ({getattr(gemm, 'KIND', gemm.__name__)})"
     if onednn_packing_supported(model.device, dtype):

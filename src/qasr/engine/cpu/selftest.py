@@ -389,6 +389,41 @@ def check_decoder_ops(kernel: ModuleType) -> None:
     check_float_decoder_ops(kernel)
 
 
+def check_encoder_ops(kernel: ModuleType) -> None:
+    """pad_gelu against F.pad(F.gelu(x)) of the contiguous (n, h, w, c) tensor bit for bit (padded_input.py says
+    why contiguous): channels-last and channels-first inputs, padding on both axes, one axis and none, values
+    from -8 to 8 (GELU's curved part) and beyond, zeros; a NaN stays NaN. conv_one_channel against float32
+    convolutions."""
+    from qasr.engine.cpu.padded_input import gelu_table
+
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(2, 6, 5, 34, generator=gen) * 4).to(torch.bfloat16)  # (n, h, w, c)
+    x[0, 1, 2, :3] = torch.tensor([0.0, -0.0, float("nan")])
+    x[1, 0, 0, :2] = torch.tensor([300.0, -300.0])
+    for src in (x, x.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)):  # NHWC memory, then NCHW memory
+        for ph, pw in ((1, 1), (2, 0), (0, 0)):
+            got = kernel.pad_gelu(src, gelu_table(), ph, pw)
+            want = F.pad(F.gelu(src.contiguous()), (0, 0, pw, pw, ph, ph))
+            same = got.view(torch.int16) == want.view(torch.int16)
+            if not (got.is_contiguous() and bool((same | (got.isnan() & want.isnan())).all())):
+                raise SelfTestFailure(f"pad_gelu (padding {ph}, {pw}): differs from F.pad(F.gelu(x))")
+    # conv_one_channel: float32 sums rounded once to bf16, so within one bf16 step of the float32 convolution's
+    # rounding; an image alone gets the bits it gets in a batch
+    for (kh, kw, sh, sw, ph, pw), has_bias in (((3, 3, 2, 2, 1, 1), True), ((2, 3, 1, 2, 0, 1), False)):
+        img = (torch.randn(3, 1, 11, 8, generator=gen) * 3).to(torch.bfloat16)
+        w = (torch.randn(40, 1, kh, kw, generator=gen) / 3).to(torch.bfloat16)
+        b = torch.randn(40, generator=gen).to(torch.bfloat16) if has_bias else None
+        taps = w.float().reshape(40, -1).t().contiguous()
+        got = kernel.conv_one_channel(img, taps, None if b is None else b.float(), kh, kw, sh, sw, ph, pw)
+        ref = F.conv2d(img.float(), w.float(), None if b is None else b.float(), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
+        step = ref.abs().clamp_min(2.0 ** -120) * 2.0 ** -7  # one bf16 step at each value (at most)
+        if got.shape != ref.shape or not bool(((got.float() - ref).abs() <= step).all()):
+            raise SelfTestFailure(f"conv_one_channel {kh}x{kw}: off the float32 convolution by more than a bf16 step")
+        alone = kernel.conv_one_channel(img[1:2], taps, None if b is None else b.float(), kh, kw, sh, sw, ph, pw)
+        if not torch.equal(alone[0], got[1]):
+            raise SelfTestFailure("conv_one_channel: an image alone differs from it in a batch")
+
+
 def check_float_decoder_ops(kernel: ModuleType) -> None:
     """The float forms run the model's own torch ops in C++: the same bits as model/decoder.py, asked exactly."""
     gen = torch.Generator().manual_seed(6)
