@@ -133,5 +133,19 @@ def test_write_atomic_leaves_no_temp_file_when_it_fails(tmp_path) -> None:
     assert os.listdir(tmp_path / "dir.txt") == []
 
 
+def test_write_atomic_leaves_no_temp_file_when_interrupted_right_after_creating_it(tmp_path, monkeypatch) -> None:
+    """Ctrl-C may land just after os.open returned, before the file object exists: the temp file goes too."""
+    real_open = os.open
+
+    def open_then_interrupt(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        real_open(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "open", open_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(tmp_path / "talk.txt", "text\n")
+    assert os.listdir(tmp_path) == []
+
+
 def test_output_path(tmp_path) -> None:
     assert output_path(tmp_path, "/data/talk.wav", "vtt") == tmp_path / "talk.vtt"

@@ -109,21 +109,25 @@ def write_atomic(path: Path, text: str) -> None:
     is removed.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
-        except FileExistsError:  # another writer's temp file by chance: pick another name
-            continue
+    # The creation is inside the cleanup's reach: a Ctrl-C lands between any two bytecodes, also just after
+    # os.open returned (an interrupted folder job once left a .part file behind from that gap).
+    tmp: Path | None = None  # the temp file, once os.open may have created it
     try:
+        while True:
+            tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                break
+            except FileExistsError:  # another writer's temp file by chance: not ours, pick another name
+                tmp = None
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())  # the data reaches the disk before the rename makes it visible
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
 
 
