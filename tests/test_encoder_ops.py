@@ -117,3 +117,64 @@ def test_prepare_plugs_the_pass_into_the_kernels(ck_bf16, quantize) -> None:  # 
     prepared = prepare_cpu(ck_bf16.model, use_native=True, quantize=quantize)
     assert prepared.kernels.conv_gelu is not None
     assert "native first conv; GELU and padding between convs in one pass" in prepared.description
+
+
+# --- the self-test: a correct module written in torch passes, broken ones are refused ---------------------------
+
+def torch_pad_gelu(x: torch.Tensor, table: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
+    return F.pad(F.gelu(x.contiguous()), (0, 0, pw, pw, ph, ph))
+
+
+def torch_conv_one_channel(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, kh: int, kw: int,
+                           sh: int, sw: int, ph: int, pw: int) -> torch.Tensor:
+    """float32 sums per output, elementwise over the batch (so an image alone gets its bits in a batch)."""
+    xp = F.pad(x.float()[:, 0], (pw, pw, ph, ph))
+    ho, wo = (xp.shape[1] - kh) // sh + 1, (xp.shape[2] - kw) // sw + 1
+    acc = torch.zeros(x.shape[0], ho, wo, taps.shape[1]) + (0 if bias is None else bias)
+    for ky in range(kh):
+        for kx in range(kw):
+            patch = xp[:, ky:ky + sh * (ho - 1) + 1:sh, kx:kx + sw * (wo - 1) + 1:sw]
+            acc = acc + patch[..., None] * taps[ky * kw + kx]
+    return acc.to(torch.bfloat16)
+
+
+def fake_ops(pad_gelu=torch_pad_gelu, conv_one_channel=torch_conv_one_channel):  # noqa: ANN001, ANN201
+    from types import ModuleType
+
+    mod = ModuleType("fake_encoder_ops")
+    mod.pad_gelu, mod.conv_one_channel = pad_gelu, conv_one_channel
+    return mod
+
+
+def test_a_correct_torch_module_passes_the_self_test() -> None:
+    from qasr.engine.cpu import selftest
+
+    selftest.check_encoder_ops(fake_ops())  # the check demands what is right, not what our kernel happens to do
+
+
+def gelu_of_the_layout_given(x, table, ph, pw):  # noqa: ANN001, ANN201 - torch's GELU on a channels-first view
+    return F.pad(F.gelu(x), (0, 0, pw, pw, ph, ph))
+
+
+def border_of_ones(x, table, ph, pw):  # noqa: ANN001, ANN201
+    return F.pad(F.gelu(x.contiguous()), (0, 0, pw, pw, ph, ph), value=1.0)
+
+
+def without_bias(x, taps, bias, *geometry):  # noqa: ANN001, ANN002, ANN201
+    return torch_conv_one_channel(x, taps, None, *geometry)
+
+
+@pytest.mark.parametrize(("broken", "message"), [
+    (fake_ops(pad_gelu=gelu_of_the_layout_given), "pad_gelu"),
+    (fake_ops(pad_gelu=border_of_ones), "pad_gelu"),
+    (fake_ops(conv_one_channel=without_bias), "conv_one_channel"),
+], ids=["non-contiguous-gelu", "border", "conv-bias"])
+def test_a_broken_module_is_refused_with_one_warning(broken, message, caplog) -> None:  # noqa: ANN001
+    import logging
+
+    from qasr.engine.cpu import selftest
+
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        assert selftest.verified("encoder ops", broken, selftest.check_encoder_ops) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "encoder ops" in warnings[0] and message in warnings[0], warnings

@@ -98,7 +98,8 @@ def test_the_machines_kernels_pass_their_self_tests_quickly(fresh: None) -> None
         pytest.skip("no compiler for the native kernels (or QASR_NO_NATIVE=1)")
     assert native.decode_kernel() is not None
     assert native.decoder_ops_kernel() is not None
-    names = ["decode attention", "decoder ops"]
+    assert native.encoder_ops_kernel() is not None
+    names = ["decode attention", "decoder ops", "encoder ops"]
     if native._bf16_module() is not None:  # an AVX512-BF16 CPU
         assert native.avx512_kernel() is not None and native.attention_kernel() is not None
         names += ["AVX512-BF16 linear", "AVX512-BF16 prefill attention"]
@@ -156,5 +157,5 @@ def test_qasr_no_native_turns_every_kernel_off(fresh: None, monkeypatch: pytest.
     monkeypatch.setenv("QASR_NO_NATIVE", "1")
     native.clear_caches()
     kernels = (native.linear_kernel, native.amx_kernel, native.avx512_kernel, native.attention_kernel,
-               native.decode_kernel, native.decoder_ops_kernel)
+               native.decode_kernel, native.decoder_ops_kernel, native.encoder_ops_kernel)
     assert all(k() is None for k in kernels)
