@@ -4,13 +4,16 @@ convolutions give the same results with and without the native pass."""
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.engine.cpu import native
+from qasr.engine.cpu import native, selftest
 from qasr.engine.cpu.conv import CpuConvs
 from qasr.engine.cpu.int8 import Int8Convs
 from qasr.engine.cpu.padded_input import gelu_table, padded_nhwc
@@ -138,17 +141,13 @@ def torch_conv_one_channel(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tens
     return acc.to(torch.bfloat16)
 
 
-def fake_ops(pad_gelu=torch_pad_gelu, conv_one_channel=torch_conv_one_channel):  # noqa: ANN001, ANN201
-    from types import ModuleType
-
+def fake_ops(pad_gelu=torch_pad_gelu, conv_one_channel=torch_conv_one_channel) -> ModuleType:  # noqa: ANN001
     mod = ModuleType("fake_encoder_ops")
     mod.pad_gelu, mod.conv_one_channel = pad_gelu, conv_one_channel
     return mod
 
 
 def test_a_correct_torch_module_passes_the_self_test() -> None:
-    from qasr.engine.cpu import selftest
-
     selftest.check_encoder_ops(fake_ops())  # the check demands what is right, not what our kernel happens to do
 
 
@@ -170,10 +169,6 @@ def without_bias(x, taps, bias, *geometry):  # noqa: ANN001, ANN002, ANN201
     (fake_ops(conv_one_channel=without_bias), "conv_one_channel"),
 ], ids=["non-contiguous-gelu", "border", "conv-bias"])
 def test_a_broken_module_is_refused_with_one_warning(broken, message, caplog) -> None:  # noqa: ANN001
-    import logging
-
-    from qasr.engine.cpu import selftest
-
     with caplog.at_level(logging.WARNING, logger="qasr"):
         assert selftest.verified("encoder ops", broken, selftest.check_encoder_ops) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -81,7 +81,8 @@ def decoder_ops_kernel() -> ModuleType | None:
 
 @functools.cache
 def encoder_ops_kernel() -> ModuleType | None:
-    """GELU and zero padding between the encoder's convolutions in one pass (encoder_ops.cpp)."""
+    """The encoder's first convolution (one input channel), and GELU + zero padding between its convolutions in
+    one pass (encoder_ops.cpp)."""
     mod = _build(*ENCODER_OPS)
     return selftest.verified("encoder ops", mod, selftest.check_encoder_ops)
 

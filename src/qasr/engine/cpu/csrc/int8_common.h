@@ -203,21 +203,13 @@ inline void quantize_values(const T* x, int64_t K, float inv, uint8_t flip, uint
   }
 }
 
-// Quantizes one row given as `segs` segments of `seg` contiguous values, segment i at x + i * stride (a plain
-// row: one segment; a convolution's patch: one segment per kernel row, read in place from the padded NHWC
-// input), into q[0, segs * seg), and returns its a_scale. `flip` is XORed into every byte: 0 gives the int8
-// x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernels' unsigned operand).
-//
-// Outside finite rows of ordinary size the reference's torch ops decide, and this follows them: a NaN makes
-// a_amax NaN (torch's amax propagates it; a plain max would drop it), and a product x * inv that is NaN (a NaN
-// or infinite input, or 0 * inf where 127 / a_amax overflows, a_amax < 2^-121) quantizes to 0, as torch's
-// float -> int8 conversion gives on x86; +-inf products clamp to +-127 like any other.
 #if QASR_INT8_AVX512
 // bf16 rows, the engine's usual input, in integer steps: about a third of the instructions of the float loops
 // above (quantize_panel was ~2% of an int8 quick-benchmark run's perf samples; on an AMD EPYC this made
-// quantize_rows 2.4-2.7x faster and the encoder's conv products 5%, whose patches are quantized per row). |x| of a bf16 is its bits & 0x7FFF, and for non-negative
-// values the integer order of those bits is the float order, so a_amax is one vpmaxuw per 32 values; a NaN is
-// any |bits| above +inf's (0x7F80). Returns the bits of a_amax, 0x7FC0 for NaN.
+// quantize_rows 2.4-2.7x faster and the encoder's conv products 5%, whose patches are quantized per row).
+// |x| of a bf16 is its bits & 0x7FFF, and for non-negative values the integer order of those bits is the float
+// order, so a_amax is one vpmaxuw per 32 values; a NaN is any |bits| above +inf's (0x7F80). Returns the bits of
+// a_amax, 0x7FC0 for NaN.
 inline uint16_t abs_max_bits(const at::BFloat16* x, int64_t K) {
   const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
   const __m512i mag = _mm512_set1_epi16(0x7FFF);
@@ -258,6 +250,15 @@ inline void quantize_values_finite(const at::BFloat16* x, int64_t K, float inv, 
 }
 #endif
 
+// Quantizes one row given as `segs` segments of `seg` contiguous values, segment i at x + i * stride (a plain
+// row: one segment; a convolution's patch: one segment per kernel row, read in place from the padded NHWC
+// input), into q[0, segs * seg), and returns its a_scale. `flip` is XORed into every byte: 0 gives the int8
+// x_q, 0x80 gives x_q + 128 as uint8 (the VNNI kernels' unsigned operand).
+//
+// Outside finite rows of ordinary size the reference's torch ops decide, and this follows them: a NaN makes
+// a_amax NaN (torch's amax propagates it; a plain max would drop it), and a product x * inv that is NaN (a NaN
+// or infinite input, or 0 * inf where 127 / a_amax overflows, a_amax < 2^-121) quantizes to 0, as torch's
+// float -> int8 conversion gives on x86; +-inf products clamp to +-127 like any other.
 template <typename T>
 inline float quantize_segments(const T* x, int64_t segs, int64_t seg, int64_t stride, uint8_t flip, uint8_t* q) {
 #if QASR_INT8_AVX512
