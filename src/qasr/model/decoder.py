@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Protocol, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qasr.model.config import DecoderConfig
@@ -107,7 +106,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         gate, up = kernels.linears((self.gate_proj, self.up_proj), x)
-        return kernels.linear(self.down_proj, F.silu(gate) * up)
+        return kernels.linear(self.down_proj, kernels.silu_times(gate, up))
 
 
 class TextModel(nn.Module):

@@ -55,6 +55,7 @@ class DecoderPlan:
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         assert kernels.rms_norm is not None and kernels.norm_rope is not None
         self.rms_norm, self.norm_rope = kernels.rms_norm, kernels.norm_rope
+        self.silu_mul = kernels.silu_mul or (lambda gate, up: F.silu(gate) * up)
         self.layers = [self._layer(layer, kernels) for layer in text.layers]
 
     @staticmethod
@@ -73,7 +74,7 @@ class DecoderPlan:
                  meta: Any) -> torch.Tensor:
         n = x.shape[0]
         heads, kv_heads, hd = self.heads, self.kv_heads, self.head_dim
-        rms_norm, norm_rope, attend = self.rms_norm, self.norm_rope, cache.attend
+        rms_norm, norm_rope, silu_mul, attend = self.rms_norm, self.norm_rope, self.silu_mul, cache.attend
         for (index, w_in, eps_in, qkv, w_q, eps_q, w_k, eps_k, o_proj, w_post, eps_post, gate_up,
              down) in self.layers:
             q, k, v = qkv(rms_norm(x, w_in, eps_in))
@@ -81,7 +82,7 @@ class DecoderPlan:
             k = norm_rope(k.view(n, kv_heads, hd), w_k, cos, sin, eps_k)
             x = x + o_proj(attend(index, q, k, v.view(n, kv_heads, hd), meta))
             gate, up = gate_up(rms_norm(x, w_post, eps_post))
-            x = x + down(F.silu(gate) * up)
+            x = x + down(silu_mul(gate, up))
         return x
 
 

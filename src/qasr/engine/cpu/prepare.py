@@ -20,6 +20,7 @@ from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.engine.cpu.quantized_linears import int4_decoder_linears, int8_linears, same_input_groups
+from qasr.engine.cpu.silu_mul import native_silu_mul
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
@@ -67,10 +68,11 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     else:
         linear, conv, gemm_name = _float_products(model, use_native, encoder_ops)
         parts.append(gemm_name)
-    rms_norm = norm_rope = None
+    rms_norm = norm_rope = silu_mul = None
     if ops is not None:
         rms_norm, norm_rope = (ops.rms_norm, ops.norm_rope) if bf16 else (ops.rms_norm_ops, ops.norm_rope_ops)
-        parts.append("fused norms" if bf16 else "norms in one call")
+        silu_mul = native_silu_mul(ops) if bf16 else None
+        parts.append("fused norms and SiLU * up" if bf16 else "norms in one call")
     group = getattr(linear, "group", None)  # the quantized modes compute same-input linears as one product
     parts += ["q/k/v and gate/up as one product each"] if group is not None else []
     encoder_attention = native.encoder_attention_kernel() if use_native and bf16 else None
@@ -78,6 +80,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     conv_gelu = getattr(conv, "of_gelu", None)  # with or without the native pass: the same bits (padded_input.py)
     parts += ["native first conv; GELU and padding between convs in one pass"] if encoder_ops is not None else []
     kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope, conv_gelu=conv_gelu,
+                      silu_mul=silu_mul,
                       fused_dtype=None if ops is None else dtype, linear_group=group,
                       encoder_attention=None if encoder_attention is None else encoder_attention.encoder_attention)
     plan = plan_for(model.model, kernels)

@@ -365,7 +365,8 @@ def check_encoder_attention(kernel: ModuleType) -> None:
 
 
 def check_decoder_ops(kernel: ModuleType) -> None:
-    """rms_norm and norm_rope against the same steps in torch (float math, bf16 where torch rounds)."""
+    """rms_norm and norm_rope against the same steps in torch (float math, bf16 where torch rounds), silu_mul
+    against torch's bits."""
     gen = torch.Generator().manual_seed(5)
     eps = 1e-6
 
@@ -386,7 +387,25 @@ def check_decoder_ops(kernel: ModuleType) -> None:
     cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
     y = rms(x, w)
     _expect_bf16_steps("norm_rope", kernel.norm_rope(x, w, cos, sin, eps), y * cos + rotate_half(y) * sin)
+    check_silu_mul(kernel)
     check_float_decoder_ops(kernel)
+
+
+def check_silu_mul(kernel: ModuleType) -> None:
+    """silu_mul against torch's F.silu(gate) * up bit for bit, on the column halves of one product (views, as the
+    engine passes them) 40 wide (two 16-value vectors and a tail), zeros and large values included."""
+    from qasr.engine.cpu.silu_mul import silu_table
+
+    gen = torch.Generator().manual_seed(7)
+    z = (4 * torch.randn(5, 80, generator=gen)).to(torch.bfloat16)
+    z[0, :4] = torch.tensor([0.0, -0.0, 1e4, -1e4])
+    gate, up = z[:, :40], z[:, 40:]
+    got, want = kernel.silu_mul(gate, up, silu_table()), F.silu(gate) * up
+    if got.shape != want.shape or got.dtype != torch.bfloat16:
+        raise SelfTestFailure(f"silu_mul: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} bfloat16")
+    differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    if differ:
+        raise SelfTestFailure(f"silu_mul: {differ} of {want.numel()} values differ from F.silu(gate) * up")
 
 
 def check_encoder_ops(kernel: ModuleType) -> None:
