@@ -64,7 +64,7 @@ def test_gemm_conv_matches_conv2d_and_is_batch_invariant() -> None:
     want = model(x).float()
     convs = CpuConvs(model, kernel)
     assert set(convs.gemm) == {model[2], model[4]}  # one input channel (odd kernel row) stays on oneDNN
-    assert set(convs.channels_last) == {model[0]}
+    assert set(convs.others.channels_last) == {model[0]}
 
     def run(inp: torch.Tensor) -> torch.Tensor:
         for m in model:

@@ -104,7 +104,7 @@ def test_the_first_convolution_runs_natively_within_a_bf16_step_of_onednn(make) 
     model = conv_stack()
     x = (torch.randn(5, 1, 40, 30) * 3).to(torch.bfloat16)
     native_convs, onednn = make(model, ops), make(model, None)
-    assert model[0] in native_convs.one_channel and model[0] not in onednn.one_channel
+    assert model[0] in native_convs.others.one_channel and model[0] not in onednn.others.one_channel
     got, want = native_convs(model[0], x), onednn(model[0], x)
     assert got.shape == want.shape == (5, 32, 20, 15)
     assert got.permute(0, 2, 3, 1).is_contiguous()  # channels-last memory, as the next convolution reads it

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.engine.cpu.one_channel_conv import OneChannelConvs
+from qasr.engine.cpu.other_convs import OtherConvs
 from qasr.engine.cpu.padded_input import padded_nhwc
 
 
@@ -33,9 +33,8 @@ class CpuConvs:
     def __init__(self, model: nn.Module, kernel: ModuleType | None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel
         self.ops = ops
-        self.one_channel = OneChannelConvs(model, ops)
         self.gemm: dict[nn.Conv2d, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.channels_last: dict[nn.Conv2d, torch.Tensor] = {}
+        others: list[nn.Conv2d] = []
         for module in model.modules():
             if not isinstance(module, nn.Conv2d):
                 continue
@@ -44,15 +43,11 @@ class CpuConvs:
                 bias = None if module.bias is None else module.bias.detach().float()
                 self.gemm[module] = (kernel.pack(w.contiguous()), bias)
             else:
-                self.channels_last[module] = module.weight.detach().contiguous(memory_format=torch.channels_last)
+                others.append(module)
+        self.others = OtherConvs(model, others, ops)  # the first convolution, and all without the kernel
 
     def __call__(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-        if module in self.gemm:
-            return self._gemm(module, x)
-        if module in self.one_channel and x.dtype == torch.bfloat16:
-            return self.one_channel(module, x)
-        weight = self.channels_last.get(module, module.weight)
-        return F.conv2d(x, weight, module.bias, module.stride, module.padding, module.dilation, module.groups)
+        return self._gemm(module, x) if module in self.gemm else self.others(module, x)
 
     def of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(module, x, gelu=True) if module in self.gemm else self(module, F.gelu(x))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
-from qasr.engine.cpu.one_channel_conv import OneChannelConvs
+from qasr.engine.cpu.other_convs import OtherConvs
 from qasr.engine.cpu.padded_input import padded_nhwc
 
 QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
@@ -109,9 +109,8 @@ class Int8Convs:
     def __init__(self, model: nn.Module, kernel: ModuleType | None = None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel
         self.ops = ops  # the native encoder ops: of_gelu's GELU while padding (padded_input.py)
-        self.one_channel = OneChannelConvs(model, ops)  # the first convolution, in float (see above)
         self.weights: dict[nn.Conv2d, Int8Weight] = {}
-        self.channels_last: dict[nn.Conv2d, torch.Tensor] = {}
+        others: list[nn.Conv2d] = []
         for module in model.modules():
             if not isinstance(module, nn.Conv2d):
                 continue
@@ -120,16 +119,13 @@ class Int8Convs:
                 w = module.weight.detach().permute(0, 2, 3, 1).reshape(module.out_channels, -1)
                 self.weights[module] = Int8Weight.of(w, module.bias, kernel)
             else:
-                self.channels_last[module] = module.weight.detach().contiguous(memory_format=torch.channels_last)
+                others.append(module)
+        self.others = OtherConvs(model, others, ops)  # the first convolution, in float (see above)
 
     def __call__(self, module: nn.Conv2d, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         weight = self.weights.get(module)
         if weight is None:
-            if module in self.one_channel and x.dtype == torch.bfloat16 and not gelu:
-                return self.one_channel(module, x)
-            w = self.channels_last.get(module, module.weight)
-            x = F.gelu(x) if gelu else x
-            return F.conv2d(x, w, module.bias, module.stride, module.padding, module.dilation, module.groups)
+            return self.others(module, F.gelu(x) if gelu else x)
         n = x.shape[0]
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
         xh = padded_nhwc(x, ph, pw, gelu, self.ops)  # (n, h+2ph, w+2pw, cin), zero-padded
