@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qasr.bench.aligner import WORDS_PER_SECOND, agreement, workload
-from qasr.bench.cpu import PeakRss, add_quantized_side, clip_lengths, summary_line
+from qasr.bench.cpu import PeakRss, add_quantized_side, clip_lengths, decode_b1_ratio, summary_line
 from qasr.bench.perf.flops import (
     PhaseFlops,
     Utterance,
@@ -257,6 +257,20 @@ def test_a_quantized_side_is_filed_under_its_mode_and_the_last_line_names_it(mod
     assert summary_line(report) == f"speedup=2.50 rtfx=5.0 efficiency=0.125 {mode}_over_bf16=0.50"
     # run()'s "bf16: ..." line, printed just before: the report without the mode's figures
     assert summary_line({k: v for k, v in report.items() if k != mode}) == bf16_line
+
+
+def test_decode_at_batch_1_is_compared_round_by_round() -> None:
+    """Each round's quantized run over the bf16 run beside it, the median of those: here the machine slowed 2x in
+    the third round, which moves the sides' medians apart (25 / 40 = 0.625) but not any round's own ratio."""
+    decode_b1 = {"none": dict(ms_per_token=40.0, runs_ms=[30.0, 32.0, 60.0, 40.0, 62.0]),
+                 "int8": dict(ms_per_token=25.0, runs_ms=[15.0, 17.6, 30.0, 25.0, 31.0])}
+    got = decode_b1_ratio(decode_b1, "int8")
+    assert got["decode_b1_over_bf16_by_round"] == pytest.approx([0.5, 0.55, 0.5, 0.625, 0.5])
+    assert got["decode_b1_over_bf16"] == pytest.approx(0.5)
+    assert got["decode_b1_over_bf16_of_medians"] == pytest.approx(0.625)
+    # a report without the rounds' runs keeps the ratio of the medians
+    assert decode_b1_ratio({"none": dict(ms_per_token=40.0), "int8": dict(ms_per_token=25.0)}, "int8") == {
+        "decode_b1_over_bf16": 0.625}
 
 
 @pytest.mark.parametrize("mode", QUANTIZE_MODES)

@@ -207,16 +207,31 @@ def quantized_mode(report: dict) -> str | None:
     return next((mode for mode in QUANTIZE_MODES if mode in report), None)
 
 
+def decode_b1_ratio(decode_b1: dict, mode: str) -> dict:
+    """The mode's batch-1 time per token over bf16's: the median, over the rounds, of each round's ratio (its two
+    runs ran one right after the other, so the machine's drift cancels within a round, as the throughput rounds'
+    median does; on a machine whose speed moved by up to 46% between rounds, the ratio of the two sides' medians
+    read 0.62 where the rounds' own ratios were 0.54-0.62, median 0.55), and the ratio of the medians beside it. Without
+    the rounds' runs (an older report), the ratio of the medians alone."""
+    ours, bf16 = decode_b1[mode], decode_b1["none"]
+    of_medians = ours["ms_per_token"] / bf16["ms_per_token"]
+    runs, base = ours.get("runs_ms"), bf16.get("runs_ms")
+    if not runs or not base or len(runs) != len(base):
+        return {"decode_b1_over_bf16": of_medians}
+    by_round = [q / b for q, b in zip(runs, base, strict=True)]
+    return {"decode_b1_over_bf16": float(np.median(by_round)), "decode_b1_over_bf16_by_round": by_round,
+            "decode_b1_over_bf16_of_medians": of_medians}
+
+
 def add_quantized_side(report: dict, mode: str, side: dict, side_efficiency: dict) -> None:
     """Put a quantized run (``run_qasr``'s dict for ``mode``) into a bf16 report: its run as ``qasr_<mode>`` and
     its figures against the reference and bf16 as ``<mode>``; the bf16 figures stay where they are, so a
     reader of a bf16 report reads a quantized one alike. ``report`` needs reference, qasr, decode_b1 (with
     the mode's batch-1 run) and title."""
-    decode_b1 = report["decode_b1"]
     report[f"qasr_{mode}"] = side
     report[mode] = {"speedup": side["rtfx"] / report["reference"]["rtfx"],
                     f"{mode}_over_bf16": side["rtfx"] / report["qasr"]["rtfx"], "efficiency": side_efficiency,
-                    "decode_b1_over_bf16": decode_b1[mode]["ms_per_token"] / decode_b1["none"]["ms_per_token"]}
+                    **decode_b1_ratio(report["decode_b1"], mode)}
     report["title"] += f"; and qasr {mode}"  # its kernels are in qasr_<mode>.kernels (a long line for a title)
 
 
@@ -346,7 +361,15 @@ def run(args: argparse.Namespace) -> int:
         if side is not None:
             print(f"\n{name} TTFT by arrival concurrency: " + ", ".join(
                 f"c={c}: p50 {v['p50_s']*1e3:.0f} ms / p95 {v['p95_s']*1e3:.0f} ms" for c, v in side["ttft"].items()))
-    ratio = f" ({mode} / bf16 = {report[mode]['decode_b1_over_bf16']:.2f})" if quant is not None else ""
+    ratio = ""
+    if quant is not None:
+        figures = report[mode]
+        ratio = f" ({mode} / bf16 = {figures['decode_b1_over_bf16']:.2f}"
+        if "decode_b1_over_bf16_by_round" in figures:
+            rounds_text = ", ".join(f"{r:.2f}" for r in figures["decode_b1_over_bf16_by_round"])
+            ratio += (f", the median of the rounds' {rounds_text}; the medians' ratio "
+                      f"{figures['decode_b1_over_bf16_of_medians']:.2f}")
+        ratio += ")"
     print("\ndecode at batch 1 (one request alone, 5 s clip, sides interleaved in one process): " + ", ".join(
         f"qasr{'' if q == 'none' else ' ' + q} {v['ms_per_token']:.1f} ms/token" for q, v in decode_b1.items()) + ratio)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
