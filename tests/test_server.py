@@ -282,7 +282,9 @@ def test_api_key(server, clips) -> None:
 def test_models_and_metrics(server, client) -> None:
     ids = [m.id for m in client.models.list()]
     assert ids == [str(DEMO_MODEL), "qasr-demo-en"]
-    assert client.models.retrieve(ids[1]).model_extra["word_timestamps"] is False  # no --aligner
+    extra = client.models.retrieve(ids[1]).model_extra
+    assert extra["word_timestamps"] is False  # no --aligner
+    assert extra["quantize"] == "none" and extra["kv_cache_dtype"] == "auto" and "int8" not in extra["kernels"]
     text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     assert metric(text, "qasr_http_requests_total", route="/v1/audio/transcriptions", status="200") > 0
     assert metric(text, "qasr_http_requests_total", route="/v1/audio/transcriptions", status="400") > 0

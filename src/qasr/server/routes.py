@@ -216,6 +216,11 @@ def _model(state: ServerState, name: str) -> dict:
         d["word_timestamps"] = aligner is not None
         if aligner is not None:
             d["word_timestamp_languages"] = list(aligner.supported_languages)
+        # and how it runs: an operator who started `qasr serve --quantize int8` can check it took
+        engine = state.asr.engine
+        d["quantize"] = engine.config.quantize or "none"
+        d["kv_cache_dtype"] = engine.config.kv_cache_dtype
+        d["kernels"] = engine.prepared.description
     return d
 
 
