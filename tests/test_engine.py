@@ -9,11 +9,13 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import noise, prompt_for
 
 from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import kv_bytes_per_token
+from qasr.engine.runner import pick
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -138,3 +140,19 @@ def test_packed_encoder_output_is_bit_identical_to_alone(ck_bf16) -> None:
         packed = enc(feats, conv_batch=3, kernels=kernels)
         for f, p in zip(feats, packed, strict=True):
             assert torch.equal(enc([f], conv_batch=3, kernels=kernels)[0], p)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pick_is_the_argmax_of_the_logits_and_its_log_softmax(dtype: torch.dtype) -> None:
+    """pick() takes its argmax over the float32 copy it makes for the log-softmax: the same index as the argmax of
+    the logits themselves, ties to the first and NaN the largest, and the float32 log-softmax at that index."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 3000, generator=gen) * 4).to(dtype)
+    logits[0, 7] = logits[0, 2500] = logits[0].max() + 1  # a tie: the first wins
+    logits[1, 40] = logits[1, 41] = float("nan")  # NaN is the largest: the first NaN wins
+    logits[2] = float("-inf")
+    logits[2, 99] = 0.0
+    tokens, logprobs = pick(logits)
+    assert tokens.tolist() == logits.argmax(-1).tolist() == [7, 40, 99, tokens[3].item()]
+    want = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.equal(logprobs[[0, 2, 3]], want[[0, 2, 3]]) and logprobs[1].isnan()

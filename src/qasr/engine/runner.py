@@ -157,8 +157,12 @@ def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     log-softmax of the row at that id. log_softmax over the last dim reduces every row by itself (one
     CPU thread or one CUDA block a row, in an order set by the vocabulary size alone), so a row's value
     does not depend on the rows beside it, and a recomputed row gives the same bits."""
-    tokens = logits.argmax(-1, keepdim=True)  # (rows, 1)
-    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, tokens)
+    scores = logits.float()  # exact (bf16 and float16 are subsets of float32)
+    # the argmax of the float32 values is the argmax of the logits (the same order, ties to the first index, NaN
+    # the largest), and on the CPU it costs a quarter of torch's bf16 argmax: 0.39 against 1.67 ms at 5 rows of the
+    # 151,936-token vocabulary (2 Zen 4 cores), once a decode step
+    tokens = scores.argmax(-1, keepdim=True)  # (rows, 1)
+    logprobs = torch.log_softmax(scores, -1).gather(-1, tokens)
     return tokens.squeeze(-1), logprobs.squeeze(-1)
 
 
