@@ -62,6 +62,12 @@ def demo_clips(tmp_path_factory: pytest.TempPathFactory) -> list[np.ndarray]:
             for i, (t, (v, s, p)) in enumerate(zip(texts, voices, strict=True))]
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, except that a NaN may be any NaN (torch's own bf16 loops give NaN with more than one bit
+    pattern: engine/cpu/silu_mul.py)."""
+    return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
+
+
 def noise(seconds: float, seed: int = 0) -> np.ndarray:
     """Band-limited-ish noise with a slow envelope, so features vary over time."""
     rng = np.random.default_rng(seed)

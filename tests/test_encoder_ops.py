@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import same_bits
 from torch import nn
 
 from qasr.engine.cpu import native, selftest
+from qasr.engine.cpu.bf16_values import every_bf16
 from qasr.engine.cpu.conv import CpuConvs
 from qasr.engine.cpu.int8 import Int8Convs
 from qasr.engine.cpu.padded_input import gelu_table, padded_nhwc
@@ -23,19 +24,10 @@ ops = native.encoder_ops_kernel()
 needs_ops = pytest.mark.skipif(ops is None, reason="no C++ compiler for the native kernels")
 
 
-def all_bf16() -> torch.Tensor:
-    return torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bits, except that a NaN may be any NaN."""
-    return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
-
-
 def test_torchs_contiguous_bf16_gelu_is_one_function_of_the_value() -> None:
     """What the table rests on: on a contiguous tensor a value's GELU does not depend on where it sits (its lane
     in a vector, or a partial last vector), so one evaluation per value is torch's GELU everywhere there."""
-    x, table = all_bf16(), gelu_table()
+    x, table = every_bf16(), gelu_table()
     assert table.shape == (1 << 16,) and table.dtype == torch.int16
     for offset in (0, 1, 7, 31):
         for length in (1 << 16, 45):  # whole vectors, and a short call ending in a partial one

@@ -8,30 +8,22 @@ import logging
 from dataclasses import replace
 from types import ModuleType
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import same_bits
 from test_decoder_plan import DIMS, packed_forward  # the plan tests' model and three packed forwards
 
 from qasr.engine.cpu import native, selftest
+from qasr.engine.cpu.bf16_values import every_bf16
 from qasr.engine.cpu.prepare import prepare_cpu
-from qasr.engine.cpu.silu_mul import native_silu_mul, silu_table, torch_silu_mul
+from qasr.engine.cpu.silu_mul import native_silu_mul, silu_table
 from qasr.model.checkpoint import load_checkpoint
-from qasr.model.kernels import Kernels
+from qasr.model.kernels import Kernels, torch_silu_mul
 from qasr.testing import make_tiny_checkpoint
 
 ops = native.decoder_ops_kernel()
 needs_ops = pytest.mark.skipif(ops is None, reason="no C++ compiler for the native kernels")
-
-
-def all_bf16() -> torch.Tensor:
-    return torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bits, except that a NaN may be any NaN (torch's own loops give NaN two ways: silu_mul.py)."""
-    return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
 
 
 def halves(z: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +35,7 @@ def halves(z: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_torchs_bf16_silu_is_the_table_on_rows_of_any_width(width: int) -> None:
     """What the table rests on: every bf16 value, placed in the gate half of rows `width` wide (whole vectors,
     vectors and a tail, a tail alone), gets the table's SiLU from torch."""
-    x = all_bf16()
+    x = every_bf16()
     x = torch.cat([x, x[: (-x.numel()) % width]])  # whole rows
     gate = x.view(-1, width)
     z = torch.cat([gate, torch.ones_like(gate)], 1)
@@ -73,7 +65,7 @@ def test_the_native_pass_gives_torchs_bits(rows: int, width: int) -> None:
 @needs_ops
 def test_every_gate_value_through_the_native_pass() -> None:
     """All 65,536 gate values times a few factors: torch's bits, NaN where torch gives NaN (inf * 0 included)."""
-    x = all_bf16()
+    x = every_bf16()
     for factor in (1.0, -0.5, 3.0, 0.0, float("inf")):
         gate = x.view(-1, 256)
         up = torch.full_like(gate, factor)
@@ -112,7 +104,7 @@ def path(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Path
 def test_prepare_plugs_the_pass_in_and_the_logits_are_the_same_without_it(path, quantize) -> None:  # noqa: ANN001
     ck = load_checkpoint(path, device="cpu", dtype="bfloat16")
     prepared = prepare_cpu(ck.model, True, quantize)
-    assert prepared.kernels.silu_mul is not None and "fused norms and SiLU * up" in prepared.description
+    assert prepared.kernels.silu_mul is not torch_silu_mul and "fused norms and SiLU * up" in prepared.description
     calls = []
     fused = prepared.kernels.silu_mul
 
@@ -131,7 +123,7 @@ def test_prepare_plugs_the_pass_in_and_the_logits_are_the_same_without_it(path, 
 def test_float32_keeps_torchs_silu() -> None:
     """The table is of bf16 values: a float32 model runs F.silu(gate) * up itself."""
     x = torch.randn(3, 8)
-    assert Kernels().silu_times(x, x).equal(F.silu(x) * x)
+    assert Kernels().silu_mul(x, x).equal(F.silu(x) * x)
 
 
 # --- the self-test: a correct module written in torch passes, a broken one is refused ---------------------------

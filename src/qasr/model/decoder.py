@@ -106,7 +106,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         gate, up = kernels.linears((self.gate_proj, self.up_proj), x)
-        return kernels.linear(self.down_proj, kernels.silu_times(gate, up))
+        return kernels.linear(self.down_proj, kernels.silu_mul(gate, up))
 
 
 class TextModel(nn.Module):

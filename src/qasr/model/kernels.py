@@ -24,6 +24,10 @@ def torch_conv(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def torch_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 @dataclass(frozen=True)
 class Kernels:
     """``linear(module, x)`` and ``conv(module, x)`` compute what the module would; ``rms_norm(x, weight,
@@ -50,15 +54,9 @@ class Kernels:
     # ``conv_gelu(module, x)``, when set: ``conv(module, F.gelu(x))`` with the GELU fused into preparing the
     # convolution's input (engine/cpu/padded_input.py); ``conv_of_gelu`` falls back to the two steps
     conv_gelu: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] | None = None
-    # ``silu_mul(gate, up)``, when set: ``F.silu(gate) * up``, the same bits for every result that is not NaN, in one
-    # pass (engine/cpu/silu_mul.py); ``silu_times`` falls back to the two torch ops
-    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-    def silu_times(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``F.silu(gate) * up``."""
-        if self.silu_mul is not None:
-            return self.silu_mul(gate, up)
-        return F.silu(gate) * up
+    # ``silu_mul(gate, up)``: ``F.silu(gate) * up``; a native form gives the same bits for every result that is not
+    # NaN, in one pass (engine/cpu/silu_mul.py)
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch_silu_mul
 
     def conv_of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         """``conv(module, F.gelu(x))``."""

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qasr.model.decoder import DecoderLayer, KVStore, TextModel
@@ -55,7 +54,7 @@ class DecoderPlan:
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         assert kernels.rms_norm is not None and kernels.norm_rope is not None
         self.rms_norm, self.norm_rope = kernels.rms_norm, kernels.norm_rope
-        self.silu_mul = kernels.silu_mul or (lambda gate, up: F.silu(gate) * up)
+        self.silu_mul = kernels.silu_mul
         self.layers = [self._layer(layer, kernels) for layer in text.layers]
 
     @staticmethod

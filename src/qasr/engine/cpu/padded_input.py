@@ -19,16 +19,16 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from qasr.engine.cpu.bf16_values import every_bf16
 
 
 @functools.cache
 def gelu_table() -> torch.Tensor:
     """(65536,) int16: entry i holds the bits of F.gelu of the bf16 value whose bits are i."""
-    x = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
-    return F.gelu(x).view(torch.int16).contiguous()
+    return F.gelu(every_bf16()).view(torch.int16).contiguous()
 
 
 def padded_nhwc(x: torch.Tensor, ph: int, pw: int, gelu: bool = False, ops: ModuleType | None = None) -> torch.Tensor:

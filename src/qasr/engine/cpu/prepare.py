@@ -22,7 +22,7 @@ from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.engine.cpu.quantized_linears import int4_decoder_linears, int8_linears, same_input_groups
 from qasr.engine.cpu.silu_mul import native_silu_mul
 from qasr.model.asr_model import Qwen3ASRModel
-from qasr.model.kernels import TORCH_KERNELS, Kernels
+from qasr.model.kernels import TORCH_KERNELS, Kernels, torch_silu_mul
 
 log = logging.getLogger(__name__)
 FUSED_NORM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -68,10 +68,11 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     else:
         linear, conv, gemm_name = _float_products(model, use_native, encoder_ops)
         parts.append(gemm_name)
-    rms_norm = norm_rope = silu_mul = None
+    rms_norm = norm_rope = None
+    silu_mul = torch_silu_mul
     if ops is not None:
         rms_norm, norm_rope = (ops.rms_norm, ops.norm_rope) if bf16 else (ops.rms_norm_ops, ops.norm_rope_ops)
-        silu_mul = native_silu_mul(ops) if bf16 else None
+        silu_mul = native_silu_mul(ops) if bf16 else torch_silu_mul
         parts.append("fused norms and SiLU * up" if bf16 else "norms in one call")
     group = getattr(linear, "group", None)  # the quantized modes compute same-input linears as one product
     parts += ["q/k/v and gate/up as one product each"] if group is not None else []

@@ -17,9 +17,11 @@ import functools
 from collections.abc import Callable
 from types import ModuleType
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from qasr.engine.cpu.bf16_values import every_bf16
+from qasr.model.kernels import torch_silu_mul
 
 SiluMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -28,12 +30,7 @@ SiluMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def silu_table() -> torch.Tensor:
     """(65536,) float32: entry i holds F.silu of the bf16 value whose bits are i (a bf16 value, exact in float32;
     float32 so that the native pass gathers 16 entries at a time)."""
-    x = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
-    return F.silu(x).float().contiguous()
-
-
-def torch_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    return F.silu(every_bf16()).float().contiguous()
 
 
 def native_silu_mul(ops: ModuleType) -> SiluMul:
@@ -43,6 +40,6 @@ def native_silu_mul(ops: ModuleType) -> SiluMul:
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if gate.dtype == torch.bfloat16 and gate.dim() == 2:
             return fused(gate, up, table)
-        return F.silu(gate) * up
+        return torch_silu_mul(gate, up)
 
     return silu_mul

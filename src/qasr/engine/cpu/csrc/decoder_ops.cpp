@@ -10,7 +10,6 @@
 // faster (0.6B decoder, 2 Zen 4 cores: q norm + rotary 31.6 -> 17.7 us at 8 rows, 969 -> 539 us at 512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <algorithm>
 #include <cmath>
 
 #include "parallel_grain.h"
