@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qasr.cli.argtypes import QUANTIZE_CHOICES
-from qasr.engine.config import KV_CACHE_DTYPES, QUANTIZE_MODES
+from qasr.engine.config import KV_CACHE_DTYPES, QUANTIZE_CHOICES, QUANTIZE_MODES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from qasr.engine.config import QUANTIZE_MODES  # plain data, no torch
+from qasr.engine.config import QUANTIZE_CHOICES  # noqa: F401 - plain data, no torch; re-exported
 
-# --quantize of transcribe, serve and bench
-QUANTIZE_CHOICES = ("none", *QUANTIZE_MODES)
 QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions; "
                  "int4: the same with int4 weights (groups of 128) in the decoder's linears and LM head "
                  "(CPU only; an --aligner is not quantized; docs/quantization.md); none (default): the --dtype "

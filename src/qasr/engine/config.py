@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 QUANTIZE_MODES = ("int8", "int4")  # EngineConfig.quantize: None (off) or one of these (docs/quantization.md)
+QUANTIZE_CHOICES = ("none", *QUANTIZE_MODES)  # a command line's --quantize: none is off
 KV_CACHE_DTYPES = ("auto", "int8")  # EngineConfig.kv_cache_dtype: auto = the model's dtype (engine/kv_quant.py)
 
 
