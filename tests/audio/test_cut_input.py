@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 
 from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
-from qasr.audio.stream import iter_segments
+from qasr.audio.cutting import iter_segments
 from qasr.audio.vad import VadConfig
 from qasr.testing.speech import convert, speak
 

@@ -1,10 +1,10 @@
 """The pipeline's CPU stage: decode an input, resample it to 16 kHz, find speech, cut it into segments.
 
-The rules are ``ASR.transcribe``'s: both cut an input with ``qasr.audio.stream.cut_input``, so every
+The rules are ``ASR.transcribe``'s: both cut an input with ``qasr.audio.cutting.cut_input``, so every
 segment carries exactly the samples, offset and duration a single-machine run would submit:
 "auto" asks the container for its duration without decoding and sends inputs up to ``max_segment_s``
 whole and longer ones through the VAD; "vad" and "fixed" stream segments out of
-``qasr.audio.stream.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
+``qasr.audio.cutting.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
 decoded in memory first, as ``transcribe`` does for bytes. tests/test_ray_data.py compares every output
 with the single-process command's, which keeps the two in step.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from qasr.audio.io import SAMPLE_RATE, checked_segments, named_audio_error
-from qasr.audio.stream import cut_input
+from qasr.audio.cutting import cut_input
 from qasr.distributed import rows
 from qasr.distributed.config import CallOptions
 from qasr.distributed.inputs import is_uri, read_uri

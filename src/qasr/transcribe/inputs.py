@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, named_audio_error
-from qasr.audio.stream import cut_input
+from qasr.audio.cutting import cut_input
 from qasr.model.checkpoint import Checkpoint
 from qasr.model.prompt import normalize_language
 from qasr.transcribe.pieces import Piece, make_piece, make_pieces
