@@ -61,7 +61,7 @@ def _entries() -> list[_Entry]:
         _Entry("decoder ops", native.decoder_ops_kernel, native.DECODER_OPS, frozenset()),
         _Entry("encoder ops", native.encoder_ops_kernel, native.ENCODER_OPS, frozenset()),
         _Entry("AVX512-BF16 linear", native.avx512_kernel, native.BF16_LINEAR, native.AVX512_BF16_CPU),
-        _Entry("AVX512-BF16 prefill attention", native.attention_kernel, native.BF16_LINEAR,
+        _Entry("AVX512-BF16 prefill attention", native.attention_kernel, native.PREFILL_ATTENTION,
                native.AVX512_BF16_CPU),
         _Entry("AMX-BF16 linear", native.amx_kernel, native.AMX_LINEAR, native.AMX_CPU),
         _Entry("AVX512-VNNI int8 linear", native.vnni_int8_kernel, native.INT8_VNNI, native.VNNI_CPU),

@@ -10,7 +10,7 @@ before anything uses it.
   float32/float16 the torch ops themselves, composed in C++ (one Python call, one GIL hand-off, same bits).
 - batch-invariant bf16 GEMMs (a row's result never depends on the other rows of the call, which oneDNN
   does not promise): on AMX tiles where the CPU has them (amx_linear.cpp), else AVX512-BF16
-  (bf16_linear.cpp, which also holds the flash-style prefill attention). Both pack weights the same way.
+  (bf16_linear.cpp; the flash-style prefill attention in prefill_attention.cpp). Both pack weights the same way.
 - exact int8 W8A8 GEMMs (int8_reference.py is the arithmetic, bit for bit): on AMX-INT8 tiles
   (amx_int8.cpp), else AVX512-VNNI (int8_linear.cpp), else 256-bit AVX-VNNI (int8_avx_vnni.cpp). All pack
   weights the same way.
@@ -43,6 +43,7 @@ DECODER_OPS = ("qasr_decoder_ops", "decoder_ops.cpp", ())
 ENCODER_OPS = ("qasr_encoder_ops", "encoder_ops.cpp", ())
 AMX_LINEAR = ("qasr_amx_linear", "amx_linear.cpp", AMX_FLAGS)
 BF16_LINEAR = ("qasr_bf16_linear", "bf16_linear.cpp", ())
+PREFILL_ATTENTION = ("qasr_prefill_attention", "prefill_attention.cpp", ())
 # The int8 epilogue is specified without fused multiply-add: GCC contracts even intrinsics' mul + add otherwise.
 NO_FMA = ("-ffp-contract=off",)
 INT8_VNNI = ("qasr_int8_vnni", "int8_linear.cpp", NO_FMA)
@@ -118,9 +119,9 @@ def avx512_kernel() -> ModuleType | None:
 
 @functools.cache
 def attention_kernel() -> ModuleType | None:
-    """The module holding the flash-style bf16 prefill attention (bf16_linear.cpp), if it passed its
-    self-test here."""
-    return selftest.verified("AVX512-BF16 prefill attention", _bf16_module(), selftest.check_prefill_attention)
+    """The flash-style bf16 prefill attention module (prefill_attention.cpp), if it passed its self-test here."""
+    return selftest.verified("AVX512-BF16 prefill attention", _bf16_module(PREFILL_ATTENTION),
+                             selftest.check_prefill_attention)
 
 
 @functools.cache
@@ -197,10 +198,10 @@ def clear_caches() -> None:
 
 
 @functools.cache
-def _bf16_module() -> ModuleType | None:
+def _bf16_module(build_spec: tuple = BF16_LINEAR) -> ModuleType | None:
     if not AVX512_BF16_CPU <= cpu_flags():
         return None  # not built at all, as the AMX one: a minute's compile of a kernel that cannot run here
-    mod = _build(*BF16_LINEAR)
+    mod = _build(*build_spec)
     return mod if mod is not None and mod.supported() else None
 
 
