@@ -31,8 +31,8 @@ import torch
 
 from qasr.bench.perf.machine import ForeignCpu, cpu_info
 from qasr.engine.cpu import native
-from qasr.engine.cpu.int4_reference import quantize_weight_groups
-from qasr.engine.cpu.int8_reference import int8_linear_reference
+from qasr.engine.cpu.int4 import quantize_weight_groups
+from qasr.engine.cpu.int8 import int8_linear_reference
 
 # (M, K, N): a decode row of a decoder projection and of the lm_head (vocabulary 151936), decode batches,
 # a prefill chunk, the square peak shape the bf16 rates use, and one second of audio through the encoder's

@@ -145,8 +145,7 @@ def int8_unfold_conv(module: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     reference product per row, NCHW output."""
     import torch.nn.functional as F
 
-    from qasr.engine.cpu.int8 import quantize_weight
-    from qasr.engine.cpu.int8_reference import int8_linear_reference
+    from qasr.engine.cpu.int8 import int8_linear_reference, quantize_weight
 
     n, _, h, w = x.shape
     cols = F.unfold(x.float(), module.kernel_size, padding=module.padding, stride=module.stride)  # (n, K, L)

@@ -14,10 +14,9 @@ from conftest import same_bits
 from torch import nn
 
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.bf16_values import every_bf16
-from qasr.engine.cpu.conv import CpuConvs
+from qasr.engine.cpu.activation_tables import every_bf16, gelu_table
+from qasr.engine.cpu.conv import CpuConvs, padded_nhwc
 from qasr.engine.cpu.int8 import Int8Convs
-from qasr.engine.cpu.padded_input import gelu_table, padded_nhwc
 from qasr.engine.cpu.prepare import prepare_cpu
 
 ops = native.encoder_ops_kernel()

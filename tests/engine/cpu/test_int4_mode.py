@@ -12,10 +12,8 @@ from torch import nn
 
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.int4 import Int4Weight
-from qasr.engine.cpu.int4_reference import GROUP, int4_linear_reference, quantize_weight_groups
-from qasr.engine.cpu.int8 import Int8Convs, Int8Weight, quantize_weight
-from qasr.engine.cpu.int8_reference import int8_linear_reference, quantize_rows_reference
+from qasr.engine.cpu.int4 import GROUP, Int4Weight, int4_linear_reference, quantize_weight_groups
+from qasr.engine.cpu.int8 import Int8Convs, Int8Weight, int8_linear_reference, quantize_rows_reference, quantize_weight
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.cpu.quantized_linears import int4_decoder_linears, same_input_groups
 from qasr.engine.engine import Engine

@@ -24,7 +24,7 @@ import torch
 from torch.utils.cpp_extension import include_paths
 
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows, quantize_rows_reference
+from qasr.engine.cpu.int8 import int8_linear_reference, patch_rows, quantize_rows_reference
 
 LOADERS = {"amx": (native.amx_int8_kernel, native.AMX_INT8_CPU, "AMX-INT8 linear"),
            "vnni": (native.vnni_int8_kernel, native.VNNI_CPU, "AVX512-VNNI int8 linear"),

@@ -17,9 +17,8 @@ from conftest import DEMO, greedy_without_engine, int8_unfold_conv, noise, promp
 from torch import nn
 
 from qasr.engine.config import EngineConfig
-from qasr.engine.cpu.int8 import Int8Convs, quantize_weight
-from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows
-from qasr.engine.cpu.int8_reference import quantize_rows_reference as quantize_rows  # the tests' short name
+from qasr.engine.cpu.int8 import Int8Convs, int8_linear_reference, patch_rows, quantize_weight
+from qasr.engine.cpu.int8 import quantize_rows_reference as quantize_rows  # the tests' short name
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.cpu.quantized_linears import int8_linears

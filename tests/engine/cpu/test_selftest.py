@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.int8_reference import patch_rows
+from qasr.engine.cpu.int8 import patch_rows
 
 
 @pytest.fixture

@@ -15,9 +15,8 @@ from conftest import same_bits
 from test_decoder_plan import DIMS, packed_forward  # the plan tests' model and three packed forwards
 
 from qasr.engine.cpu import native, selftest
-from qasr.engine.cpu.bf16_values import every_bf16
+from qasr.engine.cpu.activation_tables import every_bf16, native_silu_mul, silu_table
 from qasr.engine.cpu.prepare import prepare_cpu
-from qasr.engine.cpu.silu_mul import native_silu_mul, silu_table
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.kernels import Kernels, torch_silu_mul
 from qasr.testing import make_tiny_checkpoint

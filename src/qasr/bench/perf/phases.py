@@ -22,7 +22,7 @@ from qasr.bench.perf.flops import (
     encoder_weight_bytes,
     kv_bytes_per_position,
 )
-from qasr.engine.cpu.int4_reference import GROUP as INT4_GROUP
+from qasr.engine.cpu.int4 import GROUP as INT4_GROUP
 from qasr.model.config import ModelConfig, audio_token_count
 
 PHASES = ("encoder", "prefill", "decode")

@@ -16,14 +16,14 @@ ones on CPUs (activations follow the weight's layout). Same maths.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.engine.cpu.other_convs import OtherConvs
-from qasr.engine.cpu.padded_input import padded_nhwc
+from qasr.engine.cpu.activation_tables import gelu_table
 
 
 class CpuConvs:
@@ -66,3 +66,91 @@ def gemm_supported(conv: nn.Conv2d) -> bool:
     # the kernel takes input features in pairs along each kernel row: kernel width x channels must be even
     return (conv.groups == 1 and conv.dilation == (1, 1) and isinstance(conv.padding, tuple)
             and conv.padding_mode == "zeros" and conv.kernel_size[1] * conv.in_channels % 2 == 0)
+
+
+# (padded_input.py) The input of the encoder's 3x3 convolutions as their GEMM kernels read it: channels-last,
+# zero-padded, and, between two convolutions, GELU of the previous one's output.
+#
+# With the native encoder ops that is one pass over a bf16 activation (``pad_gelu``) instead of torch's three (gelu;
+# F.pad filling a new tensor with zeros, then copying the interior). Its GELU is a lookup in ``gelu_table()``:
+# torch's own F.gelu evaluated once at each of the 65,536 bf16 values.
+#
+# Which GELU: torch's bf16 F.gelu is not one function of the value. On a contiguous tensor it runs its vectorized
+# loop, whose bits do not depend on where a value sits (a partial last vector included: checked for all 65,536
+# values in tests/engine/cpu/test_encoder_ops.py); on a channels-last or strided tensor it takes other loops, which
+# differ from that in the last bit for ~3% of the values (measured: 53,598 of 1,584,000 at 480 channels). Here GELU
+# is always the contiguous one: the table, and the torch fallback below, which applies F.gelu to the contiguous
+# channels-last copy (the padding's copy was made anyway). The plain model (TORCH_KERNELS) applies F.gelu to torch's
+# contiguous NCHW convolution output: the same bits.
+
+def padded_nhwc(x: torch.Tensor, ph: int, pw: int, gelu: bool = False, ops: ModuleType | None = None) -> torch.Tensor:
+    """(n, c, h, w)-shaped ``x`` (any memory layout) -> (n, h + 2 ph, w + 2 pw, c) contiguous, zeros around
+    ``x`` or, with ``gelu``, around its GELU (the contiguous tensor's, see above): in one native pass for bf16
+    when ``ops`` (the encoder ops module) is given, else in torch ops (the same bits)."""
+    nhwc = x.permute(0, 2, 3, 1)
+    if gelu and ops is not None and x.dtype == torch.bfloat16:
+        return ops.pad_gelu(nhwc, gelu_table(), ph, pw)
+    if gelu:
+        nhwc = F.gelu(nhwc.contiguous())  # the contiguous tensor's GELU (see above)
+    return F.pad(nhwc, (0, 0, pw, pw, ph, ph)).contiguous()
+
+
+# (one_channel_conv.py) The encoder's first convolution (one input channel: the log-mel image) on the native encoder
+# ops.
+#
+# oneDNN ran it at 4-20 ms per 8 one-second chunks on two Zen 4 cores, its speed moving between processes with the
+# strides of the weight and the input, and wrote its output channels-first, which the next convolution's padding
+# then transposed (25 MB per 8 chunks). ``conv_one_channel`` (encoder_ops.cpp) sums each output in float32 (the
+# bias, then the taps in (ky, kx) order), rounds it once to bf16 and writes it channels-last, where the next step
+# reads it: ~4 ms. It rounds otherwise than oneDNN in the last bit of about one output in a million (float32 sums in
+# another order), and a position's result depends on nothing else in the batch.
+
+def one_channel_supported(conv: nn.Conv2d) -> bool:
+    return (conv.in_channels == 1 and conv.groups == 1 and conv.dilation == (1, 1) and isinstance(conv.padding, tuple)
+            and conv.padding_mode == "zeros" and conv.weight.dtype == torch.bfloat16)
+
+
+class OneChannelConvs:
+    """``module in convs`` for the model's one-input-channel convolutions the native op takes (none without
+    ``ops``); ``convs(module, x)`` for a bf16 (n, 1, h, w) ``x``: (n, cout, ho, wo)-shaped, channels-last memory."""
+
+    def __init__(self, model: nn.Module, ops: ModuleType | None) -> None:
+        self.ops = ops
+        self.weights: dict[nn.Conv2d, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if ops is None:
+            return
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d) and one_channel_supported(module):
+                taps = module.weight.detach().float().reshape(module.out_channels, -1).t().contiguous()  # (kh*kw, cout)
+                bias = None if module.bias is None else module.bias.detach().float()
+                self.weights[module] = (taps, bias)
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return module in self.weights
+
+    def __call__(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        taps, bias = self.weights[module]
+        (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
+        out = self.ops.conv_one_channel(x, taps, bias, kh, kw, sh, sw, ph, pw)  # type: ignore[union-attr]
+        return out.permute(0, 3, 1, 2)  # NCHW shape, NHWC memory, as the GEMM convolutions leave theirs
+
+
+# (other_convs.py) The convolutions that neither GEMM path (conv.py's bf16, int8.py's int8) takes: the encoder's
+# first one (one input channel) on the native encoder ops for bf16 when they built (one_channel_conv.py), and every
+# other one (that one included, without the ops) on oneDNN with a channels-last weight copy, about 20% faster than a
+# contiguous one on CPUs (the activations follow the weight's layout). Both GEMM paths hand these the same way, so
+# it is here once.
+
+class OtherConvs:
+    """``convs(module, x)`` for each of ``modules`` (the model's convolutions a GEMM path leaves): what the module
+    computes, on the native first convolution where it applies, else on oneDNN with a channels-last weight."""
+
+    def __init__(self, model: nn.Module, modules: Iterable[nn.Conv2d], ops: ModuleType | None) -> None:
+        self.one_channel = OneChannelConvs(model, ops)
+        self.channels_last = {m: m.weight.detach().contiguous(memory_format=torch.channels_last) for m in modules}
+
+    def __call__(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        if module in self.one_channel and x.dtype == torch.bfloat16:
+            return self.one_channel(module, x)
+        weight = self.channels_last.get(module, module.weight)
+        return F.conv2d(x, weight, module.bias, module.stride, module.padding, module.dilation, module.groups)

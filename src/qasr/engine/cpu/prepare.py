@@ -10,17 +10,17 @@ from dataclasses import replace
 from types import ModuleType
 
 import torch
+from qasr.engine.cpu.decoder_plan import plan_for
 from torch import nn
 
 from qasr.engine.backend import PreparedModel
 from qasr.engine.cpu import native
+from qasr.engine.cpu.activation_tables import native_silu_mul
 from qasr.engine.cpu.conv import CpuConvs
-from qasr.engine.cpu.decoder_plan import plan_for
 from qasr.engine.cpu.int8 import KERNEL_DTYPES, Int8Convs
 from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packing_supported
 from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.engine.cpu.quantized_linears import int4_decoder_linears, int8_linears, same_input_groups
-from qasr.engine.cpu.silu_mul import native_silu_mul
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS, Kernels, torch_silu_mul
 

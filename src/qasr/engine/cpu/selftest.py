@@ -19,8 +19,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from qasr.engine.cpu.int4_reference import GROUP, int4_linear_reference
-from qasr.engine.cpu.int8_reference import int8_linear_reference, patch_rows, quantize_rows_reference
+from qasr.engine.cpu.int4 import GROUP, int4_linear_reference
+from qasr.engine.cpu.int8 import int8_linear_reference, patch_rows, quantize_rows_reference
 from qasr.model.decoder import RMSNorm, rotate_half
 
 log = logging.getLogger(__name__)
@@ -394,7 +394,7 @@ def check_decoder_ops(kernel: ModuleType) -> None:
 def check_silu_mul(kernel: ModuleType) -> None:
     """silu_mul against torch's F.silu(gate) * up bit for bit, on the column halves of one product (views, as the
     engine passes them) 40 wide (two 16-value vectors and a tail), zeros and large values included."""
-    from qasr.engine.cpu.silu_mul import silu_table
+    from qasr.engine.cpu.activation_tables import silu_table
 
     gen = torch.Generator().manual_seed(7)
     z = (4 * torch.randn(5, 80, generator=gen)).to(torch.bfloat16)
@@ -413,7 +413,7 @@ def check_encoder_ops(kernel: ModuleType) -> None:
     why contiguous): channels-last and channels-first inputs, padding on both axes, one axis and none, values
     from -8 to 8 (GELU's curved part) and beyond, zeros; a NaN stays NaN. conv_one_channel against float32
     convolutions."""
-    from qasr.engine.cpu.padded_input import gelu_table
+    from qasr.engine.cpu.activation_tables import gelu_table
 
     gen = torch.Generator().manual_seed(6)
     x = (torch.randn(2, 6, 5, 34, generator=gen) * 4).to(torch.bfloat16)  # (n, h, w, c)
