@@ -11,11 +11,11 @@ import torch
 from conftest import noise, prompt_for
 
 from qasr.engine.cpu import native
-from qasr.engine.cpu.decoder_plan import DecoderPlan, plan_for
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.engine.kv_cache import KVPool
 from qasr.model.checkpoint import load_checkpoint
+from qasr.model.decoder import BoundDecoderLayers, bind_decoder_layers
 from qasr.testing import make_tiny_checkpoint
 
 # a plan is built only over the fused norms, which are native: without a compiler there is nothing to compare
@@ -64,7 +64,7 @@ def test_plan_gives_the_module_trees_bits(path, dtype: str, quantize: str | None
     ck = load_checkpoint(path, device="cpu", dtype=dtype)
     prepared = prepare_cpu(ck.model, True, quantize)
     plan = prepared.kernels.decoder_layers
-    assert isinstance(plan, DecoderPlan) and "decoder layers bound once" in prepared.description
+    assert isinstance(plan, BoundDecoderLayers) and "decoder layers bound once" in prepared.description
     calls = []
 
     def counted(*args):  # noqa: ANN002, ANN202
@@ -83,7 +83,7 @@ def test_no_plan_without_fused_norms(path) -> None:
     ck = load_checkpoint(path, device="cpu", dtype="float32")
     prepared = prepare_cpu(ck.model, False)  # torch ops only: the norms are the module's own
     assert prepared.kernels.decoder_layers is None
-    assert plan_for(ck.model.model, prepared.kernels) is None
+    assert bind_decoder_layers(ck.model.model, prepared.kernels) is None
 
 
 @needs_native
@@ -92,19 +92,19 @@ def test_engine_decodes_through_the_plan(path) -> None:
     ck = load_checkpoint(path, device="cpu", dtype="bfloat16")
     with Engine(ck, EngineConfig(kv_cache_bytes=16 << 20, quantize="int8")) as engine:
         plan = engine.prepared.kernels.decoder_layers
-        assert isinstance(plan, DecoderPlan)
+        assert isinstance(plan, BoundDecoderLayers)
         calls = []
-        original = DecoderPlan.__call__
+        original = BoundDecoderLayers.__call__
 
         def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
             calls.append(1)
             return original(self, *args)
 
-        DecoderPlan.__call__ = counted  # type: ignore[method-assign]
+        BoundDecoderLayers.__call__ = counted  # type: ignore[method-assign]
         try:
             wave = noise(1.0)
             tokens = engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=6,
                                    ignore_eos=True).result(timeout=120).token_ids
         finally:
-            DecoderPlan.__call__ = original  # type: ignore[method-assign]
+            BoundDecoderLayers.__call__ = original  # type: ignore[method-assign]
     assert len(tokens) == 6 and len(calls) >= 6  # the prompt's forward and one per decode step

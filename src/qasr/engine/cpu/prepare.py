@@ -10,7 +10,6 @@ from dataclasses import replace
 from types import ModuleType
 
 import torch
-from qasr.engine.cpu.decoder_plan import plan_for
 from torch import nn
 
 from qasr.engine.backend import PreparedModel
@@ -22,6 +21,7 @@ from qasr.engine.cpu.linear import InvariantLinears, OneDnnLinears, onednn_packi
 from qasr.engine.cpu.openmp import release_idle_workers
 from qasr.engine.cpu.quantized_linears import int4_decoder_linears, int8_linears, same_input_groups
 from qasr.model.asr_model import Qwen3ASRModel
+from qasr.model.decoder import bind_decoder_layers
 from qasr.model.kernels import TORCH_KERNELS, Kernels, torch_silu_mul
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,9 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
                       silu_mul=silu_mul,
                       fused_dtype=None if ops is None else dtype, linear_group=group,
                       encoder_attention=None if encoder_attention is None else encoder_attention.encoder_attention)
-    plan = plan_for(model.model, kernels)
-    if plan is not None:
-        kernels = replace(kernels, decoder_layers=plan)
+    layers = bind_decoder_layers(model.model, kernels)
+    if layers is not None:
+        kernels = replace(kernels, decoder_layers=layers)
         parts.append("decoder layers bound once")
     decode = native.decode_kernel() if use_native and dtype in (torch.float32, torch.bfloat16) else None
     head_dim = model.cfg.decoder.head_dim
