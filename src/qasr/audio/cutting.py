@@ -40,7 +40,7 @@ from qasr.audio.vad import VadConfig
 DEFAULT_BLOCK_S = 10.0
 
 
-class SegmentStream(Iterator[AudioSegment]):
+class SegmentCutter(Iterator[AudioSegment]):
     """Iterator over an input's segments, in order; decoding happens as it is consumed.
 
     ``duration``: the input's duration in seconds. Before exhaustion it is what the container states
@@ -65,7 +65,7 @@ class SegmentStream(Iterator[AudioSegment]):
     def vad_backend(self) -> str | None:
         return self._segmenter.vad_backend
 
-    def __iter__(self) -> SegmentStream:
+    def __iter__(self) -> SegmentCutter:
         return self
 
     def __next__(self) -> AudioSegment:
@@ -89,7 +89,7 @@ def iter_segments(
     max_segment_s: float = 30.0,
     vad: VadConfig | None = None,
     block_s: float = DEFAULT_BLOCK_S,
-) -> SegmentStream:
+) -> SegmentCutter:
     """Segments of ``source`` (see :mod:`qasr.audio.segments` for the modes), decoded as they are consumed.
 
     ``source`` and ``sample_rate`` are as for :func:`qasr.audio.io.load_audio` (a path, encoded bytes, an
@@ -105,22 +105,22 @@ def iter_segments(
         raise ValueError(f"block_s must be positive, got {block_s}")
     if isinstance(source, (tuple, np.ndarray)):
         wave = load_audio(source, sample_rate)
-        stream = SegmentStream(iter(()), wave.size / SAMPLE_RATE, segmenter)
-        stream._segments = _from_blocks(_array_blocks(wave, block_s), segmenter, stream)
-        return stream
+        cutter = SegmentCutter(iter(()), wave.size / SAMPLE_RATE, segmenter)
+        cutter._segments = _from_blocks(_array_blocks(wave, block_s), segmenter, cutter)
+        return cutter
     opener, name = _opener(source)
     decoder = BlockDecoder(opener, name, block_s, source.watch if isinstance(source, EncodedAudio) else None)
-    stream = SegmentStream(iter(()), decoder.duration, segmenter)
-    stream._segments = _from_blocks(_decoded_blocks(decoder), segmenter, stream)
-    return stream
+    cutter = SegmentCutter(iter(()), decoder.duration, segmenter)
+    cutter._segments = _from_blocks(_decoded_blocks(decoder), segmenter, cutter)
+    return cutter
 
 
 @dataclass(frozen=True)
 class Cut:
-    """How one input is cut: whole (``wave``: 16 kHz samples) or as segments (``stream``)."""
+    """How one input is cut: whole (``wave``: 16 kHz samples) or as segments (``segments``)."""
 
     wave: np.ndarray | None
-    stream: SegmentStream | None
+    segments: SegmentCutter | None
 
 
 def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, vad: VadConfig | None = None,
@@ -130,11 +130,11 @@ def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, v
     VAD, reading a file's duration from its container, without decoding, where the container states it.
     Bytes and arrays are decoded in memory either way. Input errors raise AudioError (or the decoders'
     OSError / RuntimeError) here or while the stream is read."""
-    mode, wave, stream = segmentation, None, None
+    mode, wave, segments = segmentation, None, None
     if isinstance(source, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
         if mode == "auto":
-            stream = iter_segments(source, mode="vad", max_segment_s=max_segment_s, vad=vad)
-            known = stream.duration
+            segments = iter_segments(source, mode="vad", max_segment_s=max_segment_s, vad=vad)
+            known = segments.duration
             mode = "none" if known is not None and known <= max_segment_s else "vad"
         if mode == "none":
             return Cut(load_audio(source), None)
@@ -144,10 +144,10 @@ def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, v
             mode = "none" if len(wave) / SAMPLE_RATE <= max_segment_s else "vad"
         if mode == "none":
             return Cut(wave, None)
-    if stream is None or mode != "vad":
-        stream = iter_segments(source if wave is None else (wave, SAMPLE_RATE), mode=mode,  # type: ignore[arg-type]
+    if segments is None or mode != "vad":
+        segments = iter_segments(source if wave is None else (wave, SAMPLE_RATE), mode=mode,  # type: ignore[arg-type]
                                max_segment_s=max_segment_s, vad=vad)
-    return Cut(None, stream)
+    return Cut(None, segments)
 
 
 def _opener(source: AudioSource) -> tuple[Callable[[], object], str]:
@@ -208,10 +208,10 @@ def _decoded_blocks(decoder: BlockDecoder) -> Iterator[np.ndarray]:
         raise AudioError(f"{decoder.name}: contains no audio samples")
 
 
-def _from_blocks(blocks: Iterator[np.ndarray], segmenter: Segmenter, stream: SegmentStream) -> Iterator[AudioSegment]:
+def _from_blocks(blocks: Iterator[np.ndarray], segmenter: Segmenter, cutter: SegmentCutter) -> Iterator[AudioSegment]:
     total = 0
     for block in blocks:
         total += block.size
         yield from segmenter.feed(block)
     yield from segmenter.flush()
-    stream._finished(total)
+    cutter._finished(total)

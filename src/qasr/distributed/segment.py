@@ -63,7 +63,7 @@ def input_rows(item: int, given: str, source: str, options: CallOptions,
                 yield rows.row(item, name, rows.WHOLE, k=0, duration=duration, samples=_bytes(cut.wave))
             yield rows.row(item, name, rows.END, count=1, duration=duration)
             return
-        stream = cut.stream
+        stream = cut.segments
         assert stream is not None
         for seg in checked_segments(stream, name):
             if count not in skip:

@@ -166,11 +166,11 @@ def input_pieces(checkpoint: Checkpoint, item: AudioInput, how: Segmenting, *, n
         if cut.wave is not None:
             pieces = make_pieces(checkpoint, cut.wave, max_chunk_sec=how.max_chunk_sec, **make)
             return InputPieces(iter(pieces), duration=len(cut.wave) / SAMPLE_RATE)
-        assert cut.stream is not None
-        segments = checked_segments(cut.stream, name)
+        assert cut.segments is not None
+        segments = checked_segments(cut.segments, name)
         pieces = (make_piece(checkpoint, seg.samples, offset=seg.start, duration=seg.end - seg.start, **make)
                   for seg in segments)
-        return InputPieces(pieces, stream=cut.stream)
+        return InputPieces(pieces, stream=cut.segments)
     except ValueError as exc:  # AudioError included
         raise named_audio_error(exc, name) from exc
     except (OSError, RuntimeError) as exc:  # a decoder or the detector failing on this input alone
