@@ -10,7 +10,7 @@ import pytest
 
 from qasr.align.languages import ALIGNER_LANGUAGES, normalize_aligner_language
 from qasr.align.timestamps import repair_monotonic, words_from_classes
-from qasr.align.words import split_words
+from qasr.align.units import split_words
 
 qwen3_asr = pytest.importorskip("transformers.models.qwen3_asr.processing_qwen3_asr")
 

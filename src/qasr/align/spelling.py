@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from qasr.align.words import is_cjk, is_kept
+from qasr.align.units import is_cjk, is_kept
 from qasr.results import Word
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from qasr.align.words import CJK_IDEOGRAPHS
+from qasr.align.units import CJK_IDEOGRAPHS
 
-# Scripts written without spaces between words: the CJK ideographs (align/words.py) and the blocks below.
+# Scripts written without spaces between words: the CJK ideographs (align/units.py) and the blocks below.
 # Hangul is deliberately absent: Korean separates words with spaces.
 _UNSPACED_RANGES = CJK_IDEOGRAPHS + (
     (0x0E00, 0x0EFF),  # Thai, Lao
