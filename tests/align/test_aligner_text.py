@@ -10,7 +10,7 @@ import pytest
 
 from qasr.align.languages import ALIGNER_LANGUAGES, normalize_aligner_language
 from qasr.align.timestamps import repair_monotonic, words_from_classes
-from qasr.align.units import split_words
+from qasr.align.units import split_units
 
 qwen3_asr = pytest.importorskip("transformers.models.qwen3_asr.processing_qwen3_asr")
 
@@ -37,19 +37,19 @@ TEXTS = [
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("language", [None, "English", "Chinese"])
 def test_split_matches_transformers(text: str, language: str | None) -> None:
-    assert split_words(text, language) == _reference_split(text, language)
+    assert split_units(text, language) == _reference_split(text, language)
 
 
 def test_split_units() -> None:
     expected = ["我", "们", "用", "Python", "3", "写", "了", "it's", "fine"]
-    assert split_words("我们用Python 3写了, it's fine!") == expected
+    assert split_units("我们用Python 3写了, it's fine!") == expected
 
 
 def test_compatibility_supplement_stays_inside_words() -> None:
     """U+2F800-2FA1F is not among the official aligner's CJK blocks (transformers splits it out): the
     official behaviour is kept, so such a character stays part of its word."""
     text = "ab\U0002f800cd"
-    assert split_words(text) == [text]
+    assert split_units(text) == [text]
     assert _reference_split(text) == ["ab", "\U0002f800", "cd"]
 
 
@@ -59,7 +59,7 @@ def test_missing_optional_tokenizer_names_the_package(monkeypatch, module: str, 
                                                       package: str) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail even where it is installed
     with pytest.raises(ImportError, match=f"pip install {package}"):
-        split_words("some text", language)
+        split_units("some text", language)
 
 
 def test_language_names_and_codes() -> None:

@@ -18,7 +18,7 @@ import torch
 from qasr.align.languages import ALIGNER_LANGUAGES, normalize_aligner_language
 from qasr.align.layout import AlignerPrompt, build_aligner_prompt
 from qasr.align.timestamps import words_from_classes
-from qasr.align.units import split_words
+from qasr.align.units import split_units
 from qasr.audio.io import AudioSource, load_audio
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
@@ -133,7 +133,7 @@ class Aligner:
         wave = np.ascontiguousarray(wave, dtype=np.float32)
         if len(wave) < MIN_SAMPLES:
             wave = np.pad(wave, (0, MIN_SAMPLES - len(wave)))
-        words = split_words(text, lang)
+        words = split_units(text, lang)
         if not words:
             return wave, words, None
         ck = self.checkpoint

@@ -33,7 +33,7 @@ def clean(token: str) -> str:
     return "".join(c for c in token if is_kept(c))
 
 
-def split_words(text: str, language: str | None = None) -> list[str]:
+def split_units(text: str, language: str | None = None) -> list[str]:
     """The alignment units of ``text``; ``language`` is a canonical name (see languages.py) or None.
 
     Japanese needs the optional ``nagisa`` package and Korean ``soynlp``: ImportError names them."""
