@@ -8,9 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from qasr.align.languages import ALIGNER_LANGUAGES, normalize_aligner_language
 from qasr.align.timestamps import repair_monotonic, words_from_classes
-from qasr.align.units import split_units
+from qasr.align.units import ALIGNER_LANGUAGES, normalize_aligner_language, split_units
 
 qwen3_asr = pytest.importorskip("transformers.models.qwen3_asr.processing_qwen3_asr")
 

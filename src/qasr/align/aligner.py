@@ -15,10 +15,9 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from qasr.align.languages import ALIGNER_LANGUAGES, normalize_aligner_language
 from qasr.align.layout import AlignerPrompt, build_aligner_prompt
 from qasr.align.timestamps import words_from_classes
-from qasr.align.units import split_units
+from qasr.align.units import ALIGNER_LANGUAGES, normalize_aligner_language, split_units
 from qasr.audio.io import AudioSource, load_audio
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.model.checkpoint import Checkpoint, load_checkpoint

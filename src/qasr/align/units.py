@@ -1,5 +1,5 @@
-"""Splitting a transcript into the units the aligner times: words for spaced scripts, single
-characters for CJK ideographs, morphemes from a tokenizer for Japanese and Korean.
+"""The aligner's languages, and splitting a transcript into the units it times: words for spaced scripts,
+single characters for CJK ideographs, morphemes from a tokenizer for Japanese and Korean.
 
 Only letters, numbers and apostrophes survive; punctuation and symbols are dropped before the model
 sees the text (it was trained on such cleaned units)."""
@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import unicodedata
 from types import ModuleType
+
+from qasr.model.prompt import LANGUAGE_CODES
 
 # CJK ideograph blocks that become one unit per character: URO, Ext A, Ext B, Ext C, Ext D, Ext E-F,
 # Compatibility Ideographs (the official aligner's list). The one table of ideographs: transcribe/text.py
@@ -33,8 +35,28 @@ def clean(token: str) -> str:
     return "".join(c for c in token if is_kept(c))
 
 
+# The eleven languages of Qwen3-ForcedAligner-0.6B (its release config lists the same).
+ALIGNER_LANGUAGES: tuple[str, ...] = (
+    "Chinese", "English", "Cantonese", "French", "German", "Italian", "Japanese", "Korean", "Portuguese",
+    "Russian", "Spanish",
+)  # fmt: skip
+
+
+def normalize_aligner_language(language: str | None, supported: tuple[str, ...] = ALIGNER_LANGUAGES) -> str | None:
+    """A language name (any case) or ISO code -> its canonical name; None stays None (generic splitting).
+    Raises ValueError naming the supported languages for anything else."""
+    if language is None:
+        return None
+    key = str(language).strip().lower()
+    name = LANGUAGE_CODES.get(key) or next((s for s in supported if s.lower() == key), None)
+    if name is None or name not in supported:
+        raise ValueError(f"language {language!r} is not supported by the forced aligner; supported: "
+                         f"{', '.join(supported)}")
+    return name
+
+
 def split_units(text: str, language: str | None = None) -> list[str]:
-    """The alignment units of ``text``; ``language`` is a canonical name (see languages.py) or None.
+    """The alignment units of ``text``; ``language`` is a canonical name (see normalize_aligner_language) or None.
 
     Japanese needs the optional ``nagisa`` package and Korean ``soynlp``: ImportError names them."""
     text = text.strip()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from starlette.datastructures import FormData, UploadFile
 
-from qasr.align.languages import normalize_aligner_language
+from qasr.align.units import normalize_aligner_language
 from qasr.server.errors import ApiError
 
 if TYPE_CHECKING:

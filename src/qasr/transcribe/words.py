@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from qasr.align.languages import normalize_aligner_language
 from qasr.align.spelling import display_words
+from qasr.align.units import normalize_aligner_language
 from qasr.audio.io import SAMPLE_RATE
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.request import GenerationResult
