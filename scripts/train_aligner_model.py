@@ -9,7 +9,7 @@ exactly the code path of the real checkpoint.
 The network is the ASR network with its LM head replaced by a ``Linear(hidden -> classify_num)``
 timestamp classifier (class k = k x 80 ms). The encoder and decoder start from the ASR demo model
 (models/qasr-demo-en), which already hears this speech; the classifier starts from scratch. The input is
-the official aligner layout (qasr.align.layout.build_aligner_prompt):
+the official aligner layout (qasr.align.aligner.build_aligner_prompt):
 ``<|audio_start|><|audio_pad|>*T<|audio_end|>w1<timestamp><timestamp>w2...``, one causal forward, and
 the loss is cross-entropy at the ``<timestamp>`` slots, the targets being round(time / 80 ms) of each
 word's true start and end, plus an auxiliary one at the audio positions (see Trainer.logits) and, with
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qasr.align.layout import build_aligner_prompt
+from qasr.align.aligner import build_aligner_prompt
 from qasr.audio.features import LogMel
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import ModelConfig, post_conv_length

@@ -11,21 +11,45 @@ import asyncio
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from qasr.align.layout import AlignerPrompt, build_aligner_prompt
 from qasr.align.timestamps import words_from_classes
 from qasr.align.units import ALIGNER_LANGUAGES, normalize_aligner_language, split_units
 from qasr.audio.io import AudioSource, load_audio
 from qasr.engine.engine import Engine, EngineConfig
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.config import audio_token_count
+from qasr.model.prompt import SpecialTokens
+from qasr.model.tokenizer import Tokenizer
 from qasr.results import Word
 
 # The official library zero-pads clips shorter than 0.5 s before the log-mel (so does transformers).
 MIN_SAMPLES = 8000
+
+
+# The aligner's input: ``<|audio_start|>`` + T audio placeholders + ``<|audio_end|>``, then each unit
+# followed by two ``<timestamp>`` slots (its start and its end), units written without spaces. No chat
+# template and no system or user turn: the aligner was trained on exactly this sequence.
+@dataclass(frozen=True)
+class AlignerPrompt:
+    ids: list[int]
+    slots: list[int]  # prompt positions of the <timestamp> slots, 2 per unit, in order
+
+
+def build_aligner_prompt(tokenizer: Tokenizer, special: SpecialTokens, timestamp_id: int, audio_tokens: int,
+                         words: Sequence[str]) -> AlignerPrompt:
+    """Each unit is BPE-encoded on its own: the <timestamp> tokens between units split the text there
+    anyway, so this equals encoding the concatenated string."""
+    ids = [special.audio_start, *([special.audio_pad] * audio_tokens), special.audio_end]
+    slots: list[int] = []
+    for word in words:
+        ids.extend(tokenizer.encode(word))
+        slots.extend((len(ids), len(ids) + 1))
+        ids.extend((timestamp_id, timestamp_id))
+    return AlignerPrompt(ids, slots)
 
 
 class Aligner:
