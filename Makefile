@@ -47,7 +47,7 @@ $(RAY_STAMP): $(STAMP) pyproject.toml
 	@touch $(RAY_STAMP)
 
 test-ray: $(RAY_STAMP)
-	$(PY) -m pytest -q -m ray tests/test_ray_data.py tests/test_ray_serve.py
+	$(PY) -m pytest -q -m ray tests/distributed/test_ray_data.py tests/distributed/test_ray_serve.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples

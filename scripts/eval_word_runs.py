@@ -1,6 +1,6 @@
 """WER of demo models on short random word runs by voices and speeds they never trained on, side by side.
 
-Why: the end-to-end test (tests/test_demo_model.py) speaks 24 such runs, too few to tell a model that
+Why: the end-to-end test (tests/e2e/test_demo_model.py) speaks 24 such runs, too few to tell a model that
 passes its 10% bar by luck from one that passes it by a margin. This speaks the same kinds of runs (6-9 number
 words, or codes of 5-7 letters and digits, in random order: no sentence to lean on) for many seeds, with
 the test's held-out voices and speeds (outside the 130-190 wpm of the training data), and transcribes them

@@ -20,7 +20,7 @@
 #
 # The bench stage's budget, in seconds (full | quick). Inner budgets stop themselves (a level, the
 # transformers batches, the batch-invariance check); fixed costs are estimates for an H200 and the 0.6B
-# dims. tests/test_gpu_check.py checks that the lines add up to the total, that the inner budgets are the
+# dims. tests/e2e/test_gpu_check_script.py checks that the lines add up to the total, that the inner budgets are the
 # ones the command passes, and that the total stays under 90% of the stage's budget.
 #   fixed  GPU probe: CUDA init, bf16 8192^3 matmuls, 2 GiB copies                  10 |  10
 #   fixed  random checkpoint (0.6B dims, ~1.9 GB), written ONCE, read by both sides 25 |  25
@@ -37,7 +37,7 @@
 #   bench stage budget                                                            290 | 145
 # --amx runs instead: env, then
 #   amx      where the host CPU has amx_bf16: qasr's native CPU kernels built there, their tests
-#            (tests/test_amx_linear.py, tests/test_selftest.py) on real tile instructions, and the bf16 GEMM
+#            (tests/engine/cpu/test_amx_linear.py, tests/engine/cpu/test_selftest.py) on real tile instructions, and the bf16 GEMM
 #            rates of torch against qasr's AMX and AVX512 kernels (scripts/amx_rates.py -> amx_rates.json);
 #            on a CPU without AMX it says so and passes. 180 s in all.
 # PYTHON (default python3) and GPU_CHECK_SITE (default /tmp/site) say which interpreter and install folder.
@@ -71,12 +71,12 @@ if [ "$QUICK" = 1 ]; then
   TOTAL_S=270
   BUDGET_ENV=15; BUDGET_INSTALL=45; BUDGET_TESTS=60; BUDGET_BENCH=145
   BENCH_ARGS="--quick --gpu-budgets 6,10,15,0 --gpu-reference-budget 0"
-  TEST_SELECT="tests/test_cuda_backend.py"
+  TEST_SELECT="tests/engine/cuda/test_cuda_backend.py"
 else
   TOTAL_S=470
   BUDGET_ENV=15; BUDGET_INSTALL=45; BUDGET_TESTS=110; BUDGET_BENCH=290
   BENCH_ARGS="--gpu-budgets 10,20,45,0 --gpu-reference-budget 30"
-  TEST_SELECT="tests/test_parity.py tests/test_cuda_backend.py"
+  TEST_SELECT="tests/model/test_transformers_parity.py tests/engine/cuda/test_cuda_backend.py"
 fi
 
 STAGES=(env install tests bench)
@@ -105,7 +105,7 @@ print(\"transformers\", transformers.__version__, \"from\", transformers.__file_
   # the native kernels are built here (QASR_NO_NATIVE=0), on 2 threads as on the project's machines
   [amx]="grep -o 'amx_bf16\\|amx_tile\\|avx512_bf16' /proc/cpuinfo | sort -u; grep -m1 'model name' /proc/cpuinfo; \
 if grep -qw amx_bf16 /proc/cpuinfo; then export QASR_NO_NATIVE=0 OMP_NUM_THREADS=2; \
-$PY -m pytest -q -p no:cacheprovider -rs tests/test_amx_linear.py tests/test_selftest.py && \
+$PY -m pytest -q -p no:cacheprovider -rs tests/engine/cpu/test_amx_linear.py tests/engine/cpu/test_selftest.py && \
 $PY scripts/amx_rates.py --threads 2 --out $OUT/amx_rates.json; \
 else echo 'this host CPU has no amx_bf16: nothing to check'; fi"
 )

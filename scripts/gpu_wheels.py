@@ -7,7 +7,7 @@ qasr runs there from its source tree (PYTHONPATH=src). What the GPU run needs be
 working tree as wheels, in .whl/ (git-ignored), and scripts/gpu_check.sh installs them with
 `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
 
-What the GPU run imports is checked by the tests (tests/test_gpu_wheels.py): its code runs on CPU in a
+What the GPU run imports is checked by the tests (tests/e2e/test_gpu_wheels_script.py): its code runs on CPU in a
 Python that sees only the standard library, qasr, and the packages of IMAGE and WHEELS (``image_site``),
 and each wheel's own requirements must be met by IMAGE (at the versions known there) or by WHEELS. qasr's
 audio decoders (PyAV, soundfile, soxr) are not on that path: the benchmark and the tests make their audio

@@ -18,7 +18,7 @@ The held-out split follows the ASR data's: the sentence split is drawn exactly a
 draws it (same seed), so validation sentences were heard neither by the ASR demo model (which the
 aligner starts from) nor by the aligner; half the validation sentence and multi-sentence clips and all
 validation word runs use voices from accents and variants never trained on (HELD_OUT_VOICES), word runs
-at speeds outside the training range. The sentences tests/test_demo_aligner.py speaks are excluded.
+at speeds outside the training range. The sentences tests/e2e/test_demo_aligner.py speaks are excluded.
 
     .venv/bin/python scripts/make_aligner_data.py --out data/aligner
 
@@ -63,7 +63,7 @@ MAX_CLIP_SECONDS = 30.0
 TRIM_DB = -40.0  # frames this far below the loudest 5 ms frame are silence when trimming word edges
 FRAME_S = 0.005
 
-# Spoken by tests/test_demo_aligner.py with voices never trained on; kept out of all the data.
+# Spoken by tests/e2e/test_demo_aligner.py with voices never trained on; kept out of all the data.
 ALIGNER_TEST_SENTENCES = (
     "remind me to feed the cat on friday at seven",
     "the code is b seven x two",

@@ -14,7 +14,7 @@ the validation clips use voices (accent + variant combinations whose variants ar
 with any accent) so the measured WER says something about unseen speakers. Validation word runs use
 held-out voices AND speeds outside the training range only. Multi-sentence clips are built from their
 split's sentences. The sentences that
-tests/test_demo_model.py speaks are excluded from both sets.
+tests/e2e/test_demo_model.py speaks are excluded from both sets.
 
     .venv/bin/python scripts/make_demo_data.py --out data/demo --jobs 2
 
@@ -64,7 +64,7 @@ TRAIN_SPEEDS = (130, 190)  # words per minute; held-out speeds lie outside, e.g.
 HELD_OUT_SPEEDS = tuple(range(115, 129)) + tuple(range(192, 206))
 MAX_SPEECH_SECONDS = 30.0  # the application cuts long audio into segments of at most 30 s
 
-# Spoken by tests/test_demo_model.py: grammar-conforming, never in the training or validation data.
+# Spoken by tests/e2e/test_demo_model.py: grammar-conforming, never in the training or validation data.
 TEST_SENTENCES = (
     "set an alarm for six forty five",
     "call anna on the ninth of july",

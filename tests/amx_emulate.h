@@ -1,6 +1,6 @@
 // A scalar model of the AMX tile instructions used by src/qasr/engine/cpu/csrc/amx_linear.cpp, so its
 // indexing (packed layout, panels, K tails, row and column remainders, threading) can be run and checked
-// on CPUs without AMX. Included only when the kernel is built with -DQASR_AMX_EMULATE (tests/test_amx_linear.py);
+// on CPUs without AMX. Included only when the kernel is built with -DQASR_AMX_EMULATE (tests/engine/cpu/test_amx_linear.py);
 // never used for inference.
 //
 // Semantics follow the Intel SDM pseudo-code: LDTILECFG zeroes every tile; TILELOADD fills rows x colsb

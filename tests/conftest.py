@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from qasr.audio.features import LogMel
+from qasr.engine.kv_cache import single_prefill
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import build_prompt
@@ -155,3 +157,17 @@ def int8_unfold_conv(module: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
     ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
     return y.view(n, ho * wo, -1).transpose(1, 2).reshape(n, -1, ho, wo)
+
+
+def reference_logprobs(ck, wave: np.ndarray, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The plain reference: one float32 forward of the model with torch's own ops over the prompt and the
+    generated tokens (teacher-forced, no engine, no batch), then each chosen token's log-softmax."""
+    model = ck.model
+    audio = model.encode_audio([LogMel(ck.features)(wave)])[0]
+    ids = prompt + tokens[:-1]
+    cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
+    rows = torch.arange(len(prompt) - 1, len(ids))
+    with torch.inference_mode():
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, logits_rows=rows, audio_embeds=audio)
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()

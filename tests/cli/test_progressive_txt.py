@@ -17,7 +17,7 @@ from server_proc import qasr_command
 
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SR = 16000
 DEMO = ("-m", str(ROOT / "models" / "qasr-demo-en"), "--device", "cpu", "--dtype", "float32", "--no-progress",
         "--max-running", "2", "--max-segment-s", "4")  # two segments at a time: the text comes in waves

@@ -19,7 +19,7 @@ from qasr.model.weights import resolve_model_dir
 from qasr.testing import make_tiny_checkpoint
 
 SR = 16000
-DEMO = Path(__file__).resolve().parent.parent / "models" / "qasr-demo-en"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "qasr-demo-en"
 PREFERRED = 4.0
 
 

@@ -12,7 +12,7 @@ import pytest
 from qasr import __version__
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLOAT32 = ("--device", "cpu", "--dtype", "float32")  # exact text on every CPU (bf16 rounding differs by CPU)
 
 

@@ -31,7 +31,7 @@ ray = pytest.importorskip("ray")
 # Ray and Ray Serve warn about their own deprecated internals (pydantic fields, DataContext options)
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ("-m", str(ROOT / "models" / "qasr-demo-en"), "--device", "cpu", "--dtype", "float32", "--no-progress")
 FORMATS = ("-f", "json,srt,txt")
 # two actors of half a core each and half-core decode tasks: all of it fits the 2-CPU runtime at once

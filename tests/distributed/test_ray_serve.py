@@ -29,7 +29,7 @@ websockets = pytest.importorskip("websockets")
 # Ray and Ray Serve warn about their own deprecated internals (pydantic fields, DataContext options)
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "qasr-demo-en"
 SENTENCES = ("set an alarm for six", "call anna tomorrow", "turn off the lights", "what is the weather",
              "play some music", "remind me at nine", "set a timer for ten minutes", "call anna on the ninth of july")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from qasr.engine.cpu import native
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "amx_rates.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "amx_rates.py"
 
 
 def load():

@@ -22,7 +22,7 @@ import soundfile as sf
 from qasr import ASR, Aligner
 from qasr.transcribe.words import LEAD_IN_CLASSES, with_lead_in
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "qasr-demo-aligner-en"
 # Held-out voices of the data script (accents and variants never trained on), at in-range speeds.
 VOICES = (("en-us-nyc+f5", 150, 55), ("en-gb-x-gbcwmd+m7", 170, 40), ("en-us-nyc+m7", 140, 45),

@@ -21,7 +21,7 @@ from qasr import ASR
 from qasr.testing.speech import speak
 from qasr.testing.word_runs import FIRST_SEED, speak_runs_by, speak_word_runs, word_runs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "qasr-demo-en"
 VOICES = (("en-us", 160, 50), ("en-gb", 150, 40), ("en-us+f3", 175, 60), ("en-gb-scotland+m3", 140, 45))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils' timeout")
@@ -44,8 +44,8 @@ def test_dry_run_lists_the_stages_within_eight_minutes(tmp_path, quick: bool, li
     assert "_flash_attention_forward" in cmd["env"]
     assert "pip install" in cmd["install"] and "--no-index --no-deps" in cmd["install"]
     assert "--target /tmp/site .whl/*.whl" in cmd["install"]
-    assert "-m pytest" in cmd["tests"] and "-k cuda" in cmd["tests"] and "tests/test_cuda_backend.py" in cmd["tests"]
-    assert ("tests/test_parity.py" in cmd["tests"]) is not quick
+    assert "-m pytest" in cmd["tests"] and "-k cuda" in cmd["tests"] and "tests/engine/cuda/test_cuda_backend.py" in cmd["tests"]
+    assert ("tests/model/test_transformers_parity.py" in cmd["tests"]) is not quick
     assert "benchmarks/throughput.py --device cuda" in cmd["bench"] and f"--out {tmp_path}" in cmd["bench"]
     assert "PYTHONPATH=/tmp/site:" in r.stdout and f"{ROOT}/src" in r.stdout
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
@@ -134,7 +134,7 @@ def test_amx_mode_checks_the_host_cpu_alone(tmp_path) -> None:
     assert sum(b for _, b, _ in stages) <= 180 and "at most 180 s" in r.stdout
     cmd = dict((s, c) for s, _, c in stages)["amx"]
     assert "grep -qw amx_bf16 /proc/cpuinfo" in cmd and "QASR_NO_NATIVE=0" in cmd
-    assert "tests/test_amx_linear.py" in cmd and f"scripts/amx_rates.py --threads 2 --out {tmp_path}" in cmd
+    assert "tests/engine/cpu/test_amx_linear.py" in cmd and f"scripts/amx_rates.py --threads 2 --out {tmp_path}" in cmd
 
 
 def test_the_amx_stage_runs_here(tmp_path) -> None:

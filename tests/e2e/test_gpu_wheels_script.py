@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
 gw = importlib.util.module_from_spec(spec)
 sys.modules["gpu_wheels"] = gw
@@ -23,12 +23,12 @@ spec.loader.exec_module(gw)
 # what the GPU run executes, as far as it runs on a CPU: the parity tests' imports and oracle, the CUDA
 # backend's tests, the GPU benchmark's both sides on a tiny checkpoint and its --device cuda entry point
 GPU_RUN_TESTS = [
-    "tests/test_parity.py::test_both_layouts_give_identical_output[cpu]",
-    "tests/test_parity.py::test_logits_and_greedy_ids_match_transformers[cpu--None-1.0]",
-    "tests/test_cuda_backend.py::test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens",
-    "tests/test_cuda_backend.py::test_cuda_float32_engine_gives_the_cpu_engines_tokens",  # collected, skipped here
-    "tests/test_bench_gpu.py::test_both_sides_run_on_a_tiny_checkpoint_and_the_report_renders",
-    "tests/test_bench_gpu.py::test_device_cuda_without_a_gpu_says_so",
+    "tests/model/test_transformers_parity.py::test_both_layouts_give_identical_output[cpu]",
+    "tests/model/test_transformers_parity.py::test_logits_and_greedy_ids_match_transformers[cpu--None-1.0]",
+    "tests/engine/cuda/test_cuda_backend.py::test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens",
+    "tests/engine/cuda/test_cuda_backend.py::test_cuda_float32_engine_gives_the_cpu_engines_tokens",  # collected, skipped here
+    "tests/bench/test_bench_gpu.py::test_both_sides_run_on_a_tiny_checkpoint_and_the_report_renders",
+    "tests/bench/test_bench_gpu.py::test_device_cuda_without_a_gpu_says_so",
 ]
 
 

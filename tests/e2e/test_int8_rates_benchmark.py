@@ -8,7 +8,7 @@ from pathlib import Path
 
 from qasr.engine.cpu import native
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "int8_rates.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "int8_rates.py"
 
 
 def load():  # noqa: ANN201

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 FROM = re.compile(r"^\s*from\s+(qasr(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", re.M)

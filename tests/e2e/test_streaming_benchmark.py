@@ -10,7 +10,7 @@ import pytest
 
 from qasr.engine.config import QUANTIZE_MODES
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "streaming.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "streaming.py"
 
 
 def load():  # noqa: ANN201

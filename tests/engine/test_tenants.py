@@ -28,7 +28,7 @@ from qasr.model.checkpoint import load_checkpoint
 from qasr.testing.checkpoint import make_tiny_aligner_checkpoint
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KV = 64 << 20
 SR = 16000
 

@@ -11,14 +11,13 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import noise, prompt_for
+from conftest import noise, prompt_for, reference_logprobs
 
-from qasr.audio.features import LogMel
 from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.cuda import graphs as cuda_graphs
 from qasr.engine.cuda import prepare as cuda_prepare
 from qasr.engine.engine import Engine, EngineConfig
-from qasr.engine.kv_cache import kv_bytes_per_token, single_prefill
+from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.engine.request import GenerationResult
 from qasr.outputs.writers import render
 from qasr.results import Segment, Transcription
@@ -39,20 +38,6 @@ def generate(ck, waves: list[np.ndarray], new_tokens: int = 16, **config) -> lis
         futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
                    for w in waves]
         return [f.result(WAIT_S) for f in futures]
-
-
-def reference_logprobs(ck, wave: np.ndarray, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The plain reference: one float32 forward of the model with torch's own ops over the prompt and the
-    generated tokens (teacher-forced, no engine, no batch), then each chosen token's log-softmax."""
-    model = ck.model
-    audio = model.encode_audio([LogMel(ck.features)(wave)])[0]
-    ids = prompt + tokens[:-1]
-    cache, meta = single_prefill(ck.config.decoder, len(ids), ck.device, ck.dtype)
-    rows = torch.arange(len(prompt) - 1, len(ids))
-    with torch.inference_mode():
-        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, logits_rows=rows, audio_embeds=audio)
-    logprobs = torch.log_softmax(logits.float(), -1)
-    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
 # ------------------------------------------------------------------------------------------- the engine

@@ -21,7 +21,7 @@ from server_proc import qasr_command
 
 from qasr.testing.speech import convert, speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ("-m", str(ROOT / "models" / "qasr-demo-en"), "--device", "cpu", "--dtype", "float32", "--no-progress")
 SENTENCES = ("set an alarm for six", "call anna tomorrow", "turn off the lights", "what is the weather",
              "play some music", "remind me at nine")

@@ -22,7 +22,7 @@ from qasr import ASR
 from qasr.engine.config import EngineConfig
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "qasr-demo-en"
 SR = 16000
 SENTENCES = ("set an alarm for six forty five", "call anna on the ninth of july", "the code is k four z nine",

@@ -1,4 +1,4 @@
-// A kernel for tests/test_kernel_build.py that compiles in about a second: plain CPython, no torch headers.
+// A kernel for tests/engine/cpu/test_kernel_build.py that compiles in about a second: plain CPython, no torch headers.
 // torch.utils.cpp_extension.load passes -DTORCH_EXTENSION_NAME=<module name> and imports <module name>, so
 // the init function's name is pasted from that macro. One function: add(a, b) -> a + b.
 #include <Python.h>

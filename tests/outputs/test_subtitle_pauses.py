@@ -21,7 +21,7 @@ from qasr.outputs.writers import render
 from qasr.results import Segment, Transcription, Word
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SR = 16000
 
 

@@ -15,7 +15,7 @@ import jiwer
 import numpy as np
 import pytest
 import soundfile as sf
-from test_server_page import By, WebDriverWait, open_chromium, open_page, srv, transcribe_on_page  # noqa: F401
+from test_page import By, WebDriverWait, open_chromium, open_page, srv, transcribe_on_page  # noqa: F401
 
 from qasr.testing.speech import speak
 

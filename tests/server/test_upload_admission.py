@@ -1,6 +1,6 @@
 """The parts of admission before decoding, without HTTP: the duration probe on real encoded files, and an
 upload's admission against the real queue budget (growing an estimate, refusing a header that understates,
-a client that leaves). The whole path over HTTP is in test_server_admission.py."""
+a client that leaves). The whole path over HTTP is in test_admission.py."""
 
 from __future__ import annotations
 

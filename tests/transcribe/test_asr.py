@@ -143,7 +143,7 @@ def test_float16_on_cpu_runs(tiny_original) -> None:
 
 
 def test_auto_dtype_follows_the_cpu(tiny_original) -> None:
-    from qasr.model.device import cpu_has_native_bf16
+    from qasr.model.checkpoint import cpu_has_native_bf16
 
     asr = ASR.from_pretrained(tiny_original, device="auto", dtype="auto")
     expected = "torch.bfloat16" if cpu_has_native_bf16() else "torch.float32"
@@ -152,7 +152,7 @@ def test_auto_dtype_follows_the_cpu(tiny_original) -> None:
 
 # ---------------------------------------------------------------- the request API: prepare, async, finish reasons
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "qasr-demo-en"
 ALARM = ROOT / "examples" / "alarm.flac"
 

@@ -15,7 +15,7 @@ from qasr import ASR, Segment, Transcription, TranscriptionFailed
 from qasr.engine.config import EngineConfig
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SR = 16000
 SENTENCES = ("set an alarm for six forty five", "call anna on the ninth of july", "the code is k four z nine",
              "turn off the lights", "remind me to buy milk tomorrow", "what is the weather like today")

@@ -10,8 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import noise
-from test_confidence import reference_logprobs
+from conftest import noise, reference_logprobs
 
 from qasr import ASR, Aligner
 from qasr.engine.cpu.native import linear_kernel

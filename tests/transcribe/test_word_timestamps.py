@@ -23,7 +23,7 @@ from qasr.results import Word
 from qasr.testing.checkpoint import make_tiny_aligner_checkpoint
 from qasr.testing.speech import speak
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SR = 16000
 
 

@@ -104,7 +104,7 @@ def decorrelate_head(path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     In a random model every slot's hidden state is mostly one shared vector, so one class wins at every
     slot (seen: all words at 275.04 s) and both sides agree trivially. Removing that direction from the
     classifier's rows leaves the argmax to what differs between slots (audio, words, position), as
-    tests/test_aligner_parity.py does. Costs one forward over 13 s of audio, once per cached checkpoint."""
+    tests/align/test_aligner_parity.py does. Costs one forward over 13 s of audio, once per cached checkpoint."""
     from safetensors.torch import load_file, save_file
 
     from qasr.align.aligner import Aligner

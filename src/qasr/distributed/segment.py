@@ -5,7 +5,7 @@ segment carries exactly the samples, offset and duration a single-machine run wo
 "auto" asks the container for its duration without decoding and sends inputs up to ``max_segment_s``
 whole and longer ones through the VAD; "vad" and "fixed" stream segments out of
 ``qasr.audio.cutting.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
-decoded in memory first, as ``transcribe`` does for bytes. tests/test_ray_data.py compares every output
+decoded in memory first, as ``transcribe`` does for bytes. tests/distributed/test_ray_data.py compares every output
 with the single-process command's, which keeps the two in step.
 
 Errors are values: a bad input gives an "end" row with the message naming it, and the task goes on.

@@ -9,7 +9,7 @@ the native ``dequantize_kv_rows`` gives a prefill chunk its sequence's rows so, 
 A row's quantization depends on that row alone: batch invariance and chunk invariance are kept.
 
 ``quantize_kv_reference`` is the definition in torch; the native decode kernel's ``quantize_kv`` does the same
-arithmetic (tests/test_kv_int8.py checks them bit for bit) and is what the pool uses when the kernel is there.
+arithmetic (tests/engine/test_kv_int8.py checks them bit for bit) and is what the pool uses when the kernel is there.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch import nn
 
 from qasr.engine.cpu import native
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/, where amx_emulate.h lives
 SOURCE = native.CSRC / "amx_linear.cpp"
 # The AMX path needs these and nothing host-specific: it must compile on any x86-64 build machine.
 EXPLICIT_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]

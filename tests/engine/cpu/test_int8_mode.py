@@ -26,7 +26,7 @@ from qasr.engine.engine import Engine
 from qasr.model.kernels import Kernels
 from qasr.outputs.writers import score
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 KV = 64 << 20
 WAIT_S = 120
 

@@ -28,9 +28,9 @@ import pytest
 
 from qasr.engine.cpu import build, native
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "models" / "qasr-demo-en"
-TINY = Path(__file__).resolve().parent / "kernels" / "tiny_ext.cpp"
+TINY = Path(__file__).resolve().parents[2] / "kernels" / "tiny_ext.cpp"
 TINY_SPEC = native.spec("qasr_tiny", str(TINY))  # an absolute source: CSRC / TINY is TINY
 REAL_CXX = shutil.which(os.environ.get("CXX", "c++"))
 BUILD_S = 300  # the tiny compile is ~1 s; the process around it imports torch (seconds, ~30 s under load)

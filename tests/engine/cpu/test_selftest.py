@@ -128,7 +128,7 @@ def test_a_broken_build_gives_no_kernel_and_one_warning_each(fresh: None, monkey
 
 
 def emulated_amx() -> ModuleType | None:
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[2])  # tests/, where amx_emulate.h lives
     mod = native._build("qasr_amx_linear_emulated", "amx_linear.cpp", ("-DQASR_AMX_EMULATE",), (tests,))
     return mod if mod is not None and mod.supported() else None
 
