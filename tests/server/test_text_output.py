@@ -1,9 +1,9 @@
-"""The streamed transcript text (qasr.server.textstream): no prompt preamble leaks, nothing is sent that the
+"""The streamed transcript text (qasr.server.sse): no prompt preamble leaks, nothing is sent that the
 final text takes back, and segments join as join_segment_texts joins them."""
 
 from __future__ import annotations
 
-from qasr.server.textstream import Joiner, PieceText
+from qasr.server.sse import Joiner, PieceText
 from qasr.transcribe.text import join_segment_texts
 
 
@@ -63,7 +63,7 @@ def test_handoff_delivers_in_order_with_one_wakeup_per_burst() -> None:
     import asyncio
     import threading
 
-    from qasr.server.handoff import TokenHandoff
+    from qasr.server.sse import TokenHandoff
 
     async def main() -> tuple[list[list[int | None]], int]:
         loop = asyncio.get_running_loop()

@@ -19,7 +19,6 @@ from fastapi import FastAPI
 from qasr.server.auth import ApiKeyAuth
 from qasr.server.config import ServerConfig
 from qasr.server.errors import install_handlers
-from qasr.server.icon import router as icon_router
 from qasr.server.lifecycle import DrainGate
 from qasr.server.metrics import Metrics, ObserveRequests
 from qasr.server.native_stream import router as native_stream_router
@@ -65,7 +64,6 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
     app.state.page = _page()
     install_handlers(app)
     app.include_router(router)
-    app.include_router(icon_router)  # /favicon.ico, open like the page
     app.include_router(realtime_router)  # WebSocket /v1/realtime (OpenAI Realtime transcription)
     app.include_router(native_stream_router)  # WebSocket /v1/stream (raw PCM)
     # added innermost first: requests pass ObserveRequests, DrainGate, ApiKeyAuth, UploadLimit, then the routes

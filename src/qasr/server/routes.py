@@ -1,5 +1,5 @@
 """The HTTP routes: transcriptions (plain and streamed), translations (refused), models, health, metrics,
-and the web page."""
+the web page and its icon."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ from qasr.server.work import EngineRun, Finished, Upload, prepare_upload
 router = APIRouter()
 T = TypeVar("T")
 CLIENT_GONE = 499  # nginx's "client closed request": what a request whose client left counts as in metrics
+ICON_PATH = "/favicon.ico"
+ICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+            '<rect width="32" height="32" rx="7" fill="#1f4e79"/>'
+            '<path d="M6 20v-8M11 23V9M16 26V6M21 23V9M26 20v-8" stroke="#fff" stroke-width="2.6" '
+            'stroke-linecap="round"/></svg>')
 
 
 class ClientGone(Exception):
@@ -244,4 +249,12 @@ async def metrics(request: Request) -> Response:
 @router.get("/", response_class=HTMLResponse)
 async def page(request: Request) -> HTMLResponse:
     return HTMLResponse(request.app.state.page, headers={"Cache-Control": "no-cache"})
+
+
+@router.get(ICON_PATH, include_in_schema=False)
+async def favicon() -> Response:
+    """The page's icon at /favicon.ico: browsers ask for it on their own, without the API key, and a 401 or
+    404 there shows as an error in every browser console. A small SVG (served with its own media type, which
+    browsers honour whatever the path's extension) keeps the package free of binary files."""
+    return Response(ICON_SVG, media_type="image/svg+xml", headers={"Cache-Control": "public, max-age=86400"})
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 from qasr.server.config import ServerConfig
 from qasr.server.errors import ApiError
-from qasr.server.handoff import TokenHandoff
 from qasr.server.limits import AudioBudget
 from qasr.server.metrics import Metrics
+from qasr.server.sse import TokenHandoff
 
 if TYPE_CHECKING:
     from qasr.transcribe.asr import ASR

@@ -21,8 +21,7 @@ from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.request import GenerationResult
 from qasr.results import Segment, Transcription
 from qasr.server.errors import ApiError
-from qasr.server.handoff import TokenHandoff
-from qasr.server.textstream import Joiner, PieceText
+from qasr.server.sse import Joiner, PieceText, TokenHandoff
 from qasr.transcribe.assemble import outcome_of, read_piece
 from qasr.transcribe.words import Aligned
 
