@@ -49,8 +49,10 @@ $(RAY_STAMP): $(STAMP) pyproject.toml
 test-ray: $(RAY_STAMP)
 	$(PY) -m pytest -q -m ray tests/distributed/test_ray_data.py tests/distributed/test_ray_serve.py
 
+# ruff, and no lab-notebook line (dates, machine names, work stories) in the comments of src/ (docs/contributing.md)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples
+	$(PY) scripts/house_figures.py --check
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --quick
