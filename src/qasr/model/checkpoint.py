@@ -1,4 +1,5 @@
-"""Everything loaded from one checkpoint directory: config, weights, tokenizer, prompt ids, features."""
+"""Everything loaded from one checkpoint directory (config, weights, tokenizer, prompt ids, features), and
+the device and dtype it is loaded onto."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from qasr.audio.features import FeatureConfig
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import GenerationDefaults, ModelConfig
-from qasr.model.device import resolve_device, resolve_dtype
 from qasr.model.prompt import SpecialTokens
 from qasr.model.tokenizer import Tokenizer
 from qasr.model.weights import load_model, resolve_model_dir
@@ -51,3 +51,38 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     dt = resolve_dtype(dtype, dev)
     model = load_model(model_dir, config, dev, dt)
     return Checkpoint(model_dir, config, generation, features, tokenizer, special, model)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 make bf16 matmuls several times faster than fp32; without them bf16 is slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available in this torch build")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
