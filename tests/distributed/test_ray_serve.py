@@ -131,8 +131,8 @@ def test_sigint_removes_the_app_and_exits_0(server) -> None:
 
 
 def test_replica_and_autoscaling_options() -> None:
+    from qasr.distributed.commands import scaling_of
     from qasr.distributed.config import ServeScaling
-    from qasr.distributed.serve_command import scaling_of
 
     args = argparse.Namespace(ray_replicas=(1, 4), ray_max_ongoing=None, ray_target_ongoing=None, max_running=64,
                               max_live_sessions=16)

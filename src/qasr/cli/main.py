@@ -147,7 +147,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         update_failed_list(args.output_dir, [])
         return 0
     if args.ray is not None:
-        from qasr.distributed.job import run_on_ray
+        from qasr.distributed.commands import run_on_ray
 
         return run_on_ray(todo, args, total_inputs=len(jobs))
     # a URL is not a missing file: the run reports it with its own message (URLs are not fetched)

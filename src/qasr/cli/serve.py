@@ -116,7 +116,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     config = server_config(args)
     if args.ray is not None:  # replicas of this same app on a Ray cluster
-        from qasr.distributed.serve_command import serve_on_ray
+        from qasr.distributed.commands import serve_on_ray
 
         return serve_on_ray(args, config)
 
