@@ -1,17 +1,4 @@
-"""Streaming segmentation of any audio input: segments come out while the file is still being decoded.
-
-:func:`iter_segments` accepts every input :func:`qasr.audio.io.load_audio` accepts and yields
-:class:`~qasr.audio.segments.AudioSegment` objects in order. Encoded inputs (paths, bytes) are decoded
-block by block (:mod:`qasr.audio.decode_blocks`) and resampled to 16 kHz with a streaming soxr resampler,
-so a two-hour file never has its whole waveform in memory, only the segmenter's window.
-
-Exactness: a segment's samples equal the same span of ``load_audio(source)``. Streaming soxr output is
-bit-identical to one-shot ``soxr.resample`` (whatever the block sizes), and channel averaging is done
-per sample as load_audio does it. The official amplitude rule (divide by the peak if it exceeds 1, then
-clip) needs the global peak, so inputs whose 16 kHz samples can exceed 1 (any input that is resampled,
-and float codecs: mp3, AAC, Vorbis, Opus, float WAV) are decoded twice: a first pass only measures the
-peak. 16 kHz integer PCM (WAV, FLAC) is read once.
-"""
+"""Cutting an input into segments as it is decoded; a segment's samples equal that span of ``load_audio``."""
 
 from __future__ import annotations
 
@@ -41,13 +28,8 @@ DEFAULT_BLOCK_S = 10.0
 
 
 class SegmentCutter(Iterator[AudioSegment]):
-    """Iterator over an input's segments, in order; decoding happens as it is consumed.
-
-    ``duration``: the input's duration in seconds. Before exhaustion it is what the container states
-    (None when it does not say); once the iterator is exhausted it is exact (16 kHz samples / 16000).
-    ``vad_backend``: the speech detector in use ("silero-onnx", "silero-jit", "energy"; None unless
-    mode is "vad"). Decoding errors raise AudioError naming the input from ``next()``.
-    """
+    """An input's segments in order, decoded as consumed. ``duration``: the container's seconds (or None)
+    until exhausted, then exact."""
 
     def __init__(self, segments: Iterator[AudioSegment], duration: float | None, segmenter: Segmenter) -> None:
         self._segments = segments
@@ -90,16 +72,10 @@ def iter_segments(
     vad: VadConfig | None = None,
     block_s: float = DEFAULT_BLOCK_S,
 ) -> SegmentCutter:
-    """Segments of ``source`` (see :mod:`qasr.audio.segments` for the modes), decoded as they are consumed.
+    """Segments of ``source`` (as for ``load_audio``), decoded as consumed; modes as in ``audio.segments``.
 
-    ``source`` and ``sample_rate`` are as for :func:`qasr.audio.io.load_audio` (a path, encoded bytes, an
-    EncodedAudio, an array with ``sample_rate``, or an ``(array, sr)`` tuple). ``vad`` configures speech
-    detection in mode "vad" (default :class:`VadConfig`). ``block_s``: seconds of audio decoded per step;
-    it changes memory and latency, never the result. Arrays are converted with load_audio up front (they
-    are in memory anyway); paths, bytes and EncodedAudio are decoded block by block. Input errors that
-    show without decoding (missing file, undecodable container, bad array) raise AudioError here; later
-    ones from iteration.
-    """
+    ``block_s``: seconds decoded per step (memory and latency, never the result). Errors visible without
+    decoding raise AudioError here, later ones from iteration."""
     segmenter = Segmenter(mode, max_segment_s, vad or VadConfig())
     if block_s <= 0:
         raise ValueError(f"block_s must be positive, got {block_s}")
@@ -125,11 +101,8 @@ class Cut:
 
 def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, vad: VadConfig | None = None,
               sample_rate: int | None = None) -> Cut:
-    """Choose how to cut ``source`` and start: "none" decodes it whole; "vad" and "fixed" stream its
-    segments; "auto" keeps an input of up to ``max_segment_s`` whole and sends a longer one through the
-    VAD, reading a file's duration from its container, without decoding, where the container states it.
-    Bytes and arrays are decoded in memory either way. Input errors raise AudioError (or the decoders'
-    OSError / RuntimeError) here or while the stream is read."""
+    """Cut ``source`` by ``segmentation``: "none" whole, "vad" / "fixed" into segments, "auto" whole up to
+    ``max_segment_s`` (a file's container duration when stated), else by the VAD."""
     mode, wave, segments = segmentation, None, None
     if isinstance(source, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
         if mode == "auto":
@@ -151,7 +124,7 @@ def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, v
 
 
 def _opener(source: AudioSource) -> tuple[Callable[[], object], str]:
-    """A fresh-handle factory and the input's name, with load_audio's checks and messages."""
+    """A fresh-handle factory and the input's name, with load_audio's checks."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
@@ -188,10 +161,9 @@ def _resampled(decoder: BlockDecoder) -> Iterator[np.ndarray]:
 
 
 def _decoded_blocks(decoder: BlockDecoder) -> Iterator[np.ndarray]:
-    """16 kHz blocks with the official amplitude rule applied, as load_audio would have produced them."""
+    """16 kHz blocks with the official amplitude rule (a first pass for the peak where samples may exceed 1)."""
     scale: np.float32 | None = None
     if decoder.rate != SAMPLE_RATE or not decoder.bounded:
-        # First pass: the global peak decides whether every sample is divided by it.
         peak = 0.0
         for block in _resampled(decoder):
             if block.size:

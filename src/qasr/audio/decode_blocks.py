@@ -1,11 +1,5 @@
-"""Block-wise decoding of an encoded input (path or bytes) to mono float32 at its own sample rate.
-
-The streaming counterpart of :func:`qasr.audio.io.load_audio`'s decoding half, with the same decoder
-choice: libsndfile first, PyAV (FFmpeg) when libsndfile cannot open the input or reports zero frames.
-Channels are averaged per sample exactly as load_audio averages them, so concatenating the blocks gives
-the very array load_audio resamples. Each call to :meth:`BlockDecoder.blocks` is a fresh pass over the
-input, which lets a caller make a first pass for the peak and a second for the samples.
-"""
+"""Block-wise decoding of an encoded input to mono float32 at its own rate: the blocks, joined, are the array
+``load_audio`` resamples (same decoders, same channel averaging)."""
 
 from __future__ import annotations
 
@@ -18,30 +12,18 @@ import soundfile as sf
 
 from qasr.audio.io import AudioError, _short
 
-# libsndfile subtypes whose decoded samples lie in [-1, 1] by construction (integer PCM and the log
-# companders); any other (FLOAT, DOUBLE, MPEG, VORBIS, OPUS, ...) may decode above full scale.
+# libsndfile subtypes whose samples lie in [-1, 1] by construction; others may decode above full scale.
 _BOUNDED_SUBTYPES = ("PCM_", "ULAW", "ALAW")
-# Subtypes libsndfile decodes identically whether read whole or in blocks. Its compressed codecs are not
-# among them: reading MPEG in blocks gave samples off by up to 0.13 against a whole-file read (which
-# agrees with FFmpeg to 3e-6), so those are read whole when short and decoded by PyAV when long.
+# Subtypes libsndfile decodes the same whole or in blocks (not its compressed codecs: see
+# docs/log/2026-12-01-audio-block-decoding.md): those are read whole when short, by PyAV when long.
 _BLOCKWISE_SUBTYPES = ("PCM_", "ULAW", "ALAW", "FLOAT", "DOUBLE")
-# Up to this duration, a compressed input libsndfile reads is decoded in one call, exactly as load_audio
-# decodes it (costing its native-rate waveform in memory, ~210 MB for 10 min of 44.1 kHz stereo).
+# Up to this duration a compressed input libsndfile reads is decoded in one call, as load_audio does.
 ONE_SHOT_MAX_S = 600.0
 
 
 class BlockDecoder:
-    """Probe an encoded input on construction; then iterate its decoded blocks, as often as needed.
-
-    ``opener()`` must return a fresh path or file object each call. Attributes after construction:
-    ``rate`` (the decoded sample rate), ``duration`` (seconds, from the container; None if it does not
-    say), ``bounded`` (True when decoded samples cannot exceed 1 in magnitude), ``method``: "soundfile"
-    (libsndfile, block by block), "soundfile-whole" (libsndfile, one read: compressed codecs up to
-    ONE_SHOT_MAX_S, bit-exact with load_audio), "pyav" (FFmpeg, frame by frame).
-    ``block_s``: seconds of audio per decoded block. ``watch``: called with the seconds decoded so far in
-    the current pass after each block (see :class:`qasr.audio.io.EncodedAudio`). Raises AudioError naming
-    the input when neither decoder can open it.
-    """
+    """An encoded input, probed on construction; each ``blocks()`` is one pass. ``duration``: the container's
+    seconds, or None; ``bounded``: samples cannot exceed 1."""
 
     def __init__(self, opener: Callable[[], Any], name: str, block_s: float,
                  watch: Callable[[float], None] | None = None) -> None:
@@ -67,7 +49,7 @@ class BlockDecoder:
             self.method = "soundfile-whole"
             if self.duration <= ONE_SHOT_MAX_S:
                 return
-            try:  # too long to hold whole: stream through FFmpeg instead (not bit-exact, see above)
+            try:  # too long to hold whole: FFmpeg, block by block
                 self.rate, self.duration = _probe_av(opener())
                 self.method = "pyav"
             except Exception:
@@ -77,7 +59,7 @@ class BlockDecoder:
         try:
             self.rate, self.duration = _probe_av(opener())
         except Exception as av_exc:
-            if sf_error is None:  # libsndfile opened it with zero frames: an empty input, not a bad one
+            if sf_error is None:  # zero frames: an empty input, not a bad one
                 self.rate, self.duration = 16000, 0.0
                 self._empty = True
                 return
@@ -90,7 +72,7 @@ class BlockDecoder:
         return max(1, int(self._block_s * self.rate))
 
     def blocks(self) -> Iterator[np.ndarray]:
-        """Mono float32 blocks at ``rate``; decoding errors surface as AudioError naming the input."""
+        """Mono float32 blocks at ``rate``; decoding errors as AudioError naming the input."""
         try:
             if self.method == "soundfile":
                 blocks = self._sf_blocks()
@@ -101,7 +83,7 @@ class BlockDecoder:
             samples = 0
             for block in blocks:
                 samples += block.size
-                if self._watch is not None:  # before the block is handed on: a refused block goes nowhere
+                if self._watch is not None:  # before handing it on: a refused block goes nowhere
                     self._watch(samples / self.rate)
                 yield block
         except AudioError:
@@ -126,7 +108,7 @@ class BlockDecoder:
 
     def _av_blocks(self) -> Iterator[np.ndarray]:
         with av.open(self._opener(), mode="r") as container:
-            stream = container.streams.audio[0]
+            track = container.streams.audio[0]
             resampler = av.AudioResampler(format="fltp")  # sample format only, as load_audio does
             parts: list[np.ndarray] = []
             size = 0
@@ -137,7 +119,7 @@ class BlockDecoder:
                         raise ValueError(f"sample rate changes mid-stream ({self.rate} -> {out.sample_rate})")
                     yield out.to_ndarray().mean(axis=0, dtype=np.float32)
 
-            for frame in container.decode(stream):
+            for frame in container.decode(track):
                 for mono in frames_out(frame):
                     parts.append(mono)
                     size += mono.size
@@ -150,16 +132,16 @@ class BlockDecoder:
 
 
 def _probe_av(handle: Any) -> tuple[int, float | None]:
-    """The first audio stream's rate and, when the container states it, its duration in seconds."""
+    """The first audio track's rate and, when the container states it, its duration in seconds."""
     with av.open(handle, mode="r") as container:
         if not container.streams.audio:
             raise ValueError("no audio stream found")
-        stream = container.streams.audio[0]
-        rate = int(stream.rate or stream.codec_context.sample_rate or 0)
+        track = container.streams.audio[0]
+        rate = int(track.rate or track.codec_context.sample_rate or 0)
         if rate <= 0:
             raise ValueError("the audio stream has no sample rate")
-        if stream.duration is not None and stream.time_base is not None:
-            return rate, float(stream.duration * stream.time_base)
+        if track.duration is not None and track.time_base is not None:
+            return rate, float(track.duration * track.time_base)
         if container.duration is not None:
             return rate, container.duration / av.time_base
         return rate, None

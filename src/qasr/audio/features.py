@@ -1,11 +1,5 @@
-"""Whisper-style log-mel features, computed per utterance in torch.
-
-Matches ``WhisperFeatureExtractor`` run on one utterance at a time (the way the official package
-feeds the model): periodic Hann window, reflect-padded centred STFT, power spectrum, slaney mel
-filters, log10, a dynamic-range clamp of 8 decades below the utterance's own maximum, then
-``(x + 4) / 4``. The last STFT frame is dropped, so N samples give ``N // hop`` frames. Computing the
-clamp per utterance keeps a request's features independent of whatever else is in the batch.
-"""
+"""Log-mel features as ``WhisperFeatureExtractor`` makes them for one utterance: N samples give ``N // hop``
+frames, clamped 8 decades below the utterance's own maximum (independent of the batch)."""
 
 from __future__ import annotations
 
@@ -79,10 +73,8 @@ MIN_MEL_COLUMNS = 32  # frames every mel product computes at least (see log10_me
 
 
 def log10_mel(filters: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
-    """log10 of the mel energies of power-spectrum frames (freqs, n), before the clamp. BLAS uses other
-    kernels for a product with few columns (with MKL sgemm, 1-11 give different low bits), so short
-    inputs are padded with zero frames: a frame's value then never depends on how many frames were
-    computed with it, which lets a live stream compute its frames a few at a time, bit-identically."""
+    """log10 of the mel energies of power frames (freqs, n), before the clamp. Padded to MIN_MEL_COLUMNS:
+    BLAS takes other kernels for few columns, and a frame must not depend on how many came with it."""
     n = power.shape[1]
     if n < MIN_MEL_COLUMNS:
         power = torch.nn.functional.pad(power, (0, MIN_MEL_COLUMNS - n))
@@ -91,7 +83,7 @@ def log10_mel(filters: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
 
 
 class LogMel:
-    """Callable log-mel extractor; holds the window and filterbank once per device."""
+    """The log-mel extractor of one config and device."""
 
     def __init__(self, config: FeatureConfig = FeatureConfig(), device: str | torch.device = "cpu") -> None:
         self.config = config
@@ -111,8 +103,7 @@ class LogMel:
         cfg = self.config
         if x.numel() < cfg.hop_length:
             raise ValueError(f"audio too short for one feature frame ({x.numel()} samples)")
-        # Reflect padding needs at least n_fft // 2 + 1 samples; shorter clips are padded with zeros
-        # first and the frame count is kept at N // hop.
+        # reflect padding needs n_fft // 2 + 1 samples: zeros first, frames still N // hop
         frames = self.num_frames(x.numel())
         if x.numel() <= cfg.n_fft // 2:
             x = torch.nn.functional.pad(x, (0, cfg.n_fft // 2 + 1 - x.numel()))

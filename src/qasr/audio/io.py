@@ -1,10 +1,4 @@
-"""Audio loading: any supported input -> mono float32 16 kHz waveform.
-
-Qwen3-ASR consumes 16 kHz mono audio in [-1, 1]. This module is the single place where files, encoded
-bytes and in-memory arrays are brought to that form, so the rest of the engine can assume it. Every
-failure surfaces as :class:`AudioError` naming the input, because decoder exceptions (libsndfile,
-FFmpeg) are cryptic and rarely say *which* file was bad.
-"""
+"""Any supported input -> mono float32 16 kHz waveform in [-1, 1]; every failure an AudioError naming the input."""
 
 from __future__ import annotations
 
@@ -22,28 +16,21 @@ import soxr
 
 SAMPLE_RATE = 16000
 
-# A 2-D array axis is only taken to be the channel axis if it is at most this long; anything larger
-# is far more likely to be time (or a batch of clips), and silently averaging it would be garbage.
+# A 2-D array's axis is read as channels only if it is at most this long.
 MAX_CHANNELS = 8
 
-# How every front end describes a 0-byte input (CLI path, server upload, bytes), after the input's name.
+# Every front end's words for a 0-byte input, after its name.
 EMPTY_FILE = "the file is empty (0 bytes)"
 
 
 @dataclass(frozen=True)
 class EncodedAudio:
-    """Encoded audio that has no path of its own (an HTTP upload): decoded like a file, named by ``name``.
-
-    ``opener()`` returns a readable, seekable binary handle positioned at the start, once per decoding
-    pass (passes never overlap, so it may hand out the same rewound file each time). ``watch``, when set,
-    is called with the seconds decoded so far (at the input's own rate) after each decoded block of every
-    pass; it may raise AudioError to stop decoding there (a server stops an upload that decodes to more
-    audio than it admitted).
-    """
+    """An upload, decoded like a file. ``opener()``: a fresh seekable handle per pass; ``watch``: called with
+    the seconds decoded so far, may raise AudioError to stop."""
 
     name: str
     opener: Callable[[], IO[bytes]]
-    size: int  # bytes; 0 is refused with EMPTY_FILE before any decoder sees it
+    size: int  # bytes; 0 is refused with EMPTY_FILE
     watch: Callable[[float], None] | None = None
 
 
@@ -51,11 +38,7 @@ AudioSource = str | os.PathLike | bytes | bytearray | memoryview | np.ndarray | 
 
 
 class AudioError(ValueError):
-    """Raised when an input cannot be turned into a usable waveform.
-
-    The message always starts with the input's name (the path, an upload's name, ``"bytes input"`` or
-    ``"array input"``) so a failure in a batch of hundreds of files points at the culprit.
-    """
+    """An input that cannot become a waveform; the message starts with the input's name."""
 
 
 def audio_duration(x: np.ndarray) -> float:
@@ -64,26 +47,12 @@ def audio_duration(x: np.ndarray) -> float:
 
 
 def load_audio(source: AudioSource, sample_rate: int | None = None) -> np.ndarray:
-    """Load ``source`` as a contiguous mono float32 array at 16 kHz with samples in [-1, 1].
+    """``source`` as contiguous mono float32 at 16 kHz in [-1, 1].
 
-    Accepted sources:
-
-    * a path (``str`` or ``os.PathLike``) to wav, flac, mp3, ogg/opus, m4a, webm, or anything else
-      libsndfile or FFmpeg can read. libsndfile is tried first (fast, exact for PCM/FLAC); containers it
-      does not understand (m4a/AAC, webm, ...) fall back to PyAV.
-    * ``bytes``/``bytearray``/``memoryview`` holding an encoded file, decoded the same way.
-      For these encoded inputs the file's own sample rate is authoritative and ``sample_rate`` is ignored.
-    * a numpy array; ``sample_rate`` (the array's rate) is then required.
-    * a tuple ``(array, sr)``. If ``sample_rate`` is also given it must agree with ``sr``.
-    * an :class:`EncodedAudio` (an upload without a path), decoded like a file.
-
-    Array conventions: signed integers are scaled by ``2**(bits-1)`` (int16 / 32768, int32 / 2**31),
-    unsigned integers are centred first (uint8: (x - 128) / 128), floats are cast to float32. See
-    :func:`_to_mono` for how 2-D arrays are read as channels.
-
-    Amplitude follows the official Qwen3-ASR rule: after resampling, if the peak ``|x|`` exceeds 1 the
-    signal is divided by the peak; then it is clipped to [-1, 1]. Quieter audio is never amplified.
-    """
+    ``source``: a path, encoded bytes or EncodedAudio (whatever libsndfile or FFmpeg reads; the file's
+    rate wins), an array with ``sample_rate``, or ``(array, sr)``. Integers are scaled to full scale
+    (unsigned ones centred first). As the official package: after resampling, a peak above 1 divides
+    the signal, then it is clipped; quieter audio is never amplified."""
     if isinstance(source, tuple):
         return _load_tuple(source, sample_rate)
     if isinstance(source, np.ndarray):
@@ -150,12 +119,7 @@ def checked_encoded(source: EncodedAudio) -> EncodedAudio:
 
 
 def _load_encoded(opener: Callable[[], Any], name: str, watch: Callable[[float], None] | None = None) -> np.ndarray:
-    """Decode with libsndfile, falling back to PyAV; ``opener()`` yields a fresh path or file object.
-
-    A fresh handle per attempt matters for BytesIO: a failed decoder leaves the stream position anywhere.
-    ``watch``: see :class:`EncodedAudio`. libsndfile reads only the frames its header declares, so it is
-    watched once after its read; PyAV decodes whatever the file holds, so it is watched frame by frame.
-    """
+    """libsndfile, else PyAV; ``opener()`` gives a fresh handle per attempt (a failed one moves a BytesIO)."""
     try:
         data, sr = sf.read(opener(), dtype="float32", always_2d=True)
     except Exception as sf_exc:
@@ -172,8 +136,7 @@ def _load_encoded(opener: Callable[[], Any], name: str, watch: Callable[[float],
     if watch is not None:
         watch(data.shape[0] / sr)
     if data.shape[0] == 0:
-        # libsndfile can report zero frames for streams whose length it cannot determine (e.g. some
-        # VBR mp3); FFmpeg scans to the end, so give it a chance before declaring the input empty.
+        # libsndfile may count zero frames (some VBR mp3); FFmpeg scans to the end
         try:
             channels_first, av_sr = _decode_with_av(opener(), watch)
         except AudioError:
@@ -186,20 +149,16 @@ def _load_encoded(opener: Callable[[], Any], name: str, watch: Callable[[float],
 
 
 def _decode_with_av(handle: Any, watch: Callable[[float], None] | None = None) -> tuple[np.ndarray, int]:
-    """Decode the first audio stream with FFmpeg; returns (channels, samples) float32 and its rate.
-
-    The resampler only converts the sample format to planar float; rate and layout are kept so the
-    resampling to 16 kHz is done by soxr, identically for every decoder. ``watch``: see EncodedAudio.
-    """
+    """(channels, samples) float32 of the first audio track, at its own rate (soxr resamples, as for every decoder)."""
     with av.open(handle, mode="r") as container:
         if not container.streams.audio:
             raise ValueError("no audio stream found")
-        stream = container.streams.audio[0]
+        track = container.streams.audio[0]
         resampler = av.AudioResampler(format="fltp")
         blocks: list[np.ndarray] = []
         rate = 0
         samples = 0
-        for frame in container.decode(stream):
+        for frame in container.decode(track):
             for out in resampler.resample(frame):
                 rate = out.sample_rate
                 blocks.append(out.to_ndarray())
@@ -210,7 +169,7 @@ def _decode_with_av(handle: Any, watch: Callable[[float], None] | None = None) -
             rate = out.sample_rate
             blocks.append(out.to_ndarray())
         if not blocks:
-            return np.zeros((1, 0), dtype=np.float32), stream.rate or SAMPLE_RATE
+            return np.zeros((1, 0), dtype=np.float32), track.rate or SAMPLE_RATE
         return np.concatenate(blocks, axis=1).astype(np.float32, copy=False), rate
 
 
@@ -229,13 +188,7 @@ def _to_float32(array: np.ndarray, name: str) -> np.ndarray:
 
 
 def _to_mono(x: np.ndarray, name: str) -> np.ndarray:
-    """Average channels of a 1-D or 2-D array.
-
-    Rule for 2-D arrays: an axis of length 1 is squeezed away. Otherwise axis 0 is the channel axis if it
-    is at most ``MAX_CHANNELS`` long and shorter than axis 1 (shape (C, T)); else axis 1 is the channel axis
-    if it is at most ``MAX_CHANNELS`` long (shape (T, C), the soundfile convention, also used on ties).
-    If neither axis is that short the layout is ambiguous and AudioError is raised.
-    """
+    """Channels averaged: (C, T) when C <= MAX_CHANNELS and C < T, else (T, C) when C <= MAX_CHANNELS."""
     if x.ndim == 1:
         return x
     if x.ndim != 2:
@@ -267,7 +220,7 @@ def _finish(mono: np.ndarray, sr: int, name: str) -> np.ndarray:
 
 
 def _check_rate(sample_rate: Any) -> int:
-    """Accept positive integral rates (including 44100.0 and numpy integers); reject anything else."""
+    """A positive integral rate (44100.0 and numpy integers too), else AudioError."""
     try:
         rate = int(sample_rate)
         valid = not isinstance(sample_rate, bool) and rate == sample_rate and rate > 0
@@ -278,9 +231,7 @@ def _check_rate(sample_rate: Any) -> int:
     return rate
 
 
-# What decoders put in their messages about a file object: libsndfile its repr ("Error opening
-# <_io.BytesIO object at 0x7efe...>: "), FFmpeg its placeholder name (": '<none>'") and an errno. The
-# message already starts with the input's own name, so these say nothing and are dropped.
+# Decoders' words for a file object (its repr, FFmpeg's '<none>', an errno): noise after the input's name.
 _HANDLE_NOISE = re.compile(r"(Error opening )?<[\w.]+ object at 0x[0-9a-fA-F]+>(: )?|:? ?'<none>'|\[Errno -?\d+\] ")
 
 
@@ -299,10 +250,10 @@ def named_audio_error(exc: ValueError, name: str) -> AudioError:
 
 
 def checked_segments(segments: Iterator, name: str) -> Iterator:
-    """Re-raise a decode error met halfway through a stream under the input's own name."""
+    """Re-raise a decode error met midway through an input under its own name."""
     try:
         yield from segments
     except ValueError as exc:
         raise named_audio_error(exc, name) from exc
-    except (OSError, RuntimeError) as exc:  # a decoder or the detector failing halfway through this input
+    except (OSError, RuntimeError) as exc:  # a decoder or the detector failing midway
         raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc

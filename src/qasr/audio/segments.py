@@ -1,22 +1,7 @@
-"""Cutting a 16 kHz stream into segments the model transcribes one at a time, online.
+"""The online segmenter: 16 kHz blocks of any size -> segments, the same whatever the blocks.
 
-Three modes:
-
-* ``"vad"``: speech only. Speech regions (:mod:`qasr.audio.vad`) are merged into segments of at most
-  ``max_segment_s``: regions are added while the segment still fits; when a region straddles the limit,
-  the segment is cut in the longest silence gap between its regions (the gap before the straddling region
-  included), and the regions after that gap start the next segment. A region that starts beyond the
-  limit simply starts the next segment. A single region longer than the limit is cut at its quietest
-  100 ms within the last ``QUIET_SEARCH_S`` before the limit, the same energy search as
-  :func:`qasr.audio.split.split_long_audio`. Silence-only input yields no segment at all.
-* ``"fixed"``: consecutive windows of ``max_segment_s`` covering the whole input, the last one shorter.
-* ``"none"``: the whole input as one segment; inputs longer than 1200 s are still cut exactly like
-  :func:`qasr.audio.split.split_long_audio` cuts them (``max_segment_s`` does not apply).
-
-:class:`Segmenter` does this on a stream: it is fed blocks and emits finished segments in order, holding
-only the audio of the segment under construction (O(``max_segment_s``); O(1200 s) in mode "none").
-Every decision depends only on the audio and the regions, never on the blocks, so feeding a waveform
-at once or in pieces of any size gives identical segments.
+"vad": speech regions joined up to ``max_segment_s``, cut at the longest gap (a longer region at its
+quietest point); "fixed": windows of ``max_segment_s``; "none": whole, cut past ``NONE_MAX_S``.
 """
 
 from __future__ import annotations
@@ -40,7 +25,7 @@ _QUIET_WINDOW = int(0.1 * SAMPLE_RATE)
 
 @dataclass(frozen=True)
 class AudioSegment:
-    """A piece of the input: ``samples`` is the 16 kHz audio of ``[start, end)`` (seconds in the input)."""
+    """``samples``: the 16 kHz audio of ``[start, end)``, seconds in the input."""
 
     start: float
     end: float
@@ -56,11 +41,7 @@ class AudioSegment:
 
 
 class _Buffer:
-    """The stream's recent audio: samples ``base`` to ``end`` (absolute offsets) in a reused array.
-
-    Dropping only moves an index; the kept samples are moved to the front when an append needs room, so
-    each sample is copied O(1) times on average and memory stays at the high-water mark of what is held.
-    """
+    """The input's recent audio, samples ``base`` to ``end`` (absolute offsets), in a reused array."""
 
     def __init__(self) -> None:
         self._data = np.zeros(1 << 16, dtype=np.float32)
@@ -98,13 +79,8 @@ class _Buffer:
 
 
 class Segmenter:
-    """Online segmentation of a 16 kHz mono float32 stream (see the module docstring for the rules).
-
-    ``feed(block)`` takes the samples in blocks of any size and returns the segments each finished,
-    ``flush()`` the rest at end of stream.
-    Segments come out in order with non-decreasing, non-overlapping ``[start, end)``; their ``samples``
-    are copies, safe to keep. ``max_segment_s`` must exceed ``vad.min_speech_s + 2 * vad.speech_pad_s``.
-    """
+    """``feed(block)`` returns the segments each block finished, ``flush()`` the rest; in order, never
+    overlapping, their samples copies. ``max_segment_s`` must exceed the VAD's shortest padded region."""
 
     def __init__(self, mode: SegmentMode = "vad", max_segment_s: float = 30.0, vad: VadConfig | None = None) -> None:
         if mode not in MODES:
@@ -126,12 +102,11 @@ class Segmenter:
 
     @property
     def vad_backend(self) -> str | None:
-        """The detector's scorer ("silero-onnx", "silero-jit", "energy"), None outside mode "vad"."""
+        """The detector's scorer, None outside mode "vad"."""
         return self._detector.backend if self._detector is not None else None
 
     @property
     def held_samples(self) -> int:
-        """Samples currently buffered (for memory accounting)."""
         return self._buf.end - self._buf.base
 
     def feed(self, block: np.ndarray) -> list[AudioSegment]:
@@ -145,15 +120,13 @@ class Segmenter:
         return out
 
     def flush(self) -> list[AudioSegment]:
-        """End of stream: return every remaining segment."""
+        """End of input: every remaining segment."""
         if self._flushed:
             return []
         self._flushed = True
         return self._cut(final=True)
 
     def _cut(self, final: bool, block: np.ndarray | None = None) -> list[AudioSegment]:
-        """The segments the audio so far closes (all that remain when ``final``); ``block``: the audio
-        just fed, which the VAD scores (None at the flush)."""
         out: list[AudioSegment] = []
         if self.mode == "fixed":
             self._fixed(out, final=final)
@@ -164,7 +137,7 @@ class Segmenter:
             self._vad(self._detector.flush() if block is None else self._detector.feed(block), out, final=final)
         return out
 
-    # -- modes "fixed" and "none" -------------------------------------------------------------------
+    # modes "fixed" and "none"
 
     def _fixed(self, out: list[AudioSegment], final: bool) -> None:
         while self._buf.end - self._start >= self._max:
@@ -174,8 +147,7 @@ class Segmenter:
             self._emit(self._start, self._buf.end, out)
 
     def _none(self, out: list[AudioSegment], final: bool) -> None:
-        # split_long_audio's loop, run as soon as its inputs are known: a cut near start + 1200 s only
-        # needs the audio up to 5 s past that point (or the end of the stream).
+        # split_long_audio's loop, each cut made once the audio 5 s past it has come
         max_len = int(NONE_MAX_S * SAMPLE_RATE)
         reach = int(_SEARCH_S * SAMPLE_RATE)
         while True:
@@ -193,7 +165,7 @@ class Segmenter:
         if final and self._buf.end > self._start:
             self._emit(self._start, self._buf.end, out)
 
-    # -- mode "vad" -------------------------------------------------------------------------------------
+    # mode "vad"
 
     def _vad(self, regions: list[tuple[int, int]], out: list[AudioSegment], final: bool) -> None:
         assert self._detector is not None
@@ -210,7 +182,6 @@ class Segmenter:
             self._settle_open(out)
 
     def _settle(self, out: list[AudioSegment]) -> None:
-        """Cut while the finished regions overflow the segment under construction."""
         regs = self._regions
         while regs:
             seg_start = regs[0][0]
@@ -225,7 +196,6 @@ class Segmenter:
                 self._cut_region(out)
 
     def _settle_open(self, out: list[AudioSegment]) -> None:
-        """Decide what the region under way (or its absence) already settles."""
         assert self._detector is not None
         while True:
             regs = self._regions
@@ -255,7 +225,7 @@ class Segmenter:
                 self._carry = boundary
 
     def _longest_gap(self, regs: list[list[int]], next_start: int) -> int:
-        """How many leading regions to emit: those before the longest gap (the latest among equals)."""
+        """How many leading regions precede the longest gap (the latest among equals)."""
         ends = [r[1] for r in regs[:-1]]
         starts = [r[0] for r in regs[1:]]
         gaps = [s - e for e, s in zip(ends, starts, strict=True)]
@@ -269,7 +239,7 @@ class Segmenter:
         self._regions[0] = [boundary, end]
 
     def _quiet_cut(self, start: int) -> int:
-        """The quietest point within the last QUIET_SEARCH_S before ``start + max``; never empty pieces."""
+        """The quietest point within the last QUIET_SEARCH_S before ``start + max``."""
         limit = start + self._max
         lo = max(start + 1, limit - int(min(QUIET_SEARCH_S, self.max_segment_s / 2) * SAMPLE_RATE))
         view = self._buf.view(start, limit)
@@ -282,13 +252,12 @@ class Segmenter:
         self._emit(taken[0][0], taken[-1][1], out)
 
     def _keep_from(self) -> int:
-        """The earliest sample a future segment may still need."""
         if self.mode != "vad":
             return self._start
         assert self._detector is not None
         if self._regions:
             return self._regions[0][0]
-        if self._carry is not None:  # the open region's audio before the cut is already out
+        if self._carry is not None:  # the open region's audio before the cut is out
             return self._carry
         return self._detector.frontier
 
@@ -300,6 +269,6 @@ class Segmenter:
 def segment_audio(
     wave: np.ndarray, mode: SegmentMode = "vad", max_segment_s: float = 30.0, vad: VadConfig | None = None
 ) -> list[AudioSegment]:
-    """Segment a whole 16 kHz mono waveform (the same result as feeding a :class:`Segmenter` in chunks)."""
+    """The segments of a whole 16 kHz waveform."""
     segmenter = Segmenter(mode, max_segment_s, vad)
     return segmenter.feed(wave) + segmenter.flush()

@@ -1,10 +1,4 @@
-"""Long-audio splitting at low-energy points, matching the official Qwen3-ASR chunker.
-
-The model accepts at most 20 minutes per request, so longer recordings are cut into contiguous pieces.
-Cuts are placed at the quietest 100 ms stretch within +-5 s of the nominal cut point, so words are rarely
-split. Reproducing the official boundary choice exactly keeps our transcripts (and their timestamps)
-comparable with the reference implementation.
-"""
+"""The official long-audio cuts: at the quietest 100 ms within +-5 s of each nominal cut point."""
 
 from __future__ import annotations
 
@@ -18,11 +12,7 @@ _MIN_ENERGY_WINDOW = 4
 
 @dataclass(frozen=True)
 class AudioPiece:
-    """One contiguous piece of a longer waveform.
-
-    ``samples`` is a view into the input unless the piece had to be zero-padded; ``offset_sec`` is where
-    the piece starts in the original audio (padding never shifts it).
-    """
+    """A view of the input (zero-padded when short); ``offset_sec``: where it starts in the input."""
 
     samples: np.ndarray
     offset_sec: float
@@ -35,14 +25,9 @@ def split_long_audio(
     search_sec: float = 5.0,
     min_piece_sec: float = 0.5,
 ) -> list[AudioPiece]:
-    """Split a 1-D waveform into pieces of at most ~``max_chunk_sec`` (+``search_sec``) seconds.
-
-    Audio no longer than ``max_chunk_sec`` is returned whole and unpadded. Otherwise each cut is searched
-    in ``[cut - search_sec, cut + search_sec]`` around ``start + max_chunk_sec``: the 100 ms window with the
-    smallest sum of ``|x|`` is found, and the cut goes at that window's quietest sample. Pieces tile the
-    input exactly (no overlap, no gap), so un-padded pieces concatenate back to ``x``. Pieces shorter than
-    ``min_piece_sec`` are zero-padded at the tail, because the model rejects shorter inputs.
-    """
+    """Pieces of at most ``max_chunk_sec`` + ``search_sec`` tiling ``x``; each cut at the quietest sample of
+    the quietest 100 ms within ``search_sec`` of ``start + max_chunk_sec``. Pieces under ``min_piece_sec``
+    are zero-padded (the model refuses shorter inputs)."""
     if x.ndim != 1:
         raise ValueError(f"split_long_audio expects a 1-D waveform, got shape {x.shape}")
     if sample_rate <= 0 or max_chunk_sec <= 0 or search_sec < 0:
@@ -72,12 +57,8 @@ def split_long_audio(
 
 
 def _quiet_boundary(x: np.ndarray, cut: int, lo: int, hi: int, win: int) -> int:
-    """Index of the quietest sample inside the lowest-energy ``win``-sample window of ``x[lo:hi]``.
-
-    The box-filter sum is computed with float32 ``np.convolve`` like the reference, so ties and
-    near-ties resolve identically (``argmin`` takes the first minimum). Falls back to ``cut`` when the
-    search range cannot hold more than one window.
-    """
+    """The quietest sample of the quietest ``win`` samples of ``x[lo:hi]`` (``cut`` when only one window fits).
+    float32 ``np.convolve`` as the reference, so ties resolve the same."""
     if hi - lo <= win:
         return cut
     mag = np.abs(x[lo:hi]).astype(np.float32, copy=False)

@@ -1,20 +1,5 @@
-"""Voice activity detection: where in a 16 kHz waveform people speak, found online.
-
-:class:`SpeechDetector` is fed audio in chunks of any size and reports finished speech regions as sample
-offsets. It scores 32 ms frames (512 samples) with silero-vad when installed (see
-:mod:`qasr.audio.vad_models`) or with an energy detector otherwise, then turns the per-frame speech
-probabilities into regions with silero's rules, re-implemented here so they run incrementally:
-
-* a region starts at the first frame whose probability reaches ``threshold``;
-* it ends at the first frame of a run of frames below ``neg_threshold`` lasting ``min_silence_s``
-  (probabilities in between neither start nor end anything: hysteresis);
-* regions of ``min_speech_s`` or less are dropped;
-* kept regions are widened by ``speech_pad_s`` on each side; where two regions are closer than twice the
-  pad, the gap between them is shared half and half instead.
-
-Frames are scored in fixed blocks of ``BLOCK_FRAMES`` counted from the start of the stream, so the result
-never depends on how the input was chunked: feeding a file in one call or in 1000 gives the same regions.
-"""
+"""Voice activity detection, online: 16 kHz audio in any sizes -> speech regions, by silero-vad's rules
+(scored in blocks of ``BLOCK_FRAMES`` from the start, so the regions never depend on the feeding)."""
 
 from __future__ import annotations
 
@@ -37,7 +22,7 @@ from qasr.audio.vad_models import (
 
 log = logging.getLogger(__name__)
 
-BLOCK_FRAMES = 64  # frames per model call (~2 s): amortises the call, bounds the detector's lag
+BLOCK_FRAMES = 64  # frames per model call: amortises the call, bounds the lag
 VadBackend = Literal["auto", "silero", "energy"]
 _BACKENDS = ("auto", "silero", "energy")
 _warned_fallback = False
@@ -45,13 +30,9 @@ _warned_fallback = False
 
 @dataclass(frozen=True)
 class VadConfig:
-    """Speech detection settings; the defaults are silero-vad's own.
-
-    ``backend``: "silero" requires the ``silero-vad`` package (its model files) and runs them with ONNX
-    Runtime, or TorchScript when onnxruntime is absent; "energy" is the model-free fallback; "auto" picks
-    silero when it is installed and logs one warning when it falls back to energy.
-    ``neg_threshold`` defaults to ``max(threshold - 0.15, 0.01)``.
-    """
+    """Speech detection settings, silero-vad's defaults. ``backend``: "silero" (needs ``silero-vad``),
+    "energy", or "auto" (silero when installed, else energy with one warning). ``neg_threshold`` defaults
+    to ``max(threshold - 0.15, 0.01)``."""
 
     threshold: float = 0.5
     min_speech_s: float = 0.25
@@ -84,14 +65,14 @@ def resolve_backend(backend: VadBackend) -> str:
         return "silero-onnx" if onnxruntime_available() else "silero-jit"
     if backend == "silero":
         raise RuntimeError("VAD backend 'silero' needs the silero-vad package: pip install 'qasr[vad]'")
-    if not _warned_fallback:  # once per process: a batch of files must not repeat it per file
+    if not _warned_fallback:  # once per process, not per file
         _warned_fallback = True
         log.warning("silero-vad is not installed: speech detection uses the energy-based fallback VAD")
     return "energy"
 
 
 def make_scorer(name: str) -> FrameScorer:
-    """A fresh frame scorer (its own recurrent state) for a backend name from ``resolve_backend``."""
+    """A fresh frame scorer (its own state) for a name from ``resolve_backend``."""
     if name == "silero-onnx":
         return SileroOnnx()
     if name == "silero-jit":
@@ -100,13 +81,8 @@ def make_scorer(name: str) -> FrameScorer:
 
 
 class SpeechDetector:
-    """Online speech detector over a 16 kHz mono float32 stream.
-
-    ``feed(chunk)`` returns the regions that became final with this chunk, ``flush()`` (once, at the end
-    of the stream) the rest. Regions are ``(start, end)`` sample offsets from the start of the stream,
-    half-open, in order and non-overlapping. A region is reported once its padded end can no longer
-    change, which is at most ``min_silence_s + 2 * speech_pad_s`` plus one block (~2 s) after it ended.
-    """
+    """``feed(samples)`` returns the regions it made final, ``flush()`` the rest: half-open ``(start, end)``
+    sample offsets, in order, never overlapping, each reported once its padded end cannot change."""
 
     def __init__(self, config: VadConfig | None = None) -> None:
         self.config = config or VadConfig()
@@ -116,7 +92,7 @@ class SpeechDetector:
         self._min_speech = cfg.min_speech_s * SAMPLE_RATE
         self._min_silence = cfg.min_silence_s * SAMPLE_RATE
         self._pad = int(cfg.speech_pad_s * SAMPLE_RATE)
-        self._pending = np.zeros(0, dtype=np.float32)  # fed samples not yet scored (< one block)
+        self._pending = np.zeros(0, dtype=np.float32)  # fed, not yet scored (< one block)
         self._fed = 0
         self._frames = 0  # frames scored so far
         self._triggered = False
@@ -140,12 +116,8 @@ class SpeechDetector:
 
     @property
     def open_region(self) -> tuple[int, int] | None:
-        """The next region, once it is sure to be reported but its end is not final.
-
-        Returns ``(start, end_at_least)``: ``start`` is final, the reported end will be at least
-        ``end_at_least``. None when no such region exists (a region under way that may still turn out
-        shorter than ``min_speech_s`` is not returned; :attr:`frontier` accounts for it).
-        """
+        """``(start, end_at_least)`` of the next region once it is sure to be reported (its start final);
+        else None."""
         if self._held is not None:
             return self._held
         if not self._triggered:
@@ -153,12 +125,10 @@ class SpeechDetector:
         end = self._temp_end if self._temp_end is not None else self._frames * FRAME
         if end - self._start <= self._min_speech:
             return None
-        # No held region: the previous one was settled with a gap of at least two pads, so this one's
-        # padded start is simply start - pad.
+        # nothing held: the last region ended at least two pads before, so the start is start - pad
         return max(self._start - self._pad, self._last_end, 0), end
 
     def feed(self, chunk: np.ndarray) -> list[tuple[int, int]]:
-        """Consume ``chunk`` (1-D float32 at 16 kHz, any length) and return regions that became final."""
         if self._flushed:
             raise RuntimeError("SpeechDetector.feed after flush()")
         chunk = np.asarray(chunk, dtype=np.float32).reshape(-1)
@@ -173,7 +143,7 @@ class SpeechDetector:
         return out
 
     def flush(self) -> list[tuple[int, int]]:
-        """End of stream: score the remainder (the last frame zero-padded) and report every region left."""
+        """End of input: the rest scored (the last frame zero-padded), every region left reported."""
         if self._flushed:
             return []
         self._flushed = True
@@ -185,7 +155,7 @@ class SpeechDetector:
             self._pending = np.zeros(0, dtype=np.float32)
         total = self._fed
         if self._triggered and total - self._start > self._min_speech:
-            self._keep(self._start, total, out)  # speech running into the end of the stream
+            self._keep(self._start, total, out)  # speech running into the end
         self._triggered = False
         if self._held is not None:
             start, end = self._held
@@ -205,7 +175,7 @@ class SpeechDetector:
             if p >= cfg.threshold:
                 self._triggered, self._start, self._temp_end = True, cur, None
         elif p >= cfg.threshold:
-            self._temp_end = None  # speech again: the silence so far was a pause inside the region
+            self._temp_end = None  # a pause inside the region
         elif p < cfg.exit_threshold:
             if self._temp_end is None:
                 self._temp_end = cur
@@ -217,12 +187,11 @@ class SpeechDetector:
         self._settle_held(out)
 
     def _keep(self, start: int, end: int, out: list[tuple[int, int]]) -> None:
-        """A region passed the length test: settle the held one against it, then hold it."""
         padded_start = max(0, start - self._pad)
         if self._held is not None:
             held_start, held_end = self._held
             gap = start - held_end
-            if gap < 2 * self._pad:  # too close to pad both: split the silence between them
+            if gap < 2 * self._pad:  # too close to pad both: share the gap
                 self._emit(held_start, held_end + gap // 2, out)
                 padded_start = start - gap // 2
             else:
@@ -230,7 +199,6 @@ class SpeechDetector:
         self._held = (max(padded_start, self._last_end), end)
 
     def _settle_held(self, out: list[tuple[int, int]]) -> None:
-        """Report the held region once no later region can start within two pads of its end."""
         if self._held is None:
             return
         next_start = self._start if self._triggered else self._frames * FRAME
@@ -245,6 +213,6 @@ class SpeechDetector:
 
 
 def speech_regions(wave: np.ndarray, config: VadConfig | None = None) -> list[tuple[int, int]]:
-    """Speech regions ``(start, end)`` in samples of a whole 16 kHz mono waveform (see SpeechDetector)."""
+    """Speech regions ``(start, end)`` in samples of a whole 16 kHz waveform."""
     detector = SpeechDetector(config)
     return detector.feed(wave) + detector.flush()
