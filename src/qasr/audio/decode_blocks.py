@@ -14,8 +14,8 @@ from qasr.audio.io import AudioError, _short
 
 # libsndfile subtypes whose samples lie in [-1, 1] by construction; others may decode above full scale.
 _BOUNDED_SUBTYPES = ("PCM_", "ULAW", "ALAW")
-# Subtypes libsndfile decodes the same whole or in blocks (not its compressed codecs: see
-# docs/log/2026-12-01-audio-block-decoding.md): those are read whole when short, by PyAV when long.
+# Subtypes libsndfile decodes the same whole or in blocks (not its compressed codecs, see docs/log's
+# audio-block-decoding entry): those are read whole when short, by PyAV when long.
 _BLOCKWISE_SUBTYPES = ("PCM_", "ULAW", "ALAW", "FLOAT", "DOUBLE")
 # Up to this duration a compressed input libsndfile reads is decoded in one call, as load_audio does.
 ONE_SHOT_MAX_S = 600.0

@@ -77,7 +77,7 @@ def _with_context(frames: np.ndarray, previous_tail: np.ndarray) -> np.ndarray:
 
 
 class SileroOnnx:
-    """silero's sequence export, a block of frames a call (docs/log/2026-12-01-segmentation-vad-backend-timing.md)."""
+    """silero's sequence export, a block of frames a call (docs/log's segmentation-vad-backend-timing entry)."""
 
     def __init__(self) -> None:
         self._session = _onnx_session()
