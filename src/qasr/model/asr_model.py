@@ -1,4 +1,4 @@
-"""The whole Qwen3-ASR network: audio encoder, text decoder and LM head, with packed forwards."""
+"""Encoder + decoder + LM head, with packed forwards."""
 
 from __future__ import annotations
 
@@ -39,9 +39,8 @@ class Qwen3ASRModel(nn.Module):
 
     def embed(self, token_ids: torch.Tensor, audio_embeds: torch.Tensor | None,
               audio_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with the audio placeholder rows replaced, in order, by ``audio_embeds``.
-        ``audio_rows``: those rows' indices, when the caller knows them (the engine does, from the
-        prompt on the host); finding them here costs a host/device sync (a count and a mask index)."""
+        """Token embeddings, the audio placeholders' rows replaced in order by ``audio_embeds``.
+        ``audio_rows``: those rows, when the caller knows them (else found here: a host/device sync)."""
         x = self.model.embed_tokens(token_ids)
         if audio_rows is not None and audio_embeds is not None:
             if audio_rows.shape[0] != audio_embeds.shape[0]:

@@ -1,13 +1,5 @@
-"""Checkpoint configuration: frozen dataclasses read from config.json in either release layout.
-
-Two layouts exist: the original release (``thinker_config`` nested, keys under ``thinker.*``) and the
-transformers-native "-hf" conversion (flat ``audio_config`` / ``text_config``, keys under ``model.*``).
-Both are read into the same dataclasses so nothing downstream cares which one was loaded.
-
-qasr's own settings for a checkpoint live in the same file, in a top-level ``"qasr"`` object that no other
-reader looks at (transformers keeps an unknown top-level key as a plain attribute): today only
-``"qasr": {"max_segment_s": S}``, the segment length the model transcribes best (docs/segmentation.md).
-"""
+"""Frozen configs read from config.json in either layout: the release (``thinker_config``) or the "-hf"
+conversion (``audio_config`` / ``text_config``). qasr's own settings sit in a top-level ``"qasr"`` object."""
 
 from __future__ import annotations
 
@@ -16,8 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-# The longest segment when a call names none and the checkpoint declares none: the released models take
-# 30 s whole, as the official package sends them.
+# The segment length when neither the call nor the checkpoint names one, as the official package sends.
 DEFAULT_MAX_SEGMENT_S = 30.0
 
 
@@ -36,7 +27,7 @@ class EncoderConfig:
 
     @property
     def conv_chunk_frames(self) -> int:
-        """Mel frames per conv chunk (1 s for n_window 50)."""
+        """Mel frames per conv chunk."""
         return 2 * self.n_window
 
     @property
@@ -45,7 +36,7 @@ class EncoderConfig:
 
     @property
     def window_tokens(self) -> int:
-        """Tokens per bidirectional attention window (104 = 8 s for the released models)."""
+        """Tokens per encoder attention window."""
         return self.tokens_per_conv_chunk * (self.n_window_infer // self.conv_chunk_frames)
 
     @classmethod
@@ -65,14 +56,14 @@ class EncoderConfig:
 
 
 def post_conv_length(frames: int) -> int:
-    """Length after the three stride-2 convolutions (k 3, p 1); zero stays zero."""
+    """Length after the three stride-2 convolutions (k 3, p 1)."""
     for _ in range(3):
         frames = (frames - 1) // 2 + 1 if frames > 0 else 0
     return frames
 
 
 def audio_token_count(frames: int, conv_chunk_frames: int = 100) -> int:
-    """Encoder output tokens for ``frames`` mel frames: full chunks give 13 tokens each."""
+    """Encoder output tokens for ``frames`` mel frames."""
     full, rest = divmod(frames, conv_chunk_frames)
     return full * post_conv_length(conv_chunk_frames) + post_conv_length(rest)
 
@@ -125,17 +116,16 @@ class ModelConfig:
     audio_start_token_id: int | None
     audio_end_token_id: int | None
     support_languages: tuple[str, ...] = ()
-    # The forced aligner: its head is a timestamp classifier (class k = k * timestamp_segment_time ms)
-    # instead of the LM head; None for the ASR models.
+    # the forced aligner's head classes (class k = k * timestamp_segment_time ms); None for ASR models
     classify_num: int | None = None
     timestamp_token_id: int | None = None
     timestamp_segment_time: float = 80.0
-    # "qasr": {"max_segment_s": S} in config.json: the segment length this model prefers; None: not declared
+    # config.json's "qasr": {"max_segment_s": S}
     declared_max_segment_s: float | None = None
 
     @property
     def max_segment_s(self) -> float:
-        """The segment length a call gets when it names none: the declared one, else 30 s."""
+        """The segment length a call gets when it names none."""
         return self.declared_max_segment_s or DEFAULT_MAX_SEGMENT_S
 
     @property
@@ -144,12 +134,12 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
-        """Output rows of the final Linear: the classes for the aligner, else the vocabulary."""
+        """Output rows of the head: the aligner's classes, else the vocabulary."""
         return self.classify_num if self.classify_num is not None else self.decoder.vocab_size
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        if "thinker_config" in d:  # the release layout: the network's fields under thinker_config
+        if "thinker_config" in d:
             th = d["thinker_config"]
             tie = bool(d.get("tie_word_embeddings", th.get("tie_word_embeddings", True)))
             return cls._read("original", th, d, tie)
@@ -160,8 +150,6 @@ class ModelConfig:
 
     @classmethod
     def _read(cls, layout: str, net: dict, top: dict, tie: bool) -> ModelConfig:
-        """``net``: the dict holding audio_config, text_config and the audio token ids; ``top``: the whole
-        config.json (languages and the aligner's fields)."""
         return cls(
             layout=layout,
             encoder=EncoderConfig.from_dict(net["audio_config"]),
@@ -178,13 +166,13 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> ModelConfig:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
-        except ValueError as exc:  # json's errors included: say which file
+        except ValueError as exc:  # json's too: say which file
             raise ValueError(f"{path}: {exc}") from exc
 
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """Stop ids and length limit, from generation_config.json when the checkpoint has one."""
+    """Stop ids and length limit from generation_config.json, if any."""
 
     eos_token_ids: tuple[int, ...]
     max_new_tokens: int = 512
@@ -201,11 +189,8 @@ class GenerationDefaults:
 
 
 def _aligner_fields(d: dict) -> dict:
-    """classify_num / timestamp ids of a forced-aligner config; {} for an ASR config.
-
-    Release layout: ``thinker_config.model_type`` names the forced aligner and holds ``classify_num``.
-    The "-hf" layout: a token-classification architecture with ``num_labels`` (or ``id2label``); its
-    config always carries ``timestamp_token_id``, ASR or not, so that key alone decides nothing."""
+    """A forced aligner's classify_num and timestamp fields; {} for ASR. In the "-hf" layout every config
+    carries ``timestamp_token_id``: the architecture decides."""
     th = d.get("thinker_config")
     if th is not None:
         if "forced_aligner" not in str(th.get("model_type", "")):
@@ -227,9 +212,7 @@ def _aligner_fields(d: dict) -> dict:
 
 
 def declared_max_segment_s(top: dict) -> float | None:
-    """``config.json``'s ``"qasr": {"max_segment_s": S}`` (seconds, a positive number), None when absent;
-    ValueError for anything else, so a malformed model folder fails at load, not at its first long input.
-    Other keys of the ``"qasr"`` object are left for later versions."""
+    """``"qasr": {"max_segment_s": S}`` (positive seconds), None when absent; ValueError (at load) otherwise."""
     own = top.get("qasr")
     if own is None:
         return None

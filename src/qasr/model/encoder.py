@@ -1,14 +1,8 @@
-"""The AuT audio encoder: conv front end over 1 s chunks, windowed bidirectional transformer, projector.
+"""The audio encoder: conv front end over conv chunks, windowed bidirectional transformer, projector.
 
-Forwards are packed: several utterances go through one call with no padding to the longest one.
-Each utterance is cut into chunks of ``2 * n_window`` mel frames (the last one zero-padded, as the
-transformers port does), all chunks of all utterances run through the conv stack together, and only
-the valid positions are kept. Attention runs inside windows of ``window_tokens`` (104 = 8 s) aligned
-at each utterance start, so an utterance's output never depends on its neighbours in the pack.
-
-A caller that already holds the conv front end's output for an utterance's first whole chunks (a live
-session's open window, re-encoded every step as it grows) passes them as that utterance's conv head
-and gives only the frames after them: each chunk convolves alone, so the result has the same bits.
+Forwards are packed (several utterances, no padding to the longest); attention stays inside windows
+aligned at each utterance's start, so an utterance's output never depends on its neighbours. A caller
+may pass the conv output of an utterance's first whole chunks (its conv head) and only the frames after.
 """
 
 from __future__ import annotations
@@ -24,11 +18,10 @@ from torch import nn
 from qasr.model.config import EncoderConfig, audio_token_count, post_conv_length
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
-MIN_ENCODER_ROWS = 16  # token rows every encoder call computes at least (see AudioEncoder.forward)
+MIN_ENCODER_ROWS = 16  # token rows every encoder call computes at least (see encode)
 
 
 def sinusoid_table(length: int, channels: int) -> torch.Tensor:
-    """(length, channels): sin half then cos half, log-spaced timescales up to 10 000."""
     inc = math.log(10000) / (channels // 2 - 1)
     inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float32))
     t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
@@ -37,7 +30,7 @@ def sinusoid_table(length: int, channels: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EncoderPack:
-    """Index plan for one packed encoder call (built on the host, reused by every layer)."""
+    """The indices of one packed encoder call, built on the host, used by every layer."""
 
     chunks: torch.Tensor  # (C, 1, mel, conv_chunk_frames) zero-padded chunks of all utterances
     valid_index: torch.Tensor  # (T,) rows of the (C * tokens_per_conv_chunk) conv output that are real
@@ -45,17 +38,14 @@ class EncoderPack:
     window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
     token_counts: tuple[int, ...]  # output tokens per utterance
     token_slots: torch.Tensor  # (T,) the (W * Lw) window slot of each packed token
-    # per utterance: its chunks in ``chunks`` (those after the whole chunks whose conv output the caller gave)
+    # per utterance: its chunks in ``chunks`` (after its conv head)
     fresh_chunks: tuple[int, ...] = ()
     windows: torch.Tensor | None = None  # (W, 2) int64: each window's (first packed token, length)
 
 
 def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.device | str = "cpu",
               head_chunks: Sequence[int] | None = None) -> EncoderPack:
-    """Chunk each utterance, record which conv outputs are valid, and lay out attention windows.
-    ``head_chunks[i]``: whole chunks of utterance i whose conv output the caller holds (they precede
-    its ``features``, which may then have no frames). Index tensors are built on the host and placed on
-    ``device`` once."""
+    """The pack of ``features``; ``head_chunks[i]``: whole chunks of utterance i given as conv output."""
     cf, tpc, win = cfg.conv_chunk_frames, cfg.tokens_per_conv_chunk, cfg.window_tokens
     heads = list(head_chunks) if head_chunks is not None else [0] * len(features)
     chunks, valid, counts, fresh = [], [], [], []
@@ -82,9 +72,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
         counts.append(total)
         chunk_base += n_chunks
         token_base += total
-    # Every window is padded to the full window length, even when the pack holds only shorter ones: the
-    # attention kernel then sees the same shape for a window whatever shares the pack, so an utterance's
-    # output is bit-identical alone and packed (with the longest window's length it was not, measured).
+    # every window padded to the full length: the same shape, so the same bits, whatever shares the pack
     lw = win
     pad_row = token_base
     index = torch.full((len(windows), lw), pad_row, dtype=torch.long)
@@ -92,8 +80,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
     for i, (start, length) in enumerate(windows):
         index[i, :length] = torch.arange(start, start + length)
         mask[i, :length] = True
-    # where each token sits in the window grid, known here on the host: reading the attention output
-    # back needs no boolean mask on the device (a mask index is a host/device sync, in every layer)
+    # each token's slot in the window grid, so no layer needs a mask index (a host/device sync)
     slots = torch.cat([i * lw + torch.arange(length) for i, (_, length) in enumerate(windows)])
     mel = features[0].shape[0]
     return EncoderPack(
@@ -110,16 +97,14 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
 
 @dataclass(frozen=True)
 class EncoderRun:
-    """One encoder call's outputs per utterance: the embeddings, and the conv front end's output of the
-    chunks this call computed (``(chunks, tokens_per_conv_chunk, d_model)``, the utterance's given conv
-    head excluded), which a caller may hand back as a later call's conv head."""
+    """Per utterance: the embeddings, and the conv output of the chunks this call computed (a later
+    call's conv head)."""
 
     rows: list[torch.Tensor]
     conv: list[torch.Tensor]
 
 
 def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host index tensors to the device; to a GPU through pinned memory, without waiting for it."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -136,11 +121,11 @@ class EncoderAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor, pack: EncoderPack, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
-        # x: (T, d). Gather into (W, heads, Lw, hd) windows; one padded row (zeros) serves every pad slot.
+        # x: (T, d) -> (W, heads, Lw, hd) windows; one zero row serves every pad slot
         n, d = x.shape
         linear = kernels.linear
         if kernels.encoder_attention is not None and x.dtype == torch.bfloat16 and pack.windows is not None:
-            # qasr's kernel: each window on its own rows, no padding (a row depends on its window alone there too)
+            # qasr's kernel: each window on its own rows, unpadded
             q, k, v = (linear(m, x).view(n, self.heads, self.head_dim) for m in (self.q_proj, self.k_proj, self.v_proj))
             out = kernels.encoder_attention(q, k, v, pack.windows, self.head_dim ** -0.5)
             return linear(self.out_proj, out.view(n, d))
@@ -197,19 +182,18 @@ class AudioEncoder(nn.Module):
 
     def conv_front(self, chunks: torch.Tensor, conv_batch: int | None = None,
                    kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
-        """(C, 1, mel, frames) -> (C, tokens_per_conv_chunk, d_model), in groups of conv_batch chunks
-        (default: the checkpoint's conv_chunksize; smaller groups keep CPU activations in cache)."""
+        """(C, 1, mel, frames) -> (C, tokens_per_conv_chunk, d_model), ``conv_batch`` chunks at a time."""
         group = conv_batch or self.cfg.conv_chunksize
         outs = []
         for start in range(0, chunks.shape[0], group):
             x = chunks[start:start + group]
             single = x.shape[0] == 1
-            if single:  # a lone chunk convolves with other low bits than in a batch (measured): pad to two
+            if single:  # a lone chunk gets other low bits than in a batch: pad to two
                 x = torch.cat([x, torch.zeros_like(x)])
             x = kernels.conv_of_gelu(self.conv2d2, kernels.conv(self.conv2d1, x))
             x = F.gelu(kernels.conv_of_gelu(self.conv2d3, x))
             c, ch, freq, t = x.shape
-            # flatten to 2-D first: a 3-D non-contiguous input makes linear expand the weight per chunk
+            # 2-D: a 3-D non-contiguous input makes linear expand the weight per chunk
             x = kernels.linear(self.conv_out, x.permute(0, 3, 1, 2).reshape(c * t, ch * freq))
             outs.append(x.view(c, t, -1)[:1] if single else x.view(c, t, -1))
         x = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
@@ -223,9 +207,8 @@ class AudioEncoder(nn.Module):
 
     def encode(self, features: list[torch.Tensor], conv_heads: Sequence[torch.Tensor | None] | None = None,
                conv_batch: int | None = None, kernels: Kernels = TORCH_KERNELS) -> EncoderRun:
-        """``forward``, where ``conv_heads[i]`` (``(chunks, tokens_per_conv_chunk, d_model)``, the
-        ``conv`` of an earlier run) stands for utterance i's first whole chunks and ``features[i]`` holds
-        the frames after them; also returns the conv output of the chunks computed here."""
+        """``forward``, where ``conv_heads[i]`` (an earlier run's ``conv``) stands for utterance i's first
+        whole chunks and ``features[i]`` holds the frames after them."""
         p = self.parameters().__next__()
         feats = [f.to(p.device, p.dtype) for f in features]
         heads = list(conv_heads) if conv_heads is not None else [None] * len(feats)
@@ -234,11 +217,8 @@ class AudioEncoder(nn.Module):
         rows = sum(audio_token_count(f.shape[-1], cf) + (h.shape[0] * tpc if h is not None else 0)
                    for f, h in zip(feats, heads, strict=True))
         if rows < MIN_ENCODER_ROWS:
-            # BLAS matmuls pick other kernels for a handful of rows (with MKL sgemm, 1-11 rows give
-            # different low bits than the same rows inside a bigger product), so a short window alone
-            # and the same window packed with others would differ. A zero dummy utterance keeps every
-            # call above that size; windows never attend across utterances, so it changes nothing else.
-            # As few whole chunks as reach the size (one for a lone 1 s chunk, the first step of a live turn).
+            # BLAS takes other kernels (other low bits) for a few rows: a zero utterance of whole chunks
+            # keeps every call above that; windows never attend across utterances
             feats.append(feats[0].new_zeros(feats[0].shape[0], -(-(MIN_ENCODER_ROWS - rows) // tpc) * cf))
             heads.append(None)
         pack = plan_pack(feats, self.cfg, p.device, [h.shape[0] if h is not None else 0 for h in heads])

@@ -1,15 +1,5 @@
-"""Qwen3-ASR chat prompt construction and raw-output parsing.
-
-The prompt is assembled id by id rather than by tokenising a rendered template string:
-control tokens are inserted by their ids and only the text between them is BPE-encoded
-(with :meth:`Tokenizer.encode`, which ignores added-token strings).  The result is identical
-to tokenising the rendered template for ordinary inputs, but a ``context`` that contains a
-literal ``"<|im_end|>"`` (or any other control-token string) is encoded as plain text, so a
-caller-supplied context can never close the system turn or inject audio placeholders.
-
-No token id is hard-coded: tiny test checkpoints use different vocabularies, so ids come from
-the model config or are looked up by token string.
-"""
+"""The chat prompt, built id by id (a control-token string in ``context`` stays plain text), and the
+parser of the model's raw output. No token id is hard-coded."""
 
 from __future__ import annotations
 
@@ -36,11 +26,7 @@ _LANGUAGE_PREFIX = "language "
 
 
 def normalize_language(lang: str | None) -> str | None:
-    """Map a language name (any case) or ISO code to its canonical name; None/blank means auto-detect.
-
-    The canonical spelling matters because it is written verbatim into the forced-language
-    prompt (``language English<asr_text>``) that the model was trained on.
-    """
+    """A language name (any case) or ISO code -> the canonical name the prompt writes; None/blank: detect."""
     if lang is None or not lang.strip():
         return None
     key = lang.strip().lower()
@@ -53,7 +39,7 @@ def normalize_language(lang: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """Ids of the control tokens the prompt builder and the decoder loop need."""
+    """The control tokens' ids."""
 
     im_start: int
     im_end: int
@@ -71,7 +57,6 @@ class SpecialTokens:
         audio_start_token_id: int | None = None,
         audio_end_token_id: int | None = None,
     ) -> SpecialTokens:
-        """Take ids from the model config where it has them, else look them up by token string."""
 
         def lookup(token: str, configured: int | None = None) -> int:
             if configured is not None:
@@ -99,14 +84,8 @@ def build_prompt(
     context: str = "",
     language: str | None = None,
 ) -> list[int]:
-    """Ids of the Qwen3-ASR generation prompt for one utterance.
-
-    Layout: ``<|im_start|>system\\n{context}<|im_end|>\\n<|im_start|>user\\n<|audio_start|>``
-    ``<|audio_pad|>*n<|audio_end|><|im_end|>\\n<|im_start|>assistant\\n`` plus, when a language is
-    forced, ``language {Name}<asr_text>``.  Each text run between control tokens is encoded as one
-    piece, as tokenising the whole rendered string would (e.g. a context starting with a newline
-    merges with the preceding one).  ``context`` is always plain text (see module docstring).
-    """
+    """The generation prompt's ids for one utterance: the chat template with ``context`` as the system
+    turn, ``n_audio_tokens`` placeholders, and ``language {Name}<asr_text>`` when a language is forced."""
     if n_audio_tokens < 0:
         raise ValueError(f"n_audio_tokens must be >= 0, got {n_audio_tokens}")
     name = normalize_language(language)
@@ -123,18 +102,8 @@ def build_prompt(
 
 
 def fix_repetitions(text: str, threshold: int = 20, max_unit: int = 20) -> str:
-    """Collapse degenerate repetition loops that autoregressive decoding sometimes falls into.
-
-    Two passes, matching the reference Qwen3-ASR post-processing:
-
-    (a) a run of more than ``threshold`` identical characters becomes one character;
-    (b) scanning left to right, the first unit of 1..``max_unit`` characters (shortest unit first)
-        repeated at least ``threshold`` times back to back is replaced by one copy, and the scan
-        resumes after the run.  As in the reference, only runs starting at most
-        ``len(text) - 2 * threshold`` characters into the (pass-a) text are considered.
-
-    Both passes are single regex scans, so a 20k-character string costs milliseconds.
-    """
+    """The official post-processing of repetition loops: a run of more than ``threshold`` equal characters
+    becomes one, then each unit of up to ``max_unit`` characters repeated ``threshold`` times becomes one copy."""
     if threshold < 1 or max_unit < 1:
         raise ValueError("threshold and max_unit must be >= 1")
     text = _char_run_regex(threshold).sub(r"\1", text)
@@ -156,17 +125,11 @@ def _char_run_regex(threshold: int) -> re.Pattern[str]:
 
 
 def _unit_run_regex(threshold: int, max_unit: int) -> re.Pattern[str]:
-    # Lazy unit => shortest period wins; greedy repeat => the whole run is consumed.
     return re.compile(rf"(.{{1,{max_unit}}}?)\1{{{threshold - 1},}}", re.DOTALL)
 
 
 def parse_asr_output(raw: str, forced_language: str | None = None) -> tuple[str, str]:
-    """Split decoded model output into ``(language, text)``.
-
-    Auto mode output looks like ``language English<asr_text>transcript``; ``language None`` marks
-    audio without speech.  With a forced language the prompt already ended in ``<asr_text>``, so
-    the whole output is transcript.
-    """
+    """``language English<asr_text>transcript`` -> ``(language, text)``; ``language None``: no speech."""
     s = (raw or "").strip()
     if not s:
         return "", ""
@@ -182,7 +145,6 @@ def parse_asr_output(raw: str, forced_language: str | None = None) -> tuple[str,
     language = ""
     for line in meta.splitlines():
         line = line.strip()
-        # The reference takes the first meta line that starts with the prefix.
         if line.lower().startswith(_LANGUAGE_PREFIX):
             value = line[len(_LANGUAGE_PREFIX) :].strip()
             if value:
@@ -192,10 +154,7 @@ def parse_asr_output(raw: str, forced_language: str | None = None) -> tuple[str,
 
 
 def merge_languages(languages: list[str]) -> str:
-    """Per-chunk languages of a long recording as one string, e.g. ``"Chinese,English"``.
-
-    Empties are dropped and consecutive repeats (after dropping empties) are merged.
-    """
+    """Per-chunk languages as one string, e.g. ``"Chinese,English"`` (empties dropped, repeats merged)."""
     merged: list[str] = []
     for lang in languages:
         lang = (lang or "").strip()

@@ -1,17 +1,6 @@
-"""Qwen2 byte-level BPE tokenizer, loaded straight from a checkpoint directory.
+"""Qwen2 byte-level BPE from a checkpoint's ``tokenizer.json`` or release files, without transformers.
 
-Qwen3-ASR checkpoints ship either a ``tokenizer.json`` or the older release layout
-(``vocab.json`` + ``merges.txt`` + ``tokenizer_config.json``).  Both are turned into a
-``tokenizers.Tokenizer`` here so that no ``transformers`` code is needed at run time.
-
-Two underlying tokenizers are kept:
-
-* ``full`` knows the added tokens (``<|im_start|>``, ``<asr_text>`` ...).  It is used for
-  decoding, where added tokens must map back to their strings and special ones may be skipped.
-* ``plain`` has the same BPE model, normaliser and pre-tokeniser but *no* added tokens.  It
-  is used by :meth:`Tokenizer.encode`, so user-supplied text (for example a prompt context that
-  happens to contain ``"<|im_end|>"``) is always encoded as ordinary bytes and can never
-  inject a control token.  Control tokens are inserted by id by the prompt builder instead.
+Decoding knows the added tokens; ``encode`` does not, so text can never inject a control token.
 """
 
 from __future__ import annotations
@@ -25,7 +14,6 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-# Qwen2's pre-tokeniser split pattern (GPT-4 style, single digits).
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -36,7 +24,6 @@ _RELEASE_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 
 
 def qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    """The regex split followed by byte-level mapping, exactly as Qwen2 configures it."""
     return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
@@ -46,7 +33,6 @@ def qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
 
 
 def _bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tokenizers.Tokenizer:
-    """A Qwen2-configured tokenizer around a BPE model, without any added tokens."""
     model = BPE(
         vocab=vocab,
         merges=merges,
@@ -65,7 +51,7 @@ def _bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> toke
 
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:
-    """Parse merges.txt; split on '\\n' only, since byte-level symbols never contain spaces or newlines."""
+    """merges.txt, split on '\\n' only (byte-level symbols hold no spaces or newlines)."""
     merges: list[tuple[str, str]] = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
         line = line.rstrip("\r")
@@ -79,7 +65,6 @@ def _read_merges(path: Path) -> list[tuple[str, str]]:
 
 
 def _added_tokens_from_config(config: dict) -> list[tuple[int, AddedToken]]:
-    """The ``added_tokens_decoder`` entries of tokenizer_config.json, sorted by id."""
     entries = config.get("added_tokens_decoder") or {}
     out: list[tuple[int, AddedToken]] = []
     for key, spec in entries.items():
@@ -101,8 +86,7 @@ def _from_release_files(directory: Path) -> tuple[tokenizers.Tokenizer, tokenize
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     added = _added_tokens_from_config(config)
 
-    # Added tokens are placed in the model vocabulary at their configured ids, so add_tokens()
-    # reuses those ids instead of appending (robust to gaps in the id range).
+    # added tokens in the vocabulary at their ids, so add_tokens() reuses them (gaps in the range allowed)
     id_to_token = {i: t for t, i in vocab.items()}
     full_vocab = dict(vocab)
     for idx, token in added:
@@ -129,7 +113,6 @@ def _from_tokenizer_json(path: Path) -> tuple[tokenizers.Tokenizer, tokenizers.T
 
 
 class Tokenizer:
-    """Encode plain text and decode generated ids for a Qwen2-family checkpoint."""
 
     def __init__(self, full: tokenizers.Tokenizer, plain: tokenizers.Tokenizer) -> None:
         for tok in (full, plain):
@@ -141,7 +124,6 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load from ``tokenizer.json`` when present, else from the vocab/merges/config release files."""
         directory = Path(path)
         if (directory / _TOKENIZER_JSON).is_file():
             return cls(*_from_tokenizer_json(directory / _TOKENIZER_JSON))
@@ -154,27 +136,24 @@ class Tokenizer:
         return cls(*_from_release_files(directory))
 
     def encode(self, text: str) -> list[int]:
-        """BPE-encode ``text`` as plain text: added-token strings inside it get no special treatment."""
+        """``text`` as plain text: added-token strings in it are not control tokens."""
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Decode ids; no tokenization-space clean-up is applied (Qwen sets it off)."""
+        """No tokenization-space clean-up (Qwen sets it off)."""
         return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        """Id of a vocabulary or added token string, or None if unknown."""
         return self._full.token_to_id(token)
 
     def id_to_token(self, idx: int) -> str | None:
-        """Token string of an id, or None if out of vocabulary."""
         return self._full.id_to_token(idx)
 
     @property
     def special_ids(self) -> frozenset[int]:
-        """Ids of added tokens flagged special (dropped by ``decode(skip_special_tokens=True)``)."""
+        """Added tokens flagged special (what ``decode`` skips)."""
         return self._special_ids
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids known to the tokenizer, added tokens included."""
         return self._full.get_vocab_size(with_added_tokens=True)

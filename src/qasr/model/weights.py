@@ -1,9 +1,4 @@
-"""Find a checkpoint, read its safetensors (single file or sharded) and map both key layouts.
-
-Keys are mapped onto the release layout minus its ``thinker.`` prefix:
-``audio_tower.*`` (incl. proj1/proj2), ``model.*`` (the text decoder) and ``lm_head.weight`` (the
-aligner's classifier too: ``thinker.lm_head`` in its release, ``score`` in the "-hf" layout; never tied).
-"""
+"""Find a checkpoint and read its safetensors, keys of either layout mapped onto the release's minus ``thinker.``."""
 
 from __future__ import annotations
 
@@ -67,8 +62,7 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 
 
 def _looks_like_hub_id(name: str) -> bool:
-    """``owner/name`` as the hub spells ids; anything path-like (absolute, relative with dots, home, more or
-    fewer parts) is taken for a local path, so its error talks about the path and not about a hub cache."""
+    """``owner/name``; anything path-like is a local path, and its error says so."""
     owner, _, repo = name.partition("/")
     return name.count("/") == 1 and bool(owner) and bool(repo) and not owner.startswith((".", "~")) and "\\" not in name
 
@@ -88,7 +82,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3ASRModel:
-    """Build the module without initialising weights, then fill every parameter from the files."""
+    """The module built on the meta device, every parameter from the files."""
     with torch.device("meta"):
         model = Qwen3ASRModel(cfg)
     expected = dict(model.named_parameters())
@@ -102,7 +96,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: t
                 state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
     tie = cfg.decoder.tie_word_embeddings or "lm_head.weight" not in state
     if tie and not cfg.is_aligner and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: share the embedding tensor
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
