@@ -1,9 +1,5 @@
-"""The device seam: what a backend (engine/cpu/, engine/cuda/) hands the engine, typed.
-
-A backend prepares a model once (``PreparedModel``): the kernels every forward is handed, optionally its
-own KV pool layout and its own step runner. The engine only sees the protocols below, so the backends
-import this module and never the engine or the module that chooses among them (engine/device.py).
-"""
+"""What a backend (engine/cpu/, engine/cuda/) hands the engine: a ``PreparedModel``. Backends import this
+module, never the engine or engine/device.py."""
 
 from __future__ import annotations
 
@@ -27,9 +23,7 @@ if TYPE_CHECKING:
 
 
 class KVCache(Protocol):
-    """A pool of keys and values for ``tokens`` positions, handed out in blocks of ``block_size`` tokens by
-    ``allocator``; a forward's attention metadata names each sequence's block table (the layout of that
-    metadata is the pool's own: engine/kv_cache.AttentionMeta, engine/cuda/plan.VarlenMeta)."""
+    """Keys and values for ``tokens`` positions, handed out in blocks by ``allocator``."""
 
     tokens: int
     block_size: int
@@ -40,7 +34,7 @@ class KVCache(Protocol):
 
 
 class StepRunner(Protocol):
-    """Runs one engine step on the device: an encoder call over audio slices, then a decoder forward."""
+    """Runs one engine step on the device."""
 
     def encode(self, slices: list[tuple[Request, int]]) -> float: ...
 
@@ -61,19 +55,15 @@ class RunnerFactory(Protocol):
 class PreparedModel:
     model: Qwen3ASRModel
     kernels: Kernels  # handed to every model forward
-    decode_attention: ModuleType | None = None  # native decode attention (also stores the new K/V)
-    prefill_attention: ModuleType | None = None  # native prompt-chunk attention
+    decode_attention: ModuleType | None = None
+    prefill_attention: ModuleType | None = None
     release_caller_threads: Callable[[], None] = lambda: None  # called by submitting threads
-    description: str = "torch"  # which kernels run, for logs and benchmarks
-    # a prompt row's decoder output does not depend on how the prompt is cut into prefill chunks (row-invariant
-    # linears and norms, and a prefill attention that computes each query row alone over its keys in order):
-    # a kept KV prefix may then be continued from any position, not only from the prefill chunk grid
+    description: str = "torch"  # which kernels run, for logs
+    # a prompt row's bits do not depend on the prefill chunking: a kept prefix may be continued anywhere
     chunk_invariant_prefill: bool = False
-    # a decode row's output does not depend on the rows beside it (row-invariant linears, per-row fused norms, a
-    # native decode attention that computes each row alone): several decode rows of one sequence in a forward
-    # (guessed tokens checked at once, Engine.submit's draft) then give each row the bits of a step of its own
+    # a decode row's bits do not depend on the rows beside it: drafts may be checked in one forward
     row_invariant_decode: bool = False
-    # the backend's own KV pool and runner; None: engine/kv_cache.KVPool and engine/runner.Runner
+    # None: engine/kv_cache.KVPool and engine/runner.Runner
     make_pool: PoolFactory | None = None
     make_runner: RunnerFactory | None = None
     backend: str = "cpu"

@@ -1,9 +1,4 @@
-"""Who holds which KV blocks: running requests (their block tables) and kept prefixes (leases).
-
-Bookkeeping only, on the engine thread. The scheduler decides when a request grows and whom to preempt;
-this module gives blocks out, takes them back, and keeps the leases of live sessions, oldest first, so
-the oldest is the first evicted when the pool runs out.
-"""
+"""Who holds which KV blocks: running requests and kept prefixes (leases), on the engine thread."""
 
 from __future__ import annotations
 
@@ -14,11 +9,11 @@ from qasr.engine.request import KVLease, Request
 class BlockManager:
     def __init__(self, allocator: BlockAllocator) -> None:
         self.allocator = allocator
-        self.leases: dict[int, KVLease] = {}  # by id(lease), in the order they were kept
+        self.leases: dict[int, KVLease] = {}  # by id(lease), oldest first
 
     @property
     def lease_blocks(self) -> int:
-        """Blocks held by kept prefixes: free for the taking, at the cost of a re-prefill."""
+        """Blocks held by kept prefixes (evictable)."""
         return sum(len(lease.blocks) for lease in self.leases.values())
 
     def missing(self, req: Request, tokens: int) -> int:
@@ -26,8 +21,7 @@ class BlockManager:
         return max(0, self.allocator.blocks_for(tokens) - len(req.blocks))
 
     def grow(self, req: Request, tokens: int) -> bool:
-        """Give the request the blocks it lacks for positions [0, tokens); False (nothing taken) when
-        fewer are free."""
+        """Give the request the blocks it lacks for positions [0, tokens); False (nothing taken) if short."""
         need = self.missing(req, tokens)
         if need == 0:
             return True
@@ -38,13 +32,11 @@ class BlockManager:
         return True
 
     def free(self, req: Request) -> None:
-        """All the request's blocks back to the pool (it ended, failed, was cancelled or preempted)."""
         self.allocator.free(req.blocks)
         req.blocks = []
 
     def keep(self, req: Request) -> KVLease:
-        """A finished request's prompt blocks become a lease (the blocks of its generated tokens are freed:
-        a continuation reuses at most the prompt)."""
+        """A finished request's prompt blocks become a lease; the rest are freed."""
         n = self.allocator.blocks_for(len(req.prompt))
         lease = KVLease(req.blocks[:n], len(req.prompt), tuple(req.prompt))
         self.allocator.free(req.blocks[n:])
@@ -53,7 +45,7 @@ class BlockManager:
         return lease
 
     def release(self, lease: KVLease) -> None:
-        """Free a lease's blocks (released by its owner, or never taken over); no-op once empty."""
+        """Free a lease's blocks (no-op once empty)."""
         self.leases.pop(id(lease), None)
         self.allocator.free(lease.blocks)
         lease.blocks = []
@@ -67,9 +59,8 @@ class BlockManager:
         return False
 
     def take_over(self, req: Request) -> None:
-        """Hand a continuation the blocks of the prefix it continues: positions [0, prefix_len) are
-        reused and prefill starts there. When the lease was evicted meanwhile, the request prefills its
-        whole prompt instead (the same bits: the prefix was prefilled on the same chunk grid)."""
+        """Hand a continuation its prefix's blocks and start its prefill at ``prefix_len``; if the lease
+        was evicted, it prefills its whole prompt (the same bits)."""
         lease = req.kv_prefix
         assert lease is not None
         self.leases.pop(id(lease), None)

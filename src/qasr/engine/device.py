@@ -1,11 +1,4 @@
-"""The one place where the engine prepares a model for its device.
-
-``prepare_model`` returns what the engine runs with, a ``PreparedModel`` (engine/backend.py): the model
-(never modified), the ``Kernels`` its forwards are handed, the attention kernels for the KV pool, and a
-hook for submitting threads. CPU
-specifics live in ``engine/cpu/``, CUDA specifics in ``engine/cuda/`` (a token-major KV pool read in place
-by varlen attention, pinned uploads, decode graphs in batch buckets), chosen here and nowhere else.
-"""
+"""The one place that chooses a backend (engine/cpu/, engine/cuda/) and prepares a model for it."""
 
 from __future__ import annotations
 
@@ -21,8 +14,8 @@ _prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[tuple[str, bool, str | 
 
 
 def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
-    """``auto``: the model's device type. ``cuda`` on a CPU model runs the CUDA backend's planning, pool
-    layout and runner with its portable kernels (how the tests check them on machines without a GPU)."""
+    """``auto``: the model's device type. ``cuda`` on a CPU model runs the CUDA backend with its portable
+    kernels (as the tests do)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -34,12 +27,8 @@ def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
 
 def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto",
                   quantize: str | None = None) -> PreparedModel:
-    """Choose the kernels for the model's device. ``native=False`` keeps to torch ops (same maths).
-    ``quantize="int8"``: int8 linears and convolutions; ``"int4"``: int4 decoder linears and LM head, the rest
-    int8 (CPU only; engine/cpu/int8.py, int4.py).
-
-    Kept per model (and choice), so a second engine on the same model shares the prepared kernels and
-    packed weights instead of making another copy."""
+    """The model prepared for its backend, shared by every engine on the same model and choice (the model
+    itself is never modified). ``native=False`` keeps to torch ops. ``quantize`` ("int8", "int4"): CPU only."""
     chosen = backend_for(model, backend)
     if quantize is not None and (chosen != "cpu" or model.device.type != "cpu"):
         raise ValueError(f"quantize={quantize!r} runs on the CPU backend only (no {chosen} {quantize} kernels yet): "
@@ -60,4 +49,4 @@ def _prepare(model: Qwen3ASRModel, native: bool, chosen: str, quantize: str | No
         from qasr.engine.cpu.prepare import prepare_cpu
 
         return prepare_cpu(model, native, quantize)
-    return PreparedModel(model, TORCH_KERNELS, backend="torch")  # another device type: plain torch ops
+    return PreparedModel(model, TORCH_KERNELS, backend="torch")

@@ -1,14 +1,7 @@
 """KV memory in fixed-size blocks, taken as tokens are made.
 
-The pool's token axis is cut into ``num_blocks`` blocks of ``block_size`` consecutive positions. A
-request holds a block table (a list of block ids): position p of the request lives at pool row
-``table[p // block_size] * block_size + p % block_size``. Blocks are taken when a prefill chunk or a
-decode row first needs them and all given back when the request ends, so nothing is reserved for a
-request's token cap and no request ever needs a contiguous gap: a pool that is full of scattered live
-sessions still serves any request whose tokens fit in its free blocks.
-
-Free blocks are handed out lowest id first (a heap): a request that runs alone gets consecutive blocks,
-which the CUDA backend reads in place (a scattered table costs it a gather).
+A sequence holds a block table: its position p lives at pool row ``table[p // block_size] * block_size +
+p % block_size``. Free blocks go lowest id first, so a request that runs alone gets consecutive blocks.
 """
 
 from __future__ import annotations
@@ -27,12 +20,11 @@ class BlockAllocator:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks))  # a heap (sorted is a heap)
-        self._held = np.zeros(num_blocks, dtype=bool)  # catches a double free, which would corrupt two requests
+        self._free = list(range(num_blocks))  # a heap
+        self._held = np.zeros(num_blocks, dtype=bool)  # catches a double free
 
     @property
     def capacity(self) -> int:
-        """Tokens the whole pool holds."""
         return self.num_blocks * self.block_size
 
     @property
@@ -45,15 +37,13 @@ class BlockAllocator:
 
     @property
     def used(self) -> int:
-        """Tokens of memory held by blocks in use (a request's last block may be partly empty)."""
         return self.used_blocks * self.block_size
 
     def blocks_for(self, tokens: int) -> int:
-        """Blocks that hold ``tokens`` positions."""
         return -(-tokens // self.block_size)
 
     def alloc(self, n: int) -> list[int] | None:
-        """n free blocks (lowest ids first), or None and nothing taken when fewer are free."""
+        """n free blocks, lowest ids first; None (nothing taken) when fewer are free."""
         if n > len(self._free):
             return None
         out = [heapq.heappop(self._free) for _ in range(n)]
@@ -75,7 +65,7 @@ def token_rows(table: Sequence[int], block_size: int, start: int, stop: int) -> 
 
 
 def contiguous_start(table: Sequence[int], block_size: int, tokens: int) -> int | None:
-    """The first pool row when positions [0, tokens) lie in consecutive ascending blocks, else None."""
+    """The first pool row when positions [0, tokens) lie in consecutive blocks, else None."""
     n = -(-tokens // block_size)
     first = table[0]
     if all(table[i] == first + i for i in range(1, n)):

@@ -1,6 +1,5 @@
-"""Executes one engine step on the device: packed encoder call, then one packed decoder forward
-(decode rows first, prefill chunks after) and a greedy argmax, with each chosen token's
-log-probability, read back in a single host sync."""
+"""One engine step on the device: a packed encoder call, then one packed decoder forward and a greedy
+argmax with log-probabilities, read back in one host sync."""
 
 from __future__ import annotations
 
@@ -24,17 +23,11 @@ class Runner:
         self.pool = pool
         self.features = features
         self.conv_batch = conv_batch
-        # log-probabilities of the requests' generated tokens: entry i for ``req.output[i]``, written when the
-        # token is sampled (a preempted request's recomputation writes the same values over the old ones);
-        # the engine takes a request's list when it ends, and a request dropped otherwise drops its entry
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
-        """One packed encoder call over a slice of each request's audio: ``n`` tokens from its
-        ``encoded_tokens`` on, which lies on the 8 s window grid (windows attend only within
-        themselves, so a slice's output equals those rows of the whole). Features are made at a
-        request's first slice (the log-mel needs the whole utterance) and dropped after its last.
-        Nothing is changed unless the whole call succeeds. Returns the seconds spent on features."""
+        """Encode ``n`` more audio tokens of each request in one call; no request changes unless it all
+        succeeds. Returns the seconds spent on features."""
         enc = self.model.cfg.encoder
         window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         feats = []
@@ -48,7 +41,7 @@ class Runner:
             f1 = f0 + -(-n // enc.window_tokens) * window_frames
             feats.append(req.features[:, f0:f1])
         feat_s = time.perf_counter() - t0
-        heads = [req.conv_head for req, _ in slices]  # (a request with a conv head is one window, one slice)
+        heads = [req.conv_head for req, _ in slices]
         run = self.model.audio_tower.encode(feats, heads, conv_batch=self.conv_batch, kernels=self.kernels)
         outs = run.rows
         for (req, n), out in zip(slices, outs, strict=True):
@@ -67,24 +60,22 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
-        """Run decode rows and prefill chunks together; return (request, next token) for every request
-        whose logits were computed (all decode rows, and prefill chunks that complete their prompt); each
-        token's log-probability goes to ``req.logprobs``. Alignment requests get the head's argmax at their
-        classifier positions in ``req.classes``."""
+        """Run the plan; return (request, token) for each token made, in order. Log-probabilities go to
+        ``req.logprobs``, an alignment request's classes to ``req.classes``."""
         batch = self.collect(plan)
-        tokens, logprobs = self.run(batch)  # runs even when no row is sampled: the chunks' keys and values are stored
+        tokens, logprobs = self.run(batch)  # also when nothing is sampled: it stores the chunks' keys and values
         for req, n in plan.prefill:
-            req.prefilled += n  # the encoder output stays: a preempted request prefills again from it
+            req.prefilled += n
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
         made: list[tuple[Request, int]] = []
-        last: dict[int, int | None] = {}  # by request: the token of its last row kept (None: a guess failed)
-        kept: dict[int, int] = {}  # by request: tokens kept so far this step
+        last: dict[int, int | None] = {}  # by request: its last kept token, None once a guess failed
+        kept: dict[int, int] = {}
         for req, i, guess in zip(batch.sampled, batch.sampled_at, batch.guesses, strict=True):
             if guess is not None and last[id(req)] != guess:
-                last[id(req)] = None  # this row was fed a wrong guess (or follows one): its token is not the output's
+                last[id(req)] = None
                 continue
-            k = len(req.output) + kept.get(id(req), 0)  # the token made now is output[k]
+            k = len(req.output) + kept.get(id(req), 0)
             del req.logprobs[k:]  # a recomputation overwrites
             req.logprobs.append(logprobs[i])
             made.append((req, tokens[i]))
@@ -93,11 +84,9 @@ class Runner:
         return made
 
     def collect(self, plan: StepPlan) -> StepBatch:
-        """The step's packed rows, on the host: decode rows first, then prefill chunks in plan order."""
         b = StepBatch()
         for req in plan.decode:
-            # the newest token, then the guesses (plan.drafts) as if each had been made: a row of its own each, a
-            # decode row like any other (row-invariant kernels give it the bits of a step of its own)
+            # the newest token, then each guess as a decode row of its own
             ctx = len(req.prompt) + len(req.output) - 1
             guesses = plan.drafts.get(id(req), ())
             for j, token in enumerate((req.output[-1], *guesses)):
@@ -112,7 +101,7 @@ class Runner:
                 b.guesses.append(token if j else None)
         b.num_decode = len(b.ids)
         audio_id = self.model.cfg.audio_token_id
-        reached: dict[int, int] = {}  # a request's later chunks in this step start where its earlier ones end
+        reached: dict[int, int] = {}  # a request's next chunk in this step starts here
         for req, n in plan.prefill:
             a = reached.get(id(req), req.prefilled)
             e = reached[id(req)] = a + n
@@ -127,7 +116,7 @@ class Runner:
             if hi > lo:
                 b.audio.append(req.audio[lo:hi])
                 b.audio_rows.extend(int(i) + base for i in np.flatnonzero(np.asarray(chunk) == audio_id))
-            if req.classify is not None:  # alignment: the head runs only at its positions in [a, e)
+            if req.classify is not None:  # alignment: logits only at its classifier positions
                 c0, c1 = np.searchsorted(req.classify, [a, e])
                 b.classified.append((req, len(b.rows), int(c1 - c0)))
                 b.rows.extend((req.classify[c0:c1] + (len(b.ids) - e)).tolist())
@@ -139,8 +128,7 @@ class Runner:
         return b
 
     def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
-        """One packed decoder forward on the device; the argmax of each row in ``batch.rows`` and its
-        log-probability (read back together: the step's single host sync)."""
+        """One packed decoder forward; each of ``batch.rows``' argmax and log-probability (one host sync)."""
         dev = self.model.device
         meta = self.pool.build_meta(batch.tables, batch.qlens, batch.ctxs, batch.num_decode)
         rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
@@ -153,43 +141,37 @@ class Runner:
 
 
 def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy choice on the device: each row's argmax (int64) and its log-probability, the float32
-    log-softmax of the row at that id. log_softmax over the last dim reduces every row by itself (one
-    CPU thread or one CUDA block a row, in an order set by the vocabulary size alone), so a row's value
-    does not depend on the rows beside it, and a recomputed row gives the same bits."""
-    scores = logits.float()  # exact (bf16 and float16 are subsets of float32)
-    # the argmax of the float32 values is the argmax of the logits (the same order, ties to the first index, NaN
-    # the largest), and on the CPU it costs a quarter of torch's bf16 argmax: 0.39 against 1.67 ms at 5 rows of the
-    # 151,936-token vocabulary (2 Zen 4 cores), once a decode step
-    tokens = scores.argmax(-1, keepdim=True)  # (rows, 1)
+    """Each row's argmax and its float32 log-softmax at that id; a row's values do not depend on its neighbours."""
+    scores = logits.float()  # exact: bf16 and float16 are subsets of float32
+    # the same index as the logits' argmax, and cheaper than torch's bf16 one (docs/log/2026-12-06-engine-argmax.md)
+    tokens = scores.argmax(-1, keepdim=True)
     logprobs = torch.log_softmax(scores, -1).gather(-1, tokens)
     return tokens.squeeze(-1), logprobs.squeeze(-1)
 
 
 def read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Both to the host in one transfer (one sync): stacked as float64, which holds any token id and any
-    float32 exactly."""
+    """Both to the host in one sync (float64 holds any id and float32 exactly)."""
     ids, lps = torch.stack([tokens.double(), logprobs.double()]).tolist()
     return [int(t) for t in ids], lps
 
 
 @dataclass
 class StepBatch:
-    """One step's packed decoder rows, built on the host by ``Runner.collect``."""
+    """One step's packed decoder rows, built on the host."""
 
-    num_decode: int = 0  # leading single-token decode rows (a request's guessed tokens each bring one)
-    ids: list[int] = field(default_factory=list)  # (N,) token ids, packed
-    positions: list[int] = field(default_factory=list)  # (N,) absolute positions
-    tables: list[list[int]] = field(default_factory=list)  # per sequence: its KV block table
-    qlens: list[int] = field(default_factory=list)  # per sequence: new tokens
-    ctxs: list[int] = field(default_factory=list)  # per sequence: tokens already cached
-    audio: list[torch.Tensor] = field(default_factory=list)  # encoder rows for the audio placeholders, in order
-    audio_rows: list[int] = field(default_factory=list)  # packed rows of the audio placeholders
+    num_decode: int = 0  # leading one-token rows
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # per sequence: block table, new tokens, cached tokens
+    qlens: list[int] = field(default_factory=list)
+    ctxs: list[int] = field(default_factory=list)
+    audio: list[torch.Tensor] = field(default_factory=list)
+    audio_rows: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # packed rows whose logits are computed
-    sampled: list[Request] = field(default_factory=list)  # requests that get a token this step
-    sampled_at: list[int] = field(default_factory=list)  # index in ``rows`` of each sampled request's row
-    guesses: list[int | None] = field(default_factory=list)  # per sampled row: the guessed id it was fed, or None
-    classified: list[tuple[Request, int, int]] = field(default_factory=list)  # (alignment request, first, count)
+    sampled: list[Request] = field(default_factory=list)  # per sampled row: its request, index in rows, guess
+    sampled_at: list[int] = field(default_factory=list)
+    guesses: list[int | None] = field(default_factory=list)
+    classified: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first row, count)
 
     @property
     def pure_decode(self) -> bool:

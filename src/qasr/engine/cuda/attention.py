@@ -1,13 +1,6 @@
-"""Varlen attention over the token-major KV pool: torch's flash kernel on CUDA, a portable reference
-everywhere else (and on CUDA where flash cannot run: float32, or a torch without it).
-
-Both take packed queries ``q`` (N, heads, head_dim), one layer's pool slabs ``kc`` / ``vc`` (tokens + 1,
-kv_heads, head_dim) with this forward's new keys and values already stored, and a ``VarlenMeta``; both
-return (N, heads * head_dim). The flash call reads each sequence's keys in place where every sequence's
-blocks are consecutive (``cu_seqlens_k`` = first rows, ``seqused_k`` = lengths: see plan.py), else from a
-staging copy gathered through the block tables; the reference gathers padded batches through the tables
-and runs masked SDPA. At first use on a device the flash path is checked against the reference (``self_test``) and steps
-aside with a warning if it fails, like the CPU kernels do.
+"""Varlen attention over the token-major KV pool: torch's flash kernel on CUDA where it passes its
+self-test, else the portable reference. Both map q (N, heads, hd) and one layer's slabs kc / vc (tokens + 1,
+kv_heads, hd), new keys stored, to (N, heads * hd).
 """
 
 from __future__ import annotations
@@ -27,15 +20,12 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMeta, floa
 
 def reference_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,
                         scale: float) -> torch.Tensor:
-    """The portable attention over the token-major slabs: padded SDPA in groups by request kind
-    (cuda/fallback.py), so its memory stays bounded at any concurrency."""
+    """Padded SDPA in bounded groups (cuda/fallback.py)."""
     return fallback_attention(q, kc, vc, meta.fallback, scale)
 
 
 def staged(kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values flash reads: the pool slabs themselves when every sequence of the step lies in
-    consecutive blocks, else every sequence's keys gathered in position order (``meta.gather``), which
-    ``meta.k_starts`` then index."""
+    """The pool slabs, or the keys ``meta.gather`` names."""
     if meta.gather is None:
         return kc, vc
     return kc.index_select(0, meta.gather), vc.index_select(0, meta.gather)
@@ -43,7 +33,7 @@ def staged(kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta) -> tuple[torch.
 
 def flash_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: VarlenMeta,
                     scale: float) -> torch.Tensor:
-    """torch's flash varlen forward (fp16 / bf16 on CUDA), causal at the bottom right, over ``staged``."""
+    """torch's flash varlen forward (fp16 / bf16), causal at the bottom right."""
     kc, vc = staged(kc, vc, meta)
     out = torch.ops.aten._flash_attention_forward(
         q, kc, vc, meta.cu_q, meta.k_starts, meta.max_q, meta.max_k, 0.0, True, False,
@@ -51,7 +41,7 @@ def flash_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: V
     return out.reshape(q.shape[0], -1)
 
 
-# what flash_attention passes: these ten arguments by position, then these by keyword (torch >= 2.5 has them)
+# the call flash_attention makes: these arguments by position, then these by keyword
 FLASH_POSITIONAL = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
                     "return_debug_mask")
 FLASH_KEYWORDS = ("scale", "seqused_k")
@@ -59,13 +49,12 @@ _warned: set[str] = set()
 
 
 def _flash_schema() -> object | None:
-    """The installed torch's schema of aten._flash_attention_forward (None without the op)."""
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     return None if op is None else op.default._schema
 
 
 def flash_schema_problem(schema: object | None) -> str | None:
-    """None when ``schema`` (a torch FunctionSchema) takes the call flash_attention makes, else what differs."""
+    """None when ``schema`` takes the call flash_attention makes, else what differs."""
     if schema is None:
         return "this torch has no aten._flash_attention_forward"
     args = list(schema.arguments)
@@ -83,9 +72,7 @@ def flash_schema_problem(schema: object | None) -> str | None:
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when the flash path may be tried here, else why not. A torch whose flash op takes other
-    arguments than the call flash_attention makes is reported with one warning (the portable attention
-    then runs, correct but slower)."""
+    """None when the flash path may be tried here, else why not (an unexpected op schema warns once)."""
     if device.type != "cuda":
         return "not a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -101,23 +88,21 @@ def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 def self_test(attention: Attention, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
               head_dim: int, seed: int = 0) -> str | None:
-    """Run ``attention`` on a mixed batch (decode rows, a prefill chunk with a cached prefix, a fresh
-    prompt) against the reference in float32, twice: with every sequence in consecutive blocks (read in
-    place) and with blocks scattered out of order (gathered); NaN in every row no sequence owns. None
-    when it agrees (relative error under 2e-2 for 16-bit types, 1e-4 for float32), else why not."""
+    """None when ``attention`` agrees with the float32 reference on a mixed batch, with consecutive and
+    with scattered blocks (NaN in every row no sequence owns), else why not."""
     gen = torch.Generator().manual_seed(seed)
     bs, blocks = 16, 44
     qlens, ctxs = [1, 1, 37, 64], [70, 5, 120, 0]
     need = [-(-(c + n) // bs) for n, c in zip(qlens, ctxs, strict=True)]
     order = torch.randperm(blocks, generator=gen).tolist()
-    firsts = [25, 2, 10, 40]  # consecutive runs, out of order with gaps
+    firsts = [25, 2, 10, 40]
     layouts = ([list(range(f, f + k)) for f, k in zip(firsts, need, strict=True)],
                [order[sum(need[:b]):sum(need[:b + 1])] for b in range(len(need))])
     scale = head_dim ** -0.5
     for tables in layouts:
         kc = torch.full((blocks * bs + 1, kv_heads, head_dim), float("nan"))
         vc = torch.full((blocks * bs + 1, kv_heads, head_dim), float("nan"))
-        for t, n, c in zip(tables, qlens, ctxs, strict=True):  # every key the sequences read, written
+        for t, n, c in zip(tables, qlens, ctxs, strict=True):
             rows = torch.from_numpy(token_rows(t, bs, 0, c + n))
             kc[rows] = torch.randn(c + n, kv_heads, head_dim, generator=gen)
             vc[rows] = torch.randn(c + n, kv_heads, head_dim, generator=gen)
@@ -130,7 +115,7 @@ def self_test(attention: Attention, device: torch.device, dtype: torch.dtype, he
         try:
             got = attention(q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), meta_on(device), scale)
             got = got.float().cpu()
-        except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel here
+        except Exception as exc:  # noqa: BLE001
             return f"raised {exc!r}"
         if got.shape != want.shape:
             return f"gave shape {tuple(got.shape)}, expected {tuple(want.shape)}"

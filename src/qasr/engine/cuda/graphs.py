@@ -1,17 +1,6 @@
-"""Decode steps replayed as CUDA graphs, one graph per batch bucket (plan.decode_buckets).
-
-A pure decode step (every row a single token, no prefill, no classifier rows) is padded to the next
-bucket; the pad rows read and write only the pool's scratch row. Its inputs live in static buffers that
-each step overwrites with one pinned upload per dtype; the graph runs the whole decoder (embedding, 28
-layers with the in-place varlen attention, LM head, argmax and the chosen tokens' log-probabilities) and
-leaves tokens and log-probabilities in static buffers, read back together with the step's one host sync.
-The attention gets the pool's capacity as ``max_k``, so one graph serves any context length. The graphs
-are captured at engine start (the runner calls ``prepare``) in thread-local capture mode, so no other
-thread's work can spoil a capture; each graph's first replay on real rows is checked against the eager
-forward.
-
-Without capture (``capture=False``: CPU tensors in the tests, or after a failed capture) the same static
-buffers and padding run eagerly, which is how the CPU tests check everything here but the capture itself.
+"""Pure decode steps replayed as CUDA graphs, one per batch bucket (plan.decode_buckets), over static
+buffers; pad rows use only the pool's scratch row. Each graph's first replay on real rows is checked
+against the eager forward. Without capture the same bucketed steps run eagerly (as the CPU tests run them).
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ def _host(flat: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class _Step:
-    """Static buffers (and, when captured, the graph) of one bucket."""
+    """One bucket's static buffers and graph."""
 
     def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, rows: int) -> None:
         self.model, self.pool, self.kernels, self.rows = model, pool, kernels, rows
@@ -52,13 +41,11 @@ class _Step:
         self.tokens = torch.zeros(b, dtype=torch.int64, device=dev)
         self.logprobs = torch.zeros(b, dtype=torch.float32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.verified = False  # the graph's first replay on real rows was checked against the eager forward
-        self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))  # valid pad rows before any capture
+        self.verified = False
+        self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))
 
     def meta(self, rows: DecodeRows) -> VarlenMeta:
-        """The rows' metadata over the static buffers. Graph rows lie in consecutive blocks (the runner
-        sends no other), so their tables follow from their first rows; a pad row's one key is the scratch
-        row, the first row of the block just past the pool."""
+        """The rows' metadata over the static buffers; a row's blocks are consecutive from its first row."""
         b, bs = self.rows, self.pool.block_size
         tables = tuple(tuple(range(s // bs, s // bs + c // bs + 1)) for s, c in zip(rows.starts, rows.context_lens,
                                                                                     strict=True))
@@ -87,20 +74,18 @@ class _Step:
         self.verified = False
 
     def captured_forward(self) -> None:
-        """What the graph records: the forward over the static buffers (any rows later loaded into them)."""
         self.forward(self._captured)
 
     def run(self, rows: DecodeRows) -> tuple[list[int], list[float]]:
-        """The real rows' tokens and log-probabilities."""
         self.load(rows)
         n = rows.real
         if self.graph is None:
             self.forward(self.meta(rows))
-        elif not self.verified:  # the first replay on real rows, against the eager forward on the same inputs
+        elif not self.verified:
             self.graph.replay()
             replayed = self.tokens.clone()
             self.forward(self.meta(rows))
-            got, want, logprobs = torch.stack(  # the step's one sync; float64 holds ids and float32 exactly
+            got, want, logprobs = torch.stack(
                 [replayed[:n].double(), self.tokens[:n].double(), self.logprobs[:n].double()]).tolist()
             got, want = [int(t) for t in got], [int(t) for t in want]
             self.verified = True
@@ -114,8 +99,7 @@ class _Step:
 
 
 class ReplayMismatch(RuntimeError):
-    """A replayed graph gave other tokens than the eager forward on the same rows; ``tokens`` and
-    ``logprobs`` are the eager ones."""
+    """A replay disagreed with the eager forward; ``tokens`` and ``logprobs`` are the eager ones."""
 
     def __init__(self, tokens: list[int], logprobs: list[float], message: str) -> None:
         super().__init__(message)
@@ -123,12 +107,8 @@ class ReplayMismatch(RuntimeError):
 
 
 def capture_graph(forward: Callable[[], None], mempool: object) -> torch.cuda.CUDAGraph:
-    """``forward`` (a ``_Step.captured_forward``) warmed up on a side stream (lazy inits, cuBLAS handles
-    and workspaces), then captured.
-
-    The capture is thread-local: in torch's default (global) mode, a synchronising call from any other
-    thread during the capture (a submitting thread's ``isfinite().all()``, a live session's encoder)
-    invalidates it, and decoding would stay eager for good. The tests replace this function."""
+    """``forward`` warmed up on a side stream, then captured. Thread-local capture: another thread's
+    synchronising call would otherwise spoil it. The tests replace this function."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -147,16 +127,15 @@ class DecodeGraphs:
         self.model, self.pool, self.kernels = model, pool, kernels
         self.buckets = tuple(buckets)
         self.capture = capture
-        self.failed: str | None = None  # why capture was given up (the steps then run eagerly)
+        self.failed: str | None = None
         self._steps: dict[int, _Step] = {}
-        self.steps = 0  # decode steps run through the bucketed static buffers
-        self.replays = 0  # ... of them replayed as captured graphs
+        self.steps = 0
+        self.replays = 0
         self.capture_s = 0.0
 
     def run(self, ids: Sequence[int], positions: Sequence[int], starts: Sequence[int],
             context_lens: Sequence[int]) -> tuple[list[int], list[float]] | None:
-        """The tokens of one pure decode step and their log-probabilities, or None when no bucket holds it
-        (the caller runs it eagerly)."""
+        """One pure decode step's tokens and log-probabilities, or None when no bucket holds it."""
         b = bucket_for(len(ids), self.buckets)
         if b is None:
             return None
@@ -175,17 +154,13 @@ class DecodeGraphs:
         return sampled
 
     def disable(self, why: str) -> None:
-        """Drop every captured graph: the bucketed steps run eagerly from now on."""
         self.failed = why
         for step in self._steps.values():
             step.graph = None
 
     def prepare(self) -> None:
-        """Static buffers for every bucket; with ``capture``, a graph each, largest first so the smaller
-        ones reuse its memory pool, on pad rows (every bucket's rows point at the scratch row). A failed
-        capture leaves every bucket eager, with one warning. Runs once: the CUDA runner calls it at engine
-        start (else at the first pure decode step). Each graph's first replay on real rows is checked against
-        the eager forward; a difference drops every graph, with one warning."""
+        """Static buffers for every bucket and, with ``capture``, a graph each (largest first, sharing one
+        memory pool); a failed capture leaves every bucket eager, with a warning. Runs once."""
         if self._steps:
             return
         t0 = time.perf_counter()
@@ -197,13 +172,12 @@ class DecodeGraphs:
             for b in sorted(self.buckets, reverse=True):
                 self._steps[b].capture(mempool)
             self._check()
-        except Exception as exc:  # noqa: BLE001 - fall back to eager decode steps, loudly
+        except Exception as exc:  # noqa: BLE001
             self.disable(repr(exc))
             log.warning("qasr: capturing decode graphs failed (%r); decode steps run eagerly", exc)
         self.capture_s = time.perf_counter() - t0
 
     def _check(self) -> None:
-        """A replay must give what an eager forward gives on the same inputs (the smallest bucket's pad rows)."""
         step = self._steps[self.buckets[0]]
         rows = step._rows
         step.load(rows)

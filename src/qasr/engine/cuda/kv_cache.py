@@ -1,11 +1,5 @@
-"""The CUDA backend's KV pool: the same pool of fixed-size blocks as ``engine/kv_cache.py``, laid out
-token-major, ``(layers, tokens + 1, kv_heads, head_dim)``, the packed-key layout that varlen flash kernels
-read (in place where a sequence's blocks are consecutive; the CPU pool is head-major, which its decode
-kernel streams best).
-
-The extra last row is scratch: the pad rows of a bucketed decode graph write their keys there and
-attend only to it, so padding never touches a request's blocks. The allocator hands out rows [0, tokens).
-A forward's metadata comes from ``plan.upload_meta`` (the runner uploads it with the step's other arrays)."""
+"""The CUDA backend's KV pool: blocks as in engine/kv_cache.py, laid out token-major, ``(layers, tokens + 1,
+kv_heads, head_dim)``, as varlen flash reads keys. The last row is scratch for a decode graph's pad rows."""
 
 from __future__ import annotations
 
@@ -24,11 +18,11 @@ class TokenKVPool:
         self.block_size = block_size
         tokens = num_blocks * block_size
         shape = (cfg.num_hidden_layers, tokens + 1, cfg.num_key_value_heads, cfg.head_dim)
-        # empty: every row is written before it is read (the attention never reads outside a sequence's blocks)
+        # empty: every row is written before it is read
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.tokens = tokens
-        self.scratch = tokens  # row index of the scratch row
+        self.scratch = tokens
         self.device = torch.device(device)
         self.scale = cfg.head_dim ** -0.5
         self.attention = attention
@@ -39,8 +33,7 @@ class TokenKVPool:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: VarlenMeta) -> torch.Tensor:
-        """q (N, heads, hd), k/v (N, kv_heads, hd) -> (N, heads * hd): store the new keys and values
-        at their rows (one scatter per layer, no per-sequence loop), then one varlen attention call."""
+        """q (N, heads, hd), k/v (N, kv_heads, hd) -> (N, heads * hd); stores k/v first."""
         kc, vc = self.k[layer], self.v[layer]
         kc.index_copy_(0, meta.write_index, k.to(kc.dtype))
         vc.index_copy_(0, meta.write_index, v.to(vc.dtype))

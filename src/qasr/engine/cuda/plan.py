@@ -1,27 +1,6 @@
 """Host-side planning for the CUDA backend: varlen attention metadata, decode-batch buckets, uploads.
-
-Everything here is pure bookkeeping on host integers (tested on CPU); the tensors it produces are what
-the varlen attention kernel and the captured decode graphs read on the device.
-
-The KV pool is token-major, ``(layers, tokens + 1, kv_heads, head_dim)``, handed out in blocks
-(engine/kv_blocks.py): a sequence's position p is row ``table[p // bs] * bs + p % bs`` of one layer's
-``(tokens + 1, kv_heads, head_dim)`` slab. Flash varlen reads packed keys: each sequence's key offset
-from ``cu_seqlens_k[b]`` and, when ``seqused_k`` is given, its length from ``seqused_k[b]``
-(``cu_seqlens_k[b + 1]`` is then never read), so sequences need not be adjacent or ordered. Two cases:
-
-- every sequence's blocks of this step are consecutive (the allocator hands out lowest ids first, so
-  this is the common case on a pool that is not fragmented): ``k_starts`` holds each sequence's first
-  row and flash reads the pool in place, no gather;
-- some sequence's blocks are scattered: ``gather`` lists the pool rows of every sequence's keys, in
-  position order, the attention copies them into a contiguous staging buffer per layer (one
-  ``index_select``) and ``k_starts`` are offsets in it. (torch's flash op takes a block table, but its
-  paged path needs blocks of 256 tokens; a gather costs one pass over the keys, which a GPU's bandwidth
-  absorbs.)
-
-Causal masking is aligned at the bottom right, so query row i of a chunk of n new tokens over ctx cached
-ones sees keys [0, ctx + i]: decode rows (n = 1) and prefill chunks with or without a cached prefix go
-through one call.
-"""
+Flash reads the pool in place where every sequence's blocks are consecutive, else a gathered copy (its
+paged path would need 256-token blocks)."""
 
 from __future__ import annotations
 
@@ -39,21 +18,20 @@ from qasr.engine.kv_blocks import contiguous_start, token_rows
 
 @dataclass(frozen=True)
 class VarlenHost:
-    """The host-side arrays of one packed forward's attention metadata (S sequences, N query rows)."""
+    """One packed forward's attention metadata on the host (S sequences, N query rows)."""
 
     cu_q: np.ndarray  # (S + 1,) int32: query rows of sequence b are [cu_q[b], cu_q[b + 1])
-    k_starts: np.ndarray  # (S + 1,) int32: first key row of each sequence (pool or staging); the last never read
-    used_k: np.ndarray  # (S,) int32: keys each sequence attends (context + new tokens)
-    write_index: np.ndarray  # (N,) int64: pool row of each query row's new key and value
-    gather: np.ndarray | None  # (sum(used_k),) int64 pool rows to stage, or None: read the pool in place
+    k_starts: np.ndarray  # (S + 1,) int32: first key row of each sequence; the last is never read
+    used_k: np.ndarray  # (S,) int32: context + new tokens
+    write_index: np.ndarray  # (N,) int64: pool row of each new key and value
+    gather: np.ndarray | None  # (sum(used_k),) int64 pool rows to stage, or None
     max_q: int
     max_k: int
 
 
 def varlen_host(tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
                 context_lens: Sequence[int]) -> VarlenHost:
-    """Metadata for sequences whose new tokens are packed in order: sequence b brings query_lens[b]
-    tokens at positions context_lens[b].. and keeps its positions in the blocks tables[b]."""
+    """Sequence b brings query_lens[b] tokens after context_lens[b], in the blocks tables[b]."""
     if not (len(tables) == len(query_lens) == len(context_lens)) or not tables:
         raise ValueError("one block table, query length and context length per sequence, at least one sequence")
     ql = np.asarray(query_lens, dtype=np.int64)
@@ -81,35 +59,29 @@ def varlen_host(tables: Sequence[Sequence[int]], block_size: int, query_lens: Se
 
 @dataclass(frozen=True)
 class VarlenMeta:
-    """What ``TokenKVPool.attend`` reads for one packed forward (the device twin of ``VarlenHost``).
-
-    ``max_k`` is the longest key range for an eager call; a captured decode graph passes the pool's
-    capacity instead, so the same graph serves any context length."""
+    """``VarlenHost`` on the device, what ``TokenKVPool.attend`` reads. A decode graph passes the pool's
+    capacity as ``max_k``, so one graph serves any context length."""
 
     tables: tuple[tuple[int, ...], ...]
     block_size: int
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     num_decode: int
-    cu_q: torch.Tensor  # (S + 1,) int32
-    k_starts: torch.Tensor  # (S + 1,) int32
-    used_k: torch.Tensor  # (S,) int32
-    write_index: torch.Tensor  # (N,) int64
-    gather: torch.Tensor | None  # pool rows to stage for flash; None: flash reads the pool in place
+    cu_q: torch.Tensor
+    k_starts: torch.Tensor
+    used_k: torch.Tensor
+    write_index: torch.Tensor
+    gather: torch.Tensor | None
     max_q: int
     max_k: int
 
     @cached_property
     def fallback(self) -> FallbackPlan:
-        """The groups of the portable (reference) attention, planned once per forward on first use."""
         return fallback_plan(self.tables, self.block_size, self.query_lens, self.context_lens, self.cu_q.device)
 
 
-# ------------------------------------------------------------------------------------------ decode buckets
 def decode_buckets(max_rows: int) -> tuple[int, ...]:
-    """Decode batch sizes a graph is captured for: 1, 2, 4, 6, 8, then powers of two and the points half
-    way between them (12, 16, 24, 32, 48, ...), up to the first size >= max_rows. A batch is padded to
-    the next bucket, so padding stays under a third of the rows."""
+    """Decode batch sizes to capture: 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, ... up to the first >= max_rows."""
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
     sizes = [1, 2, 4, 6, 8]
@@ -122,20 +94,19 @@ def decode_buckets(max_rows: int) -> tuple[int, ...]:
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket holding ``rows`` rows; None when the batch is larger than every bucket."""
     i = bisect.bisect_left(buckets, rows)
     return buckets[i] if i < len(buckets) else None
 
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """One decode step's rows, padded to a bucket. Pad rows read and write only the pool's scratch row."""
+    """One decode step's rows padded to a bucket; pad rows use only the pool's scratch row."""
 
     ids: list[int]
     positions: list[int]
     starts: list[int]
     context_lens: list[int]
-    real: int  # the first ``real`` rows are the batch's own
+    real: int  # rows before the padding
 
 
 def pad_decode(ids: Sequence[int], positions: Sequence[int], starts: Sequence[int], context_lens: Sequence[int],
@@ -148,9 +119,7 @@ def pad_decode(ids: Sequence[int], positions: Sequence[int], starts: Sequence[in
                       [*context_lens, *[0] * pad], n)
 
 
-# ------------------------------------------------------------------------------------------------ uploads
 def pack(arrays: Sequence[Sequence[int] | np.ndarray], dtype: np.dtype) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Concatenate integer arrays into one host buffer; returns it and each array's (offset, length)."""
     parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
     spans, offset = [], 0
     for p in parts:
@@ -162,12 +131,8 @@ def pack(arrays: Sequence[Sequence[int] | np.ndarray], dtype: np.dtype) -> tuple
 
 def upload(arrays: Sequence[Sequence[int] | np.ndarray], dtype: torch.dtype,
            device: torch.device) -> list[torch.Tensor]:
-    """Several small integer arrays to the device in ONE copy, returned as views of the copy.
-
-    On CUDA the buffer goes through pinned memory and the copy is asynchronous: a plain ``torch.tensor(...,
-    device='cuda')`` from pageable memory synchronises the stream, i.e. waits for all queued GPU work.
-    Pinned blocks come from torch's caching host allocator, which keeps a block until the copies that
-    read it have run, so the host buffer may be reused at once."""
+    """Small integer arrays to the device in one asynchronous copy (pinned, on CUDA: a copy from pageable
+    memory would sync the stream), returned as views of it."""
     np_dtype = {torch.int32: np.int32, torch.int64: np.int64}[dtype]
     flat, spans = pack(arrays, np_dtype)
     host = torch.from_numpy(flat)
@@ -181,11 +146,8 @@ def upload(arrays: Sequence[Sequence[int] | np.ndarray], dtype: torch.dtype,
 def upload_meta(tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
                 context_lens: Sequence[int], num_decode: int, device: torch.device,
                 *ride_along: Sequence[int] | np.ndarray) -> tuple[VarlenMeta, list[torch.Tensor]]:
-    """One packed forward's ``VarlenMeta`` on ``device``, in one int32 copy and one int64 copy.
-
-    ``ride_along``: other per-step int64 arrays (the runner's ids, positions, logit rows, audio rows) that
-    travel in the same int64 copy as the write rows (and the gather rows), returned on the device in
-    order; so a step uploads once per dtype."""
+    """One packed forward's ``VarlenMeta`` on ``device`` in one int32 and one int64 copy; ``ride_along``
+    int64 arrays travel in the latter and are returned on the device, in order."""
     host = varlen_host(tables, block_size, query_lens, context_lens)
     cu_q, k_starts, used = upload([host.cu_q, host.k_starts, host.used_k], torch.int32, device)
     staged = [] if host.gather is None else [host.gather]

@@ -1,6 +1,5 @@
-"""CUDA preparation: choose the pool's attention (flash varlen where it passes its self-test on this
-device, else the portable reference) and hand the engine the token-major pool and the CUDA runner.
-Linears and convolutions stay torch's (cuBLAS / cuDNN). engine/device.py keeps the choice per model."""
+"""CUDA preparation: flash varlen attention where it passes its self-test, else the portable one; torch's
+linears and convolutions; the token-major pool and the CUDA runner."""
 
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def graphs_mode(device_type: str, flash: bool, wanted: bool) -> str:
-    """CUDA graphs need the flash path (the portable attention's shapes follow the context length); on
-    CPU tensors the bucketed steps run without capture, so the tests check their padding."""
+    """Capture needs CUDA and flash (the portable attention's shapes follow the context); on the CPU the
+    bucketed steps run eagerly, so the tests check them."""
     if not wanted:
         return "off"
     if device_type == "cuda":
@@ -39,7 +38,7 @@ def make_runner(prepared: PreparedModel, pool: TokenKVPool, features: FeatureCon
 
 
 def prepare_cuda(model: Qwen3ASRModel, native: bool = True) -> PreparedModel:
-    """``native=False`` keeps to the portable attention (no flash, no graphs): plain torch ops."""
+    """``native=False`` keeps to the portable attention (no flash, no graphs)."""
     dec = model.cfg.decoder
     if native:
         attention, what = choose_attention(model.device, model.dtype, dec.num_attention_heads,

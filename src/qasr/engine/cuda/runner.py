@@ -1,15 +1,5 @@
-"""The CUDA backend's runner: the same steps as ``engine/runner.py``, with the device work shaped for a GPU.
-
-- One upload per dtype per step: ids, positions, logit rows, audio rows and KV write rows as one int64
-  buffer, the varlen metadata as one int32 buffer, both through pinned memory and asynchronous
-  (``torch.tensor(list, device='cuda')`` would synchronise the stream at every call).
-- The audio placeholder rows come from the prompt on the host, so the embedding never counts them on
-  the device (a sync).
-- A pure decode step is replayed as a CUDA graph of its batch bucket (``graphs.py``), captured here at
-  engine start.
-- Features are computed on the device from a pinned upload of the waveform.
-The step's one host sync is reading back the sampled tokens, with their log-probabilities.
-"""
+"""The CUDA backend's runner: ``engine/runner.py``'s steps with one asynchronous upload per dtype, pure
+decode steps replayed as CUDA graphs (graphs.py) and features made on the device. One host sync a step."""
 
 from __future__ import annotations
 
@@ -42,22 +32,22 @@ class DeviceFeatures:
 class CudaRunner(Runner):
     def __init__(self, prepared: PreparedModel, pool: TokenKVPool, features: FeatureConfig, conv_batch: int,
                  graphs: str = "off", max_rows: int = 64) -> None:
-        """``graphs``: "capture" (CUDA graphs per decode bucket), "eager" (the same bucketed static-buffer
-        steps without capture: what the CPU tests run) or "off" (every step eager, unpadded)."""
+        """``graphs``: "capture" (a CUDA graph per decode bucket), "eager" (the same bucketed steps without
+        capture, as the CPU tests run) or "off"."""
         super().__init__(prepared, pool, DeviceFeatures(features, pool.device), conv_batch)
         if graphs not in ("capture", "eager", "off"):
             raise ValueError(f"graphs must be capture, eager or off, got {graphs!r}")
         self.graphs = None if graphs == "off" else DecodeGraphs(
             self.model, pool, self.kernels, decode_buckets(max_rows), capture=graphs == "capture")
-        if self.graphs is not None:  # captured now, on pad rows, before any request's thread can run
+        if self.graphs is not None:  # captured before any request's thread can run
             with torch.inference_mode():
                 self.graphs.prepare()
         self.eager_steps = 0
-        self.scattered_decode_steps = 0  # pure decode steps run eagerly because some row's blocks were scattered
+        self.scattered_decode_steps = 0
 
     def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
         if self.graphs is not None and batch.pure_decode:
-            # a graph reads every row in place: only when each row's blocks are consecutive
+            # a graph reads the pool in place: every row's blocks must be consecutive
             bs = self.pool.block_size
             starts = [contiguous_start(t, bs, c + 1) for t, c in zip(batch.tables, batch.ctxs, strict=True)]
             if all(s is not None for s in starts):
@@ -77,7 +67,7 @@ class CudaRunner(Runner):
         return read_back(*pick(logits)) if batch.rows else ([], [])
 
     def stats(self) -> dict:
-        """How the decode steps ran: replayed graphs against eager forwards (for benchmarks and logs)."""
+        """How the decode steps ran (graph replays, eager forwards), for benchmarks and logs."""
         g = self.graphs
         return dict(eager_steps=self.eager_steps, scattered_decode_steps=self.scattered_decode_steps,
                     bucketed_steps=g.steps if g else 0,
