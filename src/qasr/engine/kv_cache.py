@@ -197,7 +197,7 @@ class KVPool:
 
     def _dequantized(self, layer: int, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (kv_heads, length, hd): pool rows ``rows`` dequantized, then zeros (natively where
-        the kernel is there: docs/log/2026-12-05-engine-int8-kv-passes.md)."""
+        the kernel is there: docs/log/, engine-int8-kv-passes)."""
         kq, vq, ks, vs = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
         if self.dequantize_rows is not None:
             shape = (kq.shape[0], length, kq.shape[2])
