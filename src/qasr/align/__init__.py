@@ -1,1 +1,1 @@
-"""Qwen3-ForcedAligner: word and character timestamps for a known transcript (see docs/aligner.md)."""
+"""The forced aligner (docs/aligner.md)."""

@@ -1,9 +1,5 @@
-"""``qasr.Aligner``: Qwen3-ForcedAligner through qasr's engine.
-
-Each (audio, transcript) pair is one alignment request: the transcript is split into units, laid out
-after the audio with two timestamp slots per unit, and prefilled in chunks alongside the other
-requests of each engine step; the classifier head runs only at the slots. No token is generated.
-"""
+"""``qasr.Aligner``: each (audio, transcript) pair one engine request, prefilled; the head runs at its
+timestamp slots only."""
 
 from __future__ import annotations
 
@@ -26,13 +22,11 @@ from qasr.model.prompt import SpecialTokens
 from qasr.model.tokenizer import Tokenizer
 from qasr.results import Word
 
-# The official library zero-pads clips shorter than 0.5 s before the log-mel (so does transformers).
+# clips are zero-padded to 0.5 s before the log-mel, as the official library does
 MIN_SAMPLES = 8000
 
 
-# The aligner's input: ``<|audio_start|>`` + T audio placeholders + ``<|audio_end|>``, then each unit
-# followed by two ``<timestamp>`` slots (its start and its end), units written without spaces. No chat
-# template and no system or user turn: the aligner was trained on exactly this sequence.
+# The aligner's input, no chat template: the audio, then each unit followed by its two <timestamp> slots.
 @dataclass(frozen=True)
 class AlignerPrompt:
     ids: list[int]
@@ -41,8 +35,6 @@ class AlignerPrompt:
 
 def build_aligner_prompt(tokenizer: Tokenizer, special: SpecialTokens, timestamp_id: int, audio_tokens: int,
                          words: Sequence[str]) -> AlignerPrompt:
-    """Each unit is BPE-encoded on its own: the <timestamp> tokens between units split the text there
-    anyway, so this equals encoding the concatenated string."""
     ids = [special.audio_start, *([special.audio_pad] * audio_tokens), special.audio_end]
     slots: list[int] = []
     for word in words:
@@ -53,10 +45,8 @@ def build_aligner_prompt(tokenizer: Tokenizer, special: SpecialTokens, timestamp
 
 
 class Aligner:
-    """Word (spaced scripts) and character (CJK) timestamps for known transcripts.
-
-    ``align`` takes audio as ``qasr.audio.io.load_audio`` accepts it; ``align_pieces`` /
-    ``submit_pieces`` take 16 kHz float32 arrays (e.g. an ASR's pieces, with their offsets)."""
+    """Word (CJK: character) timestamps for known transcripts. ``align`` takes any audio input;
+    ``align_pieces`` / ``submit_pieces`` 16 kHz float32 arrays (an ASR's pieces, with their offsets)."""
 
     def __init__(self, checkpoint: Checkpoint, engine: Engine) -> None:
         cfg = checkpoint.config
@@ -69,24 +59,21 @@ class Aligner:
         self.segment_ms = cfg.timestamp_segment_time
         listed = tuple(lang for lang in cfg.support_languages if lang in ALIGNER_LANGUAGES)
         self.supported_languages: tuple[str, ...] = listed or ALIGNER_LANGUAGES
-        # the head's classes span classify_num * 80 ms (400 s for the release): later times cannot be
-        # expressed. The model was trained on up to 300 s; the official pipeline feeds pieces <= 180 s.
+        # the head's classes end here: later times cannot be expressed
         self.max_seconds = cfg.classify_num * self.segment_ms / 1000.0  # type: ignore[operator]
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device = "auto",
                         dtype: str | torch.dtype = "auto", engine_config: EngineConfig | None = None) -> Aligner:
-        """Load a Qwen3-ForcedAligner checkpoint (release or "-hf" layout) and start its engine lazily."""
+        """A forced-aligner checkpoint (either layout); its engine starts lazily."""
         checkpoint = load_checkpoint(name_or_path, device=device, dtype=dtype)
         if not checkpoint.config.is_aligner:
             raise ValueError(f"{name_or_path} is not a forced-aligner checkpoint (it looks like an ASR model)")
         return cls(checkpoint, Engine(checkpoint, engine_config or EngineConfig()))
 
-    # ------------------------------------------------------------------ the official-style call
     def align(self, audio: AudioSource | Sequence[AudioSource], text: str | Sequence[str],
               language: str | None | Sequence[str | None], sample_rate: int | None = None) -> list[list[Word]]:
-        """Align one or several (audio, transcript) pairs; always returns one word list per input.
-        A single ``language`` applies to every input; ``sample_rate`` is needed for bare arrays."""
+        """One word list per (audio, transcript) pair; one ``language`` applies to every pair."""
         items = _as_list(audio)
         texts = [text] if isinstance(text, str) else list(text)  # only the language is broadcast
         if len(texts) != len(items):
@@ -94,12 +81,10 @@ class Aligner:
         waves = [load_audio(item, sample_rate) for item in items]
         return self.align_pieces(waves, texts, language)
 
-    # ------------------------------------------------------------------ for pipelines (an ASR's pieces)
     def align_pieces(self, samples: Sequence[np.ndarray], texts: Sequence[str],
                      language: str | None | Sequence[str | None],
                      offsets: Sequence[float] | None = None) -> list[list[Word]]:
-        """Align 16 kHz mono float arrays with their transcripts, all batched in the engine. Times are
-        seconds from each array's start plus its offset (rounded to 3 decimals)."""
+        """Times in seconds from each array's start plus its offset."""
         return [f.result() for f in self.submit_pieces(samples, texts, language, offsets)]
 
     async def align_pieces_async(self, samples: Sequence[np.ndarray], texts: Sequence[str],
@@ -110,13 +95,12 @@ class Aligner:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         finally:
             for f in futures:
-                f.cancel()  # no-op once done; stops the rest when one failed or the caller was cancelled
+                f.cancel()  # stops the rest when one failed or the caller was cancelled
 
     def submit_pieces(self, samples: Sequence[np.ndarray], texts: Sequence[str],
                       language: str | None | Sequence[str | None],
                       offsets: Sequence[float] | None = None) -> list[Future]:
-        """Queue every piece and return at once: one Future per piece resolving to its words.
-        Everything is checked before anything is queued; cancelling a future cancels its request."""
+        """One Future of words per piece, all checked before any is queued; cancelling one cancels its request."""
         n = len(samples)
         if len(texts) != n:
             raise ValueError(f"{len(texts)} transcripts for {n} audio pieces; they must match 1:1")
@@ -139,7 +123,6 @@ class Aligner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ internals
     def _prepare(self, samples: np.ndarray, text: str,
                  language: str | None) -> tuple[np.ndarray, list[str], AlignerPrompt | None]:
         lang = normalize_aligner_language(language, self.supported_languages)
@@ -168,12 +151,12 @@ class Aligner:
 
     def _submit(self, wave: np.ndarray, words: list[str], prompt: AlignerPrompt | None, offset: float) -> Future:
         out: Future = Future()
-        if prompt is None:  # nothing to align (no letters or digits in the transcript)
+        if prompt is None:  # no letters or digits: nothing to align
             out.set_result([])
             return out
         inner = self.engine.submit_alignment(prompt.ids, positions=prompt.slots, waveform=wave)
 
-        def finish(f: Future) -> None:  # runs on the engine thread: milliseconds of numpy
+        def finish(f: Future) -> None:  # on the engine thread
             if f.cancelled():
                 out.cancel()
                 return

@@ -1,13 +1,4 @@
-"""Giving aligned units back the transcript's spelling.
-
-The aligner times cleaned units (letters, digits and apostrophes only; one unit per CJK ideograph), so
-"Hello, world." comes back as "Hello" and "world". Subtitles and editors want the words as written,
-punctuation included. Each whitespace-separated token of the transcript takes the times of the units
-inside it; a token with ideographs becomes one word per ideograph with the punctuation around it
-attached; a token with no unit at all (a lone dash) joins the word before it. When the units do not
-follow the text in order (e.g. a Japanese or Korean tokenizer split differently), the units are
-returned unchanged rather than guessed.
-"""
+"""Aligned units given back the transcript's spelling."""
 
 from __future__ import annotations
 
@@ -19,7 +10,8 @@ from qasr.results import Word
 
 
 def display_words(text: str, units: Sequence[Word]) -> tuple[Word, ...]:
-    """Words with the transcript's spelling and the times of the units they contain."""
+    """Each whitespace token with the times of its units (one word per ideograph), punctuation attached;
+    units that do not follow the text come back unchanged."""
     words: list[Word] = []
     k = 0
     for token in re.findall(r"\S+", text):
@@ -29,7 +21,7 @@ def display_words(text: str, units: Sequence[Word]) -> tuple[Word, ...]:
             kept = kept[len(units[k].text):]
             mine.append(units[k])
             k += 1
-        if kept:  # the token holds text the units do not account for: the split differs from ours
+        if kept:  # the units were split otherwise
             return tuple(units)
         if not mine:
             if words:  # punctuation on its own: it belongs to the word before it
@@ -46,13 +38,11 @@ def display_words(text: str, units: Sequence[Word]) -> tuple[Word, ...]:
 
 
 def _per_ideograph(token: str, units: list[Word]) -> list[Word]:
-    """Split a token like "你好，世界。" at its units; punctuation joins the unit before it (or, at the
-    start, the first unit)."""
+    """A token like "你好，世界。" split at its units, punctuation joining the unit before it."""
     pieces: list[str] = []
     lead = ""
     pos = 0
     for unit in units:
-        # skip what is not kept, then take the unit's characters (kept characters only)
         chunk = ""
         while pos < len(token) and not is_kept(token[pos]):
             chunk += token[pos]

@@ -1,5 +1,4 @@
-"""From the head's class ids to word times: class k is k * segment_time ms; the predicted sequence is
-made non-decreasing by ``repair_monotonic`` (the official aligner's rules), then paired up per word."""
+"""The head's class ids -> word times (class k is k * segment_time ms)."""
 
 from __future__ import annotations
 
@@ -11,13 +10,9 @@ from qasr.results import Word
 
 
 def repair_monotonic(values: Sequence[float]) -> list[int]:
-    """Make ``values`` (ms) non-decreasing, the way the official aligner does, then truncate to int.
-
-    The longest non-decreasing subsequence (the O(n^2) DP; on ties the earliest predecessor and the
-    earliest end win) is kept. Every maximal run of other values is replaced: a run of at most two
-    takes, element by element, the nearer kept neighbour (the left one on a tie, the only one at an
-    end); a longer run is interpolated linearly between its kept neighbours (copied from the only one
-    at an end)."""
+    """``values`` (ms) made non-decreasing as the official aligner does, truncated to int: the longest
+    non-decreasing subsequence is kept; a run of up to two others takes the nearer kept neighbour, a
+    longer run is interpolated between them."""
     data = [float(v) for v in values]
     n = len(data)
     if n == 0:
@@ -32,7 +27,6 @@ def repair_monotonic(values: Sequence[float]) -> list[int]:
         j = i
         while j < n and not keep[j]:
             j += 1
-        # neighbours are kept values, never replaced ones: the run is [i, j)
         left = out[i - 1] if i > 0 else None
         right = out[j] if j < n else None
         run = j - i
@@ -48,9 +42,7 @@ def repair_monotonic(values: Sequence[float]) -> list[int]:
 
 
 def _lnds_mask(x: np.ndarray) -> np.ndarray:
-    """Membership mask of the longest non-decreasing subsequence, ties as in the reference DP: each
-    element extends the first earlier element with the longest chain it may follow. Each row of the
-    DP is one vectorised step, so a few thousand values take milliseconds."""
+    """The longest non-decreasing subsequence as a mask, ties as in the reference DP (the first longest chain)."""
     n = len(x)
     dp = np.ones(n, dtype=np.int64)
     parent = np.full(n, -1, dtype=np.int64)
@@ -70,11 +62,10 @@ def _lnds_mask(x: np.ndarray) -> np.ndarray:
 
 
 def words_from_classes(words: Sequence[str], classes: Sequence[int], segment_ms: float) -> list[Word]:
-    """Pair the repaired times with their words: word i spans slots 2i (start) and 2i + 1 (end);
-    seconds rounded to 3 decimals."""
+    """Word i spans slots 2i and 2i + 1; seconds rounded to 3 decimals."""
     if len(classes) != 2 * len(words):
         raise ValueError(f"{len(words)} words need {2 * len(words)} timestamps, got {len(classes)}")
-    # float32 like the reference, which scales the ids on the device before the repair
+    # float32, as the reference scales them
     ms = (np.asarray(classes, dtype=np.float32) * np.float32(segment_ms)).tolist()
     fixed = repair_monotonic(ms)
     return [Word(w, round(fixed[2 * i] / 1000.0, 3), round(fixed[2 * i + 1] / 1000.0, 3))

@@ -1,8 +1,5 @@
-"""The aligner's languages, and splitting a transcript into the units it times: words for spaced scripts,
-single characters for CJK ideographs, morphemes from a tokenizer for Japanese and Korean.
-
-Only letters, numbers and apostrophes survive; punctuation and symbols are dropped before the model
-sees the text (it was trained on such cleaned units)."""
+"""The aligner's languages and the units it times: words, one unit per CJK ideograph, morphemes for Japanese
+and Korean; only letters, numbers and apostrophes are kept."""
 
 from __future__ import annotations
 
@@ -12,9 +9,7 @@ from types import ModuleType
 
 from qasr.model.prompt import LANGUAGE_CODES
 
-# CJK ideograph blocks that become one unit per character: URO, Ext A, Ext B, Ext C, Ext D, Ext E-F,
-# Compatibility Ideographs (the official aligner's list). The one table of ideographs: transcribe/text.py
-# builds its unspaced scripts on it.
+# The official aligner's CJK ideograph blocks, one unit per character; the one table of ideographs.
 CJK_IDEOGRAPHS: tuple[tuple[int, int], ...] = (
     (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
     (0x2B820, 0x2CEAF), (0xF900, 0xFAFF),
@@ -27,7 +22,7 @@ def is_cjk(char: str) -> bool:
 
 
 def is_kept(char: str) -> bool:
-    """Letters (L*), numbers (N*) and the apostrophe, which joins contractions like "it's"."""
+    """Letters, numbers and the apostrophe ("it's")."""
     return char == "'" or unicodedata.category(char)[0] in "LN"
 
 
@@ -35,7 +30,6 @@ def clean(token: str) -> str:
     return "".join(c for c in token if is_kept(c))
 
 
-# The eleven languages of Qwen3-ForcedAligner-0.6B (its release config lists the same).
 ALIGNER_LANGUAGES: tuple[str, ...] = (
     "Chinese", "English", "Cantonese", "French", "German", "Italian", "Japanese", "Korean", "Portuguese",
     "Russian", "Spanish",
@@ -43,8 +37,7 @@ ALIGNER_LANGUAGES: tuple[str, ...] = (
 
 
 def normalize_aligner_language(language: str | None, supported: tuple[str, ...] = ALIGNER_LANGUAGES) -> str | None:
-    """A language name (any case) or ISO code -> its canonical name; None stays None (generic splitting).
-    Raises ValueError naming the supported languages for anything else."""
+    """A language name (any case) or ISO code -> its canonical name; None stays None; else ValueError."""
     if language is None:
         return None
     key = str(language).strip().lower()
@@ -56,9 +49,7 @@ def normalize_aligner_language(language: str | None, supported: tuple[str, ...] 
 
 
 def split_units(text: str, language: str | None = None) -> list[str]:
-    """The alignment units of ``text``; ``language`` is a canonical name (see normalize_aligner_language) or None.
-
-    Japanese needs the optional ``nagisa`` package and Korean ``soynlp``: ImportError names them."""
+    """The units of ``text``; Japanese needs the optional ``nagisa``, Korean ``soynlp``."""
     text = text.strip()
     if language == "Japanese":
         nagisa = _optional("nagisa", "Japanese")
@@ -70,7 +61,7 @@ def split_units(text: str, language: str | None = None) -> list[str]:
     for chunk in text.split():
         word = []
         for c in clean(chunk):
-            if is_cjk(c):  # an ideograph is a unit of its own and ends the word before it
+            if is_cjk(c):  # an ideograph ends the word before it
                 if word:
                     units.append("".join(word))
                     word = []
