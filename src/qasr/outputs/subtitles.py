@@ -1,18 +1,8 @@
-"""Segments -> subtitle cues: a pure function, shared by the srt, vtt and tsv writers.
+"""Segments -> subtitle cues, for the srt, vtt and tsv writers.
 
-A cue holds at most ``max_lines`` lines of at most ``max_line_chars`` characters and lasts at most
-``max_cue_s`` seconds. Text is cut into *units*: words where the text has spaces, single characters
-for scripts written without spaces (CJK). Cues and lines break only between units, so the one
-allowed overflow is a single unit longer than a line (a long URL, say), which gets a line of its own.
-
-Timing: a segment with word times uses them (a cue runs from its first word's start to its last
-word's end). A segment without them gets its span divided among its units in proportion to their
-characters, so each cue's share of the span is proportional to the characters it shows.
-
-With word times a cue also never spans a pause: a gap of more than ``max_pause_s`` between one word's
-end and the next word's start ends the cue there. Where a stretch between pauses needs several cues,
-they end at sentence ends where they can, else at clause punctuation (commas and the like), else
-anywhere. Without word times the pauses are unknown and cues are cut as before.
+Cues and lines break only between units (words; one character in scripts without spaces). With word
+times a cue runs from its first word to its last, never spans a pause of more than ``max_pause_s`` and
+ends at a sentence or clause end where it can; without them a segment's span is shared by characters.
 """
 
 from __future__ import annotations
@@ -29,9 +19,8 @@ class CueRules:
     max_line_chars: int = 42
     max_lines: int = 2
     max_cue_s: float = 7.0
-    # with word times, a longer gap between two words ends the cue; None: pauses never do. 0.5 s is
-    # measured (docs/output-formats.md): twice the largest gap inside an espeak-ng sentence that the
-    # demo aligner timed right (0.24 s), below all but one of the gaps it gave pauses of 0.8 s or more
+    # with word times, a longer gap between two words ends the cue; None: pauses never do (the default:
+    # docs/log's outputs-cue-pause-gaps entry)
     max_pause_s: float | None = 0.5
 
     def __post_init__(self) -> None:
@@ -48,37 +37,36 @@ class Cue:
     end: float
     text: str  # one line, original spacing: what tsv writes
     lines: tuple[str, ...]  # the same text wrapped for display: what srt and vtt write
-    # the lowest probability among the cue's words (Word.probability), None without word confidence
+    # its least sure word's Word.probability, None without word confidence
     probability: float | None = None
 
 
 @dataclass(frozen=True)
 class _Unit:
     text: str
-    space_before: bool  # a space separates it from the unit before (when both are on one line)
+    space_before: bool
     start: float
     end: float
     probability: float | None = None  # the word's (timed units only)
 
 
 def _wide(ch: str) -> bool:
-    # East Asian wide/full-width characters belong to scripts written without spaces between words
+    # wide and full-width characters: scripts written without spaces
     return unicodedata.east_asian_width(ch) in ("W", "F")
 
 
 def _closing(ch: str) -> bool:
-    # punctuation that must not start a line (、。！」 …): it stays glued to the character before
+    # punctuation that must not start a line (、。！」)
     return unicodedata.category(ch) in ("Po", "Pe", "Pf")
 
 
-# What a cue may end after: a sentence end costs nothing, a clause mark a little, a bare word most.
 _SENTENCE_ENDS = frozenset(".?!…。？！．｡‼⁇⁈⁉")
 _CLAUSE_ENDS = frozenset(",;:，、；：､—–")
 _BREAK_COST = {"sentence": 0, "clause": 1, "word": 3}
 
 
 def _break_cost(text: str) -> int:
-    """The cost of ending a cue after a unit whose text is ``text``: its last mark, past closing quotes."""
+    """The cost of ending a cue after ``text``: by its last mark, past closing quotes."""
     end = text
     while end and (end[-1] in "\"'" or unicodedata.category(end[-1]) in ("Pe", "Pf")):  # ?" ?) 。」
         end = end[:-1]
@@ -90,7 +78,7 @@ def _break_cost(text: str) -> int:
 
 
 def _split_token(token: str) -> list[str]:
-    """One space-free token -> units: each wide character alone, runs of other characters whole."""
+    """A space-free token -> units: each wide character alone, other runs whole."""
     pieces: list[str] = []
     for ch in token:
         if pieces and _wide(ch) and _closing(ch):
@@ -126,9 +114,8 @@ def _timed_units(seg: Segment) -> list[_Unit]:
         text = " ".join(w.text.split())
         if not text:
             continue
-        # word times carry no spacing: spaced scripts get a space, wide (CJK) neighbours none
         space = bool(units) and not (_wide(units[-1].text[-1]) or _wide(text[0]))
-        start = max(w.start, units[-1].end) if units else w.start  # keep time order if the aligner did not
+        start = max(w.start, units[-1].end) if units else w.start
         units.append(_Unit(text, space, start, max(w.end, start), w.probability))
     return units
 
@@ -145,17 +132,13 @@ def _greedy_lines(units: list[_Unit], width: int) -> list[list[_Unit]]:
             lines[-1].append(u)
             length += _gap(u, length) + len(u.text)
         else:
-            lines.append([u])  # a unit wider than the line gets a line of its own
+            lines.append([u])
             length = len(u.text)
     return lines
 
 
 def _wrap(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
-    """Balanced lines: the narrowest width that needs no more lines than the full width does.
-
-    Greedy filling minimises the line count for a width, and that count only falls as the width
-    grows, so a binary search finds the narrowest width.
-    """
+    """Balanced lines: the narrowest width that needs no more lines than the full width does."""
     need = len(_greedy_lines(units, rules.max_line_chars))
     lo, hi = 1, rules.max_line_chars
     while lo < hi:
@@ -168,7 +151,7 @@ def _wrap(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
 
 
 def _pause_runs(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
-    """Timed units cut at every gap longer than ``max_pause_s``: no cue may span one."""
+    """Timed units cut at every gap longer than ``max_pause_s``."""
     if rules.max_pause_s is None:
         return [units]
     runs = [[units[0]]]
@@ -181,21 +164,14 @@ def _pause_runs(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
 
 
 def _partition(units: list[_Unit], rules: CueRules, punctuation: bool = False) -> list[list[_Unit]]:
-    """Fewest cues; among those, with ``punctuation``, the cheapest ends (sentence ends, then clause
-    marks: _break_cost); then the most even (least sum of squared lengths): no one-word orphans.
-
-    Dynamic programming from the end. A cue starting at unit i may end anywhere up to the longest
-    run from i that fits, since a run that fits still fits without its last unit. Greedy line
-    filling is online, so the line count of the growing run is kept as it grows. The last cue's
-    end is the same in every partition, so it costs nothing.
-    """
+    """Fewest cues; then, with ``punctuation``, the cheapest ends; then the most even (least sum of squared
+    lengths). Dynamic programming from the end."""
     n = len(units)
     cost = [_break_cost(u.text) if punctuation else 0 for u in units[:-1]] + [0]
     # (cues, cost of the ends, sum of squares, end of first cue)
     best: list[tuple[int, int, int, int]] = [(0, 0, 0, n)] * (n + 1)
     for i in range(n - 1, -1, -1):
         lines, length, size = 1, len(units[i].text), len(units[i].text)
-        # one unit always makes a cue: its text may overflow a line, its end is clipped to max_cue_s
         options = [(best[i + 1][0] + 1, best[i + 1][1] + cost[i], best[i + 1][2] + size * size, i + 1)]
         for j in range(i + 1, n):
             u = units[j]
@@ -218,18 +194,15 @@ def _partition(units: list[_Unit], rules: CueRules, punctuation: bool = False) -
 
 
 def cues(segments: Iterable[Segment], rules: CueRules = DEFAULT_RULES) -> list[Cue]:
-    """Cues in time order that never overlap; segments are expected in time order, empty ones give none."""
+    """Cues in time order, never overlapping, of segments in time order."""
     out: list[Cue] = []
     for seg in segments:
         units = _timed_units(seg) if seg.words else _untimed_units(seg)
         if not units:
             continue
-        # word times show the pauses; without them cues are cut as they always were (punctuation
-        # included: output without word times does not change)
         runs = _pause_runs(units, rules) if seg.words else [units]
         groups = [g for run in runs for g in _partition(run, rules, punctuation=bool(seg.words))]
         for group in groups:
-            # never before the previous cue's end, never longer than max_cue_s (a single long unit)
             start = max(group[0].start, out[-1].end) if out else group[0].start
             end = min(max(group[-1].end, start), start + rules.max_cue_s)
             lines = tuple(_join(line) for line in _wrap(group, rules))

@@ -1,7 +1,4 @@
-"""Writers for transcription results (docs/output-formats.md); files are written atomically.
-
-txt and json write the result itself; srt, vtt and tsv write subtitle cues (qasr.outputs.subtitles).
-"""
+"""The output formats (docs/output-formats.md), and atomic files."""
 
 from __future__ import annotations
 
@@ -17,11 +14,11 @@ FORMATS = ("txt", "json", "srt", "vtt", "tsv")
 
 
 def _seconds(t: float) -> float:
-    return round(t, 3)  # milliseconds: finer digits are noise, and stable output diffs cleanly
+    return round(t, 3)
 
 
 def score(x: float | None) -> float | None:
-    """A confidence score as written out: 4 decimals (finer digits are noise), None as null."""
+    """A confidence score as written: 4 decimals."""
     return None if x is None else round(x, 4)
 
 
@@ -46,7 +43,6 @@ def _json(result: Transcription, compact: bool) -> str:
         "timestamps": result.timestamps,
         "segments": [_segment_dict(s) for s in result.segments],
     }
-    # compact: one line per result, for JSON Lines on stdout
     return json.dumps(data, ensure_ascii=False, indent=None if compact else 2) + "\n"
 
 
@@ -65,7 +61,7 @@ def _srt(cs: list[Cue]) -> str:
 
 
 def _vtt_escape(line: str) -> str:
-    # cue text is markup in WebVTT: a bare & or < would start an entity or a tag (and "-->" ends a cue)
+    # cue text is markup in WebVTT
     return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
@@ -77,20 +73,15 @@ def _vtt(cs: list[Cue]) -> str:
 
 
 def _tsv(cs: list[Cue]) -> str:
-    # word confidence, when every cue has it (word times with their probabilities): the cue's least sure word
     scored = bool(cs) and all(c.probability is not None for c in cs)
     rows = ["start\tend\ttext" + ("\tprobability" if scored else "")]
-    # Cue.text is already one line with single spaces; the split keeps any tab or newline out regardless
     rows += [f"{round(c.start * 1000)}\t{round(c.end * 1000)}\t{' '.join(c.text.split())}"
              + (f"\t{score(c.probability)}" if scored else "") for c in cs]
     return "\n".join(rows) + "\n"
 
 
 def render(result: Transcription, fmt: str, *, compact: bool = False, rules: CueRules = DEFAULT_RULES) -> str:
-    """The result as text in ``fmt`` (one of FORMATS); ``compact`` puts json on one line.
-
-    ``rules`` shape the cues of srt, vtt and tsv.
-    """
+    """The result as text in ``fmt`` (one of FORMATS); ``compact``: json on one line; ``rules``: the cues'."""
     if fmt == "txt":
         return result.text + "\n"
     if fmt == "json":
@@ -102,28 +93,23 @@ def render(result: Transcription, fmt: str, *, compact: bool = False, rules: Cue
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Never leave a half-written file: write a temp file next to the target, then rename over it.
-
-    The temp file is created with mode 0o666, so the umask (and any default ACL) gives the result
-    the permissions of any other new file; mkstemp would leave it 0600. On any failure the temp file
-    is removed.
-    """
+    """A temp file beside ``path``, renamed over it: never a half-written file. Mode 0o666 under the umask,
+    as any new file; removed on any failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The creation is inside the cleanup's reach: a Ctrl-C lands between any two bytecodes, also just after
-    # os.open returned (an interrupted folder job once left a .part file behind from that gap).
-    tmp: Path | None = None  # the temp file, once os.open may have created it
+    # the creation inside the cleanup's reach: a Ctrl-C may land just after os.open returns
+    tmp: Path | None = None
     try:
         while True:
             tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 break
-            except FileExistsError:  # another writer's temp file by chance: not ours, pick another name
+            except FileExistsError:  # another writer's: pick another name
                 tmp = None
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())  # the data reaches the disk before the rename makes it visible
+            os.fsync(f.fileno())  # on disk before the rename shows it
         os.replace(tmp, path)
     except BaseException:
         if tmp is not None:
