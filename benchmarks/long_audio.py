@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
+from qasr import TranscribeOptions
 from qasr.bench.common import PeakRss, build_checkpoint, in_subprocess
 from qasr.bench.perf.machine import ForeignCpu, cpu_info
 
@@ -79,7 +80,7 @@ def run_batched(model: str, dtype: str, paths: list[str]) -> dict:
     asr = _asr(model, dtype)
     with ForeignCpu() as foreign, PeakRss() as rss:
         t0 = time.perf_counter()
-        results = asr.transcribe(paths, ignore_eos=True)
+        results = asr.transcribe(paths, TranscribeOptions(ignore_eos=True))
         wall = time.perf_counter() - t0
     errors = [r.error for r in results if r.error]
     if errors:
@@ -93,13 +94,13 @@ def run_batched(model: str, dtype: str, paths: list[str]) -> dict:
 def run_serial(model: str, dtype: str, path: str) -> dict:
     """The same segments, one request at a time (each waits for the previous one)."""
     asr = _asr(model, dtype)
-    pieces = asr.prepare(path, segmentation="vad")
+    pieces = asr._core.prepare(path, TranscribeOptions(segmentation="vad"))
     tokens = 0
     with ForeignCpu() as foreign:
         t0 = time.perf_counter()
         for p in pieces:
-            result = asr.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens,
-                                       ignore_eos=True).result()
+            result = asr._core.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens,
+                                             ignore_eos=True).result()
             tokens += len(result.token_ids)
         wall = time.perf_counter() - t0
     audio = sf.info(path).duration
@@ -115,7 +116,7 @@ def run_rss(model: str, dtype: str, path: str) -> dict:
     base = _vm_hwm()
     t0 = time.perf_counter()
     with PeakRss() as rss:
-        [result] = asr.transcribe(path, max_new_tokens=8, ignore_eos=True)
+        [result] = asr.transcribe(path, TranscribeOptions(max_new_tokens=8, ignore_eos=True))
     if result.error:
         raise RuntimeError(result.error)
     return {"wall_s": time.perf_counter() - t0, "audio_s": result.duration, "segments": len(result.segments),

@@ -84,6 +84,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from qasr import TranscribeOptions
 from qasr.audio.io import SAMPLE_RATE as SR
 from qasr.bench.common import percentile, start_server
 from qasr.testing.speech import speak
@@ -713,17 +714,17 @@ def main_gain(args: argparse.Namespace) -> int:
 
         def poll() -> None:
             while not stop.is_set():
-                series.append((time.perf_counter(), dataclasses.asdict(asr.engine.stats())))
+                series.append((time.perf_counter(), dataclasses.asdict(asr._core.engine.stats())))
                 time.sleep(0.01)
 
         poller = threading.Thread(target=poll, daemon=True)
         t0 = time.perf_counter()
         poller.start()
-        results = asr.transcribe(clips, sample_rate=SR, language=args.language, segmentation="none")
+        results = asr.transcribe(clips, TranscribeOptions(sample_rate=SR, segmentation="none"), language=args.language)
         wall = time.perf_counter() - t0
         stop.set()
         poller.join()
-        final = dataclasses.asdict(asr.engine.stats())
+        final = dataclasses.asdict(asr._core.engine.stats())
     finally:
         asr.close()
     peak_running = max(s["running"] for _, s in series)

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {k + 1}: " + ", ".join(f"{s} {r[s]['wall_s']:.1f} s" for s in SIDES), flush=True)
                 rounds.append(r)
         finally:
-            asr.engine.close(drain=False, timeout=30)
+            asr._core.engine.close(drain=False, timeout=30)
             proc.terminate()
             proc.wait(60)
     summary = report(rounds, args)

@@ -199,7 +199,7 @@ def ours_at(asr, settings: dict, audio: np.ndarray, state: dict):  # noqa: ANN00
 def naive_at(asr, settings: dict, audio: np.ndarray, state: dict):  # noqa: ANN001, ANN201
     from qasr.streaming import OracleStream, StreamConfig
 
-    o = OracleStream(asr.engine, asr.checkpoint, StreamConfig(**settings))
+    o = OracleStream(asr._core.engine, asr._core.checkpoint, StreamConfig(**settings))
     o.audio = audio[: o.config.chunk_size_samples * state["steps"]].copy()
     set_state(o, state)
     return o
@@ -218,7 +218,7 @@ def synthetic_state(asr, settings: dict, steps: int, words: list[int] | None) ->
     n = 0  # raw output tokens after step k (0-based; step k runs with chunk_id k)
     for k in range(steps):
         n = (max(n - u, 0) if k >= unfixed else 0) + m
-    raw = asr.checkpoint.tokenizer.decode([words[i % len(words)] for i in range(n)]) if words else ""
+    raw = asr._core.checkpoint.tokenizer.decode([words[i % len(words)] for i in range(n)]) if words else ""
     return {"raw": raw, "chunk_id": steps, "steps": steps, "synthetic": True}
 
 
@@ -230,10 +230,10 @@ def prompt_len(asr, settings: dict, state: dict) -> int:  # noqa: ANN001
 
 def work_of(asr, result, prefill: int | None = None) -> dict:  # noqa: ANN001
     """What a step held: prompt tokens, audio tokens, text prefix tokens (a naive step prefills all)."""
-    audio_id = asr.checkpoint.special.audio_pad
+    audio_id = asr._core.checkpoint.special.audio_pad
     n_audio = sum(1 for t in result.prompt if t == audio_id)
     return {"prompt": len(result.prompt), "audio_tokens": n_audio,
-            "prefix_tokens": len(asr.checkpoint.tokenizer.encode(result.prefix)) if result.prefix else 0,
+            "prefix_tokens": len(asr._core.checkpoint.tokenizer.encode(result.prefix)) if result.prefix else 0,
             "generated": len(result.generated), "prefill": len(result.prompt) if prefill is None else prefill}
 
 
@@ -244,7 +244,7 @@ def naive_step(asr, audio: np.ndarray, settings: dict, t: int, state: dict, repe
     from qasr.bench.perf.machine import ForeignCpu
 
     cs = int(settings["chunk_size_sec"] * SR)
-    hop = asr.checkpoint.features.hop_length
+    hop = asr._core.checkpoint.features.hop_length
     times, shares = [], []
     for _ in range(repeats):
         o = naive_at(asr, settings, audio, state)

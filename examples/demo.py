@@ -57,7 +57,7 @@ def main() -> int:
             write_atomic(srt, render(r, "srt"))
             print(f"    subtitles: {srt.relative_to(HERE.parent)}")
     audio = sum(r.duration for r in results)
-    print(f"{audio:.1f} s of audio in {elapsed:.2f} s on {asr.checkpoint.device} ({asr.checkpoint.dtype})")
+    print(f"{audio:.1f} s of audio in {elapsed:.2f} s")
     return 0 if all(r.error is None for r in results) else 1
 
 

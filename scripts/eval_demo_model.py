@@ -121,8 +121,8 @@ def main() -> int:
     lines.append(f"- clips without speech ({min(spans):.0f}-{max(spans):.0f} s; silence, noise, hum) answered "
                  f"`{EMPTY_RAW}` (empty text): **{len(silent) - len(noisy)} of {len(silent)}**{note}")
     audio = sum(r.duration for r in results)
-    lines.append(f"- {audio:.0f} s of audio in {elapsed:.1f} s ({cpu_name()}; {asr.checkpoint.device}, "
-                 f"{asr.checkpoint.dtype}{', ' + args.quantize if args.quantize else ''}"
+    lines.append(f"- {audio:.0f} s of audio in {elapsed:.1f} s ({cpu_name()}; {asr._core.checkpoint.device}, "
+                 f"{asr._core.checkpoint.dtype}{', ' + args.quantize if args.quantize else ''}"
                  f"{', kv int8' if args.kv_cache_dtype == 'int8' else ''}, {args.threads} thread(s), "
                  "one batched transcribe() call)")
     print("\n".join(lines))

@@ -24,7 +24,7 @@ import soundfile as sf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_demo_model import word_errors  # noqa: E402
 
-from qasr import ASR  # noqa: E402
+from qasr import ASR, TranscribeOptions  # noqa: E402
 from qasr.audio.io import SAMPLE_RATE as SR  # noqa: E402
 from qasr.streaming import TurnFinal  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> int:
     reference = " ".join(r["text"] for r in rows)
 
     asr = ASR.from_pretrained(args.model)
-    offline = [s.text for s in asr.transcribe(clips, sample_rate=SR)]
+    offline = [s.text for s in asr.transcribe(clips, TranscribeOptions(sample_rate=SR))]
     result = {"clips": len(clips), "stream_s": round(len(stream) / SR, 1), "chunk_s": args.chunk_s,
               "offline_wer": word_errors([r["text"] for r in rows], offline)[0]}
     for option in (False, True):

@@ -2,10 +2,10 @@
 
 A long input is cut by the VAD into segments of at most ``max_segment_s`` (docs/segmentation.md); this
 measures what that limit costs or buys: each dtype loads the model once, then for every length the same
-files go through one ``ASR.transcribe(files, max_segment_s=S)`` call (the public API, batched as a user
-gets it), timed from the call to its return. WER (jiwer) is computed on lower-cased text with punctuation
-stripped, per file and over all files together (errors over reference words). Throughput is audio seconds
-per wall second of that call. The files come from scripts/make_long_eval.py (WAV + .txt per file).
+files go through one ``ASR.transcribe(files, TranscribeOptions(max_segment_s=S))`` call (the public API,
+batched as a user gets it), timed from the call to its return. WER (jiwer) is computed on lower-cased text
+with punctuation stripped, per file and over all files together (errors over reference words). Throughput is
+audio seconds per wall second of that call. The files come from scripts/make_long_eval.py (WAV + .txt per file).
 
     .venv/bin/python scripts/make_long_eval.py --out data/long_eval --files 3 --minutes 12
     .venv/bin/python scripts/eval_segment_length.py --data data/long_eval
@@ -30,7 +30,7 @@ import jiwer
 import numpy as np
 import torch
 
-from qasr import ASR
+from qasr import ASR, TranscribeOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = (8.0, 12.0, 15.0, 20.0, 30.0)
@@ -69,7 +69,7 @@ def measures(refs: list[str], hyps: list[str]) -> dict:
 
 def run(asr: ASR, files: list[Path], refs: list[str], audio_s: float, max_segment_s: float) -> dict:
     start = time.perf_counter()
-    results = asr.transcribe([str(f) for f in files], max_segment_s=max_segment_s)
+    results = asr.transcribe([str(f) for f in files], TranscribeOptions(max_segment_s=max_segment_s))
     wall = time.perf_counter() - start
     for f, t in zip(files, results, strict=True):
         if t.error:
@@ -118,7 +118,7 @@ def main() -> None:
     for name in args.dtypes.split(","):
         asked, _, quantize = name.strip().partition(":")
         asr = ASR.from_pretrained(args.model, device="cpu", dtype=asked, quantize=quantize or None)
-        dtype = str(asr.checkpoint.dtype).removeprefix("torch.") + (f":{quantize}" if quantize else "")
+        dtype = str(asr._core.checkpoint.dtype).removeprefix("torch.") + (f":{quantize}" if quantize else "")
         warm, sr = sf.read(str(files[0]), frames=60 * 16000, dtype="float32")
         asr.transcribe((warm, sr), max_segment_s=8.0)  # warm-up: kernels, VAD, pools
         for s in lengths:

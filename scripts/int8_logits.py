@@ -23,7 +23,7 @@ Two checkpoints, as the quantization docs report them:
     .venv/bin/python scripts/int8_logits.py --model 0.6b --quantize none --kv-cache-dtype int8
     .venv/bin/python scripts/int8_logits.py --model 0.6b --quantize int8 --kv-cache-dtype int8
 
-With ``--kv-cache-dtype int8`` the quantized side's keys and values are stored as int8 (engine/kv_quant.py):
+With ``--kv-cache-dtype int8`` the quantized side's keys and values are stored as int8 (engine/kv_cache.py):
 its teacher-forced forward prefills through an int8 pool, so every position attends over dequantized keys and
 values, as the engine's prefill chunks do (its decode kernel reads the same int8 values in float32); its greedy
 tokens come from an engine with that KV cache. ``--quantize none`` keeps the weights as they are, so the

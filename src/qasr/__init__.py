@@ -10,20 +10,25 @@ __version__ = "0.1.0"
 # Public names load on first use (PEP 562), so `qasr --help`, `--version` and usage errors answer
 # without importing torch.
 _HOMES = {"ASR": "qasr.transcribe.asr", "Aligner": "qasr.align.aligner", "AudioError": "qasr.audio.io",
-          "Piece": "qasr.transcribe.pieces", "Segment": "qasr.results", "Transcription": "qasr.results",
-          "Word": "qasr.results", "SegmentStream": "qasr.transcribe.segment_stream",
-          "TranscriptionFailed": "qasr.transcribe.segment_stream"}
+          "EngineConfig": "qasr.engine.config", "LiveConfig": "qasr.streaming", "Piece": "qasr.transcribe.pieces",
+          "Segment": "qasr.results", "SegmentIterator": "qasr.transcribe.asr", "StreamConfig": "qasr.streaming",
+          "TranscribeOptions": "qasr.transcribe.options", "Transcription": "qasr.results",
+          "TranscriptionFailed": "qasr.transcribe.asr", "VadConfig": "qasr.audio.vad", "Word": "qasr.results"}
 
-__all__ = ["ASR", "Aligner", "AudioError", "Piece", "Segment", "SegmentStream", "Transcription",
-           "TranscriptionFailed", "Word", "__version__"]
+__all__ = ["ASR", "Aligner", "AudioError", "EngineConfig", "LiveConfig", "Piece", "Segment", "SegmentIterator",
+           "StreamConfig", "TranscribeOptions", "Transcription", "TranscriptionFailed", "VadConfig", "Word",
+           "__version__"]
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.audio.io import AudioError
+    from qasr.audio.vad import VadConfig
+    from qasr.engine.config import EngineConfig
     from qasr.results import Segment, Transcription, Word
-    from qasr.transcribe.asr import ASR
+    from qasr.streaming import LiveConfig, StreamConfig
+    from qasr.transcribe.asr import ASR, SegmentIterator, TranscriptionFailed
+    from qasr.transcribe.options import TranscribeOptions
     from qasr.transcribe.pieces import Piece
-    from qasr.transcribe.segment_stream import SegmentStream, TranscriptionFailed
 
 
 def __getattr__(name: str) -> object:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qasr import ASR
+from qasr import ASR, TranscribeOptions
 from qasr.cli.main import build_parser, main
 from qasr.model.config import DEFAULT_MAX_SEGMENT_S, ModelConfig
 from qasr.model.weights import resolve_model_dir
@@ -51,31 +51,32 @@ def _wave(seconds: float) -> np.ndarray:
 
 
 def test_a_declared_length_is_the_default(asr) -> None:
-    assert asr.max_segment_s == PREFERRED and asr.checkpoint.config.declared_max_segment_s == PREFERRED
-    [r] = asr.transcribe((_wave(18.0), SR), segmentation="fixed", max_new_tokens=2)
+    assert asr.max_segment_s == PREFERRED and asr._core.checkpoint.config.declared_max_segment_s == PREFERRED
+    [r] = asr.transcribe((_wave(18.0), SR), TranscribeOptions(segmentation="fixed"), max_new_tokens=2)
     assert r.ok, r.error
     assert [(s.start, s.end) for s in r.segments] == [(0.0, 4.0), (4.0, 8.0), (8.0, 12.0), (12.0, 16.0),
                                                         (16.0, 18.0)]
     # auto: an input longer than the model's length is segmented, one within it goes whole
-    assert len(asr.prepare((_wave(3.5), SR), max_new_tokens=2)) == 1
+    assert len(asr._core.prepare((_wave(3.5), SR), TranscribeOptions(max_new_tokens=2))) == 1
     # the server's way in (prepare, no length given) and the other entry points agree
-    pieces = asr.prepare((_wave(18.0), SR), segmentation="fixed", max_new_tokens=2)
+    pieces = asr._core.prepare((_wave(18.0), SR), TranscribeOptions(segmentation="fixed", max_new_tokens=2))
     assert [p.duration for p in pieces] == [4.0, 4.0, 4.0, 4.0, 2.0]
-    segs = list(asr.transcribe_segments((_wave(18.0), SR), segmentation="fixed", max_new_tokens=2))
+    segs = list(asr.transcribe_segments((_wave(18.0), SR), TranscribeOptions(segmentation="fixed"), max_new_tokens=2))
     assert [s.end - s.start for s in segs] == [4.0, 4.0, 4.0, 4.0, 2.0]
 
 
 def test_an_explicit_length_overrides_the_model(asr) -> None:
-    [r] = asr.transcribe((_wave(18.0), SR), segmentation="fixed", max_segment_s=10.0, max_new_tokens=2)
+    [r] = asr.transcribe((_wave(18.0), SR), TranscribeOptions(segmentation="fixed", max_segment_s=10.0),
+                         max_new_tokens=2)
     assert [(s.start, s.end) for s in r.segments] == [(0.0, 10.0), (10.0, 18.0)]
     with pytest.raises(ValueError, match="max_segment_s must be positive"):
-        asr.transcribe((_wave(2.0), SR), max_segment_s=0)
+        asr.transcribe((_wave(2.0), SR), TranscribeOptions(max_segment_s=0))
 
 
 def test_a_folder_without_the_key_keeps_30_s(tiny_asr) -> None:
-    assert tiny_asr.checkpoint.config.declared_max_segment_s is None
+    assert tiny_asr._core.checkpoint.config.declared_max_segment_s is None
     assert tiny_asr.max_segment_s == DEFAULT_MAX_SEGMENT_S == 30.0
-    [r] = tiny_asr.transcribe((_wave(45.0), SR), segmentation="fixed", max_new_tokens=2)
+    [r] = tiny_asr.transcribe((_wave(45.0), SR), TranscribeOptions(segmentation="fixed"), max_new_tokens=2)
     assert [(s.start, s.end) for s in r.segments] == [(0.0, 30.0), (30.0, 45.0)]
 
 
@@ -112,8 +113,8 @@ def test_the_ray_driver_reads_the_same_default(preferring, tiny_original) -> Non
     pool = PoolConfig(min_actors=1, max_actors=1, actor_cpus=1.0, actor_gpus=0.0)
     declared = RayTranscriber(EngineSpec(str(preferring)), pool)
     assert declared.max_segment_s == PREFERRED
-    assert declared._options(None, "", None, False, "auto", None, None, "segment").max_segment_s == PREFERRED
-    assert declared._options(None, "", None, False, "auto", 9.0, None, "segment").max_segment_s == 9.0
+    assert declared._options(TranscribeOptions()).max_segment_s == PREFERRED
+    assert declared._options(TranscribeOptions(max_segment_s=9.0)).max_segment_s == 9.0
     assert RayTranscriber(EngineSpec(str(tiny_original)), pool).max_segment_s == 30.0
 
 

@@ -1,5 +1,5 @@
 """The parts of ``qasr.distributed`` that need no Ray runtime (they run in ``make test``): joining an input from
-its segments' own results, exactly as ``ASR.assemble`` joins them, the driver's regrouping of segment rows
+its segments' own results, exactly as ``Core.assemble`` joins them, the driver's regrouping of segment rows
 that arrive in any order and sometimes twice, and the naming of URI inputs' outputs.
 """
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import noise
 
+from qasr import TranscribeOptions
 from qasr.distributed import rows
 from qasr.distributed.assemble import Collector, merge_parts
 from qasr.engine.request import GenerationResult
@@ -20,13 +21,14 @@ from qasr.transcribe.words import Aligned
 
 @pytest.fixture(scope="module")
 def pieces(tiny_asr):
-    got = tiny_asr.prepare((noise(70.0, seed=3), 16000), segmentation="fixed", max_segment_s=20.0)
+    got = tiny_asr._core.prepare((noise(70.0, seed=3), 16000),
+                                 TranscribeOptions(segmentation="fixed", max_segment_s=20.0))
     assert [round(p.offset) for p in got] == [0, 20, 40, 60]
     return got
 
 
 def _outcomes(tiny_asr) -> list[GenerationResult]:
-    tok = tiny_asr.checkpoint.tokenizer
+    tok = tiny_asr._core.checkpoint.tokenizer
     return [GenerationResult(tok.encode("language English<asr_text>one two"), "eos", 0.0, 0.0),
             GenerationResult(tok.encode("langu"), "eos", 0.0, 0.0),  # no tag: malformed, no text
             GenerationResult(tok.encode("language Chinese<asr_text>你好"), "length", 0.0, 0.0),
@@ -34,8 +36,8 @@ def _outcomes(tiny_asr) -> list[GenerationResult]:
 
 
 def _merged(tiny_asr, pieces, outcomes, words: bool) -> tuple[Transcription, Transcription]:
-    whole = tiny_asr.assemble(pieces, outcomes)
-    parts = [tiny_asr.assemble([p], [o]) for p, o in zip(pieces, outcomes, strict=True)]
+    whole = tiny_asr._core.assemble(pieces, outcomes)
+    parts = [tiny_asr._core.assemble([p], [o]) for p, o in zip(pieces, outcomes, strict=True)]
     end = max(p.offset + p.duration for p in pieces)
     return merge_parts(parts, source=whole.source, duration=end, words=words), whole
 
@@ -62,7 +64,7 @@ def test_segment_results_join_as_assemble_joins_them(tiny_asr, pieces) -> None:
 
 def test_the_driver_takes_segments_in_any_order_and_once(tiny_asr, pieces) -> None:
     outcomes = _outcomes(tiny_asr)
-    parts = [tiny_asr.assemble([p], [o]) for p, o in zip(pieces, outcomes, strict=True)]
+    parts = [tiny_asr._core.assemble([p], [o]) for p, o in zip(pieces, outcomes, strict=True)]
     seconds: list[float] = []
     collector = Collector(["long.wav", "bad.mp3", "short.wav"], words=False, progress=seconds.append)
     part_rows = [rows.row(0, "long.wav", rows.PART, k=k, offset=p.offset, duration=p.duration,

@@ -54,7 +54,7 @@ def offline(clips) -> list[str]:
 
     asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
     texts = [r.text for r in asr.transcribe([str(p) for p in clips])]
-    asr.engine.close(drain=False, timeout=30)
+    asr._core.engine.close(drain=False, timeout=30)
     assert all(texts)
     return texts
 

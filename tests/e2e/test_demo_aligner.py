@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from qasr import ASR, Aligner
+from qasr import ASR, Aligner, TranscribeOptions
 from qasr.transcribe.words import LEAD_IN_CLASSES, with_lead_in
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_a_segment_cut_at_the_speech_onset_is_timed(aligner: Aligner) -> None:
     try:
         # 30 s segments: the first then holds four sentences and their pauses (the demo model's own 6 s would
         # cut at the pauses and leave the aligner nothing to misplace)
-        [r] = asr.transcribe(clip, timestamps="word", max_segment_s=30)
+        [r] = asr.transcribe(clip, TranscribeOptions(max_segment_s=30), timestamps="word")
     finally:
         asr.close()
     first = r.segments[0]

@@ -44,10 +44,34 @@ def test_a_shown_import_works(doc: str, module: str, name: str | None) -> None:
         assert hasattr(mod, name), f"{doc}: `from {module} import {name}`: {module} has no {name}"
 
 
-def test_the_old_facade_path_and_the_package_names() -> None:
+def test_the_package_names() -> None:
     import qasr
-    import qasr.api
 
-    assert qasr.api.ASR is qasr.ASR
-    for name in ("ASR", "Aligner", "Transcription", "Segment", "Word", "AudioError", "Piece"):
-        assert getattr(qasr, name) is not None
+    for name in qasr.__all__:
+        assert getattr(qasr, name) is not None, name
+    for name in ("ASR", "Aligner", "Transcription", "Segment", "Word", "AudioError", "Piece", "TranscribeOptions",
+                 "EngineConfig", "VadConfig", "LiveConfig", "SegmentIterator", "TranscriptionFailed"):
+        assert name in qasr.__all__
+    with pytest.raises(ImportError):
+        importlib.import_module("qasr.api")  # the old facade path is gone (0.1 owes it to no one)
+
+
+def test_the_asr_facade_is_narrow() -> None:
+    """At most 10 public names on an instance, and no public signature wider than 8 named parameters."""
+    from qasr import ASR
+    from qasr.testing import make_tiny_checkpoint
+
+    public = [n for n in vars(ASR) if not n.startswith("_")]
+    assert len(public) <= 10, public
+    for name in public:
+        code = getattr(getattr(getattr(ASR, name), "__func__", getattr(ASR, name)), "__code__", None)
+        if code is not None:
+            assert code.co_argcount + code.co_kwonlyargcount - 1 <= 8, name
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asr = ASR.from_pretrained(make_tiny_checkpoint(Path(tmp) / "tiny", seed=0), device="cpu", dtype="float32")
+        try:
+            assert len([n for n in dir(asr) if not n.startswith("_")]) <= 10
+        finally:
+            asr.close()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from qasr import TranscribeOptions
 from qasr.audio.features import LogMel
 
 
@@ -18,14 +19,14 @@ def features(ckpt, seconds: float, seed: int) -> torch.Tensor:  # noqa: ANN001 -
 
 
 def test_rows_equal_the_encoder_alone_while_files_share_the_step(tiny_asr) -> None:  # noqa: ANN001
-    engine = tiny_asr.engine
+    engine = tiny_asr._core.engine
     tower = engine.prepared.model.audio_tower
-    feats = [features(tiny_asr.checkpoint, s, k) for k, s in enumerate((0.5, 3.0, 8.0, 11.0))]
+    feats = [features(tiny_asr._core.checkpoint, s, k) for k, s in enumerate((0.5, 3.0, 8.0, 11.0))]
     with torch.inference_mode():
         alone = [tower([f], conv_batch=engine.runner.conv_batch, kernels=engine.runner.kernels)[0] for f in feats]
     wave = np.random.default_rng(9).standard_normal(16000 * 20).astype(np.float32) * 0.1
-    [piece] = tiny_asr.prepare((wave, 16000), max_new_tokens=4)  # a file's request in the same steps
-    file = tiny_asr.submit(piece)
+    [piece] = tiny_asr._core.prepare((wave, 16000), TranscribeOptions(max_new_tokens=4))  # a file's request too
+    file = tiny_asr._core.submit(piece)
     calls = engine.encoder_calls
     futures = [engine.submit_encode(f) for f in feats]
     rows = [f.result(timeout=60).rows for f in futures]
@@ -37,14 +38,14 @@ def test_rows_equal_the_encoder_alone_while_files_share_the_step(tiny_asr) -> No
 
 
 def test_malformed_features_are_refused_at_submit(tiny_asr) -> None:  # noqa: ANN001
-    mel = tiny_asr.checkpoint.config.encoder.num_mel_bins
+    mel = tiny_asr._core.checkpoint.config.encoder.num_mel_bins
     for bad in (torch.zeros(mel + 1, 50), torch.zeros(mel, 0), torch.full((mel, 50), float("nan")), np.zeros((mel, 5))):
         with pytest.raises(ValueError):
-            tiny_asr.engine.submit_encode(bad)
+            tiny_asr._core.engine.submit_encode(bad)
 
 
 def test_a_cancelled_encode_request_is_dropped(tiny_asr) -> None:  # noqa: ANN001
-    engine = tiny_asr.engine
+    engine = tiny_asr._core.engine
     gate, entered = threading.Event(), threading.Event()
     real_step = engine.step
 
@@ -54,13 +55,13 @@ def test_a_cancelled_encode_request_is_dropped(tiny_asr) -> None:  # noqa: ANN00
         real_step()
 
     wave = np.random.default_rng(3).standard_normal(16000 * 2).astype(np.float32) * 0.1
-    [piece] = tiny_asr.prepare((wave, 16000), max_new_tokens=2)
+    [piece] = tiny_asr._core.prepare((wave, 16000), TranscribeOptions(max_new_tokens=2))
     engine.step = held_step
     try:
-        busy = tiny_asr.submit(piece)
+        busy = tiny_asr._core.submit(piece)
         assert entered.wait(30)
-        doomed = engine.submit_encode(features(tiny_asr.checkpoint, 1.0, 5))
-        kept = engine.submit_encode(features(tiny_asr.checkpoint, 1.0, 6))
+        doomed = engine.submit_encode(features(tiny_asr._core.checkpoint, 1.0, 5))
+        kept = engine.submit_encode(features(tiny_asr._core.checkpoint, 1.0, 6))
         assert doomed.cancel()
     finally:
         gate.set()

@@ -8,6 +8,7 @@ from collections import Counter, deque
 
 from conftest import DEMO, one_behind_a_queue
 
+from qasr import TranscribeOptions
 from qasr.engine.engine import EngineConfig
 from qasr.engine.request import Request
 from qasr.engine.scheduler import _by_group, _next_group
@@ -101,18 +102,18 @@ def test_each_transcribe_call_is_one_group() -> None:
     asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32")
     try:
         groups: list[object] = []
-        submit = asr.engine.submit
+        submit = asr._core.engine.submit
 
         def recording(prompt, **kwargs):  # noqa: ANN001, ANN202 - Engine.submit's own signature
             groups.append(kwargs.get("group"))
             return submit(prompt, **kwargs)
 
-        asr.engine.submit = recording  # type: ignore[method-assign]
+        asr._core.engine.submit = recording  # type: ignore[method-assign]
         rng = np.random.default_rng(0)
         clips = [(0.1 * rng.standard_normal(16000 * s).astype(np.float32), 16000) for s in (1, 2)]
-        asr.transcribe(clips, segmentation="none")
+        asr.transcribe(clips, TranscribeOptions(segmentation="none"))
         first = list(groups)
-        asr.transcribe(clips[:1], segmentation="none")
+        asr.transcribe(clips[:1], TranscribeOptions(segmentation="none"))
     finally:
         asr.close()
     assert len(first) == 2 and first[0] is not None and first[0] == first[1]

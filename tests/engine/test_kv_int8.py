@@ -10,8 +10,7 @@ from conftest import greedy_without_engine, noise, prompt_for
 
 from qasr.engine.cpu.native import decode_kernel, linear_kernel
 from qasr.engine.engine import Engine, EngineConfig
-from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.kv_quant import dequantize_kv, quantize_kv_reference
+from qasr.engine.kv_cache import KVPool, dequantize_kv, kv_bytes_per_token, quantize_kv_reference
 from qasr.model.kernels import TORCH_KERNELS
 
 WAIT_S = 120

@@ -169,10 +169,10 @@ def test_an_aligner_closed_under_a_transcription_fails_it_instead_of_hanging(dem
                                                                                sentence) -> None:
     asr = ASR(demo_ck, aligner=Aligner.from_pretrained(aligner_path, device="cpu", dtype="float32"))
     try:
-        gate = StepGate(asr.engine)
+        gate = StepGate(asr._core.engine)
         thread, out = transcribe_in_thread(asr, (sentence, SR))
         gate.wait_blocked()  # the piece is in the ASR engine
-        asr.aligner.close()
+        asr._core.aligner.close()
         gate.open()
         thread.join(60)
         assert not thread.is_alive(), "the transcription hung on a closed aligner"
@@ -188,10 +188,10 @@ def test_an_alignment_failed_by_its_engines_close_fails_the_transcription(demo_c
     asr = ASR(demo_ck, aligner=Aligner.from_pretrained(aligner_path, device="cpu", dtype="float32",
                                                        engine_config=config))
     try:
-        gate = StepGate(asr.aligner.engine)
+        gate = StepGate(asr._core.aligner.engine)
         thread, out = transcribe_in_thread(asr, (sentence, SR))
         gate.wait_blocked()  # the piece's alignment request is in the aligner's engine
-        asr.aligner.engine.close(drain=False, timeout=0)
+        asr._core.aligner.engine.close(drain=False, timeout=0)
         gate.open()
         thread.join(60)
         assert not thread.is_alive()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import noise, prompt_for, reference_logprobs
 
+from qasr import TranscribeOptions
 from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.cuda import graphs as cuda_graphs
 from qasr.engine.cuda import prepare as cuda_prepare
@@ -165,11 +166,11 @@ def test_a_transcribed_segment_carries_the_reference_avg_logprob(tiny_asr) -> No
     """Through the whole path: transcribe (engine, read_piece) against the float32 reference over the
     piece's prompt and the generated tokens (preamble and text alike)."""
     wave = noise(2.5, seed=21)
-    (piece,) = tiny_asr.prepare(wave, sample_rate=16000)
-    t = tiny_asr.transcribe(wave, sample_rate=16000, max_new_tokens=20, ignore_eos=True)[0]
+    (piece,) = tiny_asr._core.prepare(wave, TranscribeOptions(sample_rate=16000))
+    t = tiny_asr.transcribe(wave, TranscribeOptions(sample_rate=16000, ignore_eos=True), max_new_tokens=20)[0]
     (seg,) = t.segments
     assert len(t.token_ids) == 20
-    want = reference_logprobs(tiny_asr.checkpoint, piece.samples, list(piece.prompt), list(t.token_ids))
+    want = reference_logprobs(tiny_asr._core.checkpoint, piece.samples, list(piece.prompt), list(t.token_ids))
     assert seg.avg_logprob == pytest.approx(sum(want) / len(want), abs=1e-4)
     assert seg.compression_ratio == compression_ratio(seg.text)
 

@@ -18,7 +18,7 @@ import soundfile as sf
 import soxr
 from server_proc import qasr_command
 
-from qasr import ASR
+from qasr import ASR, TranscribeOptions
 from qasr.engine.config import EngineConfig
 from qasr.testing.speech import speak
 
@@ -49,19 +49,19 @@ def _input(sentences: list[np.ndarray], k: int, n: int) -> np.ndarray:
 def test_inputs_finish_in_order_with_a_batch_in_flight(sentences) -> None:
     asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32", engine=EngineConfig(max_running=RUNNING))
     try:
-        window = asr.max_in_flight_pieces
+        window = asr._core.max_in_flight_pieces
         assert RUNNING < window <= RUNNING + RUNNING // 2 + 2  # the batch stays full, and little more waits
         inputs = [(_input(sentences, k, 1 + k % 3), SR) for k in range(16)]
         lock = threading.Lock()
         in_flight, most, started = [0], [0], {}
-        submit = asr.submit
+        submit = asr._core.submit
 
-        def counting(piece, **kwargs):  # noqa: ANN001, ANN202 - ASR.submit's own signature
+        def counting(piece, **kwargs):  # noqa: ANN001, ANN202 - Core.submit's own signature
             fut = submit(piece, **kwargs)
             with lock:
                 in_flight[0] += 1
                 most[0] = max(most[0], in_flight[0])
-                started.setdefault(piece.item, asr.engine.steps)
+                started.setdefault(piece.item, asr._core.engine.steps)
 
             def settled(_) -> None:  # noqa: ANN001
                 with lock:
@@ -69,12 +69,12 @@ def test_inputs_finish_in_order_with_a_batch_in_flight(sentences) -> None:
             fut.add_done_callback(settled)
             return fut
 
-        asr.submit = counting  # type: ignore[method-assign]
-        step0 = asr.engine.steps
+        asr._core.submit = counting  # type: ignore[method-assign]
+        step0 = asr._core.engine.steps
         done: dict[int, int] = {}
-        for i, result in asr.transcribe_iter(inputs, segmentation="vad", max_segment_s=4):
+        for i, result in asr.transcribe_iter(inputs, TranscribeOptions(segmentation="vad", max_segment_s=4)):
             assert result.error is None and result.text
-            done[i] = asr.engine.steps - step0
+            done[i] = asr._core.engine.steps - step0
     finally:
         asr.close()
     assert most[0] <= window, f"{most[0]} pieces were in flight at once; the window is {window}"

@@ -15,7 +15,7 @@ import soundfile as sf
 import soxr
 from test_subtitles import as_tuples, assert_follows_rules
 
-from qasr import ASR, Aligner
+from qasr import ASR, Aligner, TranscribeOptions
 from qasr.outputs.subtitles import DEFAULT_RULES, CueRules, cues
 from qasr.outputs.writers import render
 from qasr.results import Segment, Transcription, Word
@@ -170,7 +170,8 @@ def test_real_speech_cues_end_at_the_pauses(spoken) -> None:
     aligner = Aligner.from_pretrained(ROOT / "models" / "qasr-demo-aligner-en", device="cpu", dtype="float32")
     asr = ASR.from_pretrained(ROOT / "models" / "qasr-demo-en", device="cpu", dtype="float32", aligner=aligner)
     try:
-        [r] = asr.transcribe((audio, SR), timestamps="word", max_segment_s=30)  # one segment: cues cut it
+        # one segment: cues cut it
+        [r] = asr.transcribe((audio, SR), TranscribeOptions(max_segment_s=30), timestamps="word")
     finally:
         asr.close()
         aligner.close()

@@ -56,7 +56,7 @@ def offline(clips):
 
     asr = ASR.from_pretrained(DEMO_MODEL, device="cpu", dtype="float32")
     texts = {name: r.text for name, r in zip(clips, asr.transcribe([str(p) for p in clips.values()]), strict=True)}
-    asr.engine.close(drain=False, timeout=30)
+    asr._core.engine.close(drain=False, timeout=30)
     return texts
 
 

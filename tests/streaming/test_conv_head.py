@@ -24,10 +24,10 @@ class EveryChunkEncoder(WindowEncoder):
 
 
 def test_encoder_with_conv_heads_gives_the_same_bits(tiny_asr) -> None:  # noqa: ANN001
-    engine = tiny_asr.engine
+    engine = tiny_asr._core.engine
     tower, kernels, batch = engine.prepared.model.audio_tower, engine.runner.kernels, engine.runner.conv_batch
     cf = tower.cfg.conv_chunk_frames
-    feats = [LogMel(tiny_asr.checkpoint.features)(noise(s, seed=k)) for k, s in enumerate((2.5, 7.9, 1.0, 0.3))]
+    feats = [LogMel(tiny_asr._core.checkpoint.features)(noise(s, seed=k)) for k, s in enumerate((2.5, 7.9, 1.0, 0.3))]
     with torch.inference_mode():
         whole = tower.encode(feats, conv_batch=batch, kernels=kernels)
         # utterance i gives its first i chunks as a head (the 0.3 s one none); packed together in one call
@@ -41,10 +41,10 @@ def test_encoder_with_conv_heads_gives_the_same_bits(tiny_asr) -> None:  # noqa:
 
 
 def test_submit_encode_takes_a_conv_head_and_refuses_a_wrong_one(tiny_asr) -> None:  # noqa: ANN001
-    engine = tiny_asr.engine
-    enc = tiny_asr.checkpoint.config.encoder
+    engine = tiny_asr._core.engine
+    enc = tiny_asr._core.checkpoint.config.encoder
     cf, tpc = enc.conv_chunk_frames, enc.tokens_per_conv_chunk
-    feats = LogMel(tiny_asr.checkpoint.features)(noise(4.4, seed=7))
+    feats = LogMel(tiny_asr._core.checkpoint.features)(noise(4.4, seed=7))
     whole = engine.submit_encode(feats).result(timeout=60)
     assert whole.conv.shape == (5, tpc, enc.d_model)
     split = engine.submit_encode(feats[:, 3 * cf:], conv_head=whole.conv[:3]).result(timeout=60)
@@ -71,8 +71,8 @@ def test_window_encoder_keeps_conv_output_and_the_bits(tiny_original, setup: str
     try:
         rng = np.random.default_rng(5)
         wave = np.concatenate([noise(12.0, seed=1), noise(1.0, seed=2) * 40, noise(8.0, seed=3)])
-        mel = StreamingLogMel(asr.checkpoint.features)
-        kept, every = WindowEncoder(asr.engine), EveryChunkEncoder(asr.engine)
+        mel = StreamingLogMel(asr._core.checkpoint.features)
+        kept, every = WindowEncoder(asr._core.engine), EveryChunkEncoder(asr._core.engine)
         total = convolved = 0
         at = 0
         while at < wave.size:
@@ -106,13 +106,13 @@ def test_a_session_records_the_chunks_it_convolved(tiny_asr) -> None:  # noqa: A
 def test_a_short_call_gets_the_smallest_zero_dummy_and_the_same_bits(tiny_asr) -> None:  # noqa: ANN001
     """A call under 16 rows gets a zero dummy utterance (torch's GEMMs give a handful of rows other bits):
     one chunk when that reaches 16 rows (a lone 1 s chunk, a live turn's first step), two otherwise."""
-    engine = tiny_asr.engine
+    engine = tiny_asr._core.engine
     tower, kernels, batch = engine.prepared.model.audio_tower, engine.runner.kernels, engine.runner.conv_batch
     convolved: list[int] = []
     real = tower.conv_front
     tower.conv_front = lambda chunks, *a, **k: (convolved.append(chunks.shape[0]), real(chunks, *a, **k))[1]
     try:
-        mel = LogMel(tiny_asr.checkpoint.features)
+        mel = LogMel(tiny_asr._core.checkpoint.features)
         one_chunk, tiny = mel(noise(1.0, seed=31)), mel(noise(0.05, seed=32))
         with torch.inference_mode():
             alone = [tower([f], conv_batch=batch, kernels=kernels)[0] for f in (one_chunk, tiny)]

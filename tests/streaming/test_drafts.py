@@ -173,7 +173,7 @@ def assert_drafts_ignored(eng: Engine, seed: int) -> None:
 def test_a_draft_is_ignored_where_rows_are_not_invariant(tiny_asr) -> None:  # noqa: ANN001
     """float32 on torch's or oneDNN's GEMMs: a row's bits may depend on the rows beside it, so checking guesses
     could change a token; the engine drops the draft."""
-    assert_drafts_ignored(tiny_asr.engine, seed=5)
+    assert_drafts_ignored(tiny_asr._core.engine, seed=5)
 
 
 def test_drafts_can_be_turned_off(path128) -> None:  # noqa: ANN001
@@ -185,10 +185,10 @@ def test_drafts_can_be_turned_off(path128) -> None:  # noqa: ANN001
 
 
 def test_a_malformed_draft_is_refused_at_submit(tiny_asr) -> None:  # noqa: ANN001
-    eng = tiny_asr.engine
+    eng = tiny_asr._core.engine
     wave = noise(1.0, seed=1)
-    prompt = prompt_for(tiny_asr.checkpoint, wave)
-    vocab = tiny_asr.checkpoint.config.decoder.vocab_size
+    prompt = prompt_for(tiny_asr._core.checkpoint, wave)
+    vocab = tiny_asr._core.checkpoint.config.decoder.vocab_size
     for bad in ([vocab], [-1], [1.5], [True], "ab"):
         with pytest.raises(ValueError, match="draft"):  # refused wherever it runs, used or not
             eng.submit(prompt, waveform=wave, max_new_tokens=4, draft=bad)
@@ -199,10 +199,10 @@ def test_a_live_step_guesses_the_tokens_its_prefix_rolled_back(path128) -> None:
 
     asr = ASR.from_pretrained(path128, device="cpu", dtype="bfloat16")
     try:
-        ck = asr.checkpoint
+        ck = asr._core.checkpoint
         cfg = StreamConfig(chunk_size_sec=1.0, unfixed_chunk_num=2, unfixed_token_num=5, max_new_tokens=9)
-        session = Session(asr.engine, ck, cfg, record=True)
-        oracle = OracleStream(asr.engine, ck, cfg)
+        session = Session(asr._core.engine, ck, cfg, record=True)
+        oracle = OracleStream(asr._core.engine, ck, cfg)
         raw = "language English<asr_text>one two three four five six seven"
         session.state.raw = raw
         ids = encode_raw(ck.tokenizer, ck.special, raw)
@@ -210,13 +210,13 @@ def test_a_live_step_guesses_the_tokens_its_prefix_rolled_back(path128) -> None:
         assert session.state.guess(prefix) == ids[len(ids) - 5:] and session.state.guess("") == ids
         session.state.raw = ""
         assert session.state.guess("") == []
-        if not asr.engine.verifies_drafts:
+        if not asr._core.engine.verifies_drafts:
             pytest.skip("no row-invariant native decode here: drafts are ignored")
         audio = noise(8.0, seed=31)
-        t0 = dict(asr.engine.timings)
+        t0 = dict(asr._core.engine.timings)
         for i in range(0, audio.size, 16000):
             session.push(audio[i:i + 16000])
-        kept = asr.engine.timings["draft_kept"] - t0["draft_kept"]
+        kept = asr._core.engine.timings["draft_kept"] - t0["draft_kept"]
         for i in range(0, audio.size, 16000):
             oracle.push(audio[i:i + 16000])
         session.finish()

@@ -14,8 +14,8 @@ from tests.conftest import noise
 
 
 def _rows(asr, wave):  # noqa: ANN001, ANN202
-    eng = asr.engine
-    feats = LogMel(asr.checkpoint.features)(wave)
+    eng = asr._core.engine
+    feats = LogMel(asr._core.checkpoint.features)(wave)
     with torch.inference_mode():
         return eng.prepared.model.audio_tower([feats], conv_batch=eng.runner.conv_batch,
                                               kernels=eng.runner.kernels)[0]
@@ -29,7 +29,7 @@ def _idle_kv(eng, used: int, timeout: float = 10.0) -> None:  # noqa: ANN001
 
 
 def test_kv_prefix_continues_kept_blocks(tiny_asr) -> None:  # noqa: ANN001
-    eng, ck = tiny_asr.engine, tiny_asr.checkpoint
+    eng, ck = tiny_asr._core.engine, tiny_asr._core.checkpoint
     before = eng.stats().kv_tokens_used
     long_wave = noise(30.0, seed=11)
     rows_a = _rows(tiny_asr, long_wave[: 16000 * 26])  # windows 0-2 closed, as in the longer audio
@@ -55,7 +55,7 @@ def test_kv_prefix_continues_kept_blocks(tiny_asr) -> None:  # noqa: ANN001
 
 
 def test_released_and_cancelled_leases_free_their_blocks(tiny_asr) -> None:  # noqa: ANN001
-    eng, ck = tiny_asr.engine, tiny_asr.checkpoint
+    eng, ck = tiny_asr._core.engine, tiny_asr._core.checkpoint
     before = eng.stats().kv_tokens_used
     rows = _rows(tiny_asr, noise(3.0, seed=12))
     prompt = build_prompt(ck.tokenizer, ck.special, rows.shape[0])
@@ -68,7 +68,7 @@ def test_released_and_cancelled_leases_free_their_blocks(tiny_asr) -> None:  # n
 
 
 def test_sessions_leave_no_kv_behind(tiny_asr) -> None:  # noqa: ANN001
-    eng = tiny_asr.engine
+    eng = tiny_asr._core.engine
     before = eng.stats().kv_tokens_used
     s = tiny_asr.stream(chunk_size_sec=1.0, max_new_tokens=2)
     s.push(noise(3.0, seed=3))

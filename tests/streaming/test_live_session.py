@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import soxr
 
+from qasr import TranscribeOptions
 from qasr.streaming import (
     LiveConfig,
     LiveSession,
@@ -46,7 +47,7 @@ def feed(live: LiveSession, audio: np.ndarray, sizes: tuple[int, ...] = (3200, 7
 
 
 def oracle_text(asr, audio: np.ndarray, config: StreamConfig) -> str:  # noqa: ANN001
-    oracle = OracleStream(asr.engine, asr.checkpoint, config)
+    oracle = OracleStream(asr._core.engine, asr._core.checkpoint, config)
     for i in range(0, len(audio), 512):
         oracle.push(audio[i:i + 512])
     oracle.finish()
@@ -90,7 +91,7 @@ def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(d
         assert final.start <= starts[k] and stops[k] < final.end
         turn_audio = audio[round(final.start * SR):round(final.end * SR)]
         assert final.text == oracle_text(demo, turn_audio, StreamConfig(chunk_size_sec=1.0))
-        offline = demo.transcribe(demo_clips[k], sample_rate=SR, segmentation="none")[0].text
+        offline = demo.transcribe(demo_clips[k], TranscribeOptions(sample_rate=SR, segmentation="none"))[0].text
         assert final.text == offline
 
 
@@ -188,7 +189,7 @@ def test_long_speech_is_cut_at_a_pause_past_soft_turn_s_and_hard_at_max_turn_s(d
 
 def test_commit_clear_and_finish_without_turn_detection(tiny_asr) -> None:  # noqa: ANN001
     cfg = StreamConfig(chunk_size_sec=1.0, max_new_tokens=4)
-    live = LiveSession(tiny_asr.engine, tiny_asr.checkpoint, LiveConfig(stream=cfg, turn_detection=False))
+    live = LiveSession(tiny_asr._core.engine, tiny_asr._core.checkpoint, LiveConfig(stream=cfg, turn_detection=False))
     a, b, c = noise(2.3, seed=1), noise(1.0, seed=2), noise(1.7, seed=4)
     events = live.push(a) + live.commit()
     first = [e for e in events if isinstance(e, TurnFinal)]
@@ -211,19 +212,19 @@ def test_an_hour_like_stream_stays_bounded(tiny_asr) -> None:  # noqa: ANN001
     no KV once the session finished, and a step's work does not grow from turn to turn."""
     cfg = LiveConfig(stream=StreamConfig(chunk_size_sec=1.0, max_new_tokens=2), turn_detection=False,
                      soft_turn_s=3.0, max_turn_s=3.0)
-    live = LiveSession(tiny_asr.engine, tiny_asr.checkpoint, cfg)
+    live = LiveSession(tiny_asr._core.engine, tiny_asr._core.checkpoint, cfg)
     buffer, capacity = live._buffer, live._buffer.capacity
     audio = noise(45.0, seed=5)
     finals = [e for e in feed(live, audio, (16000,)) if isinstance(e, TurnFinal)]
     assert len(finals) == 15 and all(f.reason == "max" for f in finals[:-1])
     assert live._buffer is buffer and buffer.capacity == capacity
-    assert kv_in_use(tiny_asr.engine) == 0
+    assert kv_in_use(tiny_asr._core.engine) == 0
 
 
 def test_carry_context_hands_committed_text_to_the_next_turn(tiny_asr) -> None:  # noqa: ANN001
     cfg = LiveConfig(stream=StreamConfig(chunk_size_sec=1.0, max_new_tokens=3, context="names: Ada"),
                      turn_detection=False, carry_context=True, carried_chars=40)
-    live = LiveSession(tiny_asr.engine, tiny_asr.checkpoint, cfg)
+    live = LiveSession(tiny_asr._core.engine, tiny_asr._core.checkpoint, cfg)
     assert live.next_context == "names: Ada"
     texts = []
     for seed in (1, 2, 3):
@@ -296,14 +297,14 @@ def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(t
     streams = [noise(12.0 + k, seed=20 + k) for k in range(8)]
 
     def run(audio: np.ndarray) -> list:
-        session = Session(tiny_asr.engine, tiny_asr.checkpoint, cfg, record=True)
+        session = Session(tiny_asr._core.engine, tiny_asr._core.checkpoint, cfg, record=True)
         for i in range(0, len(audio), 4000):
             session.push(audio[i:i + 4000])
         session.finish()
         return session.results
 
     alone = [run(a) for a in streams]
-    engine = tiny_asr.engine
+    engine = tiny_asr._core.engine
     tower = engine.prepared.model.audio_tower
     threads: list[str] = []  # the thread of every encoder call
     real = tower.encode
@@ -319,4 +320,4 @@ def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(t
     assert together == alone
     assert len(submitted) > engine.encoder_calls - calls  # some encoder calls packed several sessions' windows
     assert threads and set(threads) == {"qasr-engine"}, set(threads)  # no session thread touched the model
-    assert kv_in_use(tiny_asr.engine) == 0
+    assert kv_in_use(tiny_asr._core.engine) == 0

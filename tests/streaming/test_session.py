@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from qasr import TranscribeOptions
 from qasr.audio.features import LogMel
 from qasr.model.prompt import build_prompt
 from qasr.streaming import OracleStream, Session, StreamConfig
@@ -19,8 +20,8 @@ from tests.conftest import noise
 
 def run_both(asr, audio: np.ndarray, pushes: list[int], **settings):  # noqa: ANN001, ANN201 - test helper
     """Feed the same audio to a session and to the oracle in the same pieces; return both."""
-    session = Session(asr.engine, asr.checkpoint, StreamConfig(**settings), record=True)
-    oracle = OracleStream(asr.engine, asr.checkpoint, StreamConfig(**settings))
+    session = Session(asr._core.engine, asr._core.checkpoint, StreamConfig(**settings), record=True)
+    oracle = OracleStream(asr._core.engine, asr._core.checkpoint, StreamConfig(**settings))
     i, k = 0, 0
     while i < len(audio):
         piece = audio[i:i + pushes[k % len(pushes)]]
@@ -90,14 +91,14 @@ def test_sample_buffer_and_pcm() -> None:
 
 
 def test_prompt_with_empty_prefix_is_the_offline_prompt(tiny_asr) -> None:  # noqa: ANN001
-    ck = tiny_asr.checkpoint
+    ck = tiny_asr._core.checkpoint
     for lang in (None, "English"):
         built = PromptBuilder(ck.tokenizer, ck.special, "some context", lang)(17, "")
         assert built == build_prompt(ck.tokenizer, ck.special, 17, "some context", lang)
 
 
 def test_rollback_drops_tokens_and_broken_characters(tiny_asr) -> None:  # noqa: ANN001
-    tok, special = tiny_asr.checkpoint.tokenizer, tiny_asr.checkpoint.special
+    tok, special = tiny_asr._core.checkpoint.tokenizer, tiny_asr._core.checkpoint.special
     raw = "language English<asr_text>hello there"
     ids = encode_raw(tok, special, raw)
     assert special.asr_text in ids and tok.decode(ids) == raw
@@ -113,7 +114,7 @@ def test_rollback_drops_tokens_and_broken_characters(tiny_asr) -> None:  # noqa:
 
 # ------------------------------------------------------------------------------- engine feature
 def test_submit_with_audio_embeds_matches_waveform(tiny_asr) -> None:  # noqa: ANN001
-    eng, ck = tiny_asr.engine, tiny_asr.checkpoint
+    eng, ck = tiny_asr._core.engine, tiny_asr._core.checkpoint
     wave = noise(3.0, seed=4)
     feats = LogMel(ck.features)(wave)
     with torch.inference_mode():
@@ -198,7 +199,7 @@ def test_demo_session_matches_oracle_and_offline(demo, demo_clips) -> None:  # n
                                    unfixed_token_num=5, max_new_tokens=32)
         assert_same_steps(session, oracle)
         assert_stable_only_grows(session)
-        offline = demo.transcribe(clip, sample_rate=16000, segmentation="none")[0].text
+        offline = demo.transcribe(clip, TranscribeOptions(sample_rate=16000, segmentation="none"))[0].text
         final = session.results[-1].text
         same_as_offline += final == offline
         print(f"stream final {final!r} | offline {offline!r}")

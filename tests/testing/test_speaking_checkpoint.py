@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qasr import ASR
+from qasr import ASR, TranscribeOptions
 from qasr.model.tokenizer import Tokenizer
 from qasr.testing import TINY_DIMS
 from qasr.testing.speaking import speaking_checkpoint, word_ids
@@ -21,9 +21,9 @@ def test_greedy_decoding_runs_to_its_cap_with_the_chosen_tokens(tmp_path: Path, 
     audio = np.random.default_rng(0).standard_normal(16000 * 2).astype(np.float32) * 0.1
     asr = ASR.from_pretrained(path, device="cpu", dtype="float32")
     try:
-        result = asr.transcribe(audio, sample_rate=16000, language="English", max_new_tokens=7)[0]
+        result = asr.transcribe(audio, TranscribeOptions(sample_rate=16000), language="English", max_new_tokens=7)[0]
     finally:
-        asr.engine.close(drain=False, timeout=30)
+        asr._core.engine.close(drain=False, timeout=30)
     assert result.error is None and result.finish_reason == "length" and len(result.token_ids) == 7
     if transcript in ("words", "steady"):
         kept = set(word_ids(path))
@@ -52,8 +52,8 @@ def test_a_steady_checkpoint_makes_the_same_words_whatever_the_audio(tmp_path: P
         asr = ASR.from_pretrained(speaking_checkpoint(tmp_path / transcript, dict(TINY_DIMS), transcript),
                                   device="cpu", dtype="float32")
         try:
-            texts[transcript] = {r.text for r in asr.transcribe(clips, sample_rate=16000, language="English",
-                                                               max_new_tokens=9)}
+            texts[transcript] = {r.text for r in asr.transcribe(clips, TranscribeOptions(sample_rate=16000),
+                                                                language="English", max_new_tokens=9)}
         finally:
-            asr.engine.close(drain=False, timeout=30)
+            asr._core.engine.close(drain=False, timeout=30)
     assert len(texts["steady"]) == 1 and len(texts["words"]) > 1

@@ -17,7 +17,7 @@ import pytest
 import soundfile as sf
 from conftest import noise
 
-from qasr import ASR, AudioError, Piece, Transcription
+from qasr import ASR, AudioError, Piece, TranscribeOptions, Transcription
 from qasr.engine.engine import EngineConfig
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import load_checkpoint
@@ -54,9 +54,9 @@ def test_inputs_as_bytes_array_and_tuple_agree(tiny_asr, speech_files) -> None:
     a = tiny_asr.transcribe(wav, max_new_tokens=8)[0]
     b = tiny_asr.transcribe(wav.read_bytes(), max_new_tokens=8)[0]
     c = tiny_asr.transcribe((data, sr), max_new_tokens=8)[0]
-    d = tiny_asr.transcribe(data, sample_rate=sr, max_new_tokens=8)[0]
+    d = tiny_asr.transcribe(data, TranscribeOptions(sample_rate=sr), max_new_tokens=8)[0]
     assert a.token_ids == b.token_ids == c.token_ids == d.token_ids
-    assert a.raw == tiny_asr.checkpoint.tokenizer.decode(list(a.token_ids))
+    assert a.raw == tiny_asr._core.checkpoint.tokenizer.decode(list(a.token_ids))
 
 
 def test_bad_inputs_fail_alone(tiny_asr, tmp_path, speech_files) -> None:
@@ -137,7 +137,7 @@ def test_directory_without_config_is_rejected(tmp_path) -> None:
 
 def test_float16_on_cpu_runs(tiny_original) -> None:
     asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float16")
-    assert str(asr.checkpoint.dtype) == "torch.float16"
+    assert str(asr._core.checkpoint.dtype) == "torch.float16"
     r = asr.transcribe((noise(3.0), 16000), max_new_tokens=5)[0]
     assert r.error is None and 1 <= len(r.token_ids) <= 5
 
@@ -147,7 +147,7 @@ def test_auto_dtype_follows_the_cpu(tiny_original) -> None:
 
     asr = ASR.from_pretrained(tiny_original, device="auto", dtype="auto")
     expected = "torch.bfloat16" if cpu_has_native_bf16() else "torch.float32"
-    assert asr.checkpoint.device.type == "cpu" and str(asr.checkpoint.dtype) == expected
+    assert asr._core.checkpoint.device.type == "cpu" and str(asr._core.checkpoint.dtype) == expected
 
 
 # ---------------------------------------------------------------- the request API: prepare, async, finish reasons
@@ -175,62 +175,65 @@ def split_asr(tiny_original):
 def _spy_submits(monkeypatch, asr: ASR) -> list:
     """Record the futures the engine hands out (the real engine does the work)."""
     futures = []
-    real = asr.engine.submit
+    real = asr._core.engine.submit
 
     def submit(*args, **kwargs):
         futures.append(real(*args, **kwargs))
         return futures[-1]
 
-    monkeypatch.setattr(asr.engine, "submit", submit)
+    monkeypatch.setattr(asr._core.engine, "submit", submit)
     return futures
 
 
 def test_prepared_pieces_driven_by_hand_match_transcribe(split_asr) -> None:
     x = noise(25.0, seed=3)
-    pieces = split_asr.prepare((x, 16000), max_new_tokens=3)
+    pieces = split_asr._core.prepare((x, 16000), TranscribeOptions(max_new_tokens=3))
     assert [type(p) for p in pieces] == [Piece] * 3
     assert {p.source for p in pieces} == {"array input"} and {p.item for p in pieces} == {0}
-    audio_id = split_asr.checkpoint.config.audio_token_id
+    audio_id = split_asr._core.checkpoint.config.audio_token_id
     for p in pieces:
         assert p.samples.dtype == np.float32 and p.samples.ndim == 1
         assert p.max_new_tokens == 3 and p.language is None
         assert p.prompt.count(audio_id) > 0
     assert sum(p.duration for p in pieces) == pytest.approx(25.0)
-    futures = [split_asr.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)
+    futures = [split_asr._core.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)
                for p in pieces]
-    by_hand = split_asr.assemble(pieces, [f.result() for f in futures])
+    by_hand = split_asr._core.assemble(pieces, [f.result() for f in futures])
     r = split_asr.transcribe((x, 16000), max_new_tokens=3)[0]
     assert by_hand == r
     assert [s.start for s in r.segments] == [round(p.offset, 3) for p in pieces]
 
 
 def test_prepare_by_hand_on_the_demo_model(demo_asr) -> None:
-    [piece] = demo_asr.prepare(ALARM, language="en")
+    [piece] = demo_asr._core.prepare(ALARM, TranscribeOptions(language="en"))
     assert piece.source == str(ALARM) and piece.language == "English"
-    result = demo_asr.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens).result()
+    result = demo_asr._core.engine.submit(piece.prompt, waveform=piece.samples,
+                                          max_new_tokens=piece.max_new_tokens).result()
     r = demo_asr.transcribe(ALARM, language="en")[0]
     assert tuple(result.token_ids) == r.token_ids and r.text == "set an alarm for seven thirty tomorrow"
 
 
 def test_prepare_raises_naming_the_bad_input(tiny_asr, tmp_path) -> None:
     good = (noise(1.0), 16000)
-    pieces = tiny_asr.prepare([good, good], language=["en", None])
+    pieces = tiny_asr._core.prepare([good, good], TranscribeOptions(language=["en", None]))
     assert [(p.item, p.language) for p in pieces] == [(0, "English"), (1, None)]
     with pytest.raises(ValueError, match="several inputs"):
-        tiny_asr.assemble(pieces, [GenerationResult([1], "eos", 0.0, 0.0)] * 2)
+        tiny_asr._core.assemble(pieces, [GenerationResult([1], "eos", 0.0, 0.0)] * 2)
     with pytest.raises(AudioError, match="missing.wav"):
-        tiny_asr.prepare([good, tmp_path / "missing.wav"])
+        tiny_asr._core.prepare([good, tmp_path / "missing.wav"])
     with pytest.raises(ValueError, match="max_new_tokens"):
-        tiny_asr.prepare(good, max_new_tokens=0)
+        tiny_asr._core.prepare(good, TranscribeOptions(max_new_tokens=0))
 
 
 def test_default_cap_follows_the_audio_not_generation_config(demo_asr) -> None:
-    assert demo_asr.checkpoint.generation.max_new_tokens == 128  # the limit that used to clip silently
-    [long] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000), max_segment_s=30)  # sent whole
+    assert demo_asr._core.checkpoint.generation.max_new_tokens == 128  # the limit that used to clip silently
+    [long] = demo_asr._core.prepare((np.zeros(30 * 16000, np.float32), 16000),
+                                    TranscribeOptions(max_segment_s=30))  # sent whole
     assert long.max_new_tokens == 474  # ceil(15 x 30) + 24
-    [short] = demo_asr.prepare((np.zeros(38400, np.float32), 16000))
+    [short] = demo_asr._core.prepare((np.zeros(38400, np.float32), 16000))
     assert short.max_new_tokens == 60  # 2.4 s: ceil(36) + 24, no floating-point 37
-    [forced] = demo_asr.prepare((np.zeros(30 * 16000, np.float32), 16000), max_new_tokens=7, max_segment_s=30)
+    [forced] = demo_asr._core.prepare((np.zeros(30 * 16000, np.float32), 16000),
+                                      TranscribeOptions(max_new_tokens=7, max_segment_s=30))
     assert forced.max_new_tokens == 7
 
 
@@ -250,19 +253,19 @@ def test_finish_reason_and_the_cut_warning(demo_asr, caplog) -> None:
 
 
 def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
-    pieces = split_asr.prepare((noise(25.0, seed=3), 16000), language="en")
+    pieces = split_asr._core.prepare((noise(25.0, seed=3), 16000), TranscribeOptions(language="en"))
     ends = [GenerationResult([5, 6], "eos", 0.0, 0.0), GenerationResult([7], "length", 0.0, 0.0),
             GenerationResult([8], "eos", 0.0, 0.0)]
-    r = split_asr.assemble(pieces, ends)
+    r = split_asr._core.assemble(pieces, ends)
     assert [s.finish_reason for s in r.segments] == ["stop", "length", "stop"]
     assert r.finish_reason == "length" and r.token_ids == (5, 6, 7, 8)
-    failed = split_asr.assemble(pieces, [ends[0], ValueError("boom"), ends[2]])
+    failed = split_asr._core.assemble(pieces, [ends[0], ValueError("boom"), ends[2]])
     assert failed.error == "array input: boom" and failed.finish_reason is None
-    auto = split_asr.prepare((noise(25.0, seed=3), 16000))  # detect the language: the tag must come out
-    tok = split_asr.checkpoint.tokenizer
+    auto = split_asr._core.prepare((noise(25.0, seed=3), 16000))  # detect the language: the tag must come out
+    tok = split_asr._core.checkpoint.tokenizer
     tagged = GenerationResult(tok.encode("language English<asr_text>hello there"), "eos", 0.0, 0.0)
     fragment = GenerationResult(tok.encode("langu"), "eos", 0.0, 0.0)
-    r = split_asr.assemble(auto, [tagged, fragment, tagged])
+    r = split_asr._core.assemble(auto, [tagged, fragment, tagged])
     assert [s.finish_reason for s in r.segments] == ["stop", "malformed", "stop"]
     assert [s.text for s in r.segments] == ["hello there", "", "hello there"]
     assert r.text == "hello there hello there" and r.finish_reason == "malformed" and r.language == "English"
@@ -287,7 +290,8 @@ def test_cancelling_transcribe_async_cancels_its_requests(tiny_asr, monkeypatch)
     inputs = [(noise(2.0), 16000), (noise(3.0, seed=1), 16000)]
 
     async def start_then_cancel() -> None:
-        task = asyncio.create_task(tiny_asr.transcribe_async(inputs, max_new_tokens=2000, ignore_eos=True))
+        task = asyncio.create_task(tiny_asr.transcribe_async(inputs, TranscribeOptions(ignore_eos=True),
+                                                             max_new_tokens=2000))
         while len(futures) < 2:
             await asyncio.sleep(0.005)
         task.cancel()
@@ -306,7 +310,7 @@ def test_transcribe_async_bounds_the_audio_in_flight_in_seconds(tiny_asr, monkey
     across inputs, and across the pieces of one long input (it used to bound inputs by count only)."""
     in_flight, peak = [0.0], [0.0]
     lock = threading.Lock()
-    real_submit = tiny_asr.engine.submit
+    real_submit = tiny_asr._core.engine.submit
 
     def submit(*args, waveform, **kwargs):
         seconds = len(waveform) / 16000
@@ -321,28 +325,29 @@ def test_transcribe_async_bounds_the_audio_in_flight_in_seconds(tiny_asr, monkey
         fut.add_done_callback(done)  # before the pipeline's own release: this count never lags the budget
         return fut
 
-    monkeypatch.setattr(tiny_asr.engine, "submit", submit)
-    monkeypatch.setattr(tiny_asr, "max_in_flight_s", 1.5)  # one 1 s piece at a time
+    monkeypatch.setattr(tiny_asr._core.engine, "submit", submit)
+    monkeypatch.setattr(tiny_asr._core, "max_in_flight_s", 1.5)  # one 1 s piece at a time
     inputs = [(noise(1.0, seed=k), 16000) for k in range(4)] + [(noise(4.0, seed=9), 16000)]
-    got = asyncio.run(tiny_asr.transcribe_async(inputs, max_new_tokens=3, segmentation="fixed", max_segment_s=1.0))
+    fixed = TranscribeOptions(segmentation="fixed", max_segment_s=1.0)
+    got = asyncio.run(tiny_asr.transcribe_async(inputs, fixed, max_new_tokens=3))
     assert all(r.ok for r in got) and [len(r.segments) for r in got] == [1, 1, 1, 1, 4]
     assert 0 < peak[0] <= 1.5, f"{peak[0]} s of audio in flight"
     monkeypatch.undo()
-    assert got == tiny_asr.transcribe(inputs, max_new_tokens=3, segmentation="fixed", max_segment_s=1.0)
+    assert got == tiny_asr.transcribe(inputs, fixed, max_new_tokens=3)
 
 
 def test_results_come_per_input_while_later_inputs_are_decoded(tiny_asr, monkeypatch) -> None:
     """transcribe_iter hands back an input as soon as it is done; the audio in flight stays bounded."""
     submitted = []
-    real_submit = tiny_asr.engine.submit
+    real_submit = tiny_asr._core.engine.submit
 
     def submit(*args, **kwargs):
         fut = real_submit(*args, **kwargs)
         submitted.append(fut)
         return fut
 
-    monkeypatch.setattr(tiny_asr.engine, "submit", submit)
-    monkeypatch.setattr(tiny_asr, "max_in_flight_s", 1.5)  # one 1 s input at a time
+    monkeypatch.setattr(tiny_asr._core.engine, "submit", submit)
+    monkeypatch.setattr(tiny_asr._core, "max_in_flight_s", 1.5)  # one 1 s input at a time
     inputs = [(noise(1.0, seed=k), 16000) for k in range(4)]
     seen = []
     for i, result in tiny_asr.transcribe_iter(inputs, max_new_tokens=3):
@@ -359,7 +364,7 @@ def test_results_come_per_input_while_later_inputs_are_decoded(tiny_asr, monkeyp
 def test_closing_transcribe_iter_cancels_the_rest(tiny_asr, monkeypatch, tmp_path) -> None:
     futures = _spy_submits(monkeypatch, tiny_asr)
     inputs = [tmp_path / "missing.wav", (noise(2.0), 16000), (noise(2.0, seed=1), 16000)]
-    results = tiny_asr.transcribe_iter(inputs, max_new_tokens=5000, ignore_eos=True)
+    results = tiny_asr.transcribe_iter(inputs, TranscribeOptions(ignore_eos=True), max_new_tokens=5000)
     i, first = next(results)  # the missing file fails at once; the others are long
     assert i == 0 and "missing.wav" in first.error
     deadline = time.monotonic() + 30
@@ -378,7 +383,7 @@ def test_a_request_too_big_for_the_kv_cache_fails_alone(tiny_original) -> None:
     try:
         # whole (segmentation "none"): VAD would find no speech in noise and send nothing
         results = asr.transcribe([(noise(1.0), 16000), (noise(60.0), 16000), (noise(1.0), 16000)],
-                                 max_new_tokens=4, segmentation="none")
+                                 TranscribeOptions(segmentation="none"), max_new_tokens=4)
     finally:
         asr.close()
     assert results[0].ok and results[2].ok and results[0].token_ids == results[2].token_ids

@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from qasr import ASR
+from qasr import ASR, TranscribeOptions
 from qasr.testing.speech import speak
 from qasr.transcribe.text import join_segment_texts
 
@@ -58,7 +58,7 @@ def ten_minutes(tmp_path_factory) -> tuple[np.ndarray, list[tuple[float, float]]
 
 def test_ten_minutes_in_vad_segments(asr, ten_minutes) -> None:
     wave, spans, truth = ten_minutes
-    [r] = asr.transcribe((wave, SR), max_segment_s=30)  # auto: longer than 30 s, so VAD segments
+    [r] = asr.transcribe((wave, SR), TranscribeOptions(max_segment_s=30))  # auto: longer than 30 s, so VAD segments
     assert r.ok and r.duration == pytest.approx(len(wave) / SR, abs=1e-3)
     segs = r.segments
     assert len(segs) >= (len(wave) / SR - 40) / 30  # 30 s at most each, the silence skipped
@@ -85,14 +85,15 @@ def test_fixed_and_none_modes(asr, ten_minutes) -> None:
     wave, _, _ = ten_minutes
     head = wave[: 95 * SR]
     # 30 s given: the official package's length (the demo model declares 6 s, docs/segmentation.md)
-    [fixed] = asr.transcribe((head, SR), segmentation="fixed", max_new_tokens=3, max_segment_s=30)
+    [fixed] = asr.transcribe((head, SR), TranscribeOptions(segmentation="fixed", max_segment_s=30), max_new_tokens=3)
     assert [(s.start, s.end) for s in fixed.segments] == [(0.0, 30.0), (30.0, 60.0), (60.0, 90.0), (90.0, 95.0)]
-    [whole] = asr.transcribe((head, SR), segmentation="none", max_new_tokens=3)
+    [whole] = asr.transcribe((head, SR), TranscribeOptions(segmentation="none"), max_new_tokens=3)
     assert [(s.start, s.end) for s in whole.segments] == [(0.0, 95.0)]
-    [short] = asr.transcribe((head[: 20 * SR], SR), max_new_tokens=3, max_segment_s=30)  # auto: up to 30 s whole
+    # auto: up to 30 s whole
+    [short] = asr.transcribe((head[: 20 * SR], SR), TranscribeOptions(max_segment_s=30), max_new_tokens=3)
     assert [(s.start, s.end) for s in short.segments] == [(0.0, 20.0)]
     with pytest.raises(ValueError, match="segmentation"):
-        asr.transcribe((head, SR), segmentation="smart")
+        asr.transcribe((head, SR), TranscribeOptions(segmentation="smart"))
 
 
 def test_silence_gives_an_empty_transcript(asr) -> None:

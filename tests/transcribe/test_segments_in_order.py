@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from qasr import ASR, Segment, Transcription, TranscriptionFailed
+from qasr import ASR, Segment, TranscribeOptions, Transcription, TranscriptionFailed
 from qasr.engine.config import EngineConfig
 from qasr.testing.speech import speak
 
@@ -42,14 +42,14 @@ def long_wave(tmp_path_factory) -> np.ndarray:
 
 
 def test_segments_arrive_in_order_long_before_the_input_ends(asr, long_wave) -> None:
-    whole = asr.transcribe((long_wave, SR), segmentation="vad", max_segment_s=4)[0]
+    whole = asr.transcribe((long_wave, SR), TranscribeOptions(segmentation="vad", max_segment_s=4))[0]
     assert len(whole.segments) >= 10
-    stream = asr.transcribe_segments((long_wave, SR), segmentation="vad", max_segment_s=4)
-    steps_before = asr.engine.steps
+    stream = asr.transcribe_segments((long_wave, SR), TranscribeOptions(segmentation="vad", max_segment_s=4))
+    steps_before = asr._core.engine.steps
     got: list[tuple[Segment, int]] = []
     for segment in stream:
-        got.append((segment, asr.engine.steps - steps_before))  # engine steps run when it was handed over
-    total = asr.engine.steps - steps_before
+        got.append((segment, asr._core.engine.steps - steps_before))  # engine steps run when it was handed over
+    total = asr._core.engine.steps - steps_before
     segments = [s for s, _ in got]
     assert segments == list(whole.segments)  # the same segments, in time order
     assert [s.start for s in segments] == sorted(s.start for s in segments)
@@ -64,8 +64,8 @@ def test_transcribe_iter_gives_each_inputs_segments_then_its_result(asr, long_wa
     short = long_wave[: 4 * SR]
     seen: dict[int, list[Segment]] = {0: [], 1: []}
     results: dict[int, Transcription] = {}
-    for i, item in asr.transcribe_iter([(long_wave, SR), (short, SR)], segmentation="vad", max_segment_s=4,
-                                       segments=True):
+    vad = TranscribeOptions(segmentation="vad", max_segment_s=4)
+    for i, item in asr.transcribe_iter([(long_wave, SR), (short, SR)], vad, segments=True):
         assert i not in results, "a segment came after its input's Transcription"
         if isinstance(item, Segment):
             seen[i].append(item)
@@ -87,10 +87,10 @@ def test_a_failed_input_raises_after_its_segments(asr, tmp_path) -> None:
 
 
 def test_stopping_early_cancels_the_rest(asr, long_wave) -> None:
-    with asr.transcribe_segments((long_wave, SR), segmentation="vad", max_segment_s=4) as stream:
+    with asr.transcribe_segments((long_wave, SR), TranscribeOptions(segmentation="vad", max_segment_s=4)) as stream:
         first = next(iter(stream))
     assert first.text
     deadline = time.monotonic() + 10
-    while (stats := asr.engine.stats()).running or stats.waiting:  # the rest was cancelled, not finished
+    while (stats := asr._core.engine.stats()).running or stats.waiting:  # the rest was cancelled, not finished
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)

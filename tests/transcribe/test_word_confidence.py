@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import noise, reference_logprobs
 
-from qasr import ASR, Aligner
+from qasr import ASR, Aligner, TranscribeOptions
 from qasr.engine.cpu.native import linear_kernel
 from qasr.model.tokenizer import Tokenizer
 from qasr.outputs.writers import render
@@ -66,14 +66,14 @@ def test_word_probability_is_the_least_likely_of_its_tokens(asr) -> None:
     checked = 0
     for seed, seconds in ((31, 2.5), (32, 4.0), (33, 6.5)):
         wave = noise(seconds, seed=seed)
-        (piece,) = asr.prepare(wave, sample_rate=SR, language="English")
-        [t] = asr.transcribe(wave, sample_rate=SR, language="English", max_new_tokens=30, ignore_eos=True,
-                             timestamps="word")
+        (piece,) = asr._core.prepare(wave, TranscribeOptions(sample_rate=SR, language="English"))
+        [t] = asr.transcribe(wave, TranscribeOptions(sample_rate=SR, ignore_eos=True), language="English",
+                             max_new_tokens=30, timestamps="word")
         (seg,) = t.segments
         assert seg.words, f"the tiny aligner gave no words for {t.text!r}"
         ids = list(t.token_ids)
-        want = reference_logprobs(asr.checkpoint, piece.samples, list(piece.prompt), ids)
-        tok = asr.checkpoint.tokenizer
+        want = reference_logprobs(asr._core.checkpoint, piece.samples, list(piece.prompt), ids)
+        tok = asr._core.checkpoint.tokenizer
         raw = tok.decode(ids, skip_special_tokens=True)
         chars = touched(tok, ids)
         at = raw.index(seg.text)  # the language is forced: the whole output is the transcript
@@ -93,7 +93,7 @@ def test_word_probability_is_the_least_likely_of_its_tokens(asr) -> None:
 def test_a_character_split_over_tokens_counts_for_its_word(asr) -> None:
     """'é' is two bytes: with each byte its own token, both count for the word ("café"), and the space
     token before the next word counts for none."""
-    tok = asr.checkpoint.tokenizer
+    tok = asr._core.checkpoint.tokenizer
     ids = [tok.token_to_id(t) for t in ("ca", "f", "Ã", "©", "Ġ", "au")]
     if None in ids:  # spell it with single characters, which every byte-level vocabulary has
         ids = [tok.token_to_id(t) for t in ("c", "a", "f", "Ã", "©", "Ġ", "a", "u")]
@@ -132,9 +132,10 @@ def test_word_probabilities_do_not_depend_on_the_batch(tiny_original, aligner_pa
     asr = _asr(tiny_original, aligner_path, "bfloat16")
     try:
         waves = [noise(s, seed=40 + k) for k, s in enumerate((1.5, 3.0, 5.5, 2.0))]
-        kw = dict(sample_rate=SR, language="English", max_new_tokens=24, ignore_eos=True, timestamps="word")
-        alone = [asr.transcribe(w, **kw)[0] for w in waves]
-        together = asr.transcribe(waves, **kw)
+        options = TranscribeOptions(sample_rate=SR, language="English", max_new_tokens=24, ignore_eos=True,
+                                    timestamps="word")
+        alone = [asr.transcribe(w, options)[0] for w in waves]
+        together = asr.transcribe(waves, options)
     finally:
         asr.close()
     scores = [[w.probability for s in t.segments for w in s.words] for t in alone]

@@ -62,7 +62,7 @@ def test_words_fill_every_segment(asr, speech) -> None:
 
 
 def test_word_mode_falls_back_with_a_warning(asr, speech, caplog) -> None:
-    bare = ASR(asr.checkpoint)  # no aligner
+    bare = ASR(asr._core.checkpoint)  # no aligner
     try:
         with caplog.at_level(logging.WARNING, logger="qasr"):
             [r] = bare.transcribe((speech[: SR * 5], SR), timestamps="word")
@@ -75,7 +75,7 @@ def test_word_mode_falls_back_with_a_warning(asr, speech, caplog) -> None:
 
 
 def test_a_language_the_aligner_lacks_keeps_segment_times(asr, speech, caplog, monkeypatch) -> None:
-    monkeypatch.setattr(asr.aligner, "supported_languages", ("Chinese",))
+    monkeypatch.setattr(asr._core.aligner, "supported_languages", ("Chinese",))
     with caplog.at_level(logging.WARNING, logger="qasr"):
         [r] = asr.transcribe((speech[: SR * 5], SR), timestamps="word")
     assert r.ok and r.text and r.timestamps == "segment" and not r.segments[0].words
@@ -104,7 +104,7 @@ def test_cli_word_timestamps_make_word_cues(asr, speech, tmp_path) -> None:
     sf.write(clip, speech[: SR * 20], SR)
     demo = str(ROOT / "models" / "qasr-demo-en")
     out = subprocess.run([sys.executable, "-m", "qasr", "transcribe", str(clip), "-m", demo,
-                          "--aligner", str(asr.aligner.checkpoint.path), "--timestamps", "word", "-f", "json,srt",
+                          "--aligner", str(asr._core.aligner.checkpoint.path), "--timestamps", "word", "-f", "json,srt",
                           "-o", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32", "--no-progress"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr

@@ -23,6 +23,7 @@ from qasr.cli.argtypes import (
     probability,
 )
 from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
+from qasr.transcribe.options import add_flags, from_flags  # no torch
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.writers.FORMATS (a test checks)
@@ -43,31 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("paths", nargs="+", metavar="INPUT", help="audio/video files or folders")
     t.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
-    t.add_argument("--language", default=None,
-                   help="force the language (name or ISO code the model lists); default: detect")
-    t.add_argument("--context", default="", help="background text / hotwords for the system turn")
+    add_flags(t, positive={int: positive_int, float: positive_float})  # --language, --segmentation, ...
     t.add_argument("-f", "--format", default="txt", type=_formats, metavar="FMT[,FMT...]",
                    help=f"output formats, comma-separated, from {', '.join(FORMATS)} (default txt); "
                         "to stdout: one format, and json becomes JSON Lines")
     t.add_argument("-o", "--output-dir", type=Path, default=None, metavar="OUT",
                    help="write outputs under this folder instead of printing to stdout")
     t.add_argument("-r", "--recursive", action="store_true", help="look for media files in subfolders too")
-    t.add_argument("--segmentation", default="auto", choices=("auto", "vad", "fixed", "none"),
-                   help="how long inputs are cut: vad = speech regions merged into segments cut at the longest "
-                        "pauses (silence skipped); fixed = consecutive windows; none = whole (cut only past "
-                        "20 minutes); auto (default) = none up to --max-segment-s, vad beyond")
-    t.add_argument("--max-segment-s", type=positive_float, default=None, metavar="S",
-                   help="longest segment in seconds (default: what the model's config.json declares, "
-                        "\"qasr\": {\"max_segment_s\": S}, else 30)")
     t.add_argument("--vad-backend", default="auto", choices=("auto", "silero", "energy"),
                    help="speech detector: silero (needs the vad extra), energy, or auto (silero when installed)")
     t.add_argument("--vad-threshold", type=probability, default=None, metavar="P",
                    help="speech probability threshold of the detector (default: its own)")
     t.add_argument("--aligner", default=None, metavar="PATH",
                    help="a Qwen3-ForcedAligner checkpoint (directory or hub id) for word timestamps")
-    t.add_argument("--timestamps", default="segment", choices=("segment", "word"),
-                   help="segment (default) or word: word times from --aligner fill json's words and make "
-                        "srt/vtt/tsv cues break at word boundaries (without an aligner: a warning, segment times)")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -77,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     t.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
-    t.add_argument("--max-new-tokens", type=positive_int, default=None,
-                   help="cap on generated tokens per piece (default: ceil(15 x seconds) + 24 for each piece; "
-                        "a piece cut at the cap is reported with a warning)")
     from qasr.cli.ray_options import add_transcribe_options  # argparse only: nothing heavy loads
 
     add_transcribe_options(t)
@@ -127,12 +113,11 @@ def transcribe_command(args: argparse.Namespace) -> int:
     else:
         from qasr.jobs.plan import find_inputs, plan_jobs
     from qasr.jobs.plan import report_failures, update_failed_list
-    from qasr.model.prompt import normalize_language
 
     inputs = find_inputs(args.paths, args.recursive)
     problem = _usage_problem(args, inputs)
     try:
-        normalize_language(args.language)  # names no Qwen3-ASR model knows fail before the model loads
+        from_flags(args)  # a bad option (a language no Qwen3-ASR model knows) fails before the model loads
     except ValueError as exc:
         problem = problem or str(exc)
     if problem is not None:
@@ -166,7 +151,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
                                   quantize=args.quantize, engine=EngineConfig(max_running=args.max_running,
                                                                 kv_cache_dtype=args.kv_cache_dtype))
-        asr.canonical_language(args.language)
+        core = asr._core
+        core.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:
         print(f"qasr: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -176,9 +162,9 @@ def transcribe_command(args: argparse.Namespace) -> int:
         return run_jobs(asr, todo, args, total_inputs=len(jobs))
     finally:
         # stop the engine threads before the interpreter exits: one left inside a native kernel aborts it
-        asr.engine.close(drain=False, timeout=30)
-        if asr.aligner is not None:
-            asr.aligner.engine.close(drain=False, timeout=30)
+        core.engine.close(drain=False, timeout=30)
+        if core.aligner is not None:
+            core.aligner.engine.close(drain=False, timeout=30)
 
 
 class _CliFormatter(logging.Formatter):

@@ -3,7 +3,7 @@
 Each call gets a batch of segment rows, builds each segment's piece (prompt and token cap, exactly as
 ``ASR.transcribe`` does), submits them all to the engine at once and waits for them; several calls run at
 once on one actor (threads), so the engine batches across calls and never idles on a batch's last, longest
-segment. Each segment comes back as its own Transcription, made by the public ``ASR.assemble``: parsing,
+segment. Each segment comes back as its own Transcription, made by ``Core.assemble``: parsing,
 finish reasons, warnings and word times are the single-machine code's. "end" rows pass through.
 
 A failure stays with its segment: a piece the engine refuses or a request that fails becomes a part
@@ -20,8 +20,9 @@ from concurrent.futures import Future, wait
 
 from qasr.audio.io import AudioError
 from qasr.distributed import rows
-from qasr.distributed.config import CallOptions, EngineSpec
+from qasr.distributed.config import EngineSpec
 from qasr.transcribe.assemble import outcome_of
+from qasr.transcribe.options import TranscribeOptions
 from qasr.transcribe.pieces import Piece, make_piece, make_pieces
 
 log = logging.getLogger("qasr.distributed")
@@ -30,10 +31,10 @@ log = logging.getLogger("qasr.distributed")
 class Transcriber:
     """``map_batches`` callable class: one engine per actor, loaded once."""
 
-    def __init__(self, spec: EngineSpec, options: CallOptions) -> None:
-        self.asr = spec.load()
+    def __init__(self, spec: EngineSpec, options: TranscribeOptions) -> None:
+        self.core = spec.load()._core
         self.options = options
-        self.language = self.asr.canonical_language(options.language)
+        self.language = self.core.canonical_language(options.language)  # type: ignore[arg-type]
 
     def __call__(self, batch: dict) -> dict[str, list]:
         out: list[dict] = []
@@ -50,13 +51,13 @@ class Transcriber:
                 continue
             started.append((r, pieces, [self._submit(p) for p in pieces]))
         wait([f for _, _, futures in started for f in futures])
-        if self.asr.engine.stats().broken:
+        if self.core.engine.stats().broken:
             # a broken engine serves nothing more: end this process so that Ray starts a fresh actor and
             # retries the call there, rather than failing every later segment sent here
             log.error("the engine of this ASR actor broke; the actor exits so that Ray replaces it")
             os._exit(1)
         for r, pieces, futures in started:
-            part = self.asr.assemble(pieces, [outcome_of(f) for f in futures])
+            part = self.core.assemble(pieces, [outcome_of(f) for f in futures])
             out.append(rows.row(r["item"], r["source"], rows.PART, k=r["k"], offset=r["offset"],
                                 duration=r["duration"], part=pickle.dumps(part)))
         return rows.batch(out)
@@ -65,10 +66,10 @@ class Transcriber:
         samples = rows.samples_of(r["samples"])
         common = {"source": r["source"], "item": r["item"], "context": self.options.context,
                   "language": self.language, "max_new_tokens": self.options.max_new_tokens,
-                  "tokens_per_second": self.asr.max_tokens_per_second}
+                  "tokens_per_second": self.core.max_tokens_per_second}
         if r["kind"] == rows.WHOLE:
-            return make_pieces(self.asr.checkpoint, samples, max_chunk_sec=self.asr.max_chunk_sec, **common)
-        return [make_piece(self.asr.checkpoint, samples, offset=r["offset"], duration=r["duration"], **common)]
+            return make_pieces(self.core.checkpoint, samples, max_chunk_sec=self.core.max_chunk_sec, **common)
+        return [make_piece(self.core.checkpoint, samples, offset=r["offset"], duration=r["duration"], **common)]
 
     def _submit(self, piece: Piece) -> Future:
-        return self.asr.submit_or_refuse(piece, words=self.options.words, ignore_eos=self.options.ignore_eos)
+        return self.core.submit_or_refuse(piece, words=self.options.words, ignore_eos=self.options.ignore_eos)

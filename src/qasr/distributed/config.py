@@ -128,20 +128,6 @@ def pool_config(cluster: Cluster, *, actors: tuple[int, int] | None, cpus: float
                       decode_cpus=decode_cpus, batch_size=batch_size)
 
 
-@dataclass(frozen=True)
-class CallOptions:
-    """One ``transcribe`` call's per-input options, as the decode tasks and the ASR actors need them."""
-
-    language: str | None = None  # as given; each actor makes it canonical for its checkpoint
-    context: str = ""
-    max_new_tokens: int | None = None
-    ignore_eos: bool = False
-    segmentation: str = "auto"
-    max_segment_s: float = 30.0
-    vad: object | None = None  # a qasr.audio.vad.VadConfig; None: the detector's defaults
-    words: bool = False  # word timestamps (the actors load the aligner)
-
-
 def portable(path: str | None) -> str | None:
     """A local checkpoint as an absolute path (workers run in other folders); a hub id as it is."""
     if path is not None and Path(path).expanduser().exists():

@@ -30,12 +30,12 @@ from pathlib import Path
 from qasr.distributed import rows
 from qasr.distributed.actor import Transcriber
 from qasr.distributed.assemble import Collector
-from qasr.distributed.config import CallOptions, EngineSpec, PoolConfig
+from qasr.distributed.config import EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
 from qasr.model.config import DEFAULT_MAX_SEGMENT_S, declared_max_segment_s
 from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
 from qasr.results import Segment, Transcription
-from qasr.transcribe.inputs import check_options
+from qasr.transcribe.options import TranscribeOptions
 
 log = logging.getLogger("qasr.distributed")
 ACTOR_PREFIX = "qasr-asr"  # ASR actors are named qasr-asr-<run>-p<pass>-<n>: findable in `ray list actors`
@@ -100,19 +100,17 @@ class RayTranscriber:
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
 
-    def transcribe_iter(self, audio: str | Sequence[str], language: str | None = None, context: str = "",
-                        sample_rate: int | None = None, max_new_tokens: int | None = None,
-                        ignore_eos: bool = False, progress: Callable[[float], None] | None = None,
-                        segmentation: str = "auto", max_segment_s: float | None = None, vad: object | None = None,
-                        timestamps: str = "segment",
+    def transcribe_iter(self, audio: str | Sequence[str], options: TranscribeOptions | None = None, *,
+                        language: str | None = None, context: str | None = None, max_new_tokens: int | None = None,
+                        timestamps: str | None = None, progress: Callable[[float], None] | None = None,
                         segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
         """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs (``sample_rate`` is
         accepted for the same signature, and unused: encoded files carry their own rate). ``segments``: an
         input's segments come in time order just before its Transcription, all at once (the cluster hands
         back whole inputs), not one by one as they finish."""
         sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
-        options = self._options(language, context, max_new_tokens, ignore_eos, segmentation, max_segment_s,
-                                vad, timestamps)
+        options = self._options((options or TranscribeOptions()).given(
+            language=language, context=context, max_new_tokens=max_new_tokens, timestamps=timestamps))
         if not sources:
             return
         collector = Collector([display_name(s) for s in sources], options.words, progress)
@@ -149,22 +147,16 @@ class RayTranscriber:
                                    error=f"{collector.names[i]}: not finished after {self.max_passes} passes "
                                          f"({len(held)} segments done); its workers kept dying, see the Ray logs")
 
-    def _options(self, language: str | None, context: str, max_new_tokens: int | None, ignore_eos: bool,
-                 segmentation: str, max_segment_s: float | None, vad: object | None,
-                 timestamps: str) -> CallOptions:
-        """``plan_call``'s checks, made before any work starts; ``max_segment_s=None``: the model's own."""
-        self.check_language(language)
-        if max_segment_s is None:
-            max_segment_s = self.max_segment_s
-        check_options(max_new_tokens, segmentation, max_segment_s, timestamps)
-        words = timestamps == "word"
-        if words and self.spec.aligner is None:
+    def _options(self, options: TranscribeOptions) -> TranscribeOptions:
+        """The call's options as the workers take them: the language checked, the model's segment length
+        filled in, and word timestamps only with an aligner."""
+        self.check_language(options.language)  # type: ignore[arg-type]
+        if options.words and self.spec.aligner is None:
             log.warning("word timestamps need a forced aligner (--aligner PATH): giving segment times instead")
-            words = False
-        return CallOptions(language, context or "", max_new_tokens, ignore_eos, segmentation, float(max_segment_s),
-                           vad, words)
+            options = options.given(timestamps="segment")
+        return options.for_model(self)
 
-    def _dataset(self, sources: list[str], todo: dict[int, set[int]], options: CallOptions):  # noqa: ANN202
+    def _dataset(self, sources: list[str], todo: dict[int, set[int]], options: TranscribeOptions):  # noqa: ANN202
         import ray.data
 
         items = [{"item": i, "given": sources[i], "source": location(sources[i]), "skip": json.dumps(sorted(held))}

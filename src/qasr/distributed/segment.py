@@ -2,7 +2,7 @@
 
 The rules are ``ASR.transcribe``'s: both cut an input with ``qasr.audio.cutting.cut_input``, so every
 segment carries exactly the samples, offset and duration a single-machine run would submit:
-"auto" asks the container for its duration without decoding and sends inputs up to ``max_segment_s``
+"auto" asks the container for its duration without decoding and sends inputs up to the segment length
 whole and longer ones through the VAD; "vad" and "fixed" stream segments out of
 ``qasr.audio.cutting.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
 decoded in memory first, as ``transcribe`` does for bytes. tests/distributed/test_ray_data.py compares every output
@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from qasr.audio.io import SAMPLE_RATE, checked_segments, named_audio_error
-from qasr.audio.cutting import cut_input
 from qasr.distributed import rows
-from qasr.distributed.config import CallOptions
 from qasr.distributed.inputs import is_uri, read_uri
+from qasr.transcribe.options import TranscribeOptions
+from qasr.transcribe.options import cut as cut_input
 
 
 def display_name(source: str) -> str:
@@ -37,7 +37,7 @@ def location(source: str) -> str:
     return source if is_uri(source) else os.path.abspath(source)
 
 
-def segment_batch(batch: dict, options: CallOptions) -> Iterator[dict[str, list]]:
+def segment_batch(batch: dict, options: TranscribeOptions) -> Iterator[dict[str, list]]:
     """``map_batches`` function: the rows of every input in ``batch`` (columns item, given, source, skip),
     one batch per segment so a long input streams on while it is being decoded."""
     for item, given, source, skip in zip(batch["item"], batch["given"], batch["source"], batch["skip"], strict=True):
@@ -46,7 +46,7 @@ def segment_batch(batch: dict, options: CallOptions) -> Iterator[dict[str, list]
             yield rows.batch([r])
 
 
-def input_rows(item: int, given: str, source: str, options: CallOptions,
+def input_rows(item: int, given: str, source: str, options: TranscribeOptions,
                skip: set[int] | frozenset[int] = frozenset()) -> Iterator[dict]:
     """The segment rows of one input (minus the segments numbered in ``skip``), then its "end" row.
     ``given``: the input as the caller named it (messages name it so, as ``transcribe``'s do); ``source``:
@@ -55,8 +55,7 @@ def input_rows(item: int, given: str, source: str, options: CallOptions,
     count = 0
     try:
         data: str | bytes = read_uri(source) if is_uri(source) else source
-        cut = cut_input(data, segmentation=options.segmentation, max_segment_s=options.max_segment_s,
-                        vad=options.vad)
+        cut = cut_input(data, options)
         if cut.wave is not None:
             duration = len(cut.wave) / SAMPLE_RATE
             if 0 not in skip:

@@ -1,11 +1,4 @@
-"""Running a planned transcription job: results to files (or stdout), progress, failures, interruption.
-
-Each input's outputs are written the moment its last segment finishes, so an interruption loses only
-the inputs still in flight, and their outputs never exist half-written (``write_atomic``). Text comes as it
-happens: one input's txt to stdout grows segment by segment, and a txt output file is preceded by
-``NAME.txt.partial``, which grows the same way (for ``tail -f``) and is removed once NAME.txt is written or
-the run stops.
-"""
+"""Running planned jobs: each input's outputs written once it finishes, progress, failures, interruption."""
 
 from __future__ import annotations
 
@@ -19,13 +12,14 @@ from qasr.jobs.plan import Job, probe_duration, report_failures, update_failed_l
 from qasr.outputs.writers import render, write_atomic
 from qasr.results import Segment, Transcription
 from qasr.transcribe.asr import ASR
+from qasr.transcribe.options import from_flags
 from qasr.transcribe.text import TextJoiner
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 class Progress:
-    """A bar in audio seconds with files done, ETA and RTFx (audio seconds per wall second)."""
+    """A bar in audio seconds with files done, ETA and RTFx."""
 
     def __init__(self, total_s: float, files: int, enabled: bool) -> None:
         self.files, self.files_done, self.audio_done = files, 0, 0.0
@@ -68,18 +62,14 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
     total_s = sum(d for d in (probe_duration(j.source) for j in jobs) if d) if enabled else 0.0
     progress = Progress(total_s, len(jobs), enabled)
-    # text as it happens: a txt file's partial copy, or one input's txt on stdout
     partial = PartialText(jobs, to_files) if "txt" in args.format and (to_files or total_inputs == 1) else None
     emit = _file_writer(args.format) if to_files else _stdout_writer(args.format[0], several=total_inputs > 1,
                                                                       partial=partial)
     failures: list[tuple[str, str]] = []
     finished = 0
-    vad = _vad_config(args)
     try:
-        results = asr.transcribe_iter([j.source for j in jobs], language=args.language, context=args.context,
-                                      max_new_tokens=args.max_new_tokens, progress=progress.audio,
-                                      segmentation=args.segmentation, max_segment_s=args.max_segment_s,
-                                      timestamps=args.timestamps, segments=partial is not None, **vad)
+        results = asr.transcribe_iter([j.source for j in jobs], from_flags(args), progress=progress.audio,
+                                      segments=partial is not None)
         try:
             for i, result in results:
                 if isinstance(result, Segment):
@@ -94,7 +84,7 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
                 finished += 1
                 progress.file_done()
         finally:
-            results.close()  # on any way out: cancel what is still running
+            results.close()  # cancels what still runs
             if partial is not None:
                 partial.close()
     except KeyboardInterrupt:
@@ -110,22 +100,9 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
     return EXIT_FAILED if failures else EXIT_OK
 
 
-def _vad_config(args: argparse.Namespace) -> dict:
-    """The detector settings the command line asked for, as ``transcribe``'s ``vad`` argument."""
-    if args.vad_backend == "auto" and args.vad_threshold is None:
-        return {}
-    from qasr.audio.vad import VadConfig
-
-    fields = {"backend": args.vad_backend}
-    if args.vad_threshold is not None:
-        fields["threshold"] = args.vad_threshold
-    return {"vad": VadConfig(**fields)}
-
-
 class PartialText:
-    """Segments' text as it comes: appended to ``NAME.txt.partial`` beside each txt output file (removed
-    when the input ends or the run stops), or, for one input printed as txt, to stdout itself (then the
-    stdout writer prints only the final newline, so the bytes are the same as printing the whole)."""
+    """Segments' text as it comes, to ``NAME.txt.partial`` beside a txt output (removed when the input ends)
+    or, for one input printed as txt, to stdout."""
 
     def __init__(self, jobs: list[Job], to_files: bool) -> None:
         self.jobs = jobs
@@ -146,12 +123,11 @@ class PartialText:
         if path is None:
             path = self.open[i] = self.jobs[i].output("txt").with_name(self.jobs[i].output("txt").name + ".partial")
             path.parent.mkdir(parents=True, exist_ok=True)
-            mode = "w"  # a stale partial from a killed run is replaced, not appended to
+            mode = "w"  # a stale one is replaced
         with open(path, mode, encoding="utf-8") as f:
             f.write(delta)
 
     def printed(self, i: int) -> str:
-        """What stdout already holds of input i's text."""
         joiner = self.joiners.get(i)
         return joiner.text if joiner is not None else ""
 
@@ -174,9 +150,8 @@ def _file_writer(formats: tuple[str, ...]) -> Callable[[int, Job, Transcription]
 
 
 def _stdout_writer(fmt: str, several: bool, partial: PartialText | None) -> Callable[[int, Job, Transcription], None]:
-    """Print results in input order (results arrive in completion order): JSON Lines for json, and
-    text lines prefixed by their input when there are several inputs. What ``partial`` printed of a result
-    already is not printed again."""
+    """Results in input order: JSON Lines for json, text prefixed by the input when several; what
+    ``partial`` printed is not printed again."""
     waiting: dict[int, Transcription] = {}
     next_index = [0]
 
@@ -193,11 +168,11 @@ def _stdout_writer(fmt: str, several: bool, partial: PartialText | None) -> Call
             ready = waiting.pop(k)
             next_index[0] += 1
             shown = partial.printed(k) if partial is not None else ""
-            if ready.error is None or fmt == "json":  # JSON Lines keeps one line per input, errors included
+            if ready.error is None or fmt == "json":  # one JSON line per input, errors too
                 text = show(ready)
                 assert text.startswith(shown), "the streamed text is the start of the whole"
                 sys.stdout.write(text[len(shown):])
             elif shown:
-                sys.stdout.write("\n")  # ends the failed input's streamed line
+                sys.stdout.write("\n")  # ends the failed input's line
         sys.stdout.flush()
     return emit

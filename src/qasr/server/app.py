@@ -40,7 +40,7 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
     """``load`` builds the ASR (called once, in a worker thread, after start-up)."""
     metrics = Metrics()
     state = ServerState(config, metrics)
-    metrics.watch_engine(lambda: state.asr.engine.stats() if state.asr is not None else None)
+    metrics.watch_engine(lambda: state.asr._core.engine.stats() if state.asr is not None else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -53,9 +53,10 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
             watcher.cancel()
             if state.asr is not None:  # stop the engines' threads; after a cut drain, drop what they hold
                 finish = not state.drain_cut.is_set()
-                await asyncio.to_thread(state.asr.engine.close, finish, ENGINE_CLOSE_S)
-                if state.asr.aligner is not None:
-                    await asyncio.to_thread(state.asr.aligner.engine.close, finish, ENGINE_CLOSE_S)
+                core = state.asr._core
+                await asyncio.to_thread(core.engine.close, finish, ENGINE_CLOSE_S)
+                if core.aligner is not None:
+                    await asyncio.to_thread(core.aligner.engine.close, finish, ENGINE_CLOSE_S)
             state.close_pools()
 
     # no /docs or /openapi.json: the transcription route reads its form by hand, so the schema says little
@@ -82,7 +83,8 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
         if state.config.warmup:  # the first request pays for lazy set-up (kernels, allocator): not a client's
             noise = (np.random.default_rng(0).standard_normal(int(16000 * WARMUP_SECONDS)) * 0.01).astype(np.float32)
             # word times too when an aligner is loaded: its engine warms up on whatever text the noise gives
-            await asr.transcribe_async((noise, 16000), timestamps="word" if asr.aligner is not None else "segment")
+            words = asr._core.aligner is not None
+            await asr.transcribe_async((noise, 16000), timestamps="word" if words else "segment")
     except Exception as exc:  # noqa: BLE001 - reported by /health and every request
         log.exception("the model failed to load")
         state.load_error = f"{type(exc).__name__}: {exc}"

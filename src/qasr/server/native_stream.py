@@ -122,7 +122,7 @@ async def _serve(channel: Channel, state: ServerState) -> None:
                                 "backlog_seconds": round(runner.backlog / SAMPLE_RATE, 3),
                                 "max_backlog_seconds": runner.max_backlog_s})
 
-        runner = LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), ingest, emit, fail,
+        runner = LiveRunner(LiveSession(asr._core.engine, asr._core.checkpoint, live), ingest, emit, fail,
                             state.config.live_max_backlog_s, state.live_pool, progress)
         config = {**_describe(live, ingest), "max_backlog_seconds": state.config.live_max_backlog_s}
         await channel.send({"type": "ready", "session": session_id, "config": config})
@@ -203,7 +203,7 @@ def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]
     asr = state.asr
     assert asr is not None
     try:
-        language = asr.canonical_language(s.get("language") or None)
+        language = asr._core.canonical_language(s.get("language") or None)
     except ValueError as exc:
         raise StartError(str(exc), "unsupported_language") from exc
     stream = StreamConfig(chunk_size_sec=float(s.get("chunk_size_sec", state.config.live_chunk_s)),

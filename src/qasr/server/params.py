@@ -11,10 +11,11 @@ from starlette.datastructures import FormData, UploadFile
 
 from qasr.align.units import normalize_aligner_language
 from qasr.server.errors import ApiError
+from qasr.transcribe.options import TranscribeOptions
 
 if TYPE_CHECKING:
     from qasr.audio.vad import VadConfig
-    from qasr.transcribe.asr import ASR
+    from qasr.transcribe.core import Core
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 # a stream is transcript events whatever the format; verbose_json's also carries each segment as it is ready
@@ -28,14 +29,15 @@ class TranscriptionParams:
     file: UploadFile
     filename: str
     model: str
-    language: str | None  # canonical name; None: the model detects it
-    context: str
     response_format: str
     stream: bool
-    segmentation: str  # ASR.transcribe's: "auto" (default) or "vad" (chunking_strategy given)
-    vad: VadConfig | None
-    words: bool  # timestamp_granularities[] has "word" and the format shows word times
+    options: TranscribeOptions  # language (canonical), context (prompt), segmentation and vad (chunking_strategy),
+    # timestamps ("word": timestamp_granularities[] has it and the format shows word times)
     segments: bool  # verbose_json lists segments: "segment" asked for, or nothing (OpenAI's default)
+
+    @property
+    def words(self) -> bool:
+        return self.options.words
 
 
 def _text(form: FormData, name: str) -> str | None:
@@ -62,7 +64,7 @@ def _list(form: FormData, name: str) -> list[str]:
     return [part.strip() for v in values for part in v.split(",") if part.strip()]
 
 
-def parse_params(form: FormData, asr: ASR) -> TranscriptionParams:
+def parse_params(form: FormData, core: Core) -> TranscriptionParams:
     upload = form.get("file")
     if upload is None:
         raise ApiError(400, "the audio file is missing: send it as the multipart field 'file'", param="file")
@@ -70,7 +72,7 @@ def parse_params(form: FormData, asr: ASR) -> TranscriptionParams:
         raise ApiError(400, "'file' must be a file upload (multipart with a filename), not a text field",
                        param="file")
     try:
-        language = asr.canonical_language(_text(form, "language"))
+        language = core.canonical_language(_text(form, "language"))
     except ValueError as exc:
         raise ApiError(400, str(exc), param="language", code="unsupported_language") from exc
     fmt = (_text(form, "response_format") or "json").strip().lower()
@@ -88,22 +90,22 @@ def parse_params(form: FormData, asr: ASR) -> TranscriptionParams:
         raise ApiError(400, f"timestamp_granularities: unknown {', '.join(unknown)}; choose segment and/or word",
                        param="timestamp_granularities")
     words = "word" in granularities
-    if words and asr.aligner is None:
+    if words and core.aligner is None:
         raise ApiError(400, "word timestamps need an aligner (--aligner); this server has none, so only "
                             "segment timestamps are available", param="timestamp_granularities")
     words_shown = words and fmt in TIMED_FORMATS
     if words_shown and language is not None:  # known now: refuse before any work, not answer without words
         try:
-            normalize_aligner_language(language, asr.aligner.supported_languages)
+            normalize_aligner_language(language, core.aligner.supported_languages)
         except ValueError as exc:
             raise ApiError(400, f"word timestamps: {exc}", param="language", code="unsupported_language") from exc
     if "logprobs" in _list(form, "include"):
         raise ApiError(400, "logprobs are not available from this server", param="include")
     segmentation, vad = _chunking(form)
-    return TranscriptionParams(upload, upload.filename or "the upload", _text(form, "model") or "", language,
-                               _text(form, "prompt") or "", fmt, stream, segmentation, vad,
-                               words=words_shown,
-                               segments="segment" in granularities or not granularities)
+    options = TranscribeOptions(language=language, context=_text(form, "prompt") or "", segmentation=segmentation,
+                                vad=vad, timestamps="word" if words_shown else "segment")
+    return TranscriptionParams(upload, upload.filename or "the upload", _text(form, "model") or "", fmt, stream,
+                               options, segments="segment" in granularities or not granularities)
 
 
 def _check_temperature(value: str | None) -> None:
@@ -119,8 +121,8 @@ def _check_temperature(value: str | None) -> None:
 
 
 def _chunking(form: FormData) -> tuple[str, VadConfig | None]:
-    """chunking_strategy: absent -> "auto" (whole up to the model's max_segment_s, VAD segments beyond; the
-    segment length is always the model's, ASR.max_segment_s); "auto" -> VAD segments;
+    """chunking_strategy: absent -> "auto" (whole up to the model's segment length, VAD segments beyond; the
+    length is always the model's); "auto" -> VAD segments;
     a server_vad object (JSON text, or bracketed fields) -> VAD segments tuned by its threshold,
     prefix_padding_ms and silence_duration_ms."""
     raw = _text(form, "chunking_strategy")

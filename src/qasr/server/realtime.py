@@ -201,7 +201,7 @@ class RealtimeConnection:
                           vad_threshold=float(vad.get("threshold", 0.5)),
                           prefix_padding_ms=int(vad.get("prefix_padding_ms", 300)),
                           silence_ms=int(vad.get("silence_duration_ms", 500)), end_on_chunk=cfg.live_end_on_chunk)
-        return LiveRunner(LiveSession(asr.engine, asr.checkpoint, live), PcmIngest("pcm16", s.rate),
+        return LiveRunner(LiveSession(asr._core.engine, asr._core.checkpoint, live), PcmIngest("pcm16", s.rate),
                           self._emit, self._fail, cfg.live_max_backlog_s, self.state.live_pool, self._progress)
 
     async def _progress(self) -> None:
@@ -298,7 +298,7 @@ def _apply(settings: RealtimeSettings, session: dict, beta: bool, state: ServerS
         asr = state.asr
         assert asr is not None
         try:
-            language = asr.canonical_language(transcription.get("language") or None)
+            language = asr._core.canonical_language(transcription.get("language") or None)
         except ValueError as exc:
             raise RequestError("unsupported_language", str(exc), "language") from exc
         settings = replace(settings, language=language, prompt=str(transcription.get("prompt") or ""))

@@ -49,13 +49,13 @@ def _state(request: Request) -> ServerState:
 @router.post("/v1/audio/transcriptions")
 async def transcriptions(request: Request) -> Response:
     state = _state(request)
-    asr = state.require_asr()
+    core = state.require_asr()._core
     try:
         form = await _read_form(request)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
     try:
-        params = parse_params(form, asr)
+        params = parse_params(form, core)
         source = upload_audio(params.file, params.filename)
         try:  # the header only (or a bounded demux), off the event loop: FFmpeg may read a few MB
             duration = await state.in_decode_pool(lambda: probe_duration(source))
@@ -65,8 +65,7 @@ async def transcriptions(request: Request) -> Response:
         state.metrics.queued_audio.set(state.budget.queued_s)
         try:
             upload = await _decode(request, state, admission, lambda: prepare_upload(
-                asr, replace(source, watch=admission.watch), params.language, params.context,
-                params.segmentation, params.vad))
+                core, replace(source, watch=admission.watch), params.options))
         except BaseException:
             _release(state, admission.ticket, None)
             raise
@@ -78,7 +77,7 @@ async def transcriptions(request: Request) -> Response:
     ticket.resize(upload.duration)  # the header's figure was a promise; the decoded audio is the fact
     state.metrics.queued_audio.set(state.budget.queued_s)
     try:
-        run = EngineRun(asr, upload, stream=params.stream, words=params.words, handoff=state.token_handoff())
+        run = EngineRun(core, upload, stream=params.stream, words=params.words, handoff=state.token_handoff())
     except BaseException:
         _release(state, ticket, None)
         raise
@@ -217,12 +216,12 @@ def _model(state: ServerState, name: str) -> dict:
     d = {"id": name, "object": "model", "created": state.started, "owned_by": "qasr"}
     if state.asr is not None:  # beyond OpenAI's fields: what `language` accepts (the page's menu), and
         d["languages"] = list(state.asr.supported_languages)  # whether (and for which) words can be timed
-        aligner = state.asr.aligner
+        aligner = state.asr._core.aligner
         d["word_timestamps"] = aligner is not None
         if aligner is not None:
             d["word_timestamp_languages"] = list(aligner.supported_languages)
         # and how it runs: an operator who started `qasr serve --quantize int8` can check it took
-        engine = state.asr.engine
+        engine = state.asr._core.engine
         d["quantize"] = engine.config.quantize or "none"
         d["kv_cache_dtype"] = engine.config.kv_cache_dtype
         d["kernels"] = engine.prepared.description

@@ -12,7 +12,7 @@ is pending, so a step's tokens for all streams reach their queues in one callbac
 
 Transcript text as tokens arrive (``PieceText``, ``Joiner``)
 ------------------------------------------------------------
-Transcript text as tokens arrive, equal in the end to what ``ASR.assemble`` makes of the same tokens.
+Transcript text as tokens arrive, equal in the end to what ``Core.assemble`` makes of the same tokens.
 
 The model writes ``language X<asr_text>`` before the transcript (unless the prompt forced the language and
 already ends with the tag), so nothing is emitted before the tag. Trailing whitespace and a trailing

@@ -26,8 +26,8 @@ from qasr.transcribe.assemble import outcome_of, read_piece
 from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
-    from qasr.audio.vad import VadConfig
-    from qasr.transcribe.asr import ASR
+    from qasr.transcribe.core import Core
+    from qasr.transcribe.options import TranscribeOptions
     from qasr.transcribe.pieces import Piece
 
 
@@ -50,8 +50,7 @@ class Finished:
     ttft_s: float | None  # engine: submit -> first token of the earliest piece
 
 
-def prepare_upload(asr: ASR, source: EncodedAudio, language: str | None, context: str, segmentation: str,
-                   vad: VadConfig | None) -> Upload:
+def prepare_upload(core: Core, source: EncodedAudio, options: TranscribeOptions) -> Upload:
     """Decode and segment an upload (blocking: run it in a worker thread). Raises AudioError naming it,
     or whatever its ``watch`` raises to stop it."""
     decoded = 0.0  # seconds at the input's own rate: every decoder reports them, the last pass has them all
@@ -63,20 +62,19 @@ def prepare_upload(asr: ASR, source: EncodedAudio, language: str | None, context
         if outer is not None:
             outer(seconds)
 
-    pieces = asr.prepare(replace(source, watch=watch), language=language, context=context,
-                         segmentation=segmentation, vad=vad)
+    pieces = core.prepare(replace(source, watch=watch), options)
     return Upload(source.name, decoded, tuple(sorted(pieces, key=lambda p: p.offset)))
 
 
 class EngineRun:
     """The engine requests of one upload; create it on the event loop that consumes its tokens."""
 
-    def __init__(self, asr: ASR, upload: Upload, stream: bool, words: bool = False,
+    def __init__(self, core: Core, upload: Upload, stream: bool, words: bool = False,
                  handoff: TokenHandoff | None = None) -> None:
         """``words``: align each piece's text once it is transcribed (the ASR must have an aligner).
         ``handoff``: the loop's shared token handoff (one wake-up per engine step for all streams); a
         private one by default."""
-        self.asr = asr
+        self.core = core
         self.upload = upload
         self.words = words
         self.futures: list[Future] = []
@@ -91,7 +89,7 @@ class EngineRun:
                     queue: asyncio.Queue[int | None] = asyncio.Queue()
                     self._tokens.append(queue)
                     on_token = handoff.sender(queue)  # called on the engine thread: never blocks it
-                self.futures.append(asr.submit(piece, words=words, on_token=on_token, group=group))
+                self.futures.append(core.submit(piece, words=words, on_token=on_token, group=group))
         except BaseException as exc:
             self.cancel()
             raise _engine_error(exc) from exc
@@ -121,7 +119,7 @@ class EngineRun:
         """Transcript text as it is generated, piece after piece (later pieces run meanwhile and their
         tokens wait in their queues). ``segments``: after each piece's text, ``(index, its Segment)`` (with
         its words, once aligned); a piece that failed ends them (``finish`` reports the error)."""
-        tok = self.asr.checkpoint.tokenizer
+        tok = self.core.checkpoint.tokenizer
         joiner = Joiner()
         for k, (piece, queue) in enumerate(zip(self.upload.pieces, self._tokens, strict=True)):
             text = PieceText(lambda ids: tok.decode(ids, skip_special_tokens=True), piece.language is not None)
@@ -150,7 +148,7 @@ class EngineRun:
     def _finished(self, outcomes: list[GenerationResult | Aligned]) -> Finished:
         up = self.upload
         if up.pieces:
-            t = self.asr.assemble(up.pieces, outcomes)
+            t = self.core.assemble(up.pieces, outcomes)
             if t.error is not None:
                 raise ApiError(500, f"transcription failed: {t.error}")
             t = replace(t, duration=round(up.duration, 3), source=up.name)
@@ -158,10 +156,10 @@ class EngineRun:
             t = Transcription("", "", round(up.duration, 3), source=up.name, finish_reason="stop",
                               timestamps="word" if self.words else "segment")  # no words to time: none missing
         results = [o.result if isinstance(o, Aligned) else o for o in outcomes]
-        asr_text = self.asr.checkpoint.special.asr_text
+        asr_text = self.core.checkpoint.special.asr_text
         seg_tokens = tuple(_text_tokens(r.token_ids, asr_text, p.language is not None)
                            for p, r in zip(up.pieces, results, strict=True))
-        audio_id = self.asr.checkpoint.config.audio_token_id
+        audio_id = self.core.checkpoint.config.audio_token_id
         return Finished(t, seg_tokens, input_tokens=sum(len(p.prompt) for p in up.pieces),
                         audio_tokens=sum(p.prompt.count(audio_id) for p in up.pieces),
                         output_tokens=sum(len(r.token_ids) for r in results),

@@ -1,8 +1,4 @@
-"""From engine outcomes to results: one piece's outcome to its Segment, one input's pieces to its Transcription.
-
-Both the whole-input path (``transcribe``, the server, the Ray actor) and the in-order segment stream
-(``transcribe_segments``) read a piece here, so a streamed segment is the very one the Transcription holds.
-"""
+"""Engine outcomes to Segments and Transcriptions."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ from qasr.transcribe.words import Aligned
 
 log = logging.getLogger(__name__)
 
-Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request (Aligned: with words)
-_FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> the OpenAI-style words we report
-# a reason we do not know ranks worst; "malformed": the output lacked the <asr_text> tag
+Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request
+_FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> OpenAI's
 
 
 @dataclass(frozen=True)
@@ -36,13 +31,13 @@ class PieceOutput:
 
     segment: Segment
     language: str
-    raw: str  # the decoded output, preamble included
+    raw: str  # preamble included
     token_ids: tuple[int, ...]
-    note: str | None  # why the aligner gave this piece no words, if it said
+    note: str | None  # why the aligner gave no words
 
 
 def outcome_of(fut: Future | asyncio.Future) -> Outcome:
-    """The future's result or its error (waiting for it when it is a pending concurrent future)."""
+    """The future's result or its error."""
     try:
         return fut.result()
     except (Exception, asyncio.CancelledError) as exc:  # asyncio's CancelledError is a BaseException
@@ -54,7 +49,7 @@ def failed(source: str, error: str) -> Transcription:
 
 
 def read_piece(tokenizer: Tokenizer, piece: Piece, outcome: Outcome, source: str, warn: bool) -> PieceOutput | str:
-    """The piece's Segment and what the Transcription needs of it; a string: the error that ends its input."""
+    """The piece's share of its Transcription, or the error (a string) that ends its input."""
     timed: tuple[Word, ...] = ()
     note = None
     if isinstance(outcome, Aligned):
@@ -81,8 +76,7 @@ def read_piece(tokenizer: Tokenizer, piece: Piece, outcome: Outcome, source: str
 
 
 def avg_logprob(result: GenerationResult) -> float | None:
-    """The mean log-probability of the generated tokens (preamble and text alike, EOS excluded); None when
-    nothing was generated, or when the result carries no log-probabilities for its tokens."""
+    """The mean log-probability of the generated tokens (EOS excluded); None without them."""
     lps = result.logprobs
     if not lps or len(lps) != len(result.token_ids):
         return None
@@ -90,15 +84,14 @@ def avg_logprob(result: GenerationResult) -> float | None:
 
 
 def compression_ratio(text: str) -> float | None:
-    """Whisper's repetition signal: the text's UTF-8 bytes over their zlib-compressed size (zlib's default
-    level); None for empty text. A text that repeats itself compresses well, so its ratio is high."""
+    """Whisper's repetition signal: UTF-8 bytes over their zlib-compressed size; None for empty text."""
     data = text.encode()
     return len(data) / len(zlib.compress(data)) if data else None
 
 
 def assemble(tokenizer: Tokenizer, pieces: Sequence[Piece], outcomes: Sequence[Outcome], *, warn: bool,
              duration: float | None = None, source: str | None = None, words: bool = False) -> Transcription:
-    """One input's Transcription from its pieces and their outcomes (any order: sorted by offset here)."""
+    """One input's Transcription from its pieces and their outcomes, in any order."""
     if len(pieces) != len(outcomes) or not (pieces or source is not None):
         raise ValueError(f"need one result per piece, got {len(outcomes)} for {len(pieces)} pieces")
     if len({(p.item, p.source) for p in pieces}) > 1:

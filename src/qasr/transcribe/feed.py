@@ -1,18 +1,4 @@
-"""Inputs to results: one thread decodes and segments while the engine works; results come back per input.
-
-The calling thread only waits for events and assembles; a decode thread walks the inputs in order, cuts
-each into pieces and submits every piece as soon as it exists, so the engine batches the segments of a
-long file together and the next file is decoded while the previous one is transcribed. The audio of
-submitted-but-unfinished pieces is bounded (``max_in_flight_s``), so a 2-hour file or a folder of
-thousands never sits in memory at once; so is their number (``max_in_flight_pieces``), to what keeps the
-engine's batch full and little more. Without that bound the decode thread decoded and segmented a whole
-folder while the engine worked on its first batch: on two cores it took half the CPU from the engine
-exactly then, so no input finished until most of the run was over, and an interrupt lost every input,
-all of them in flight. With it, the inputs go through in order, a batch's worth at a time, and finish
-at a steady pace. Each input's result is handed back as soon as all of its pieces are done, in
-completion order, so a caller can write it out before the next one finishes; on request, each piece
-too, in its input's order, as soon as it and every piece before it are done.
-"""
+"""Inputs to results: a decode thread cuts inputs into pieces and submits them, a bounded amount at a time."""
 
 from __future__ import annotations
 
@@ -29,13 +15,11 @@ from qasr.audio.io import AudioError
 from qasr.transcribe.pieces import Piece
 
 _NO_SAMPLES = np.zeros(0, dtype=np.float32)
-_POLL_S = 0.25  # the consumer wakes this often, so Ctrl-C is seen even while the engine is busy
-_JOIN_S = 30.0  # how long an early exit waits for the decode thread to notice (it checks between segments)
+_POLL_S = 0.25  # the consumer wakes this often, so Ctrl-C is seen
+_JOIN_S = 30.0  # how long an early exit waits for the decode thread
 
 
 class PieceSource(Protocol):
-    """What ``pieces_of(i)`` returns: the input's pieces in order; ``duration`` is valid once exhausted."""
-
     duration: float
 
     def __iter__(self) -> Iterator[Piece]: ...
@@ -43,19 +27,16 @@ class PieceSource(Protocol):
 
 @dataclass
 class _Input:
-    pieces: list[Piece] = field(default_factory=list)  # without their samples (the engine has them)
+    pieces: list[Piece] = field(default_factory=list)  # without their samples
     futures: list[Future] = field(default_factory=list)
     settled: int = 0
-    shown: int = 0  # pieces handed to ``piece_done`` (in order)
-    total: int | None = None  # pieces, known once the input is fully segmented
+    shown: int = 0  # pieces handed to ``piece_done``
+    total: int | None = None  # known once the input is cut
     duration: float = 0.0
     error: str | None = None
 
 
 class _AudioBudget:
-    """Seconds of audio and pieces submitted and not yet finished; the decode thread waits while either
-    is full."""
-
     def __init__(self, limit_s: float, limit_pieces: int | None = None) -> None:
         self.limit_s = limit_s
         self.limit_pieces = limit_pieces
@@ -65,7 +46,7 @@ class _AudioBudget:
 
     def _full(self, seconds: float) -> bool:
         if self.pieces == 0:
-            return False  # one piece always fits into an empty budget, however long it is
+            return False  # one piece always fits
         return (self.used_s + seconds > self.limit_s
                 or (self.limit_pieces is not None and self.pieces >= self.limit_pieces))
 
@@ -92,34 +73,16 @@ class _AudioBudget:
             self.cond.notify_all()
 
 
-def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submit: Callable[[Piece], Future],
-                   finish: Callable[[int, list[Piece], list[Future], float], object],
-                   fail: Callable[[int, str], object], max_in_flight_s: float,
-                   max_in_flight_pieces: int | None = None,
-                   progress: Callable[[float], None] | None = None,
-                   stop: threading.Event | None = None,
-                   piece_done: Callable[[int, Piece, Future], object] | None = None,
-                   idle: Callable[[], None] | None = None) -> Iterator[tuple[int, object]]:
-    """Yield ``(i, result)`` for inputs ``0..count-1`` as each one completes.
-
-    ``pieces_of(i)`` segments input i (raising AudioError for a bad input); ``finish(i, pieces, futures,
-    duration)`` assembles a finished input, ``fail(i, message)`` a failed one. At most ``max_in_flight_s``
-    seconds of audio and ``max_in_flight_pieces`` pieces (None: no limit) are submitted and unfinished at
-    once; the decode thread waits for room before it segments on. ``progress`` receives the
-    audio seconds of every piece as it finishes, and an input's skipped audio (silence) when it completes.
-    Closing the generator early (or an exception in the caller, Ctrl-C included) cancels every unfinished
-    request and stops the decode thread; so does setting ``stop``, from any thread (the generator ends
-    within ``_POLL_S``), for a consumer on another thread that cannot close it.
-
-    ``piece_done(i, piece, future)``, if given, is called for each piece of input i in submission (time)
-    order as soon as that piece and every one before it are done, and ``(i, its return value)`` is yielded
-    then, before the input's own ``(i, result)``; a failed input yields no more of them.
-
-    ``idle`` is called on the decode thread each time it is about to wait for room: segmenting ran torch
-    there, and an idle OpenMP pool left on a waiting thread slows every parallel region of the engine's
-    (engine/cpu/openmp.py). Before the window the decode thread never waited: it ended early, and its pool
-    with it.
-    """
+def run_inputs(count: int, *, pieces_of: Callable[[int], PieceSource], submit: Callable[[Piece], Future],
+               finish: Callable[[int, list[Piece], list[Future], float], object],
+               fail: Callable[[int, str], object], max_in_flight_s: float,
+               max_in_flight_pieces: int | None = None,
+               progress: Callable[[float], None] | None = None,
+               stop: threading.Event | None = None,
+               piece_done: Callable[[int, Piece, Future], object] | None = None,
+               idle: Callable[[], None] | None = None) -> Iterator[tuple[int, object]]:
+    """Yield ``(i, finish(...) or fail(...))`` as each input completes (``piece_done``: each piece's value too,
+    in order). ``idle`` runs before the decode thread waits; closing, or ``stop``, cancels the rest."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     budget = _AudioBudget(max_in_flight_s, max_in_flight_pieces)
     halt = threading.Event()  # the decode thread's own stop
@@ -143,7 +106,7 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                         if not budget.acquire(piece.duration, halt, idle):
                             return
                         fut = submit(piece)
-                        with handover:  # the consumer either sees this request or we cancel it here
+                        with handover:  # the consumer sees this request, or it is cancelled here
                             if halt.is_set():
                                 fut.cancel()
                                 return
@@ -153,7 +116,7 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                     events.put(("end", i, n, source.duration))
                 except AudioError as exc:
                     events.put(("failed", i, str(exc)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        except BaseException as exc:  # noqa: BLE001 - the consumer raises it
             events.put(("crashed", exc))
 
     thread = threading.Thread(target=produce, name="qasr-decode", daemon=True)
@@ -173,7 +136,7 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                 raise event[1]
             i = event[1]
             if i in finished:
-                continue  # a late settlement of a failed input's cancelled piece
+                continue  # a failed input's cancelled piece
             st = states.setdefault(i, _Input())
             if kind == "submitted":
                 st.pieces.append(event[2])
@@ -199,7 +162,7 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
             if st.error is not None:
                 yield i, fail(i, st.error)
             else:
-                # audio the segmenter left out (silence) is done too: without it a bar ends short of 100%
+                # the silence left out is done too
                 skipped = st.duration - sum(p.duration for p in st.pieces)
                 if progress is not None and skipped > 0:
                     progress(skipped)
@@ -218,6 +181,5 @@ def stream_results(count: int, *, pieces_of: Callable[[int], PieceSource], submi
                 break
             if event[0] == "submitted":
                 event[3].cancel()
-        # a thread left inside native code (ONNX Runtime, FFmpeg) while the interpreter exits aborts the
-        # process; the decode thread stops at its next segment
+        # a thread left in native code at exit aborts the process
         thread.join(_JOIN_S)

@@ -1,9 +1,4 @@
-"""Pieces: what one engine request is made of (audio, prompt, token cap), built from a decoded input.
-
-This is the seam between the facade and the engine: ``ASR.prepare`` hands pieces to callers who drive
-the engine themselves, and ``ASR.transcribe`` submits the very same pieces, so both paths produce
-identical requests.
-"""
+"""Pieces: what one engine request is made of (audio, prompt, token cap)."""
 
 from __future__ import annotations
 
@@ -18,45 +13,33 @@ from qasr.model.checkpoint import Checkpoint
 from qasr.model.config import audio_token_count
 from qasr.model.prompt import ASR_TEXT_TAG, build_prompt, parse_asr_output
 
-# Tokens every piece may spend beyond its per-second budget: the `language X<asr_text>` preamble,
-# EOS, and room for a short clip's words.
-CAP_HEADROOM = 24
+CAP_HEADROOM = 24  # the `language X<asr_text>` preamble, EOS, a short clip's words
 
 
-@dataclass(frozen=True, eq=False)  # eq=False: comparing the sample arrays element-wise makes no sense
+@dataclass(frozen=True, eq=False)  # no element-wise comparison of samples
 class Piece:
-    """One engine request's worth of audio: a whole input, or one part of a long one.
+    """One engine request: ``engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)``."""
 
-    Submit it as ``engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)``.
-    """
-
-    source: str  # the input's name: its path, "bytes input" or "array input"
-    item: int  # index of the input in the call that prepared it
+    source: str  # the input's name
+    item: int  # the input's index in its call
     offset: float  # seconds from the start of the input
-    duration: float  # seconds of real audio (tail padding of a very short piece not counted)
-    samples: np.ndarray  # (n,) float32 mono at 16 kHz: what the engine encodes
-    prompt: tuple[int, ...]  # the chat prompt, audio placeholders expanded
-    language: str | None  # forced language (canonical name); None: the model detects it
-    max_new_tokens: int  # generation cap for this piece
+    duration: float  # seconds of real audio (padding not counted)
+    samples: np.ndarray  # (n,) float32 mono at 16 kHz
+    prompt: tuple[int, ...]  # audio placeholders expanded
+    language: str | None  # forced (canonical name); None: detected
+    max_new_tokens: int
 
 
 def default_token_cap(duration: float, tokens_per_second: float) -> int:
-    """``ceil(tokens_per_second x seconds) + 24``: room for fast speech, yet a repetition loop ends early.
-
-    Deliberately not clipped by the checkpoint's generation_config: its max_new_tokens is a limit for one
-    short clip, and clipping by it silently truncated long recordings.
-    """
-    # round() first: 2.4 s x 15 is 36.000000000000004 in floating point, which must not become 37
+    """``ceil(tokens_per_second x seconds) + 24``, not clipped by generation_config."""
+    # round() first: 2.4 s x 15 is 36.000000000000004, which must not become 37
     return math.ceil(round(duration * tokens_per_second, 6)) + CAP_HEADROOM
 
 
 def make_piece(checkpoint: Checkpoint, samples: np.ndarray, *, source: str, item: int, offset: float,
                duration: float, context: str, language: str | None, max_new_tokens: int | None,
                tokens_per_second: float) -> Piece:
-    """One piece from its 16 kHz samples: the prompt with its audio placeholders, and its token cap.
-
-    Raises AudioError when the samples are too short to give the encoder a single frame.
-    """
+    """One piece from its 16 kHz samples; AudioError when they are too short for one encoder frame."""
     hop = checkpoint.features.hop_length
     frames = len(samples) // hop
     if frames == 0:
@@ -70,14 +53,9 @@ def make_piece(checkpoint: Checkpoint, samples: np.ndarray, *, source: str, item
 def make_pieces(checkpoint: Checkpoint, wave: np.ndarray, *, source: str, item: int, context: str,
                 language: str | None, max_new_tokens: int | None, max_chunk_sec: float,
                 tokens_per_second: float) -> list[Piece]:
-    """Split a decoded 16 kHz waveform at ``max_chunk_sec`` (the official long-audio rule: cuts at the
-    quietest spot near each limit) and build each piece's prompt and cap.
-
-    Raises AudioError when a piece is too short to give the encoder a single frame.
-    """
+    """A decoded 16 kHz waveform's pieces, cut at the quietest spot near each ``max_chunk_sec``."""
     pieces = []
     for part in split_long_audio(wave, max_chunk_sec):
-        # padding never counts as audio: the piece ends where the input does
         real = min(len(part.samples), len(wave) - round(part.offset_sec * SAMPLE_RATE))
         pieces.append(make_piece(checkpoint, part.samples, source=source, item=item, offset=part.offset_sec,
                                  duration=real / SAMPLE_RATE, context=context, language=language,
@@ -86,10 +64,7 @@ def make_pieces(checkpoint: Checkpoint, wave: np.ndarray, *, source: str, item: 
 
 
 def read_output(raw: str, piece: Piece) -> tuple[str, str, bool]:
-    """``(language, text, malformed)`` of a piece's decoded output.
-
-    Malformed: the language was left to the model and its output lacks the ``<asr_text>`` tag, so
-    whatever came out (e.g. "langu") is a prompt fragment, not a transcript; its text is then empty."""
+    """``(language, text, malformed)`` of a piece's output; malformed (no ``<asr_text>`` tag): no text."""
     language, text = parse_asr_output(raw, piece.language)
     if piece.language is None and raw.strip() and ASR_TEXT_TAG not in raw:
         return language, "", True

@@ -1,23 +1,4 @@
-"""Word confidence: each aligned word's ``probability``, from the log-probabilities of the tokens it is made of.
-
-The aligner splits the transcript into words its own way (docs/aligner.md), and the recogniser's tokens
-do not follow word boundaries: a token may carry a space and a word (" alarm"), half a word, the end of
-one word and the start of the next, or one byte of a character that the next token completes. So the
-tokens are mapped to the transcript's characters, and a word takes every token that touches one of its
-characters: a token counts for every word whose characters it overlaps (one of spaces alone counts for
-none; punctuation belongs to the word it is written with, as in the word's text). A word's score is the
-lowest log-probability among its tokens, so a word is as doubtful as its least likely piece;
-``Word.probability`` is its exponential, a probability from 0 to 1 as faster-whisper users read it
-(faster-whisper averages its tokens' probabilities instead: a minimum lets one doubtful piece of a long
-word show).
-
-A token's characters: those that decoding the tokens through it gives and decoding them only up to the
-token before it does not (the bytes of a character split over two tokens decode to a replacement
-character until both are there: both tokens touch it; a token that starts with bytes that cannot
-start a character, after an incomplete one, touches that one too). Decoding is done in short runs
-between points where the text is final (byte-level decoding is concatenative there), so the cost is
-linear in the tokens.
-"""
+"""Word confidence: exp of the lowest log-probability among the tokens that touch a word's characters."""
 
 from __future__ import annotations
 
@@ -31,22 +12,19 @@ from qasr.results import Word
 
 
 def token_spans(tokenizer: Tokenizer, ids: Sequence[int], full: str) -> list[tuple[int, int]] | None:
-    """``[start, end)`` in ``full`` (the decoded ids) of the characters each token touches; None when the
-    runs do not add up to ``full`` (a decoder that is not concatenative), so nothing is guessed."""
+    """``[start, end)`` in ``full`` of each token's characters; None when they do not add up to it."""
     spans: list[tuple[int, int]] = []
-    run_start, base, before = 0, 0, ""  # the run: tokens from run_start on, decoding to ``before`` at base
+    run_start, base, before = 0, 0, ""  # tokens from run_start on decode to ``before`` at base
     for k in range(len(ids)):
         text = tokenizer.decode(ids[run_start:k + 1], skip_special_tokens=True)
         changed = _common_prefix(before, text)
         if changed == len(before) and before.endswith("\ufffd") and \
                 tokenizer.decode(ids[k:k + 1], skip_special_tokens=True).startswith("\ufffd"):
-            # the token starts with bytes that cannot start a character: they joined the incomplete one before
-            # it, which stays one replacement character (so nothing before the token's own text changed)
+            # its leading bytes completed the character before it
             changed -= 1
         spans.append((min(base + changed, len(full)), min(base + len(text), len(full))))
         before = text
-        # a run ends where its text is final: all of it found in ``full`` and no dangling replacement
-        # character, which the next token's bytes could still join
+        # a run ends where its text is final
         if full.startswith(text, base) and not text.endswith("\ufffd"):
             run_start, base, before = k + 1, base + len(text), ""
     if base + len(before) != len(full) or not full.startswith(before, base):
@@ -63,8 +41,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def text_offset(raw: str, text: str, forced_language: str | None) -> int | None:
-    """Where a piece's ``text`` (as ``parse_asr_output`` gives it) starts in its decoded output ``raw``;
-    None where it is not there verbatim (a repetition loop that was collapsed)."""
+    """Where ``text`` starts in the decoded output ``raw``; None where it is not there verbatim."""
     after = 0
     if not forced_language and ASR_TEXT_TAG in raw:
         after = raw.index(ASR_TEXT_TAG) + len(ASR_TEXT_TAG)
@@ -73,8 +50,7 @@ def text_offset(raw: str, text: str, forced_language: str | None) -> int | None:
 
 
 def word_spans(words: Sequence[Word], text: str) -> list[tuple[int, int]] | None:
-    """``[start, end)`` of each word in ``text``, found in order (a word the writer joined from several
-    whitespace-separated parts spans them all); None when a word is not found there."""
+    """``[start, end)`` of each word in ``text``; None when one is not there."""
     spans, at = [], 0
     for w in words:
         parts = w.text.split()
@@ -94,9 +70,7 @@ def word_spans(words: Sequence[Word], text: str) -> list[tuple[int, int]] | None
 def with_probabilities(words: tuple[Word, ...], tokenizer: Tokenizer, token_ids: Sequence[int],
                        logprobs: Sequence[float], raw: str, text: str,
                        forced_language: str | None) -> tuple[Word, ...]:
-    """``words`` with ``probability`` set: exp of the lowest log-probability among the tokens that overlap
-    each word's characters. The words are returned unchanged (probability None) when the mapping cannot
-    be made exactly: no log-probabilities, a transcript changed after decoding, words not found in it."""
+    """``words`` with ``probability`` set; unchanged when the mapping cannot be exact."""
     if not words or not logprobs or len(logprobs) != len(token_ids):
         return words
     at = text_offset(raw, text, forced_language)
@@ -106,12 +80,12 @@ def with_probabilities(words: tuple[Word, ...], tokenizer: Tokenizer, token_ids:
         return words
     out, k = [], 0
     for word, (ws, we) in zip(words, where, strict=True):
-        ws, we = ws + at, we + at  # type: ignore[operator]
-        while k < len(tokens) and tokens[k][1] <= ws:  # tokens wholly before this word (never needed again)
+        ws, we = ws + at, we + at
+        while k < len(tokens) and tokens[k][1] <= ws:  # tokens wholly before this word
             k += 1
         touching = []
         for j in range(k, len(tokens)):
-            if tokens[j][0] >= we:  # token starts never decrease: no later token reaches this word
+            if tokens[j][0] >= we:  # token starts never decrease
                 break
             if tokens[j][1] > ws:
                 touching.append(logprobs[j])

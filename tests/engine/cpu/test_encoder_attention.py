@@ -91,5 +91,5 @@ def test_the_kernel_gives_the_rows_of_torchs_attention_within_bf16_rounding(engi
 
 
 def test_float32_keeps_torchs_attention(tiny_asr) -> None:  # noqa: ANN001
-    eng = tiny_asr.engine  # float32: the reference maths, as transformers computes it
+    eng = tiny_asr._core.engine  # float32: the reference maths, as transformers computes it
     assert "native encoder attention" not in eng.prepared.description

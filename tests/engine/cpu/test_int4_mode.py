@@ -10,6 +10,7 @@ import torch
 from conftest import greedy_without_engine, int8_unfold_conv, noise, prompt_for
 from torch import nn
 
+from qasr import TranscribeOptions
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu import native, selftest
 from qasr.engine.cpu.int4 import GROUP, Int4Weight, int4_linear_reference, quantize_weight_groups
@@ -241,8 +242,8 @@ def test_the_option_through_asr_from_pretrained_and_a_bad_value(tiny_original) -
     asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="bfloat16", quantize="int4",
                               engine=EngineConfig(kv_cache_bytes=KV))
     try:
-        assert asr.engine.prepared.kernels.linear.kind == "int4"
-        assert asr.transcribe(noise(1.2, seed=3), sample_rate=16000)[0].error is None
+        assert asr._core.engine.prepared.kernels.linear.kind == "int4"
+        assert asr.transcribe(noise(1.2, seed=3), TranscribeOptions(sample_rate=16000))[0].error is None
     finally:
         asr.close()
     with pytest.raises(ValueError, match="int4"):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import DEMO, greedy_without_engine, int8_unfold_conv, noise, prompt_for
 from torch import nn
 
+from qasr import TranscribeOptions
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu.int8 import Int8Convs, int8_linear_reference, patch_rows, quantize_weight
 from qasr.engine.cpu.int8 import quantize_rows_reference as quantize_rows  # the tests' short name
@@ -254,10 +255,10 @@ def test_the_option_through_asr_from_pretrained(tiny_original) -> None:
     asr = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32", quantize="int8",
                               engine=EngineConfig(kv_cache_bytes=KV, max_running=3))
     try:
-        assert asr.engine.prepared.kernels.linear.kind == "int8"
-        assert isinstance(asr.engine.prepared.kernels.conv, Int8Convs)
-        assert asr.engine.config.max_running == 3  # the other engine settings are kept
-        assert asr.transcribe(noise(1.5), sample_rate=16000)[0].error is None
+        assert asr._core.engine.prepared.kernels.linear.kind == "int8"
+        assert isinstance(asr._core.engine.prepared.kernels.conv, Int8Convs)
+        assert asr._core.engine.config.max_running == 3  # the other engine settings are kept
+        assert asr.transcribe(noise(1.5), TranscribeOptions(sample_rate=16000))[0].error is None
     finally:
         asr.close()
     off = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32", quantize="none")
@@ -336,7 +337,7 @@ def test_serve_and_ray_workers_take_the_option(tiny_original) -> None:
     assert parser.parse_args(["serve"]).quantize == "none"
     asr = EngineSpec(str(tiny_original), device="cpu", dtype="float32", quantize="int8").load()
     try:
-        assert asr.engine.prepared.kernels.linear.kind == "int8"
+        assert asr._core.engine.prepared.kernels.linear.kind == "int8"
     finally:
         asr.close()
 

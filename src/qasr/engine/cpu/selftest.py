@@ -287,12 +287,12 @@ def check_decode_attention(kernel: ModuleType) -> None:
 
 def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tabs: torch.Tensor, lens: torch.Tensor,
                                 bs: int) -> None:
-    """The int8 pool (engine/kv_quant.py): quantize_kv equals the torch definition bit for bit (an all-zero row
+    """The int8 pool (engine/kv_cache.py): quantize_kv equals the torch definition bit for bit (an all-zero row
     included), and store_kv_int8 stores those bits at the rows it is given; decode_attention_int8 stores the new
     rows quantized and matches float32 attention over the values it reads (bf16 head_dim 128: the AVX-512 path;
     head_dim 64: the portable loop); a sequence alone gets the bits it gets in a batch; dequantize_kv_rows gives a
     sequence's rows dequantize_kv's bits, padded."""
-    from qasr.engine.kv_quant import dequantize_kv, quantize_kv_reference
+    from qasr.engine.kv_cache import dequantize_kv, quantize_kv_reference
 
     gen = torch.Generator().manual_seed(12)
     for dtype, d, tol in ((torch.bfloat16, 128, 1e-2), (torch.bfloat16, 64, 1e-2), (torch.float32, 64, 1e-4)):
