@@ -1,7 +1,4 @@
-"""The app factory: routes, middleware, and the model loaded (and warmed up) after the server is up.
-
-The model loads in a worker thread once the server listens, so /health can answer 503 while it loads.
-"""
+"""The app factory: routes, middleware, and the model loaded in a worker thread once the server listens."""
 
 from __future__ import annotations
 
@@ -32,8 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qasr.server")
 WARMUP_SECONDS = 1.0
-CUT_GRACE_S = 2.0  # after the drain deadline: time for the cut requests' error answers to go out
-ENGINE_CLOSE_S = 10.0  # after a drain: the engine holds nothing a client waits for, only what a cut left
+CUT_GRACE_S = 2.0  # after a cut: time for the error answers to go out
+ENGINE_CLOSE_S = 10.0  # after a drain the engine holds only what a cut left
 
 
 def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
@@ -59,14 +56,14 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
                     await asyncio.to_thread(core.aligner.engine.close, finish, ENGINE_CLOSE_S)
             state.close_pools()
 
-    # no /docs or /openapi.json: the transcription route reads its form by hand, so the schema says little
+    # no /docs or /openapi.json: the transcription route reads its form by hand
     app = FastAPI(title="qasr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qasr = state
     app.state.page = _page()
     install_handlers(app)
     app.include_router(router)
-    app.include_router(realtime_router)  # WebSocket /v1/realtime (OpenAI Realtime transcription)
-    app.include_router(native_stream_router)  # WebSocket /v1/stream (raw PCM)
+    app.include_router(realtime_router)  # WebSocket /v1/realtime
+    app.include_router(native_stream_router)  # WebSocket /v1/stream
     # added innermost first: requests pass ObserveRequests, DrainGate, ApiKeyAuth, UploadLimit, then the routes
     app.add_middleware(UploadLimit, max_bytes=config.max_upload_bytes)
     if config.api_key:
@@ -80,9 +77,8 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
     started = time.perf_counter()
     try:
         asr = await asyncio.to_thread(load)
-        if state.config.warmup:  # the first request pays for lazy set-up (kernels, allocator): not a client's
+        if state.config.warmup:  # lazy set-up (kernels, allocator) is paid here, not by a client
             noise = (np.random.default_rng(0).standard_normal(int(16000 * WARMUP_SECONDS)) * 0.01).astype(np.float32)
-            # word times too when an aligner is loaded: its engine warms up on whatever text the noise gives
             words = asr._core.aligner is not None
             await asr.transcribe_async((noise, 16000), timestamps="word" if words else "segment")
     except Exception as exc:  # noqa: BLE001 - reported by /health and every request
@@ -95,9 +91,8 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
 
 
 async def _stop_when_drained(state: ServerState) -> None:
-    """Once a drain starts, stop the HTTP server when nothing is in flight, or at the drain's deadline:
-    then what is left is cut (``state.drain_cut``: DrainGate answers each request an error, live sessions
-    get theirs) and given a moment to say so before the server stops."""
+    """Once a drain starts, stop the server when nothing is in flight, or at the deadline: then what is
+    left is cut (``state.drain_cut``) and given ``CUT_GRACE_S`` to say so."""
     while not state.draining:
         await asyncio.sleep(0.05)
     while state.in_flight and not state.drain_overdue():
@@ -114,7 +109,7 @@ async def _stop_when_drained(state: ServerState) -> None:
 
 
 def _page() -> str:
-    """index.html with app.js inlined: the page is one open route, and needs no second request."""
+    """index.html with app.js inlined, so the page is one open route."""
     static = resources.files("qasr.server") / "static"
     html = (static / "index.html").read_text(encoding="utf-8")
     script = (static / "app.js").read_text(encoding="utf-8")

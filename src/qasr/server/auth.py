@@ -1,10 +1,6 @@
-"""Bearer-key authentication, default-deny: every route, HTTP and WebSocket, needs the key except the
-few listed as public (the page, its icon and the health check).
-
-A WebSocket without the key is refused before the route runs (a 401 handshake answer, or close code
-1008 where the server cannot send one), except on the live routes, which report the refusal inside
-their own protocol (an error event, then close code 1008: a browser sees no reason for a refused
-handshake): they get the middleware's verdict in the scope (``AUTH_VERDICT``) and must act on it.
+"""Bearer-key authentication, default-deny: every route needs the key except ``PUBLIC_PATHS``. The
+live routes get the verdict (``AUTH_VERDICT``) and refuse in their own protocol; other WebSockets get a
+401 handshake answer or close code 1008.
 """
 
 from __future__ import annotations
@@ -17,19 +13,16 @@ from starlette.websockets import WebSocket
 
 from qasr.server.errors import error_response
 
-PUBLIC_PATHS = frozenset({"/", "/favicon.ico", "/health"})  # the page (it asks for the key itself), its icon
-# (browsers fetch it unasked) and load balancers' probe
-OPEN_PATHS = PUBLIC_PATHS  # the older name
-# WebSocket routes that answer a missing key themselves, in their protocol (live_ws.refusal reads the verdict)
+PUBLIC_PATHS = frozenset({"/", "/favicon.ico", "/health"})  # the page, its icon, load balancers' probe
 OWN_REFUSAL_PATHS = frozenset({"/v1/realtime", "/v1/stream"})
-AUTH_VERDICT = "qasr.authorized"  # scope key: ApiKeyAuth's verdict for a WebSocket it lets through
-BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # browsers cannot set headers: OpenAI's page clients send it so
+AUTH_VERDICT = "qasr.authorized"  # scope key of the verdict on a WebSocket let through
+BROWSER_KEY_PREFIX = "openai-insecure-api-key."  # a subprotocol: browsers cannot set headers
 MESSAGE = "missing or wrong API key: send the header 'Authorization: Bearer KEY'"
 
 
 class ApiKeyAuth:
-    """Answers 401 unless ``Authorization: Bearer <key>`` matches (on a WebSocket, also the browser
-    subprotocol ``openai-insecure-api-key.<key>``); the key is never logged or echoed."""
+    """Answers 401 unless ``Authorization: Bearer <key>`` matches (on a WebSocket, also the subprotocol
+    ``openai-insecure-api-key.<key>``); the key is never logged or echoed."""
 
     def __init__(self, app: ASGIApp, api_key: str, public: Iterable[str] = PUBLIC_PATHS,
                  own_refusal: Iterable[str] = OWN_REFUSAL_PATHS) -> None:
@@ -78,7 +71,7 @@ def offered_subprotocols(scope: Scope) -> list[str]:
 
 
 def websocket_authorized(scope: Scope, key: bytes) -> bool:
-    """The key in the Authorization header, or (from a browser) in the subprotocol BROWSER_KEY_PREFIX + key."""
+    """The key in the Authorization header, or in the subprotocol BROWSER_KEY_PREFIX + key."""
     candidates = [bearer_token(scope.get("headers") or [])]
     candidates += [p[len(BROWSER_KEY_PREFIX):].encode() for p in offered_subprotocols(scope)
                    if p.startswith(BROWSER_KEY_PREFIX)]
@@ -90,5 +83,5 @@ def key_matches_any(candidates: Iterable[bytes | None], key: bytes) -> bool:
 
 
 def key_matches(candidate: bytes, key: bytes) -> bool:
-    # compare_digest: the time taken does not reveal how much of a guessed key was right
+    # constant time: the time taken does not tell how much of a guess was right
     return hmac.compare_digest(candidate, key)

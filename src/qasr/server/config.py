@@ -1,4 +1,4 @@
-"""The server's settings, fixed at start-up."""
+"""The server's settings, fixed at start-up (plain data: importable without the server extra)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,18 @@ class ServerConfig:
     model: str  # what -m named: a directory or a hub id
     served_names: tuple[str, ...]  # the ids /v1/models lists (any model string is accepted anyway)
     api_key: str | None = None  # None: no authentication
-    max_queue_audio_s: float = 3600.0  # audio admitted and not yet transcribed, beyond which requests get 429
+    max_queue_audio_s: float = 3600.0  # admitted audio not yet transcribed, past which requests get 429
     max_upload_bytes: int = 100 * 2**20
-    aligner: str | None = None  # --aligner: a forced-aligner checkpoint, for word timestamps
+    aligner: str | None = None  # a forced-aligner checkpoint, for word timestamps
     warmup: bool = True  # one short request before /health says ready
-    drain_timeout_s: float = 30.0  # SIGTERM: the accepted work gets this long to finish, then it is cut
-    # live sessions (WebSocket /v1/realtime and /v1/stream)
-    max_live_sessions: int = 64  # open at once; more are refused with an error event
-    live_idle_timeout_s: float = 60.0  # a session that sends nothing for this long is closed and freed
-    live_max_backlog_s: float = 30.0  # audio received and not yet processed, beyond which appends are refused
-    live_chunk_s: float = 1.0  # a step per this much audio (the official default is 2.0; 1.0 for captions)
-    # whether a paused turn ends at its chunk boundary (LiveConfig.end_on_chunk, on in the library): better for one
-    # session on a small machine, worse in three measured pairs where 16 sessions, a file and HTTP clients share
-    # the engine (docs/streaming.md), which is what a server is for; /v1/stream's start message may override it
+    drain_timeout_s: float = 30.0  # after SIGTERM, accepted work gets this long, then it is cut
+    max_live_sessions: int = 64  # WebSocket sessions open at once
+    live_idle_timeout_s: float = 60.0  # a session that sends nothing this long is closed
+    live_max_backlog_s: float = 30.0  # received audio not yet processed, past which a session reads nothing
+    live_chunk_s: float = 1.0  # a live step per this much audio
+    # LiveConfig.end_on_chunk, on in the library; off serves many sessions better (docs/streaming.md)
     live_end_on_chunk: bool = False
-    # uploads are probed and decoded on this many threads of their own (more wait their turn), so a burst of
-    # uploads never takes the threads live sessions run on, nor those of the event loop's default executor
-    decode_workers: int = 4
+    decode_workers: int = 4  # threads that probe and decode uploads, apart from live sessions' threads
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1:

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("qasr.server")
 
-# OpenAI's error types by status; clients branch on status first, these are for humans and logs
+# OpenAI's error types by status (clients branch on the status)
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "requests",
           500: "server_error", 503: "server_error"}

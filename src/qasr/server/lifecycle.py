@@ -1,5 +1,4 @@
-"""Draining: once a stop signal arrives, new requests get 503 while the accepted ones finish; at the
-drain's deadline the ones still running are ended with an error that says why."""
+"""Draining: after a stop signal new requests get 503, accepted ones finish or are cut at the deadline."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ CUT_MESSAGE = "the server shut down before this request finished (its drain time
 
 
 class DrainGate:
-    """Counts the requests in flight, refuses new ones (503) while the server drains, and ends the ones
-    still running when the drain is cut: a 503 when no answer has begun, an ``error`` event closing a
-    server-sent event stream, else the end of the body (a truncated answer the client can detect)."""
+    """Counts requests in flight, answers 503 while draining, and ends those still running at a cut: a
+    503 before any answer, an ``error`` event closing an SSE stream, else the end of the body."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -42,7 +40,7 @@ class DrainGate:
         answer: dict[str, bool] = {}  # "started", "events": what the client has been sent; "cut"
 
         async def watch(message: Message) -> None:
-            if answer.get("cut"):  # a cancelled route may still answer (a 499 of its own): the cut answers
+            if answer.get("cut"):  # the cut answers, not the cancelled route
                 return
             if message["type"] == "http.response.start":
                 content_type = dict(message.get("headers") or []).get(b"content-type", b"")
@@ -56,13 +54,13 @@ class DrainGate:
             await asyncio.wait({app, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             cut.cancel()
-            if not app.done():  # cut, or this request was cancelled (its client left): the work stops too
+            if not app.done():  # cut, or cancelled (the client left)
                 answer["cut"] = True
                 app.cancel()
                 with contextlib.suppress(BaseException):
                     await app
         if not answer.get("cut"):
-            app.result()  # the request ended on its own (its exception, if any, goes on as before)
+            app.result()  # ended on its own: its exception, if any, goes on
             return
         if not answer.get("started"):
             await error_response(503, CUT_MESSAGE, code="shutting_down",

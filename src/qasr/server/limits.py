@@ -1,9 +1,5 @@
-"""Admission by queued audio: requests whose audio would push the backlog past the limit get 429.
-
-The backlog is the audio admitted and not yet transcribed. Retry-After estimates how long the excess
-takes to clear at the throughput measured over the last minute. An upload is admitted by the duration
-its header states (or an estimate when it states none) before a sample is decoded, and its decoding is
-watched so it never holds more audio than it was admitted for (:class:`UploadAdmission`).
+"""Admission by queued audio: a request that would push the backlog (admitted, not yet transcribed)
+past the limit gets 429. An upload is admitted by its probed duration and held to it while decoding.
 """
 
 from __future__ import annotations
@@ -18,13 +14,10 @@ from qasr.audio.probe import Duration
 from qasr.server.errors import ApiError
 
 WINDOW_S = 60.0
-# Decoded audio may run this far past a stated duration before the header counts as wrong: containers
-# round (MP3 padding, Ogg granules) and FFmpeg estimates some durations from the bitrate.
+# how far decoded audio may pass a stated duration (containers round, FFmpeg estimates from the bitrate)
 SLACK_FRACTION = 0.02
 SLACK_S = 2.0
-# An estimated duration that turns out short is extended by steps this large (a fraction of what is
-# decoded so far), so a long upload asks the budget a few times, not at every block.
-GROWTH = 0.25
+GROWTH = 0.25  # an estimate that runs short grows by this fraction of what is decoded, not block by block
 
 
 class AudioBudget:
@@ -39,23 +32,21 @@ class AudioBudget:
         return self._queued
 
     def admit(self, seconds: float) -> Ticket:
-        """Reserve ``seconds`` of backlog or raise a 429 ApiError with Retry-After. A request is always
-        admitted into an empty backlog, so one file longer than the limit is slow, never refused forever."""
+        """Reserve ``seconds`` of backlog or raise a 429 ApiError with Retry-After; an empty backlog always admits."""
         with self._lock:
             self._check(self._queued, seconds)
             self._queued += seconds
         return Ticket(self, seconds)
 
     def grow(self, ticket: Ticket, seconds: float) -> None:
-        """Add ``seconds`` to an admitted ticket by the rule of ``admit`` (the ticket's own share does not
-        count as others waiting), or raise its 429."""
+        """Add ``seconds`` to an admitted ticket by ``admit``'s rule, or raise its 429."""
         with self._lock:
             self._check(self._queued - ticket.seconds, ticket.seconds + seconds)
             self._queued += seconds
             ticket.seconds += seconds
 
     def resize(self, ticket: Ticket, seconds: float) -> None:
-        """Set an admitted ticket to the audio its upload really decoded to (never refused: it is decoded)."""
+        """Set a ticket to the audio its upload really decoded to (never refused)."""
         with self._lock:
             self._queued = max(0.0, self._queued + seconds - ticket.seconds)
             ticket.seconds = seconds
@@ -88,7 +79,7 @@ class AudioBudget:
 
 
 class Ticket:
-    """One request's share of the backlog; releasing twice is harmless (a stream ends on several paths)."""
+    """One request's share of the backlog; releasing it twice is harmless."""
 
     def __init__(self, budget: AudioBudget, seconds: float) -> None:
         self._budget = budget
@@ -101,20 +92,15 @@ class Ticket:
             self._budget.release(self.seconds, transcribed)
 
     def resize(self, seconds: float) -> None:
-        """Hold the audio the upload really decoded to instead of its probed duration."""
+        """Hold the audio the upload really decoded to."""
         if self._open:
             self._budget.resize(self, seconds)
 
 
 class UploadAdmission:
-    """One upload's ticket, taken from its probed duration before decoding, and the ``watch`` its decoding
-    calls (see :class:`qasr.audio.io.EncodedAudio`) to stay within it.
-
-    Past a stated duration (plus slack) the decoding stops with 413: the header lied. Past an estimate it
-    asks the budget for more, by ``admit``'s rule, and stops with that 429 when the queue has no room.
-    ``leave()`` (the client went away) stops it at its next block. Why it stopped is ``refusal``, the
-    ApiError the request answers with (None for a leave or an ordinary decoding error).
-    """
+    """One upload's ticket and the ``watch`` its decoding calls: past a stated duration (plus slack) it
+    stops with 413, past an estimate it grows the ticket or stops with 429, after ``leave()`` at the next
+    block. ``refusal``: the ApiError to answer with."""
 
     def __init__(self, budget: AudioBudget, duration: Duration, name: str) -> None:
         self.ticket = budget.admit(duration.seconds)  # the 429, before a sample is decoded
@@ -130,7 +116,7 @@ class UploadAdmission:
         self._left.set()
 
     def watch(self, seconds: float) -> None:
-        """Called on the decoding thread with the seconds decoded so far in the current pass."""
+        """Called on the decoding thread with the seconds decoded so far in this pass."""
         if self._left.is_set():
             raise AudioError(f"{self.name}: decoding stopped: the client went away")
         if seconds <= self.allowed_s:

@@ -1,12 +1,6 @@
-"""What both live WebSocket protocols share: admission (API key, readiness, draining, the session limit),
-a serialised JSON sender, and a receive loop that closes idle sessions, notices a server drain and holds
-back while the session's backlog is full.
-
-Errors are reported inside the protocol after the handshake (a WebSocket client sees an event with a
-message, where a refused handshake would only show HTTP 403), then the socket is closed with a code:
-1008 (policy: bad key, and only that), 4400 (a bad request: settings the session cannot take, such as
-an unsupported language), 1013 (try again later: loading, draining, full), 1011 (server error), 1001
-(the server shut down).
+"""What both live WebSocket protocols share: admission, a serialised JSON sender, and a receive loop
+that closes idle sessions, notices a drain and waits while the backlog is full. Errors are events,
+then a close code (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -67,13 +61,12 @@ def refusal(ws: WebSocket, state: ServerState) -> Refusal | None:
 
 
 def _authorized(ws: WebSocket, key: str) -> bool:
-    verdict = ws.scope.get(AUTH_VERDICT)  # ApiKeyAuth's, which guards every route of the app (auth.py)
+    verdict = ws.scope.get(AUTH_VERDICT)  # ApiKeyAuth's (auth.py)
     return verdict if verdict is not None else websocket_authorized(ws.scope, key.encode())
 
 
 class Channel:
-    """Sends JSON (one send at a time: the worker's events and the receive loop's replies interleave
-    whole) and receives with the session's idle timeout, watching for a drain and the backlog."""
+    """Sends JSON one message at a time; receives with the idle timeout, watching the drain and backlog."""
 
     def __init__(self, ws: WebSocket, state: ServerState) -> None:
         self.ws = ws
@@ -86,10 +79,8 @@ class Channel:
                 await self.ws.send_text(json.dumps(message, ensure_ascii=False))
 
     async def receive(self, busy: Callable[[], bool] = lambda: False, room: Callable[[], bool] = lambda: True) -> dict:
-        """The next message (``{"text": ...}`` or ``{"bytes": ...}``); raises WebSocketDisconnect,
-        Idle or Draining. Time while ``busy()`` (the session still works on what was sent) is not idle.
-        While ``room()`` is false (the backlog is full) nothing is read: the client's sends wait in TCP.
-        A drain is noticed before every message, so a client that never stops sending is still closed."""
+        """The next message (``{"text": ...}`` or ``{"bytes": ...}``); raises WebSocketDisconnect, Idle or
+        Draining. Time while ``busy()`` is not idle; while ``room()`` is false nothing is read."""
         while not room():
             if self.state.draining:
                 raise Draining()
@@ -126,7 +117,7 @@ class Channel:
 
 
 async def hold_session(state: ServerState, body: Callable[[], Awaitable[None]]) -> None:
-    """Count the session as open (the limit, /metrics, a drain waits for it) while ``body`` runs."""
+    """Count the session as open (the limit, /metrics, the drain) while ``body`` runs."""
     state.live_sessions += 1
     state.in_flight += 1
     state.metrics.live_sessions.set(state.live_sessions)
@@ -139,9 +130,8 @@ async def hold_session(state: ServerState, body: Callable[[], Awaitable[None]]) 
 
 
 async def drain_session(runner: LiveRunner | None, state: ServerState) -> str:
-    """A session's end in a server drain: the audio received is transcribed and the open turn finished
-    (its events go out as usual) unless the drain's deadline comes first. Returns the message of the
-    ``shutting_down`` error event that comes next."""
+    """A session's end in a drain: its audio is transcribed unless the deadline comes first. Returns the
+    message of the ``shutting_down`` error that follows."""
     if runner is None or runner.failed or await runner.finish_by(state.drain_cut):
         return "the server is shutting down"
     return DRAIN_CUT

@@ -1,6 +1,5 @@
-"""Prometheus metrics (GET /metrics) and the access log, both fed by one ASGI middleware.
-
-Each app owns its registry, so several apps in one process (tests) never collide.
+"""Prometheus metrics (GET /metrics) and the access log, both fed by one ASGI middleware; each app
+owns its registry.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
 access_log = logging.getLogger("qasr.server.access")
 
-# Known paths are labelled as themselves; anything else is "other", so scanners cannot grow the label set
+# other paths are labelled "other", so scanners cannot grow the label set
 ROUTES = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/audio/transcriptions", "/v1/audio/translations"})
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
@@ -75,8 +74,7 @@ class _EngineCollector:
 
 
 class ObserveRequests:
-    """Counts, times and logs every HTTP request: method, path, status, seconds, client; never bodies,
-    query strings or headers (the API key travels in one)."""
+    """Counts, times and logs every HTTP request; never bodies, query strings or headers."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app

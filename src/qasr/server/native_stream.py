@@ -1,26 +1,7 @@
-"""WebSocket ``/v1/stream``: qasr's own live protocol, for clients that would rather send raw PCM.
+"""WebSocket ``/v1/stream``: qasr's own live protocol, for raw PCM in binary messages.
 
-1. The client may first send a JSON text message with its settings (all optional)::
-
-       {"type": "start", "sample_rate": 16000, "format": "pcm16" | "float32", "language": null,
-        "context": "", "chunk_size_sec": 1.0, "turn_detection": true, "vad_threshold": 0.5,
-        "silence_ms": 500, "prefix_padding_ms": 300, "max_turn_s": 60, "carry_context": false,
-        "end_on_chunk": true}
-
-   and gets ``{"type": "ready", "session": ID, "config": {...}}``. A binary first message starts the
-   session with the defaults (16 kHz pcm16) and is its first audio.
-2. Binary messages carry little-endian PCM, mono, of any size. Text messages ``{"type": "commit"}`` (end
-   the turn now), ``{"type": "clear"}`` (drop the turn's audio) and ``{"type": "end"}`` (end of stream).
-3. The server sends ``speech_started``, ``partial`` (``stable``, ``unstable``, ``delta``: the text that
-   became stable), ``speech_stopped``, ``final`` (``text``, ``start``, ``end``, ``reason``) per turn,
-   ``progress`` (``audio_seconds`` processed, ``backlog_seconds``, ``max_backlog_seconds``) after every
-   second of audio processed, ``error`` (``code``, ``message``), and after ``end`` ``{"type": "done",
-   ...}``, then closes.
-
-Audio is never dropped: while the session's backlog is full the server reads nothing more (the client's
-sends wait); a client that keeps what it sent minus ``progress.audio_seconds`` under the backlog never
-waits there. Bad settings (unknown key, wrong type, unsupported language) are an error event and close
-code 4400; see docs/streaming.md for the others.
+An optional first ``{"type": "start", ...settings}`` is answered by ``ready``; then PCM and ``commit``,
+``clear``, ``end``. Events and close codes: docs/streaming.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""WebSocket ``/v1/realtime?intent=transcription``: OpenAI's Realtime transcription events.
-
-Client events: ``session.update`` (GA shape) or ``transcription_session.update`` (beta shape),
-``input_audio_buffer.append`` (base64 little-endian PCM16, 24 kHz unless the session says 16 kHz or
-another rate), ``input_audio_buffer.commit`` and ``input_audio_buffer.clear``.
-
-Server events, per turn: ``input_audio_buffer.speech_started``; while the person speaks,
-``conversation.item.input_audio_transcription.delta`` for text that became stable (deltas only append)
-and ``conversation.item.input_audio_transcription.partial`` (ours: OpenAI clients ignore unknown types)
-with the stable text and the unstable tail; then ``input_audio_buffer.speech_stopped``, the turn's last
-delta, ``input_audio_buffer.committed``, ``conversation.item.added`` and
-``conversation.item.input_audio_transcription.completed``, whose transcript equals the turn's deltas
-joined. Errors are ``error`` events. After every second of audio processed the server sends
-``input_audio_buffer.progress`` (ours, like the partials) with the audio processed and the backlog; while
-the backlog is full the server reads no further event (the client's sends wait), so no append is ever
-dropped. See docs/streaming.md.
+"""WebSocket ``/v1/realtime?intent=transcription``: OpenAI's Realtime transcription events, plus
+``...transcription.partial`` and ``input_audio_buffer.progress`` of ours (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -117,7 +103,7 @@ class RealtimeConnection:
 
     async def run(self) -> None:
         await self._send("session.created", session=self._session())
-        await self._progress()  # announces the backlog, so a client can pace itself from its first append
+        await self._progress()  # the backlog, so a client can pace itself from its first append
         try:
             while not self.runner.failed:  # a failed session was reported and closed by _fail
                 message = await self.channel.receive(lambda: self.runner.busy, lambda: self.runner.has_room())
@@ -133,7 +119,7 @@ class RealtimeConnection:
                                    "the session is closed")
             await self.runner.close()
             await self.channel.close(1000, "idle")
-        except Draining:  # the audio received and the open turn still get their transcripts (by the deadline)
+        except Draining:  # the audio received still gets its transcript, by the deadline
             await self._send_error("shutting_down", await drain_session(self.runner, self.state))
             await self.channel.close(CLOSE_GOING_AWAY, "server shutting down")
         except BaseException:
@@ -270,7 +256,7 @@ def _error(code: str, message: str, param: str | None = None, client_event: str 
 
 
 def _apply(settings: RealtimeSettings, session: dict, beta: bool, state: ServerState) -> RealtimeSettings:
-    """The settings after a session.update (GA shape) or transcription_session.update (beta shape)."""
+    """The settings after a ``session.update`` (GA shape) or ``transcription_session.update`` (beta)."""
     if beta:
         fmt = session.get("input_audio_format")
         if fmt is not None and fmt != "pcm16":

@@ -34,9 +34,8 @@ def _segment(i: int, seg: Segment, tokens: tuple[int, ...]) -> dict:
 
 
 def verbose_json(done: Finished, words: bool = False, segments: bool = True) -> dict:
-    """OpenAI's verbose_json: ``segments`` when asked for (OpenAI's default), ``words`` (top level, as OpenAI
-    puts them) when asked for and every segment could be timed. Without word times the segments come
-    instead, whatever was asked, so the answer still carries times."""
+    """OpenAI's verbose_json: ``segments`` when asked for, top-level ``words`` when asked for and every
+    segment was timed; without word times the segments come whatever was asked."""
     t = done.transcription
     timed = words and t.timestamps == "word"
     body = {"task": "transcribe", "language": t.language, "duration": t.duration, "text": t.text}
@@ -56,5 +55,4 @@ def render_response(done: Finished, fmt: str, words: bool = False, segments: boo
         return JSONResponse({"text": t.text, "usage": duration_usage(t.duration), "language": t.language})
     if fmt == "verbose_json":
         return JSONResponse(verbose_json(done, words, segments))
-    # srt and vtt: cues break at word times when the transcription has them (see qasr.outputs.writers)
     return PlainTextResponse(render(t, {"text": "txt"}.get(fmt, fmt)), media_type=_MEDIA[fmt])

@@ -30,7 +30,7 @@ from qasr.server.work import EngineRun, Finished, Upload, prepare_upload
 
 router = APIRouter()
 T = TypeVar("T")
-CLIENT_GONE = 499  # nginx's "client closed request": what a request whose client left counts as in metrics
+CLIENT_GONE = 499  # nginx's "client closed request", for metrics
 ICON_PATH = "/favicon.ico"
 ICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
             '<rect width="32" height="32" rx="7" fill="#1f4e79"/>'
@@ -57,7 +57,7 @@ async def transcriptions(request: Request) -> Response:
     try:
         params = parse_params(form, core)
         source = upload_audio(params.file, params.filename)
-        try:  # the header only (or a bounded demux), off the event loop: FFmpeg may read a few MB
+        try:  # off the event loop: FFmpeg may read a few MB
             duration = await state.in_decode_pool(lambda: probe_duration(source))
         except AudioError as exc:
             raise ApiError(400, str(exc), param="file", code="invalid_audio") from exc
@@ -74,7 +74,7 @@ async def transcriptions(request: Request) -> Response:
     finally:
         await form.close()
     ticket = admission.ticket
-    ticket.resize(upload.duration)  # the header's figure was a promise; the decoded audio is the fact
+    ticket.resize(upload.duration)  # the decoded audio, no longer the header's figure
     state.metrics.queued_audio.set(state.budget.queued_s)
     try:
         run = EngineRun(core, upload, stream=params.stream, words=params.words, handoff=state.token_handoff())
@@ -98,10 +98,8 @@ async def transcriptions(request: Request) -> Response:
 
 async def _decode(request: Request, state: ServerState, admission: UploadAdmission,
                   work: Callable[[], Upload]) -> Upload:
-    """Run ``work`` (the upload's decoding) on a thread of the server's decode pool. A client that leaves
-    meanwhile stops it at its next block (through the admission); we wait for the thread to let go before
-    the admission is released. A stop by the admission answers with its refusal (413, 429); any other
-    decoding error is the upload's 400."""
+    """The upload's decoding on the decode pool, stopped if the client leaves. A stop by the admission
+    answers its refusal (413, 429); another decoding error is a 400."""
     try:
         return await _unless_disconnected(request, state.in_decode_pool(work), stop=admission.leave)
     except AudioError as exc:
@@ -111,9 +109,7 @@ async def _decode(request: Request, state: ServerState, admission: UploadAdmissi
 
 
 async def _events(state: ServerState, run: EngineRun, ticket: Ticket, segments: bool) -> AsyncIterator[bytes]:
-    """The SSE body (``segments``: with a segment event after each segment's deltas). A client that leaves
-    cancels this generator (Starlette listens for the disconnect), and ``finally`` cancels the engine
-    requests."""
+    """The SSE body; a client that leaves cancels it, and ``finally`` cancels the engine requests."""
     done = None
     try:
         async for item in run.deltas(segments=segments):
@@ -133,7 +129,7 @@ async def _events(state: ServerState, run: EngineRun, ticket: Ticket, segments: 
 
 
 async def _abandon(state: ServerState, run: EngineRun, ticket: Ticket) -> None:
-    """After a stream's response, however it ended (a client can leave before the body starts)."""
+    """After a stream's response, however it ended."""
     run.cancel()
     _release(state, ticket, None)
 
@@ -164,10 +160,8 @@ async def _read_form(request: Request) -> FormData:
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T], stop: Callable[[], None] | None = None) -> T:
-    """Await ``work`` unless the client disconnects first (ClientGone) or this request is cancelled (a drain
-    past its deadline: the cancellation goes through). Either way ``work`` is stopped and waited for first:
-    cancelled (freeing its engine requests), or by ``stop()`` for work on a thread, which cannot be
-    cancelled and holds its memory until it ends."""
+    """Await ``work`` unless the client disconnects first (ClientGone) or this request is cancelled.
+    Either way ``work`` is stopped and waited for first: cancelled, or by ``stop()`` for work on a thread."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -179,14 +173,14 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stop: Calla
             (stop or task.cancel)()
             await asyncio.wait({task})
             if not task.cancelled():
-                task.exception()  # retrieved: the error of work stopped halfway is no one's to report
+                task.exception()  # retrieved: a stopped work's error is no one's to report
             if left:
                 raise ClientGone()
     return task.result()
 
 
 async def _disconnected(request: Request) -> None:
-    # the body is consumed: the next message the server gives us is the disconnect
+    # the body is consumed: the next message is the disconnect
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -214,13 +208,12 @@ async def model(request: Request, name: str) -> JSONResponse:
 
 def _model(state: ServerState, name: str) -> dict:
     d = {"id": name, "object": "model", "created": state.started, "owned_by": "qasr"}
-    if state.asr is not None:  # beyond OpenAI's fields: what `language` accepts (the page's menu), and
-        d["languages"] = list(state.asr.supported_languages)  # whether (and for which) words can be timed
+    if state.asr is not None:  # beyond OpenAI's: the languages, word timing, and how the model runs
+        d["languages"] = list(state.asr.supported_languages)
         aligner = state.asr._core.aligner
         d["word_timestamps"] = aligner is not None
         if aligner is not None:
             d["word_timestamp_languages"] = list(aligner.supported_languages)
-        # and how it runs: an operator who started `qasr serve --quantize int8` can check it took
         engine = state.asr._core.engine
         d["quantize"] = engine.config.quantize or "none"
         d["kv_cache_dtype"] = engine.config.kv_cache_dtype
@@ -252,8 +245,6 @@ async def page(request: Request) -> HTMLResponse:
 
 @router.get(ICON_PATH, include_in_schema=False)
 async def favicon() -> Response:
-    """The page's icon at /favicon.ico: browsers ask for it on their own, without the API key, and a 401 or
-    404 there shows as an error in every browser console. A small SVG (served with its own media type, which
-    browsers honour whatever the path's extension) keeps the package free of binary files."""
+    """Open like the page: browsers fetch it unasked and without the key; an SVG keeps the package free of binaries."""
     return Response(ICON_SVG, media_type="image/svg+xml", headers={"Cache-Control": "public, max-age=86400"})
 

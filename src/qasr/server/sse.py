@@ -1,31 +1,5 @@
-"""The streamed answer of POST /v1/audio/transcriptions (``stream=true``), as server-sent events.
-
-Tokens from the engine thread to the event loop (``TokenHandoff``)
-----------------------------------------------------------------
-Tokens from the engine thread to the event loop, one loop wake-up per burst instead of one per token.
-
-A streamed request gets its tokens on the engine thread, one per step, and every running stream gets one
-in the same step. Handing each over with its own ``call_soon_threadsafe`` wakes the loop once per token
-(a pipe write, an epoll return, a callback), and on a machine with few cores that CPU comes straight out
-of the engine's. Here the engine thread appends to a shared list and schedules one drain only when none
-is pending, so a step's tokens for all streams reach their queues in one callback.
-
-Transcript text as tokens arrive (``PieceText``, ``Joiner``)
-------------------------------------------------------------
-Transcript text as tokens arrive, equal in the end to what ``Core.assemble`` makes of the same tokens.
-
-The model writes ``language X<asr_text>`` before the transcript (unless the prompt forced the language and
-already ends with the tag), so nothing is emitted before the tag. Trailing whitespace and a trailing
-incomplete character (a byte-level token that ends mid UTF-8 sequence decodes to U+FFFD) are held back until
-later text settles them, because the final text is stripped and never holds a half character. Segments are
-joined as ``qasr.transcribe.text.join_segment_texts`` joins them.
-
-The events (``delta_event`` ... ``error_event``)
-------------------------------------------------
-Server-sent events as OpenAI's transcription stream sends them: ``transcript.text.delta`` events, then
-one ``transcript.text.done``; a failure after the stream began is an ``event: error`` with an error body.
-With ``response_format=verbose_json`` each segment also comes as a ``transcript.text.segment`` event (the
-shape OpenAI's diarizing model sends, without a speaker), in time order, once its text is complete.
+"""The streamed answer of POST /v1/audio/transcriptions, as OpenAI's server-sent events: text
+deltas, a segment event per segment (verbose_json), then ``done``, or ``error`` after a failure.
 """
 
 from __future__ import annotations
@@ -70,7 +44,8 @@ def error_event(body: dict) -> bytes:
 
 
 class TokenHandoff:
-    """Delivers ``(queue, token)`` pairs posted from any thread into asyncio queues on ``loop``, in order."""
+    """Hands ``(queue, token)`` pairs from any thread to asyncio queues on ``loop``, in order, with one
+    loop wake-up per burst (an engine step's tokens for every stream)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -107,7 +82,8 @@ _REPLACEMENT = "\ufffd"
 
 
 class PieceText:
-    """One piece's transcript, grown token by token."""
+    """One piece's transcript, grown token by token: nothing before the ``<asr_text>`` tag; trailing
+    whitespace and a half UTF-8 character wait for later text (the final text is stripped)."""
 
     def __init__(self, decode: Callable[[list[int]], str], forced_language: bool) -> None:
         self._decode = decode
@@ -127,21 +103,20 @@ class PieceText:
         raw = self._decode(self._ids)
         if not self._forced:
             if ASR_TEXT_TAG not in raw:
-                return ""  # still the `language X` preamble (or output that never reaches a transcript)
+                return ""  # still the `language X` preamble
             raw = raw.split(ASR_TEXT_TAG, 1)[1]
         settled = raw.strip()
         while settled.endswith(_REPLACEMENT):
             settled = settled[:-1].rstrip()
         if not settled.startswith(self.text):
-            # decoding revised text already sent (not seen with byte-level BPE); deltas cannot take text
-            # back, so hold on: the done event carries the final text
+            # revised text already sent: the done event carries the final text
             return ""
         new, self.text = settled[len(self.text):], settled
         return new
 
 
 class Joiner:
-    """Joins the pieces' deltas into one stream: a space where join_segment_texts would put one."""
+    """Joins the pieces' deltas into one stream, with a space where ``join_segment_texts`` puts one."""
 
     def __init__(self) -> None:
         self.text = ""

@@ -1,5 +1,4 @@
-"""What the routes share: the loaded ASR (once ready), the backlog, the drain (its flag and deadline),
-requests in flight."""
+"""What the routes share: the ASR once loaded, the audio backlog, the drain, the thread pools."""
 
 from __future__ import annotations
 
@@ -31,16 +30,13 @@ class ServerState:
         self.load_error: str | None = None
         self.draining = False  # SIGTERM/SIGINT: refuse new requests, finish the accepted ones
         self.drain_deadline: float | None = None  # time.monotonic() by which the drain ends, done or not
-        # set by the drain's watcher at the deadline: what is still in flight ends with an error, now
-        self.drain_cut = asyncio.Event()
+        self.drain_cut = asyncio.Event()  # set at the deadline: what is still in flight ends with an error
         self.in_flight = 0  # requests accepted and not yet answered in full (streams included)
         self.live_sessions = 0  # WebSocket live sessions open (also counted in in_flight)
         self.on_drained: Callable[[], None] | None = None  # set by the runner: stop the HTTP server
         self.started = int(time.time())  # /v1/models' "created"
         self._handoff: TokenHandoff | None = None
-        # Two bounded pools, one per kind of tenant, instead of the loop's shared default executor: uploads'
-        # probing and decoding on ``decode_workers`` threads; live sessions' operations on their own, at
-        # most one operation plus one close per session at a time, so no session waits for another's thread.
+        # one pool per kind of tenant; a live session runs at most one operation and one close at a time
         self.decode_pool = ThreadPoolExecutor(config.decode_workers, thread_name_prefix="qasr-decode")
         self.live_pool = ThreadPoolExecutor(2 * config.max_live_sessions, thread_name_prefix="qasr-live")
 
@@ -49,13 +45,13 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn)
 
     def close_pools(self) -> None:
-        """At shutdown: no new work; threads still running finish on their own (they are not joined)."""
+        """At shutdown: no new work; running threads finish on their own."""
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
         self.live_pool.shutdown(wait=False, cancel_futures=True)
 
     def start_drain(self) -> None:
-        """Refuse new work and give the accepted work ``config.drain_timeout_s`` to finish. Called from
-        a signal handler: it only sets plain attributes (the watcher on the loop does the rest)."""
+        """Refuse new work; give the accepted work ``config.drain_timeout_s``. Safe in a signal handler:
+        it only sets attributes."""
         if not self.draining:
             self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
             self.draining = True
@@ -64,7 +60,7 @@ class ServerState:
         return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
 
     def token_handoff(self) -> TokenHandoff:
-        """The one token handoff of the running loop, shared by every streamed request."""
+        """The running loop's token handoff, shared by every streamed request."""
         loop = asyncio.get_running_loop()
         if self._handoff is None or self._handoff.loop is not loop:
             self._handoff = TokenHandoff(loop)

@@ -1,9 +1,5 @@
-"""The upload size limit, enforced before and while the body is read, never after buffering it all; and
-the uploaded file as an input the decoders read in place.
-
-A declared ``Content-Length`` over the limit is refused before a byte is read; a body without one (chunked)
-is counted as it streams into the form parser (which spools files to disk past 1 MB), and the request fails
-the moment the count passes the limit.
+"""The upload size limit, enforced while the body is read (never after buffering it), and the uploaded
+file as an input the decoders read in place.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ class UploadLimit:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"").strip()
         if declared.isdigit() and int(declared) > self.max_bytes:
-            # answered before reading: the server drops whatever the client still sends (uvicorn reads on and
-            # discards a body once its response is complete), so the client gets to read the 413
+            # answered before reading the body (uvicorn discards the rest), so the client reads the 413
             await error_response(413, too_large_message(self.max_bytes), param="file",
                                  code="file_too_large")(scope, receive, send)
             return
@@ -57,9 +52,8 @@ class UploadLimit:
 
 
 def upload_audio(upload: UploadFile, name: str) -> EncodedAudio:
-    """The form's spooled file as an input for the decoders, read where the form parser put it (memory up to
-    1 MB, else a temporary file) rather than copied into a bytes object. Each decoding pass rewinds it;
-    the passes of one upload run one after another on one thread, so sharing the handle is safe."""
+    """The form's spooled file as decoder input, read in place. Each decoding pass rewinds it; one
+    upload's passes run one after another on one thread."""
     file = upload.file
 
     def rewound() -> IO[bytes]:

@@ -1,11 +1,5 @@
-"""One request's work: decode the upload into pieces, submit them to the shared engine, collect the result.
-
-The upload is decoded where the form parser left it, block by block (long inputs) or whole (up to 30 s),
-never as one native-rate array of a long file; its ``watch`` (the admission's) sees every block.
-
-Every piece goes to the engine at once (the segments of a long file are transcribed together), and the
-same pieces give the plain and the streamed answer, so both carry the same text. Cancelling a run cancels
-its engine requests, which stop at the next step and free their KV cache.
+"""One upload's work: decode it into pieces, submit them all to the engine, collect the result. The
+plain and the streamed answer share the pieces, so they carry the same text.
 """
 
 from __future__ import annotations
@@ -51,9 +45,8 @@ class Finished:
 
 
 def prepare_upload(core: Core, source: EncodedAudio, options: TranscribeOptions) -> Upload:
-    """Decode and segment an upload (blocking: run it in a worker thread). Raises AudioError naming it,
-    or whatever its ``watch`` raises to stop it."""
-    decoded = 0.0  # seconds at the input's own rate: every decoder reports them, the last pass has them all
+    """Decode and segment an upload (blocking). Raises AudioError naming it, or what its ``watch`` raises."""
+    decoded = 0.0  # seconds; the last pass reports them all
     outer = source.watch
 
     def watch(seconds: float) -> None:
@@ -71,9 +64,7 @@ class EngineRun:
 
     def __init__(self, core: Core, upload: Upload, stream: bool, words: bool = False,
                  handoff: TokenHandoff | None = None) -> None:
-        """``words``: align each piece's text once it is transcribed (the ASR must have an aligner).
-        ``handoff``: the loop's shared token handoff (one wake-up per engine step for all streams); a
-        private one by default."""
+        """``words``: align each piece once transcribed. ``handoff``: the loop's shared one, else a private one."""
         self.core = core
         self.upload = upload
         self.words = words
@@ -81,7 +72,7 @@ class EngineRun:
         self._tokens: list[asyncio.Queue[int | None]] = []
         if stream:
             handoff = handoff or TokenHandoff(asyncio.get_running_loop())
-        group = object()  # the upload's pieces share one place in the engine's admission (Engine.submit)
+        group = object()  # the pieces share one place in the engine's admission
         try:
             for piece in upload.pieces:
                 on_token = None
@@ -95,12 +86,12 @@ class EngineRun:
             raise _engine_error(exc) from exc
 
     def cancel(self) -> None:
-        """Stop every unfinished request of this upload (no-op for finished ones)."""
+        """Stop every unfinished request of this upload."""
         for fut in self.futures:
             fut.cancel()
 
     async def finish(self) -> Finished:
-        """Wait for every piece; cancelled (e.g. the client left) -> the engine requests are cancelled."""
+        """Wait for every piece; cancelled, so are the engine requests."""
         waiters = [asyncio.wrap_future(f) for f in self.futures]
         try:
             if waiters:
@@ -116,28 +107,26 @@ class EngineRun:
         return self._finished(outcomes)
 
     async def deltas(self, segments: bool = False) -> AsyncIterator[str | tuple[int, Segment]]:
-        """Transcript text as it is generated, piece after piece (later pieces run meanwhile and their
-        tokens wait in their queues). ``segments``: after each piece's text, ``(index, its Segment)`` (with
-        its words, once aligned); a piece that failed ends them (``finish`` reports the error)."""
+        """Transcript text as generated, piece after piece; with ``segments``, ``(index, Segment)`` after
+        each piece's text. A failed piece ends them (``finish`` says why)."""
         tok = self.core.checkpoint.tokenizer
         joiner = Joiner()
         for k, (piece, queue) in enumerate(zip(self.upload.pieces, self._tokens, strict=True)):
             text = PieceText(lambda ids: tok.decode(ids, skip_special_tokens=True), piece.language is not None)
             ended = False
             while not ended:
-                # one delta for every token already here: under load the loop lags the engine, and an
-                # event per token would cost a write and a client read each
+                # one delta for all tokens already here, not one event per token
                 tokens = [await queue.get()]
                 while not queue.empty():
                     tokens.append(queue.get_nowait())
                 if None in tokens:
                     tokens, ended = tokens[:tokens.index(None)], True
-                first = not text.text  # nothing of this piece sent yet: it may need the joining space
+                first = not text.text  # may need the joining space
                 delta = joiner.add(text.extend(tokens), first_of_piece=first)
                 if delta:
                     yield delta
             if segments:
-                done = asyncio.wrap_future(self.futures[k])  # settled by now, or once its words are aligned
+                done = asyncio.wrap_future(self.futures[k])  # settles once its words are aligned
                 await asyncio.wait({done})
                 read = read_piece(tok, piece, outcome_of(done), self.upload.name, warn=False)
                 if isinstance(read, str):
@@ -152,7 +141,7 @@ class EngineRun:
             if t.error is not None:
                 raise ApiError(500, f"transcription failed: {t.error}")
             t = replace(t, duration=round(up.duration, 3), source=up.name)
-        else:  # no speech found (VAD segmentation of silence): an empty transcript
+        else:  # no speech found: an empty transcript
             t = Transcription("", "", round(up.duration, 3), source=up.name, finish_reason="stop",
                               timestamps="word" if self.words else "segment")  # no words to time: none missing
         results = [o.result if isinstance(o, Aligned) else o for o in outcomes]
