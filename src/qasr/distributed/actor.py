@@ -1,14 +1,5 @@
-"""The pipeline's ASR stage: a Ray Data actor class holding one qasr engine (no Ray import needed here).
-
-Each call gets a batch of segment rows, builds each segment's piece (prompt and token cap, exactly as
-``ASR.transcribe`` does), submits them all to the engine at once and waits for them; several calls run at
-once on one actor (threads), so the engine batches across calls and never idles on a batch's last, longest
-segment. Each segment comes back as its own Transcription, made by ``Core.assemble``: parsing,
-finish reasons, warnings and word times are the single-machine code's. "end" rows pass through.
-
-A failure stays with its segment: a piece the engine refuses or a request that fails becomes a part
-carrying the error, and a segment too short to encode fails its input as ``transcribe`` would. An engine
-that broke ends its actor, which Ray restarts.
+"""The pipeline's ASR stage: a Ray Data actor class holding one engine (no Ray import here). Its
+concurrent calls batch together in the engine; each segment comes back as its own Transcription.
 """
 
 from __future__ import annotations
@@ -52,8 +43,7 @@ class Transcriber:
             started.append((r, pieces, [self._submit(p) for p in pieces]))
         wait([f for _, _, futures in started for f in futures])
         if self.core.engine.stats().broken:
-            # a broken engine serves nothing more: end this process so that Ray starts a fresh actor and
-            # retries the call there, rather than failing every later segment sent here
+            # a broken engine serves nothing more: Ray restarts the actor and retries the call
             log.error("the engine of this ASR actor broke; the actor exits so that Ray replaces it")
             os._exit(1)
         for r, pieces, futures in started:

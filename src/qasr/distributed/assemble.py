@@ -1,13 +1,5 @@
-"""The driver's side of the pipeline: gather each input's segments as they arrive, in any order, from any
-actor, and make its Transcription once it holds all of them.
-
-An input is complete when its "end" row (the segment count and exact duration) has come and every
-segment numbered below the count has; a decode error, or a segment that cannot become a request, fails it
-at once. A segment that arrives twice (a task retried after its actor died may repeat outputs) counts once.
-
-Joining follows ``qasr.transcribe.assemble.assemble`` step for step: segments in time order, texts stitched with
-``join_segment_texts``, languages merged, the worst finish reason, word times only when every segment
-with text has them, the first failed segment failing the input.
+"""The driver's side of the pipeline: gather each input's segments, in any order, once each, and
+assemble its Transcription as on one machine.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ class _Input:
     parts: dict[int, Transcription | None] = field(default_factory=dict)  # k -> the segment's result
     count: int | None = None  # segments, known from the "end" row
     duration: float = 0.0
-    error: str | None = None  # failed before any request: the input's result says so with duration 0
+    error: str | None = None  # the input failed: its result says so, with duration 0
 
 
 class Collector:
@@ -40,13 +32,13 @@ class Collector:
         self.inputs: dict[int, _Input] = {}
         self.finished: set[int] = set()
         self.segments = 0  # distinct segments received
-        self.repeats = 0  # segments received again (a retried call may repeat its outputs), ignored
+        self.repeats = 0  # segments received again (a retried call), ignored
 
     def add(self, r: dict) -> tuple[int, Transcription] | None:
         """Take one row; the input's result when this row completed it."""
         i, kind = int(r["item"]), r["kind"]
         if i in self.finished:
-            self.repeats += kind != rows.END  # a later pass sends an input's end row again: not a repeat
+            self.repeats += kind != rows.END  # a later pass sends end rows again
             return None
         st = self.inputs.setdefault(i, _Input())
         if kind == rows.END:
@@ -92,14 +84,13 @@ class Collector:
 
 
 def merge_parts(parts: list[Transcription], *, source: str, duration: float, words: bool) -> Transcription:
-    """One input's Transcription from its segments' own (in time order), as
-    ``qasr.transcribe.assemble.assemble`` makes it."""
+    """One input's Transcription from its segments' own, in time order, as on one machine."""
     for part in parts:
         if part.error is not None:
             return Transcription("", "", duration, error=part.error, source=source)
     segments = [s for part in parts for s in part.segments]
     worst = worst_finish_reason(s.finish_reason for s in segments)
-    # word times only when every segment with text has them: a mix would mislead a subtitle writer
+    # word times only when every segment with text has them
     all_timed = words and all(s.words for s in segments if s.text)
     if words and not all_timed:
         segments = [replace(s, words=()) for s in segments]

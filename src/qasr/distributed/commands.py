@@ -1,17 +1,5 @@
-"""The ``--ray`` commands: join a Ray cluster, run ``qasr transcribe --ray`` or ``qasr serve --ray``, leave.
-
-Connecting to a Ray cluster, and what it holds.
-
-``qasr transcribe --ray``: the planned jobs through ``RayTranscriber`` and the single-machine job runner.
-The command line has already found the inputs, planned their outputs and dropped those already done (the
-done-set comes from OUT, as without --ray); ``run_jobs`` then writes each input's outputs atomically the
-moment the cluster hands back its last segment, shows progress, lists failures in OUT/failed.tsv and stops
-cleanly on Ctrl-C, exactly as on one machine.
-
-``qasr serve --ray``: deploy the server on the cluster, keep it up until SIGINT/SIGTERM, then remove it.
-
-Replicas finish the requests they hold before they go (Serve's graceful shutdown), and their engines close
-as ``qasr serve``'s do. On a cluster that outlives this command, Serve's proxies stay; only the app goes.
+"""The ``--ray`` commands: join a Ray cluster, run ``qasr transcribe --ray`` (the job runner with a
+``RayTranscriber`` for an ASR) or ``qasr serve --ray`` (until SIGINT/SIGTERM), leave.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ class RayMissing(RuntimeError):
 
 
 def require_ray() -> None:
-    """Raise RayMissing with the install command when Ray (with Data and Serve) cannot be imported."""
+    """Raise RayMissing, with the install command, when Ray cannot be imported."""
     try:
         import ray  # noqa: F401
     except ImportError as exc:
@@ -55,15 +43,14 @@ EXIT_FAILED = 1
 
 
 def connect(address: str | None) -> bool:
-    """Join the cluster at ``address`` ("" or None: RAY_ADDRESS, else one running on this machine, else a new
-    local one), or keep the runtime this process already has. True when this call connected, so the caller
-    disconnects (and stops a runtime it started) when it is done."""
+    """Join the cluster at ``address`` (None or "": RAY_ADDRESS, else a local one), unless this process
+    already has a runtime. True when this call connected, so the caller disconnects."""
     require_ray()
     import ray
 
     if ray.is_initialized():
         return False
-    # WARNING: Ray's start-up chatter would bury the job's own messages; its warnings and errors still show
+    # Ray's start-up chatter would bury the job's own messages
     ray.init(address=address or None, logging_level=logging.WARNING)
     return True
 
@@ -86,7 +73,7 @@ def usage_error(message: str) -> int:
 
 
 def on_cluster(address: str | None, model: str, work: Callable[[], int]) -> int:
-    """Check the model, join the cluster, run ``work`` and leave; a usage error (exit 2) when the model is
+    """Check the model, join the cluster, run ``work``, leave; a usage error (exit 2) when the model is
     missing, Ray is not installed or the cluster cannot be joined."""
     problem = model_problem(model)
     if problem is not None:
@@ -128,8 +115,8 @@ def _run(todo: list[Job], args: argparse.Namespace, total_inputs: int, cluster) 
           f"{pool.actor_gpus:g} GPU each) on a cluster of {cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs",
           file=sys.stderr)
     try:
-        code = run_jobs(transcriber, todo, args, total_inputs)  # type: ignore[arg-type] - same transcribe_iter
-    except Exception as exc:  # noqa: BLE001 - the cluster gave up (e.g. no actor could load the model)
+        code = run_jobs(transcriber, todo, args, total_inputs)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - the cluster gave up
         detail = str(exc).strip().splitlines()
         print(f"qasr: error: the Ray job failed: {type(exc).__name__}: {detail[0] if detail else ''}\n"
               "qasr: the outputs written so far are complete; run the same command again to do the rest",
@@ -146,9 +133,8 @@ def serve_on_ray(args: argparse.Namespace, config: object) -> int:
 
 
 def scaling_of(args: argparse.Namespace, cpus: float, gpus: float) -> ServeScaling:
-    """The replicas the options ask for. By default a replica takes as many requests as its engine decodes
-    at once plus its live sessions (each holds a request for its whole length), and the autoscaler adds
-    a replica when the ongoing requests per replica pass half of the engine's batch."""
+    """The replicas the options ask for. By default a replica takes its engine's batch plus its live
+    sessions, and the autoscaler adds one past half the engine's batch per replica."""
     low, high = args.ray_replicas
     max_ongoing = args.ray_max_ongoing or args.max_running + getattr(args, "max_live_sessions", 0)
     target = args.ray_target_ongoing or max(1.0, args.max_running / 2)
@@ -173,7 +159,7 @@ def _serve(args: argparse.Namespace, config: object) -> int:
           f"{cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs", file=sys.stderr, flush=True)
     try:
         url = deploy(config, spec, scaling, args.host, args.port)  # type: ignore[arg-type]
-    except Exception as exc:  # noqa: BLE001 - e.g. replicas that cannot load the model: Serve gave up
+    except Exception as exc:  # noqa: BLE001 - Serve gave up
         undeploy()
         detail = str(exc).strip().splitlines()
         print(f"qasr: error: the deployment failed: {type(exc).__name__}: {detail[0] if detail else ''}",

@@ -1,12 +1,5 @@
-"""Inputs of a Ray job: local paths as in ``qasr.jobs.plan``, plus URIs of any pyarrow filesystem.
-
-``s3://bucket/talks/``, ``gs://...``, ``hdfs://...``, ``abfs://...`` or ``file:///...`` name a file or a
-folder; folders are listed with pyarrow (sorted, media extensions only, subfolders with ``--recursive``)
-exactly as local folders are. On a cluster a local path must be visible to every node (a shared mount);
-a URI is read by whichever worker decodes it.
-
-Output paths come from ``qasr.jobs.plan.plan_jobs``: a URI takes part as the path ``/<scheme>/<rest>``, so a
-folder of URIs mirrors under OUT like a local folder does, and the stem rules are the same.
+"""Inputs of a Ray job: local paths as in ``qasr.jobs.plan``, plus pyarrow URIs (``s3://``, ``gs://``...),
+whose outputs are planned as the path ``/<scheme>/<rest>``.
 """
 
 from __future__ import annotations
@@ -26,22 +19,21 @@ def is_uri(text: str) -> bool:
 
 
 def open_uri(uri: str) -> tuple[object, str]:
-    """``(pyarrow filesystem, path in it)``; raises ValueError (pyarrow's ArrowInvalid) for an unknown scheme."""
+    """``(pyarrow filesystem, path in it)``; ValueError for an unknown scheme."""
     from pyarrow import fs
 
     return fs.FileSystem.from_uri(uri)
 
 
 def read_uri(uri: str) -> bytes:
-    """The whole file behind a URI (decoders take bytes; a worker holds one input at a time)."""
+    """The whole file behind a URI (decoders take bytes)."""
     filesystem, path = open_uri(uri)
     with filesystem.open_input_stream(path) as stream:  # type: ignore[attr-defined]
         return stream.readall()
 
 
 def _list_uri(uri: str, recursive: bool) -> list[str]:
-    """The media files under a folder URI (sorted), or ``[uri]`` for a file or anything unreadable, which
-    then fails with its own message when it is decoded."""
+    """The media files under a folder URI (sorted), or ``[uri]`` for anything else."""
     from pyarrow import fs
 
     try:
@@ -58,7 +50,7 @@ def _list_uri(uri: str, recursive: bool) -> list[str]:
 
 
 def find_inputs(args: list[str], recursive: bool = False) -> list[str]:
-    """``qasr.jobs.plan.find_inputs`` for local paths, pyarrow listings for URIs; order kept, duplicates dropped."""
+    """``jobs.plan.find_inputs`` for paths, pyarrow listings for URIs; order kept, duplicates dropped."""
     found: list[str] = []
     for arg in args:
         found += _list_uri(arg, recursive) if is_uri(arg) else find_local_inputs([arg], recursive)
@@ -78,6 +70,6 @@ def _key(source: str) -> str:
 
 
 def plan_jobs(sources: list[str], out_dir: Path | None) -> list[Job]:
-    """``qasr.jobs.plan.plan_jobs`` with URIs placed as ``/<scheme>/<rest>``; each Job keeps its real source."""
+    """``jobs.plan.plan_jobs`` with URIs as ``/<scheme>/<rest>``; each Job keeps its real source."""
     planned = plan_local_jobs([_key(s) for s in sources], out_dir)
     return [Job(source, job.base) for source, job in zip(sources, planned, strict=True)]

@@ -1,18 +1,8 @@
-"""``RayTranscriber``: ``ASR.transcribe_iter`` on a Ray cluster, as a Ray Data pipeline.
+"""``RayTranscriber``: ``ASR.transcribe_iter`` on a Ray cluster, as a Ray Data pipeline:
+inputs -> decode tasks (``segment.py``) -> ASR actors (``actor.py``) -> the driver (``assemble.py``).
 
-    inputs (one row each) -> decode tasks (CPU: decode, resample, VAD, segments; ``segment.py``)
-      -> ASR actors (an autoscaling pool, one engine each; ``actor.py``) -> the driver (``assemble.py``)
-
-Rows are segments, not files, so a long recording is spread over every actor and nothing waits on one
-big file; the driver regroups them (no shuffle: it only counts) and yields each input the moment its last
-segment arrives. ``qasr.jobs.runner.run_jobs`` takes this object in place of an ``ASR`` and does what it
-does on one machine: atomic writes, progress, failed.tsv, Ctrl-C.
-
-When an actor dies, Ray restarts it and retries its calls (a crash, a lost node); one killed for good
-(``ray.kill``) loses the segments it held. Those, and segments of a task that failed three times, are
-noticed by their absence when the pass ends: a further pass decodes those inputs again and transcribes
-only the missing segments, up to ``max_passes`` in all; an input still incomplete then fails with a
-message, instead of a poison input hanging the job in endless retries.
+Rows are segments, so a long recording spreads over every actor. Segments lost with an actor are redone
+by a further pass, up to ``max_passes``; an input still incomplete then fails.
 """
 
 from __future__ import annotations
@@ -38,16 +28,13 @@ from qasr.results import Segment, Transcription
 from qasr.transcribe.options import TranscribeOptions
 
 log = logging.getLogger("qasr.distributed")
-ACTOR_PREFIX = "qasr-asr"  # ASR actors are named qasr-asr-<run>-p<pass>-<n>: findable in `ray list actors`
-TASK_RETRIES = 2  # retries of one actor call after its actor died; then the pass moves on without it
+ACTOR_PREFIX = "qasr-asr"  # actors are named qasr-asr-<run>-p<pass>-<n> (`ray list actors`)
+TASK_RETRIES = 2  # retries of an actor call after its actor died
 
 
 class RayTranscriber:
-    """Transcribe inputs (local paths or pyarrow URIs) on the connected Ray cluster (``ray.init`` first).
-
-    ``transcribe_iter`` takes ``ASR.transcribe_iter``'s arguments and yields ``(input index,
-    Transcription)`` in completion order, with the same results a single ``ASR`` would give.
-    """
+    """Transcribe inputs (local paths or pyarrow URIs) on the connected Ray cluster: ``transcribe_iter``
+    yields ``(input index, Transcription)`` in completion order, the results a single ``ASR`` gives."""
 
     def __init__(self, spec: EngineSpec, pool: PoolConfig, max_passes: int = 3) -> None:
         self.spec = spec
@@ -55,13 +42,13 @@ class RayTranscriber:
         self.max_passes = max_passes
         self.run_id = secrets.token_hex(3)
         self.passes = 0
-        self.redone = 0  # segments transcribed again after their first pass lost them
+        self.redone = 0  # segments a later pass transcribed again
         self.repeats = 0  # result rows that arrived twice (ignored)
         self._max_segment_s: float | None = None  # the checkpoint's, read once when a call needs it
 
     def check_language(self, language: str | None) -> str | None:
         """The canonical language name, refused as ``ASR`` would when a local checkpoint does not list it
-        (a hub id is checked by the actors, which download it)."""
+        (the actors check a hub id)."""
         name = normalize_language(language)
         config = Path(self.spec.model).expanduser() / "config.json"
         if name is not None and config.is_file():
@@ -73,10 +60,8 @@ class RayTranscriber:
 
     @property
     def max_segment_s(self) -> float:
-        """``ASR.max_segment_s`` for this checkpoint, found on the driver, since the decode tasks cut the
-        segments before any actor has loaded the model: its config.json's ``"qasr": {"max_segment_s": S}``,
-        else 30 s. A local folder is read; a hub id from the local Hugging Face cache, else its config.json
-        alone is fetched; when neither works, 30 s with a warning (the released checkpoints declare none)."""
+        """``ASR.max_segment_s`` for this checkpoint, read on the driver (the decode tasks cut before any
+        actor loads the model): its config.json's ``"qasr": {"max_segment_s": S}``, else 30 s."""
         if self._max_segment_s is None:
             self._max_segment_s = self._declared_max_segment_s() or DEFAULT_MAX_SEGMENT_S
         return self._max_segment_s
@@ -89,9 +74,9 @@ class RayTranscriber:
 
                 try:
                     config = Path(hf_hub_download(self.spec.model, "config.json", local_files_only=True))
-                except Exception:  # noqa: BLE001 - not cached: fetch the one small file
+                except Exception:  # noqa: BLE001 - not cached
                     config = Path(hf_hub_download(self.spec.model, "config.json"))
-            except Exception as exc:  # noqa: BLE001 - offline, unknown id: the actors will say so if it matters
+            except Exception as exc:  # noqa: BLE001 - the actors will say so if it matters
                 log.warning("%s: could not read its config.json on the driver (%s); segments of at most %g s",
                             self.spec.model, type(exc).__name__, DEFAULT_MAX_SEGMENT_S)
                 return None
@@ -104,10 +89,8 @@ class RayTranscriber:
                         language: str | None = None, context: str | None = None, max_new_tokens: int | None = None,
                         timestamps: str | None = None, progress: Callable[[float], None] | None = None,
                         segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
-        """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs (``sample_rate`` is
-        accepted for the same signature, and unused: encoded files carry their own rate). ``segments``: an
-        input's segments come in time order just before its Transcription, all at once (the cluster hands
-        back whole inputs), not one by one as they finish."""
+        """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs. ``segments``: an
+        input's segments come in time order just before its Transcription."""
         sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
         options = self._options((options or TranscribeOptions()).given(
             language=language, context=context, max_new_tokens=max_new_tokens, timestamps=timestamps))
@@ -132,7 +115,7 @@ class RayTranscriber:
                                 if segments:
                                     yield from ((done[0], s) for s in done[1].segments)
                                 yield done
-                finally:  # closed early (Ctrl-C, the caller stopped): stop the pass's tasks and actors now
+                finally:  # closed early (Ctrl-C): stop the pass's tasks and actors now
                     close = getattr(blocks, "close", None)
                     if close is not None:
                         close()
@@ -148,8 +131,7 @@ class RayTranscriber:
                                          f"({len(held)} segments done); its workers kept dying, see the Ray logs")
 
     def _options(self, options: TranscribeOptions) -> TranscribeOptions:
-        """The call's options as the workers take them: the language checked, the model's segment length
-        filled in, and word timestamps only with an aligner."""
+        """The options as the workers take them: language checked, segment length set, words only with an aligner."""
         self.check_language(options.language)  # type: ignore[arg-type]
         if options.words and self.spec.aligner is None:
             log.warning("word timestamps need a forced aligner (--aligner PATH): giving segment times instead")
@@ -166,13 +148,11 @@ class RayTranscriber:
         label = f"{ACTOR_PREFIX}-{self.run_id}-p{self.passes}"
         remote_args: dict = {"max_restarts": -1, "max_task_retries": TASK_RETRIES}
         strategy = _actor_pool(pool, remote_args)
-        # Ray 2.60 marks the free-form remote arguments and ray_remote_args_fn deprecated (for 2.64) and offers
-        # nothing else yet that bounds retries or names actors. The names matter beyond `ray list actors`:
-        # ray_remote_args_fn keeps Ray Data from fusing the decode tasks into the actors when both ask for
-        # the same resources, which would keep a long file's segments on one actor.
+        # deprecated in Ray 2.60 with nothing else yet to bound retries or name actors; naming the actors
+        # (ray_remote_args_fn) also keeps Ray Data from fusing the decode tasks into them
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            # one block per input: each decode task takes one input, so a long file never holds up short ones
+            # one block per input, so a long file never holds up short ones
             ds = ray.data.from_items(items, override_num_blocks=len(items))
             ds = ds.map_batches(segment_batch, fn_kwargs={"options": options}, batch_size=1,
                                 num_cpus=pool.decode_cpus, max_retries=TASK_RETRIES)
@@ -183,8 +163,7 @@ class RayTranscriber:
 
 
 def _actor_pool(pool: PoolConfig, remote_args: dict):  # noqa: ANN202 - a ray.data.ActorPoolStrategy
-    """An autoscaling pool whose actors each run ``calls_per_actor`` calls at once on threads (the engine
-    is thread-safe and batches them together)."""
+    """An autoscaling pool whose actors each run ``calls_per_actor`` calls at once, on threads."""
     from ray.data import ActorPoolStrategy
 
     kwargs: dict = {"min_size": pool.min_actors, "max_size": pool.max_actors}
@@ -196,15 +175,14 @@ def _actor_pool(pool: PoolConfig, remote_args: dict):  # noqa: ANN202 - a ray.da
     return ActorPoolStrategy(**kwargs)
 
 
-# Ray Data settings for our passes: no progress bars of its own (the job shows one); a failed block does not
-# fail the pass (the next pass redoes what it held); an actor that dies while it loads its model (a lost
-# node, OOM) is replaced, while one that fails every time (a broken checkpoint) still stops the job
+# no progress bars (the job shows its own); a failed block leaves its segments to the next pass; an actor
+# that dies loading its model is replaced, unless it fails every time
 _DATA_SETTINGS = {"enable_progress_bars": False, "max_errored_blocks": -1, "max_consecutive_actor_init_deaths": 3}
 
 
 @contextmanager
 def _quiet_data_context() -> Iterator[None]:
-    """``_DATA_SETTINGS`` (those this Ray has) and quieter Ray Data logs while we run, restored afterwards."""
+    """``_DATA_SETTINGS`` and quieter Ray Data logs while we run, restored afterwards."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
@@ -212,8 +190,7 @@ def _quiet_data_context() -> Iterator[None]:
     saved = {k: getattr(ctx, k) for k in settings}
     for key, value in settings.items():
         setattr(ctx, key, value)
-    # its INFO lines (plans, "execution finished") and the notice that its bars are off would bury the
-    # job's own output; its warnings and errors (a failed block) still show
+    # its INFO lines would bury the job's own output
     loggers = {logging.getLogger("ray.data"): logging.WARNING,
                logging.getLogger("ray.data._internal.progress"): logging.ERROR}
     levels = {logger: logger.level for logger in loggers}

@@ -1,16 +1,5 @@
-"""``qasr serve --ray``: the server's own FastAPI app (``qasr.server.app.create_app``) as a Ray Serve deployment.
-
-Each replica builds the app and loads its engine exactly as ``qasr serve`` does, so every route, limit and
-error behaves the same; Serve's proxy on each node spreads requests over the replicas, and its autoscaler
-adds replicas while the ongoing requests per replica stay above the target. A replica takes no traffic
-until its model is loaded and warmed up (its health check waits for that), so scaling up under load
-never answers 503. A WebSocket session (/v1/realtime, /v1/stream) is one connection, which Serve keeps on
-the replica it reached, so a live session stays where its state is; it counts as one ongoing request for
-its whole length.
-
-Every HTTP response carries ``x-qasr-replica`` (the replica's Ray actor id) to tell which replica answered.
-``build_app(args)`` is an application builder for ``serve run`` and Serve config files (KubeRay's
-RayService); docs/scaling.md has the worked example.
+"""``qasr serve --ray``: the server's own app as a Ray Serve deployment, each replica loading its
+engine as ``qasr serve`` does (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -29,11 +18,11 @@ if TYPE_CHECKING:
 
 APP_NAME = "qasr"
 REPLICA_HEADER = b"x-qasr-replica"
-LOAD_TIMEOUT_S = 1800.0  # a replica that has not loaded its model by then is unhealthy (a hub download included)
+LOAD_TIMEOUT_S = 1800.0  # a replica whose model is not loaded by then is unhealthy
 
 
 class ReplicaHeader:
-    """Pure ASGI middleware: names the replica in every HTTP response (WebSockets pass untouched)."""
+    """ASGI middleware naming the replica in every HTTP response."""
 
     def __init__(self, app, replica: str) -> None:  # noqa: ANN001 - any ASGI app
         self.app = app
@@ -64,7 +53,7 @@ def replica_app(config: ServerConfig, spec: EngineSpec) -> FastAPI:
 
 
 async def wait_until_loaded(state: ServerState, timeout_s: float = LOAD_TIMEOUT_S) -> None:
-    """Return once the replica's model is loaded and warmed up; raise when it failed or took too long."""
+    """Return once the model is loaded and warmed up; raise when it failed or took too long."""
     deadline = time.monotonic() + timeout_s
     while not state.ready:
         error = state.load_error
@@ -87,7 +76,6 @@ def qasr_application(config: ServerConfig, spec: EngineSpec, scaling: ServeScali
         """One qasr server with its own engine."""
 
         async def check_health(self) -> None:
-            # Serve routes nothing to a new replica before this passes once: wait for the model
             await wait_until_loaded(self.app.state.qasr)  # type: ignore[attr-defined] - the ingress wrapper's app
 
     deployment = serve.deployment(QasrReplica, name=APP_NAME, health_check_timeout_s=LOAD_TIMEOUT_S,
@@ -96,8 +84,8 @@ def qasr_application(config: ServerConfig, spec: EngineSpec, scaling: ServeScali
 
 
 def deploy(config: ServerConfig, spec: EngineSpec, scaling: ServeScaling, host: str, port: int) -> str:
-    """Start Serve's HTTP proxies on ``host:port`` (if Serve is not running yet) and run the application;
-    returns once every replica has loaded its model. The URL it serves."""
+    """Start Serve's proxies on ``host:port`` if needed and run the app; returns its URL once every
+    replica has loaded its model."""
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port})
@@ -106,7 +94,7 @@ def deploy(config: ServerConfig, spec: EngineSpec, scaling: ServeScaling, host: 
 
 
 def undeploy() -> None:
-    """Remove the application: replicas finish their requests, then their engines close."""
+    """Remove the app: replicas finish their requests, then their engines close."""
     from ray import serve
 
     serve.delete(APP_NAME)
@@ -114,9 +102,7 @@ def undeploy() -> None:
 
 def build_app(args: dict) -> object:
     """Serve application builder: ``serve run qasr.distributed.ray_serve:build_app model=PATH replicas=1-4``.
-
-    Keys (strings, as ``serve run`` passes them): model (required), device, dtype, quantize, kv_cache_dtype, aligner,
-    max_running,
+    Keys (strings): model (required), device, dtype, quantize, kv_cache_dtype, aligner, max_running,
     replicas (N or MIN-MAX), replica_cpus, replica_gpus, max_ongoing, target_ongoing, api_key."""
     from qasr.server.config import ServerConfig
 

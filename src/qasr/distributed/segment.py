@@ -1,14 +1,5 @@
-"""The pipeline's CPU stage: decode an input, resample it to 16 kHz, find speech, cut it into segments.
-
-The rules are ``ASR.transcribe``'s: both cut an input with ``qasr.audio.cutting.cut_input``, so every
-segment carries exactly the samples, offset and duration a single-machine run would submit:
-"auto" asks the container for its duration without decoding and sends inputs up to the segment length
-whole and longer ones through the VAD; "vad" and "fixed" stream segments out of
-``qasr.audio.cutting.iter_segments``; "none" sends the whole waveform. Bytes (inputs behind a URI) are
-decoded in memory first, as ``transcribe`` does for bytes. tests/distributed/test_ray_data.py compares every output
-with the single-process command's, which keeps the two in step.
-
-Errors are values: a bad input gives an "end" row with the message naming it, and the task goes on.
+"""The pipeline's CPU stage: an input cut into segment rows by ``ASR.transcribe``'s own ``cut_input``;
+a bad input gives an ``end`` row naming its error.
 """
 
 from __future__ import annotations
@@ -28,18 +19,18 @@ from qasr.transcribe.options import cut as cut_input
 
 
 def display_name(source: str) -> str:
-    """How results and messages name an input: its path as ``transcribe`` names paths, or its URI as given."""
+    """How results name an input: a path as ``transcribe`` names it, a URI as given."""
     return source if is_uri(source) else str(Path(source))
 
 
 def location(source: str) -> str:
-    """Where workers read an input: a URI as given, a path made absolute (workers run in other folders)."""
+    """Where workers read an input: a URI as given, a path made absolute."""
     return source if is_uri(source) else os.path.abspath(source)
 
 
 def segment_batch(batch: dict, options: TranscribeOptions) -> Iterator[dict[str, list]]:
-    """``map_batches`` function: the rows of every input in ``batch`` (columns item, given, source, skip),
-    one batch per segment so a long input streams on while it is being decoded."""
+    """``map_batches`` function: the rows of every input in ``batch``, one batch per segment so a long
+    input streams on while it is decoded."""
     for item, given, source, skip in zip(batch["item"], batch["given"], batch["source"], batch["skip"], strict=True):
         done = set(json.loads(str(skip)))
         for r in input_rows(int(item), str(given), str(source), options, done):
@@ -48,9 +39,8 @@ def segment_batch(batch: dict, options: TranscribeOptions) -> Iterator[dict[str,
 
 def input_rows(item: int, given: str, source: str, options: TranscribeOptions,
                skip: set[int] | frozenset[int] = frozenset()) -> Iterator[dict]:
-    """The segment rows of one input (minus the segments numbered in ``skip``), then its "end" row.
-    ``given``: the input as the caller named it (messages name it so, as ``transcribe``'s do); ``source``:
-    where workers read it (``location(given)``, worked out on the driver)."""
+    """One input's segment rows (minus those numbered in ``skip``), then its ``end`` row. ``given``: the
+    input as named by the caller; ``source``: where workers read it."""
     name = display_name(given)
     count = 0
     try:
@@ -77,8 +67,7 @@ def input_rows(item: int, given: str, source: str, options: TranscribeOptions,
 
 
 def _renamed(exc: Exception, source: str, given: str) -> ValueError:
-    """The error naming the input as it was given: not by the absolute path workers read, nor as the
-    "bytes input" that a URI's contents are to the decoders."""
+    """The error naming the input as given, not by the path or "bytes input" the decoders saw."""
     message = str(exc).replace(source, given)
     if is_uri(given) and message.startswith("bytes input"):
         message = given + message[len("bytes input"):]
