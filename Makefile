@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps "silero-vad>=6"
 	@touch $(STAMP)
 
-# qasr's C++ CPU kernels for this machine now, so the first transcription need not compile (docs/kernels.md);
-# again when a kernel's source changes. A kernel this CPU cannot run is reported, not an error.
+# qasr's C++ CPU kernels for this machine now, several at once, so the first transcription need not compile
+# (docs/kernels.md); again when a kernel's source changes. A kernel this CPU cannot run is reported; one that
+# fails to build or self-test stops make (qasr kernels build exits 1).
 $(KERNELS): $(STAMP) $(wildcard src/qasr/engine/cpu/csrc/*.cpp src/qasr/engine/cpu/csrc/*.h) src/qasr/engine/cpu/native.py src/qasr/engine/cpu/build.py
 	$(VENV)/bin/qasr kernels build
 	@touch $(KERNELS)

@@ -1,24 +1,29 @@
 """Kernel builds in real processes: a build killed at any point never blocks a later one, two environments
-and two CPUs keep their own builds, a process waiting on another's build gives up in bounded time, and
-`qasr kernels build` / Ctrl-C behave. Every build goes to a temporary QASR_KERNEL_DIR; the compiler is
-stalled or refused by a `c++` put first on PATH that passes --version and -v through, so the build key (and
-folder) stays that of the real compiler.
+and two CPUs keep their own builds, a process waiting on another's build gives up in bounded time, a failed
+build is remembered (one short warning, no second compile) until `qasr kernels build` tries again, builds run
+as many at once as the process has CPUs, and `qasr kernels build` / Ctrl-C behave. Every build goes to a
+temporary QASR_KERNEL_DIR; the compiler is stalled or refused by a `c++` put first on PATH that passes
+--version and -v through, so the build key (and folder) stays that of the real compiler.
 
-The kernel built is tests/kernels/tiny_ext.cpp (plain CPython, ~1 s to compile) through the real path:
-native.spec (qasr's flags) and build.build (key, folder, flock, torch's stale lock, messages, wait, give-up),
-so nothing here waits a minute for a real kernel; the real kernels' self-tests have their own tests
-(test_decoder_ops.py, test_selftest.py). `qasr kernels build` gets the tiny kernel in place of decoder_ops
-(its self-test: add() adds)."""
+The kernel built is tests/kernels/tiny_ext.cpp (plain CPython, compiled in about a second) through the real
+path: native.spec (qasr's flags) and build.build (key, folder, flock, torch's stale lock, messages, wait,
+give-up, failure marker), so nothing here waits on a real kernel's compile; the real kernels' self-tests have
+their own tests (test_decoder_ops.py, test_selftest.py). `qasr kernels build` gets the tiny kernel in place of
+decoder_ops (its self-test: add() adds)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import io
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,22 +307,91 @@ def test_a_header_beside_the_source_is_in_the_key_and_the_build(tmp_path: Path,
     assert (first / build.DONE_FILE).exists() and (second / build.DONE_FILE).exists()
 
 
-def test_kernels_build_reports_each_kernel(scenario: Scenario, tmp_path: Path) -> None:
+def test_kernels_build_reports_each_kernel_and_fails_on_a_failed_build(scenario: Scenario, tmp_path: Path) -> None:
     """The tiny kernel (as decoder_ops) is built already; every other compile is refused at once (as on a
-    machine where it cannot build): reported, and still exit 0; the built one loads without a compile and
-    passes its self-test."""
+    machine where it cannot build): each reported as failed, told apart from the kernels not for this CPU, and
+    the command exits 1; the built one loads without a compile and passes its self-test."""
     r = _run([sys.executable, "-c", KERNELS_BUILD], _env(scenario.kdir, _refusing(tmp_path / "refuse")), 300)
-    assert r.code == 0, r.err
+    assert r.code == 1, r.out + r.err
     lines = dict(line.split(": ", 1) for line in r.out.splitlines() if ": " in line)
     assert lines["decoder ops"].startswith("already built, self-test passed"), r.out + r.err
-    assert lines["decode attention"].startswith("unavailable") and "test compiler: refused" in r.err, r.out
+    assert lines["decode attention"].startswith("failed to build (compiler output in "), r.out
+    assert "test compiler: refused" in r.err and r.err.count("qasr: the qasr_decode_attention kernel failed") == 1
     for label, needs in (("AVX512-BF16 linear", native.AVX512_BF16_CPU), ("AMX-BF16 linear", native.AMX_CPU),
                          ("AVX512-VNNI int8 linear", native.VNNI_CPU), ("AMX-INT8 linear", native.AMX_INT8_CPU),
                          ("AVX-VNNI int8 linear", native.AVX_VNNI_CPU), ("AVX512-VNNI int4 linear", native.VNNI_CPU)):
-        assert lines[label].startswith("not for this CPU" if not needs <= native.cpu_flags() else "unavailable")
+        assert lines[label].startswith("not for this CPU" if not needs <= native.cpu_flags() else "failed to build")
+    assert "qasr: error: " in r.err and "decode attention" in r.err.splitlines()[-1], r.err
     assert r.out.rstrip().endswith(f"builds in {scenario.kdir}")
     where = _run([sys.executable, "-m", "qasr", "kernels", "where"], _env(scenario.kdir), 60)
     assert where.code == 0 and where.out.strip() == str(scenario.kdir)
+    # A later process, real compiler: the failure is remembered, not compiled again: one short warning
+    load = ("from qasr.engine.cpu import native; print('kernel', native.decode_kernel() is not None); "
+            "print('again', native._build(*native.DECODE_ATTENTION) is not None)")
+    later = _run([sys.executable, "-c", load], _env(scenario.kdir), 120)
+    assert later.code == 0 and "kernel False" in later.out and "again False" in later.out, later.err
+    assert "building" not in later.err and "refused" not in later.err, later.err
+    warning = [line for line in later.err.splitlines() if line.strip()]
+    assert len(warning) == 1 and "qasr_decode_attention" in warning[0] and "qasr kernels build" in warning[0], \
+        later.err
+
+
+def test_a_failed_build_is_remembered_until_a_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("QASR_KERNEL_DIR", str(tmp_path / "kernels"))
+    spec = native.spec("qasr_tiny_retry", str(TINY))
+    folder = build.kernel_dir(spec)
+    path = os.environ.get("PATH", "")
+    monkeypatch.setenv("PATH", f"{_refusing(tmp_path / 'refuse')}{os.pathsep}{path}")
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        assert build.build(spec) is None
+    assert build.failure_file(spec) == folder / build.FAILED_FILE
+    assert "test compiler: refused" in (folder / build.FAILED_FILE).read_text()
+    assert "test compiler: refused" in caplog.text and "failed to build" in caplog.text
+    monkeypatch.setenv("PATH", path)  # the real compiler again: still remembered
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        assert build.build(spec) is None
+        assert build.build(spec) is None
+    assert caplog.text.count("failed to build here before") <= 1  # this process reported it already
+    assert not (folder / build.DONE_FILE).exists()
+    mod = build.build(spec, retry=True)
+    assert mod is not None and mod.add(2, 3) == 5
+    assert build.failure_file(spec) is None and (folder / build.DONE_FILE).exists()
+
+
+def test_build_all_runs_as_many_builds_at_once_as_it_has_workers() -> None:
+    running, most, lock = [0], [0], threading.Lock()
+
+    def job() -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+
+    build.build_all([job] * 6, workers=3)
+    assert most[0] == 3
+    most[0] = 0
+    build.build_all([job] * 3, workers=1)
+    assert most[0] == 1
+
+
+def test_usable_cpus_follows_the_affinity_and_the_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    files: dict[str, str] = {}
+    monkeypatch.setattr(build, "_read", files.get)
+    assert build.usable_cpus() == 4
+    files["/sys/fs/cgroup/cpu.max"] = "150000 100000"  # 1.5 CPUs' time
+    assert build.usable_cpus() == 2
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000"
+    assert build.usable_cpus() == 4
+    del files["/sys/fs/cgroup/cpu.max"]
+    files.update({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "100000", "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"})
+    assert build.usable_cpus() == 1
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1"
+    assert build.usable_cpus() == 4
 
 
 # `python -m qasr ARGS` with Ctrl-C at its default first: where this test runs with SIGINT ignored (a background
@@ -357,6 +431,7 @@ def test_ctrl_c_during_kernels_build_exits_130_with_one_line(tmp_path: Path) -> 
     code, err = _interrupted([sys.executable, "-m", "qasr", "kernels", "build"], tmp_path)
     assert _is_130(code), err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "qasr: interrupted", err
+    assert list((tmp_path / "kernels").glob(f"*/{build.FAILED_FILE}")) == []  # an interrupt is no failure
 
 
 def test_ctrl_c_during_model_load_exits_130_with_one_line(tmp_path: Path) -> None:
@@ -369,3 +444,42 @@ def test_ctrl_c_during_model_load_exits_130_with_one_line(tmp_path: Path) -> Non
                               "--device", "cpu"], tmp_path)
     assert _is_130(code), err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "qasr: interrupted", err
+
+
+def _fake_kernels_build(monkeypatch: pytest.MonkeyPatch, vnni_int8: object | None) -> tuple[int, str, list]:
+    """`qasr kernels build` on an AVX512-VNNI + AVX-VNNI CPU without AVX512-BF16 or AMX, every loader a fake
+    that is ready but the AVX512-VNNI int8 one (``vnni_int8``); (exit status, report, builds asked for)."""
+    from qasr.cli import kernels
+
+    asked: list = []
+    monkeypatch.setattr(native, "cpu_flags", lambda: native.VNNI_CPU | native.AVX_VNNI_CPU)
+    monkeypatch.setattr(native, "build_all", lambda builds, retry=False: asked.append(list(builds)) or {})
+    monkeypatch.setattr(build, "is_built", lambda spec: True)
+    monkeypatch.setattr(build, "failure_file",
+                        lambda spec: Path("/k/failed") if spec.name == "qasr_int8_vnni" else None)
+    for loader in ("decode_kernel", "encoder_attention_kernel", "decoder_ops_kernel", "encoder_ops_kernel",
+                   "avx_vnni_int8_kernel", "int4_kernel"):
+        monkeypatch.setattr(native, loader, object)
+    monkeypatch.setattr(native, "vnni_int8_kernel", lambda: vnni_int8)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = kernels._build_all()
+    return code, out.getvalue(), asked
+
+
+def test_kernels_build_leaves_out_a_stand_in_while_the_kernel_it_stands_in_for_is_ready(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, asked = _fake_kernels_build(monkeypatch, vnni_int8=object())
+    assert code == 0, out
+    assert native.AVX_VNNI not in asked[0] and native.INT8_VNNI in asked[0] and len(asked) == 1
+    assert "AVX-VNNI int8 linear: not needed here (AVX512-VNNI int8 linear runs instead); not built" in out
+    assert "AVX512-BF16 linear: not for this CPU" in out and "AMX-INT8 linear: not for this CPU" in out
+
+
+def test_kernels_build_builds_the_stand_in_when_the_kernel_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, asked = _fake_kernels_build(monkeypatch, vnni_int8=None)
+    assert code == 1, out
+    assert asked[1:] == [[native.AVX_VNNI]]
+    assert "AVX512-VNNI int8 linear: failed to build (compiler output in /k/failed)" in out
+    assert "AVX-VNNI int8 linear: already built, self-test passed" in out
+    assert "1 failed" in out

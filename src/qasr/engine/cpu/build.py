@@ -1,41 +1,31 @@
-"""Building one native kernel: in a folder that belongs to this environment and this CPU, under an OS file
-lock that dies with its holder, telling the user when a first-run build starts and how long it took.
+"""Building one native kernel with torch's extension loader: in a folder of its own per environment and CPU
+(the build key), under an OS file lock, remembering a failed build there; several at once with build_all.
+docs/kernels.md (Building) gives the folder, the key, the lock and the messages.
 
-Why not torch's defaults: torch builds into ~/.cache/torch_extensions/<name>, whose build.ninja holds the
-venv's own include paths (two environments on one machine rebuild each other's kernels, minutes each), which
-is not keyed by the CPU while we compile with -march=native (a home directory moved to another CPU would load
-instructions it cannot run), and whose lock is a marker file (a build killed at the wrong moment leaves it,
-and every later load waits on it forever).
-
-So each kernel is built in ``<root>/<name>_<key>/``, root = $QASR_KERNEL_DIR, else
-${XDG_CACHE_HOME:-~/.cache}/qasr/kernels; the key hashes the kernel's source, the headers in its folder (and
-in extra include folders), flags, torch's version and install path, the interpreter and sys.prefix, the
-compiler and the CPU's instruction-set flags (key.json in the folder lists them). The build runs under
-fcntl.flock on ``qasr.lock`` there: the OS releases it when its holder dies, however it dies, so a killed
-build never blocks a later one. A process that finds another one building waits up to
-$QASR_KERNEL_BUILD_WAIT_S (default 300) seconds, then uses the torch fallback for that kernel.
-
-Progress goes to stderr with print, not logging: a silent minute at first use looks like a hang, and an
-embedding program that never configured logging must see it too.
+Progress goes to stderr with print, not logging: an embedding program that never configured logging must
+see that a first-run build is under way.
 """
 
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -44,12 +34,12 @@ log = logging.getLogger(__name__)
 DEFAULT_WAIT_S = 300.0
 LOCK_FILE = "qasr.lock"  # ours (flock); torch's own marker file in the same folder is "lock"
 DONE_FILE = "built"  # written once a build loaded: its absence means the next load compiles
-# the /proc/cpuinfo flags naming instruction sets -march=native may use: a CPU that differs in any of them
-# gets its own build (flags like "ht" or "hypervisor" do not change the code and stay out of the key)
+FAILED_FILE = "failed"  # the output of a build that failed: later loads fall back instead of compiling again
+# /proc/cpuinfo flags naming instruction sets -march=native may use (flags like "ht" do not change the code)
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "popcnt", "abm", "movbe", "adx", "gfni",
                 "vaes", "vpclmulqdq", "sha_ni", "aes", "pclmulqdq")
-# a cached load holds the lock well under this (0.1-0.8 s here): only a real build makes a waiter say so
-WAIT_NOTICE_S = 2.0
+WAIT_NOTICE_S = 2.0  # a cached load holds the lock far less: only a real build makes a waiter say so
+REBUILD_HINT = "`qasr kernels build` tries again"
 
 
 @dataclass(frozen=True)
@@ -68,11 +58,11 @@ def kernel_root() -> Path:
     explicit = os.environ.get("QASR_KERNEL_DIR")
     if explicit:
         return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "qasr" / "kernels"
+    cache_dir = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_dir) / "qasr" / "kernels"
 
 
-@functools.cache
+@cache
 def cpu_flags() -> frozenset[str]:
     """The feature flags of /proc/cpuinfo (empty where there is none)."""
     try:
@@ -90,28 +80,27 @@ def isa_flags() -> list[str]:
     return sorted(f for f in cpu_flags() if f.startswith(ISA_PREFIXES))
 
 
-@functools.cache
+@cache
 def compiler_identity() -> tuple[str, str]:
-    """(the compiler command torch will run, the first line of its --version). Not its path: a wrapper or
-    a symlink of the same compiler makes the same code."""
+    """(the compiler command torch will run, the first line of its --version); not its path, since a
+    wrapper or a symlink of the same compiler makes the same code."""
     cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension runs
     try:
         out = subprocess.run([*(shlex.split(cxx) or ["c++"]), "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        out = ""  # no compiler: the build itself will fail and say so
+        out = ""  # no compiler: the build itself fails and says so
     return cxx, out.splitlines()[0] if out else ""
 
 
 def build_key(spec: KernelSpec) -> dict[str, object]:
-    """Everything the built file depends on besides torch's own headers' contents (which its version and
-    path pin)."""
+    """Everything the built file depends on besides torch's headers (which torch's version and path pin)."""
     import torch
 
     content = hashlib.sha256(spec.source.read_bytes())
-    for header in local_headers(spec):  # csrc/*.h (e.g. gemm_common.h), copied beside the source to build
+    for header in local_headers(spec):
         content.update(header.name.encode() + b"\0" + header.read_bytes())
-    for folder in spec.include:  # headers a test build adds (e.g. the AMX emulation)
+    for folder in spec.include:
         for header in sorted(Path(folder).glob("*.h")):
             content.update(header.name.encode() + b"\0" + header.read_bytes())
     cxx, cxx_version = compiler_identity()
@@ -126,8 +115,7 @@ def build_key(spec: KernelSpec) -> dict[str, object]:
 
 
 def local_headers(spec: KernelSpec) -> list[Path]:
-    """The headers in the source's own folder (every one, whether this source includes it or not: a header
-    that changes rebuilds every kernel of the folder, never too few), sorted."""
+    """Every header in the source's own folder, sorted (one that changes rebuilds all the folder's kernels)."""
     return sorted(spec.source.parent.glob("*.h"))
 
 
@@ -137,8 +125,7 @@ def kernel_dir(spec: KernelSpec) -> Path:
 
 
 def module_name(spec: KernelSpec) -> str:
-    """The extension's module name: the stem plus the key's digest, so two keys used in one process (tests)
-    never meet in torch's per-name version table, which would rename the second build."""
+    """The stem plus the key's digest: two keys used in one process never share torch's per-name version."""
     digest = hashlib.sha256(json.dumps(build_key(spec), sort_keys=True).encode()).hexdigest()
     return f"{spec.name}_{digest[:16]}"
 
@@ -146,6 +133,12 @@ def module_name(spec: KernelSpec) -> str:
 def is_built(spec: KernelSpec) -> bool:
     """Whether ``spec`` was built and loaded here before (a later load compiles nothing)."""
     return (kernel_dir(spec) / DONE_FILE).exists()
+
+
+def failure_file(spec: KernelSpec) -> Path | None:
+    """The file holding the output of ``spec``'s failed build here, or None if it did not fail."""
+    marker = kernel_dir(spec) / FAILED_FILE
+    return marker if marker.exists() else None
 
 
 def wait_limit_s() -> float:
@@ -156,47 +149,143 @@ def wait_limit_s() -> float:
         return DEFAULT_WAIT_S
 
 
-def build(spec: KernelSpec) -> ModuleType | None:
-    """The extension for ``spec``, built here if this environment and CPU never built it; None (with one
-    warning) when it cannot be built or another process's build outlasts the wait."""
+def build(spec: KernelSpec, retry: bool = False) -> ModuleType | None:
+    """The extension for ``spec``, built here if this environment and CPU never built it. None, with one
+    warning, when it cannot be built, when its build failed before (unless ``retry``), or when another
+    process's build outlasts the wait. A failed build is remembered in its folder."""
     try:
         name = module_name(spec)
         folder = kernel_root() / name
         folder.mkdir(parents=True, exist_ok=True)
+        if not retry and (folder / FAILED_FILE).exists():
+            return _failed_before(spec, folder)
         with _lock(folder, spec.name) as held:
             if not held:
                 print(f"qasr: warning: gave up waiting {wait_limit_s():.0f} s for another process building the "
                       f"{spec.name} kernel in {folder}; using the torch fallback in this process (set "
                       "QASR_KERNEL_BUILD_WAIT_S to wait longer)", file=sys.stderr, flush=True)
                 return None
-            return _load(spec, name, folder)
-    except Exception as exc:  # no compiler, no headers, a read-only cache: the torch path is correct, only slower
+            if retry:
+                (folder / FAILED_FILE).unlink(missing_ok=True)
+            elif (folder / FAILED_FILE).exists():  # the build we waited for failed
+                return _failed_before(spec, folder)
+            try:
+                return _load(spec, name, folder)
+            except Exception as exc:
+                _record_failure(spec, folder, exc)
+                return None
+    except Exception as exc:  # a read-only cache, no torch headers: the torch path is correct, only slower
         log.warning("qasr: native kernel %s unavailable (%s); using the torch fallback", spec.name, exc)
         return None
 
 
+def build_all(jobs: Iterable[Callable[[], object]], workers: int | None = None) -> None:
+    """Run each of ``jobs`` (builds) on a pool of ``workers`` threads, default usable_cpus(). On an
+    interrupt the builds under way end quietly, none recorded as failed."""
+    pool = ThreadPoolExecutor(max(1, workers or usable_cpus()), thread_name_prefix="qasr-build")
+    try:
+        for done in as_completed([pool.submit(job) for job in jobs]):
+            done.result()
+    except BaseException:
+        _stopping.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a cgroup CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
+
+
+def _cgroup_quota() -> float | None:
+    """CPUs' worth of time the cgroup allows (v2 cpu.max, else v1's CFS quota), None where unlimited."""
+    v2 = _read("/sys/fs/cgroup/cpu.max")
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+    else:
+        quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    try:
+        q, p = int(quota), int(period)
+    except (TypeError, ValueError):  # "max", or no such file
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+_stopping = threading.Event()  # set by build_all on an interrupt
+_warned: set[str] = set()  # folders whose earlier failure this process has reported
+_warned_lock = threading.Lock()
+
+
+def _record_failure(spec: KernelSpec, folder: Path, exc: Exception) -> None:
+    """Remember a failed build in its folder and say so in one warning (the compiler's errors, where the
+    whole output went); an interrupted build is neither."""
+    text = str(exc)
+    if _stopping.is_set() or "interrupted by user" in text:
+        return
+    marker = folder / FAILED_FILE
+    try:
+        marker.write_text(text + "\n")
+        where = f"the compiler's output in {marker}"
+    except OSError:
+        where = "not recorded: the kernel folder is read-only"
+    with _warned_lock:
+        _warned.add(folder.name)
+    log.warning("qasr: the %s kernel failed to build (%s; %s); using the torch fallback for it",
+                spec.name, _errors(text), where)
+
+
+def _failed_before(spec: KernelSpec, folder: Path) -> None:
+    with _warned_lock:
+        if folder.name in _warned:
+            return None
+        _warned.add(folder.name)
+    log.warning("qasr: the %s kernel failed to build here before (see %s); using the torch fallback for it; %s",
+                spec.name, folder / FAILED_FILE, REBUILD_HINT)
+    return None
+
+
+def _errors(output: str, most: int = 3) -> str:
+    """The compiler's first error lines in a build's output (else its last lines), joined."""
+    lines = [line.strip() for line in output.splitlines()
+             if line.strip() and not line.startswith(("[", "FAILED:", "ninja:")) and " -o " not in line]
+    errors = [line for line in lines if "error" in line.lower()] or lines[-most:]
+    return " | ".join(errors[:most]) or "no output"
+
+
 def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
     """torch's load() in ``folder``; we hold the folder's lock."""
-    from torch.utils.cpp_extension import load
+    from torch.utils import cpp_extension
 
-    # Nobody else can be building here now: a torch marker left by a killed build would make load() wait
-    # on it forever.
+    # Nobody else can be building here now: a torch marker left by a killed build would block load() forever.
     (folder / "lock").unlink(missing_ok=True)
-    fresh = not (folder / DONE_FILE).exists() or not (folder / f"{name}.so").exists()  # (or someone deleted it)
+    fresh = not (folder / DONE_FILE).exists() or not (folder / f"{name}.so").exists()
     if fresh:
         _announce_first_build()
         (folder / "key.json").write_text(json.dumps(build_key(spec), indent=1) + "\n")
-    # Copies of the source and its folder's headers (found next to the copied source) that never change:
-    # ninja rebuilds when a source's or header's mtime is newer than its object, and a git checkout touches
-    # files without changing them.
+        # torch skips a build its table says this process made before, even one that failed
+        getattr(getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None), "entries", {}).pop(name, None)
+    # Copies that change only with their bytes: ninja rebuilds on a newer mtime, which a git checkout gives.
     for original in (spec.source, *local_headers(spec)):
         _copy_if_changed(original, folder / original.name)
     source = folder / spec.source.name
     _put_ninja_on_path()
     start = time.monotonic()
-    module = load(name=name, sources=[str(source)], extra_cflags=list(spec.cflags),
-                  extra_ldflags=list(spec.ldflags), extra_include_paths=list(spec.include),
-                  build_directory=str(folder), verbose=False)
+    module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(spec.cflags),
+                                extra_ldflags=list(spec.ldflags), extra_include_paths=list(spec.include),
+                                build_directory=str(folder), verbose=False)
     if fresh:
         (folder / DONE_FILE).write_text(f"{time.monotonic() - start:.1f}\n")
         print(f"qasr: built the {spec.name} kernel in {time.monotonic() - start:.0f} s",
@@ -207,16 +296,20 @@ def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
 def _copy_if_changed(original: Path, copy: Path) -> None:
     """``copy`` holds ``original``'s bytes, written (atomically) only if it did not already."""
     if not copy.exists() or copy.read_bytes() != original.read_bytes():
-        tmp = copy.with_name(copy.name + ".tmp")
+        tmp = copy.with_name(f"{copy.name}.{threading.get_ident()}.tmp")
         shutil.copyfile(original, tmp)
         os.replace(tmp, copy)
 
 
-@functools.cache
+_announced = threading.Event()
+
+
 def _announce_first_build() -> None:
     """Once per process, before its first compile."""
-    print(f"qasr: building qasr's CPU kernels for this machine (about a minute each, once; in {kernel_root()})...",
-          file=sys.stderr, flush=True)
+    if not _announced.is_set():
+        _announced.set()
+        print(f"qasr: building qasr's CPU kernels for this machine (once per environment and CPU; in "
+              f"{kernel_root()})...", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -227,7 +320,7 @@ def _lock(folder: Path, label: str) -> Iterator[bool]:
     try:
         yield _acquire(fd, folder, label)
     finally:
-        os.close(fd)  # releases the flock
+        os.close(fd)
 
 
 def _acquire(fd: int, folder: Path, label: str) -> bool:
@@ -250,6 +343,9 @@ def _acquire(fd: int, folder: Path, label: str) -> bool:
             time.sleep(0.1)
 
 
+_path_lock = threading.Lock()
+
+
 def _put_ninja_on_path() -> None:
     """torch's loader runs `ninja` from PATH; the pip-installed one lives next to this interpreter."""
     dirs = [os.path.dirname(sys.executable)]
@@ -259,7 +355,8 @@ def _put_ninja_on_path() -> None:
         dirs.insert(0, ninja.BIN_DIR)
     except (ImportError, AttributeError):
         pass
-    path = os.environ.get("PATH", "")
-    missing = [d for d in dirs if d not in path.split(os.pathsep)]  # not once more per kernel
-    if missing:
-        os.environ["PATH"] = os.pathsep.join([*missing, path]) if path else os.pathsep.join(missing)
+    with _path_lock:
+        path = os.environ.get("PATH", "")
+        missing = [d for d in dirs if d not in path.split(os.pathsep)]
+        if missing:
+            os.environ["PATH"] = os.pathsep.join([*missing, path]) if path else os.pathsep.join(missing)
