@@ -85,6 +85,8 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer; ``BoundDecoderLayers`` below runs the same ops on prepared kernels (change both)."""
+
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer)
@@ -110,20 +112,8 @@ class SwiGLU(nn.Module):
         return kernels.linear(self.down_proj, kernels.silu_mul(gate, up))
 
 
-# (engine/cpu/decoder_plan.py) The decoder's layers with every weight and kernel looked up once:
-# ``Kernels.decoder_layers`` on the CPU.
-#
-# Why: a decode step of the 0.6B decoder runs 28 layers of about a dozen small calls each, and in the module tree
-# each call passes through ``nn.Module.__call__``, attribute lookups on modules, ``Kernels``' dispatch and the
-# quantized linears' dictionaries before it reaches its kernel. Measured at one row (2 Zen 4 cores, int8 with the
-# int8 KV cache, products replaced by a stored result): 3.2 ms a step of work besides the products, 1.7 ms when the
-# same calls are made from a flat loop over prepared tuples. With the products, this plan against the module tree
-# alternated in one process: 19.7 -> 18.2 ms a step (bf16: 34.7 -> 32.2 ms).
-#
-# The maths is ``model/decoder.py``'s ``DecoderLayer`` op for op, with the same kernels in the same order, so the
-# bits are the same (tests/engine/cpu/test_decoder_plan.py compares the logits of both paths bit for bit, in bf16,
-# float32, int8 and int4). A plan is only built where the fused norms run (``Kernels.fused``); elsewhere the module
-# tree runs as it is.
+# BoundDecoderLayers: DecoderLayer's ops again, as one flat loop over prepared tuples (no per-call module or
+# dictionary lookups; docs/log/*-cpu-decoder-layers-bound.md). Same kernels, same order, same bits: change both.
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # (rows, in) -> (rows, out)
 Products = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # (rows, in) -> each module's (rows, out)
@@ -187,8 +177,7 @@ class BoundDecoderLayers:
 
 
 def bind_decoder_layers(text: TextModel, kernels: Kernels) -> BoundDecoderLayers | None:
-    """A plan for ``text`` on ``kernels``, or None where the module tree must run (no fused norms for the model's
-    dtype: its norms are then the unfused torch ops, which the plan does not repeat)."""
+    """``text``'s layers bound to ``kernels``, or None where the fused norms do not apply (the module tree runs)."""
     if kernels.rms_norm is None or kernels.norm_rope is None or kernels.fused_dtype != text.embed_tokens.weight.dtype:
         return None
     return BoundDecoderLayers(text, kernels)

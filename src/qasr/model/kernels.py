@@ -48,14 +48,14 @@ class Kernels:
     # length) runs of the rows; each row attends to its window's rows. bf16 activations only
     encoder_attention: Callable[..., torch.Tensor] | None = None
     # ``decoder_layers(x, cos, sin, cache, meta) -> x``, when set, runs all of the decoder's layers: DecoderLayer's
-    # ops in the same order on these kernels, with every weight and kernel looked up once (engine/cpu/
-    # decoder_plan.py: a decode step's Python cost). Built for one model; its kernels never hand it to another
+    # ops in the same order on these kernels, with every weight and kernel looked up once (model/decoder.py's
+    # BoundDecoderLayers). Built for one model; its kernels never hand it to another
     decoder_layers: Callable[..., torch.Tensor] | None = None
     # ``conv_gelu(module, x)``, when set: ``conv(module, F.gelu(x))`` with the GELU fused into preparing the
-    # convolution's input (engine/cpu/padded_input.py); ``conv_of_gelu`` falls back to the two steps
+    # convolution's input (engine/cpu/conv.py); ``conv_of_gelu`` falls back to the two steps
     conv_gelu: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] | None = None
     # ``silu_mul(gate, up)``: ``F.silu(gate) * up``; a native form gives the same bits for every result that is not
-    # NaN, in one pass (engine/cpu/silu_mul.py)
+    # NaN, in one pass (engine/cpu/activation_tables.py)
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch_silu_mul
 
     def conv_of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,6 @@
-"""bf16 linear layers on the CPU: every nn.Linear's weight packed once, products on the best kernel.
-
-First choice is qasr's own batch-invariant kernel (the AMX one where the CPU has AMX, else AVX512-BF16;
-see native.py): a row's result never depends on the other rows of the call, so a request decodes to
-the same tokens whatever shares its batch, and few-row products stream the weights at memory speed.
-Without it (no compiler, no AVX512-BF16) the weights are reordered for oneDNN, which runs small-batch
-products two to three times faster than torch's plain bf16 GEMM but may round a row differently
-depending on the batch size. Both compute the same bf16 product with float accumulation.
-
-The packed copies live here, keyed by module; the model's own modules are never changed.
+"""bf16 linear layers on the CPU: every nn.Linear's weight packed once (kept here, keyed by module), products on
+qasr's batch-invariant kernel (AMX or AVX512-BF16; native.py), else on oneDNN, which may round a row differently
+by batch size.
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ class InvariantLinears:
         return out.view(*shape[:-1], module.out_features)
 
     def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self(module, x)`` for 2-D x, with the lookup done now (engine/cpu/decoder_plan.py)."""
+        """``x -> self(module, x)`` for 2-D x, with the lookup done now (model/decoder.py's BoundDecoderLayers)."""
         entry = self.packed.get(module)
         if entry is None:
             return lambda x: self(module, x)

@@ -1,13 +1,5 @@
-"""Keep the engine thread's OpenMP team fast: release idle OpenMP workers owned by other threads.
-
-GNU OpenMP gives every thread that starts a parallel region its own pool of worker threads. Once the
-pools hold more threads than there are CPUs, libgomp stops spin-waiting between parallel regions and
-puts workers to sleep after ~100 spins, so each of the engine's thousands of small parallel regions
-per second pays a futex wake-up: measured on 2 cores, a decode step went from 41 ms to 68 ms merely
-because the main thread had loaded the model (and so owned an idle pool) before the engine thread
-started. ``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's idle pool; the engine
-calls it from the threads that create it and submit to it. A thread that runs torch again simply gets
-a new pool.
+"""Free idle OpenMP worker pools of threads other than the engine's: once the pools outnumber the CPUs, GNU
+OpenMP's workers sleep between regions and each small region pays a wake-up (docs/log/*-cpu-openmp-pools.md).
 """
 
 from __future__ import annotations

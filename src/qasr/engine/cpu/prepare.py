@@ -1,6 +1,6 @@
-"""CPU preparation: pick the native kernels this CPU passed its self-tests with, pack the weights for
-them, and describe the result. engine/device.py keeps the result per model, so a second engine on the
-same checkpoint reuses the packed weights instead of packing (and holding) another copy."""
+"""CPU preparation: pick the native kernels that passed their self-tests here, pack the weights for them, and
+describe the result (engine/device.py keeps it per model, so engines on one checkpoint share the packed weights).
+"""
 
 from __future__ import annotations
 
@@ -32,14 +32,12 @@ Conv = Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]
 
 def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = None,
                 int8_kernel: ModuleType | None = None, int4_kernel: ModuleType | None = None) -> PreparedModel:
-    """``quantize="int8"``: every linear and the encoder's 480-channel convolutions in int8 (engine/cpu/int8.py),
-    on ``int8_kernel`` when given, else on the native int8 module when ``use_native`` and one passed its
-    self-test here, else on the torch reference (same bits, slower). ``quantize="int4"``: the same, except the
-    decoder's linears and the LM head, in int4 W4A8 (engine/cpu/int4.py) on ``int4_kernel`` or the native
-    int4 module or the torch reference."""
+    """The model's kernels for this CPU. ``quantize="int8"``: linears and the 480-channel convolutions in int8
+    (int8.py) on ``int8_kernel``, else the native module, else the torch reference (same bits); ``"int4"``: the
+    same, with the decoder's linears and LM head in int4 (int4.py)."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
-    # bf16: one-pass kernels; float32/float16: the same torch ops composed in C++ (one Python call each)
+    # bf16: one-pass kernels; float32/float16: torch's ops composed in C++
     ops = native.decoder_ops_kernel() if use_native and dtype in FUSED_NORM_DTYPES else None
     encoder_ops = native.encoder_ops_kernel() if use_native and bf16 else None
     parts = []
@@ -48,7 +46,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
             int8_kernel = native_int8_kernel()
         if int4_kernel is None and use_native and quantize == "int4":
             int4_kernel = native.int4_kernel()
-        if dtype not in KERNEL_DTYPES:  # native modules take float32 or bf16 activations; float16: the reference
+        if dtype not in KERNEL_DTYPES:  # float16: the reference
             int8_kernel = int4_kernel = None
         conv = Int8Convs(model, int8_kernel, encoder_ops)
         where = kernel_name(int8_kernel)
@@ -57,7 +55,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
             parts.append(f"int8 W8A8 dynamic linears and encoder convs ({where}; first conv {dtype_name(dtype)})")
         else:
             linear = int4_decoder_linears(model, int8_kernel, int4_kernel, same_input_groups(model))
-            if int4_kernel is None:  # the reference is exact but runs a torch._int_mm per group of 128 features
+            if int4_kernel is None:  # exact, but a torch._int_mm per group of 128 features
                 log.warning("qasr: quantize='int4' runs on its torch reference here (no native int4 kernel: it "
                             "needs AVX512-VNNI and a compiler): same results, several times slower than "
                             "quantize='int8'")
@@ -74,11 +72,11 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
         rms_norm, norm_rope = (ops.rms_norm, ops.norm_rope) if bf16 else (ops.rms_norm_ops, ops.norm_rope_ops)
         silu_mul = native_silu_mul(ops) if bf16 else torch_silu_mul
         parts.append("fused norms and SiLU * up" if bf16 else "norms in one call")
-    group = getattr(linear, "group", None)  # the quantized modes compute same-input linears as one product
+    group = getattr(linear, "group", None)
     parts += ["q/k/v and gate/up as one product each"] if group is not None else []
     encoder_attention = native.encoder_attention_kernel() if use_native and bf16 else None
     parts += ["native encoder attention"] if encoder_attention is not None else []
-    conv_gelu = getattr(conv, "of_gelu", None)  # with or without the native pass: the same bits (padded_input.py)
+    conv_gelu = getattr(conv, "of_gelu", None)
     parts += ["native first conv; GELU and padding between convs in one pass"] if encoder_ops is not None else []
     kernels = Kernels(linear=linear, conv=conv, rms_norm=rms_norm, norm_rope=norm_rope, conv_gelu=conv_gelu,
                       silu_mul=silu_mul,
@@ -104,7 +102,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
 
 def _float_products(model: Qwen3ASRModel, use_native: bool,
                     encoder_ops: ModuleType | None = None) -> tuple[Linear, Conv, str]:
-    """The linear and conv in the checkpoint's own dtype, and the GEMM's name for the description."""
+    """The linear and conv in the checkpoint's dtype, and the GEMM's name."""
     dtype = model.dtype
     bf16 = dtype == torch.bfloat16
     gemm = native.linear_kernel() if use_native and bf16 else None
@@ -117,9 +115,8 @@ def _float_products(model: Qwen3ASRModel, use_native: bool,
 
 
 def _row_invariant(model: Qwen3ASRModel, linear: Linear) -> bool:
-    """Whether every decoder linear gives a row the same bits whatever rows share the call: the quantized modes'
-    products (exact int32 sums per row) and qasr's invariant bf16 GEMM (where it packed them all), not oneDNN's
-    or torch's GEMMs, which pick their blocking by the number of rows."""
+    """Whether every decoder linear gives a row the same bits whatever rows share the call: the quantized modes
+    and the invariant bf16 GEMM where it packed them all (oneDNN and torch block by row count)."""
     if getattr(linear, "kind", None) in ("int8", "int4"):
         return True
     decoder = [m for m in model.model.modules() if isinstance(m, nn.Linear)] + [model.lm_head]
@@ -127,8 +124,7 @@ def _row_invariant(model: Qwen3ASRModel, linear: Linear) -> bool:
 
 
 def native_int8_kernel() -> ModuleType | None:
-    """The native int8 GEMM module that passed its self-test on this CPU (``native.int8_kernel()``), or None:
-    the torch reference runs instead."""
+    """The native int8 GEMM module that passed its self-test here, or None (the torch reference runs)."""
     return native.int8_kernel()
 
 

@@ -1,13 +1,5 @@
-"""The quantized modes' ``linear``: a product per nn.Linear of the model (int8 or int4, engine/cpu/int8.py and
-int4.py), and groups of linears that read the same input computed as one product.
-
-Why groups: a decode step makes ~200 products of one row each, and a small product does not reach the memory
-bandwidth (measured at one row on 2 Zen 4 cores, the 0.6B decoder's q/k/v and gate/up products: int8 14-16 ms a
-step as 140 calls, 8-12 ms as 56 fused ones; int4 7.6-8.0 -> 6.6 ms). Fusing changes no bit: in both modes a
-column's result depends only on the row's quantization (the same for every linear of one input) and on that
-column's own weights and scales, so the product over the concatenated weights, split by columns, is each
-module's product. The model asks for a group through ``Kernels.linears``; a member called alone gets its slice
-of the group's product.
+"""The quantized modes' ``linear``: a product per nn.Linear, and linears of one input (q/k/v, gate/up) as one
+product split by columns (docs/log/*-cpu-quantized-groups.md), which changes no bit.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from qasr.engine.cpu.int8 import Int8Weight
 
 @dataclass(frozen=True)
 class Product:
-    """One quantized weight (a module's, or a group's concatenated) and the kernel that multiplies by it."""
+    """One quantized weight (a module's or a group's) and its kernel."""
 
     weight: Int8Weight | Int4Weight
     kernel: ModuleType | None
@@ -34,16 +26,16 @@ class Product:
         return self.weight.product(x, self.kernel)
 
     def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The same product as a callable that goes straight to the native module where there is one."""
+        """The same product, straight to the native module where there is one."""
         return self.weight.bound(self.kernel)
 
 
-# (weight [N, K], bias [N] or None, the module it is of: the group's first for a group) -> its product
+# (weight, bias, the module or a group's first) -> its product
 MakeProduct = Callable[[torch.Tensor, "torch.Tensor | None", nn.Linear], Product]
 
 
 def same_input_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
-    """The decoder's linears that read one input: each attention's (q, k, v), each MLP's (gate, up)."""
+    """Each attention's (q, k, v) and each MLP's (gate, up)."""
     from qasr.model.decoder import DecoderAttention, SwiGLU
 
     groups: list[tuple[nn.Linear, ...]] = []
@@ -56,8 +48,8 @@ def same_input_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
 
 
 class QuantizedLinears:
-    """``linear(module, x)`` for every nn.Linear of a model, and ``group(modules, x)`` for the groups given.
-    ``kind`` names the mode ("int8", "int4") for descriptions and tests."""
+    """``linear(module, x)`` for every nn.Linear of a model, and ``group(modules, x)`` for the groups given;
+    ``kind`` is "int8" or "int4"."""
 
     def __init__(self, model: nn.Module, make: MakeProduct, kind: str,
                  groups: Sequence[tuple[nn.Linear, ...]] = ()) -> None:
@@ -67,7 +59,7 @@ class QuantizedLinears:
         for group in groups:
             biases = [m.bias for m in group]
             if any(b is None for b in biases) and any(b is not None for b in biases):
-                continue  # a zero bias would add +0.0 where the module adds nothing (-0.0 would turn +0.0)
+                continue  # a zero bias would turn -0.0 into +0.0 where the module adds nothing
             weight = torch.cat([m.weight.detach() for m in group])
             bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
             self.groups[group] = (make(weight, bias, group[0]), tuple(m.out_features for m in group))
@@ -87,24 +79,23 @@ class QuantizedLinears:
         return product(x.reshape(-1, shape[-1])).view(*shape[:-1], product.weight.n)
 
     def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self(module, x)`` for 2-D x, with the lookups done now (engine/cpu/decoder_plan.py)."""
+        """``x -> self(module, x)`` for 2-D x, with the lookups done now (model/decoder.py's BoundDecoderLayers)."""
         product = self.products.get(module)
         if product is None:
             return lambda x: self(module, x)
         return product.bound()
 
     def bind_group(self, modules: tuple[nn.Linear, ...]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """``x -> self.group(modules, x)`` for 2-D x, with the lookups done now."""
+        """``x -> self.group(modules, x)`` for 2-D x, the lookups done now."""
         entry = self.groups.get(modules)
         if entry is None:
             return lambda x: self.group(modules, x)
         product, sizes = entry[0].bound(), list(entry[1])
-        # split_with_sizes: the C++ method itself (Tensor.split's Python wrapper cost 3.5 against 1.6 us a call,
-        # two calls a layer of every decode step)
+        # split_with_sizes: the C++ method, not Tensor.split's Python wrapper (docs/log/*-cpu-group-split.md)
         return lambda x: product(x).split_with_sizes(sizes, -1)
 
     def group(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each module's product of ``x``: column views of one product where ``modules`` is a prepared group."""
+        """Each module's product of ``x`` (column views of one product for a prepared group)."""
         entry = self.groups.get(modules)
         if entry is None:
             return tuple(self(m, x) for m in modules)
@@ -123,8 +114,8 @@ def int8_linears(model: nn.Module, kernel: ModuleType | None = None,
 def int4_decoder_linears(model: nn.Module, int8_kernel: ModuleType | None = None,
                          int4_kernel: ModuleType | None = None,
                          groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
-    """``quantize="int4"``: the decoder's linears (those under ``model.model``) and the LM head W4A8 on
-    ``int4_kernel`` or the torch reference; the encoder's W8A8 on ``int8_kernel`` or torch (engine/cpu/int4.py)."""
+    """``quantize="int4"``: the decoder's linears and the LM head W4A8 on ``int4_kernel`` (or the torch reference),
+    the encoder's W8A8 on ``int8_kernel`` (or torch)."""
     decoder = {m for m in model.model.modules() if isinstance(m, nn.Linear)} | {model.lm_head}
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Linear) -> Product:

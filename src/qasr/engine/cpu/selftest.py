@@ -1,11 +1,8 @@
-"""Self-tests a native kernel passes once, at its first load, on the CPU it is about to run on.
+"""Self-tests a native kernel passes at its first load, on the CPU it runs on, before native.py hands it out.
 
-The kernels are built with -march=native on machines nobody here tested: another CPU generation or
-vendor, an OS that refuses AMX tile data, a compiler that miscompiles an intrinsic. A kernel must never
-give wrong results there, so before the loader (native.py) hands one out it runs a few small calls
-against float32 references computed by torch, on shapes that hit every tile remainder, and the GEMMs
-must also be row-invariant bit for bit. A kernel that fails (or raises) is disabled with one warning and
-the engine uses the next kernel or plain torch. Each check takes milliseconds.
+Kernels are built with -march=native on CPUs, OSes and compilers nobody here tested: each is checked in a few
+small calls against torch references (the GEMMs also row-invariant, bit for bit). A kernel that fails is
+disabled with one warning, and the engine uses the next kernel or plain torch.
 """
 
 from __future__ import annotations
@@ -25,12 +22,12 @@ from qasr.model.decoder import RMSNorm, rotate_half
 
 log = logging.getLogger(__name__)
 
-# Seconds each passing self-test took in this process, by kernel name (for logs and reports).
+# seconds each passing self-test took in this process, by kernel name
 timings: dict[str, float] = {}
 
 
 class SelfTestFailure(AssertionError):
-    """A kernel's result disagreed with the reference (the message says where)."""
+    """A kernel's result disagreed with the reference."""
 
 
 def verified(name: str, module: ModuleType | None, check: Callable[[ModuleType], None]) -> ModuleType | None:
@@ -51,10 +48,9 @@ def verified(name: str, module: ModuleType | None, check: Callable[[ModuleType],
 
 
 def check_gemm(kernel: ModuleType) -> None:
-    """pack / linear / conv against float32 products, and rows independent of the call they are in."""
+    """pack / linear / conv against float32 products; rows independent of their call."""
     gen = torch.Generator().manual_seed(20261130)
-    # (K, N, bias): whole K tiles with a column tail; a K tail (35 pairs = 2 tiles + 3) with a 3-column
-    # last block; the smallest K (one pair) -- every M remainder comes from the 37-row calls.
+    # (K, N, bias): K tiles with a column tail, a K tail, the smallest K; the 37 rows give every M remainder
     for k, n, has_bias in ((96, 130, True), (70, 67, False), (2, 17, True)):
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         bias = torch.randn(n, generator=gen) if has_bias else None
@@ -92,9 +88,7 @@ def _check_conv(kernel: ModuleType, gen: torch.Generator) -> None:
 
 
 def _expect_close(what: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
-    """float32 accumulation and one bf16 rounding: within 2^-8 of the value (the rounding, with room)
-    plus 2^-12 of the sum of |products| (another summation order). A lost K tile, a wrong column or
-    row is far outside that; NaN fails."""
+    """Within 2^-8 of the value (one bf16 rounding) plus 2^-12 of the sum of |products| (summation order)."""
     if got.shape != ref.shape or got.dtype != torch.bfloat16:
         raise SelfTestFailure(f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(ref.shape)} bfloat16")
     err = (got.float() - ref).abs()
@@ -106,19 +100,15 @@ def _expect_close(what: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.
 
 
 def _expect_row_invariant(what: str, full: torch.Tensor, call: Callable[[slice], torch.Tensor]) -> None:
-    """Rows of a 37-row call equal the same rows computed in 1-row and 5-row calls, bit for bit: at the
-    start, across tile boundaries and in the last partial tile."""
+    """Rows of a 37-row call equal the same rows in 1- and 5-row calls, bit for bit."""
     for rows in (slice(0, 1), slice(17, 18), slice(36, 37), slice(0, 5), slice(14, 19), slice(32, 37)):
         if not torch.equal(call(rows), full[rows]):
             raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 37-row call")
 
 
 def check_int8_gemm(kernel: ModuleType) -> None:
-    """pack / quantize_rows / linear / conv against the torch reference of the int8 spec, bit for bit, on odd
-    shapes (K = 1, 3, 65, 1000: K tails of every size; N = 1, 17, 300: column tails), bf16 and float32 inputs,
-    with and without bias, a zero row; and rows alone (M = 1), in 2- and 17-row calls equal to the same rows
-    of a 300-row call (the one-row and few-row calls may take another path than the big one: the AMX kernel
-    runs up to 4 rows on VNNI registers)."""
+    """pack / quantize_rows / linear / conv against the int8 torch reference, bit for bit, over K and N tails,
+    both input dtypes, with and without bias, a zero row; few-row calls equal the rows of a big one."""
     gen = torch.Generator().manual_seed(20261202)
     for i, (k, n) in enumerate((k, n) for k in (1, 3, 65, 1000) for n in (1, 17, 300)):
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
@@ -141,10 +131,8 @@ def check_int8_gemm(kernel: ModuleType) -> None:
 
 
 def check_int4_gemm(kernel: ModuleType) -> None:
-    """pack / linear of the W4A8 kernel against the torch reference of its spec (int4_reference.py), bit for
-    bit: K = 1, 3, 129, 1000 (one short group, a group and one, a short last group), N = 1, 17, 300 (column
-    tails), bf16 and float32 inputs, with and without bias, a zero row and an all-zero weight group; and rows
-    alone (M = 1) and in 2- and 17-row calls equal to the same rows of a 300-row call."""
+    """pack / linear of the W4A8 kernel against the int4 torch reference, bit for bit, over short groups and
+    column tails, both input dtypes, with and without bias, a zero row and group; few-row calls as above."""
     gen = torch.Generator().manual_seed(20261203)
     for i, (k, n) in enumerate((k, n) for k in (1, 3, 129, 1000) for n in (1, 17, 300)):
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
@@ -164,9 +152,7 @@ def check_int4_gemm(kernel: ModuleType) -> None:
 
 def _expect_exact_rows(what: str, linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                        ref: torch.Tensor) -> None:
-    """``linear(x)`` (300 rows) equals ``ref`` bit for bit, in x's dtype, and so do rows computed alone (M = 1,
-    the last row), in a pair (M = 2, with the zero row 7) and in 17 (M = 17): a few-row call may take another
-    path than the big one."""
+    """``linear(x)`` equals ``ref`` bit for bit, and so do rows computed in 1-, 2- and 17-row calls."""
     full = linear(x)
     if full.dtype != x.dtype or full.shape != ref.shape:
         raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {x.dtype}")
@@ -181,8 +167,7 @@ def _expect_exact_rows(what: str, linear: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
-    """conv (patches read in place from a padded NHWC input) against the reference on the explicit im2col rows,
-    bit for bit, float32 and bf16, stride (2, 1) and a kernel row wider than one channel block."""
+    """conv against the reference on the explicit im2col rows, bit for bit, in float32 and bf16."""
     cin, cout = 37, 70
     w_q = torch.randint(-127, 128, (cout, 3 * 3 * cin), generator=gen, dtype=torch.int8)
     w_scale = torch.rand(cout, generator=gen) * 0.02 + 1e-4
@@ -199,8 +184,7 @@ def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
 
 def scattered_pool(kv_heads: int, blocks: int, block_size: int, d: int,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A key and a value pool full of NaN, so a kernel that reads a block it was not given (or a row of a
-    block past a sequence's length) returns NaN; callers ``fill`` the positions their sequences own."""
+    """Key and value pools full of NaN, so a read of a row no sequence owns shows."""
     shape = (kv_heads, blocks * block_size, d)
     return torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
 
@@ -217,10 +201,8 @@ def fill(pool: torch.Tensor, rows: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def check_prefill_attention(kernel: ModuleType) -> None:
-    """Causal attention of a 9-token chunk after 70 cached tokens (2 key blocks of the kernel, GQA 4:2) in
-    16-token pool blocks scattered out of order, against float32 attention; every row the sequence does
-    not own (other blocks, its last block's tail) holds NaN and must not be read; a chunk's rows are
-    independent."""
+    """A 9-token chunk after 70 cached tokens in scattered blocks against float32 attention; rows the sequence
+    does not own are never read; a chunk's rows are independent."""
     gen = torch.Generator().manual_seed(7)
     kv_heads, heads, d, bs, ctx, n = 2, 4, 128, 16, 70, 9
     table = [7, 2, 9, 0, 5]  # 80 positions: 79 used, the tail of block 5 unwritten
@@ -248,10 +230,8 @@ def check_prefill_attention(kernel: ModuleType) -> None:
 
 
 def check_decode_attention(kernel: ModuleType) -> None:
-    """One query token per sequence (bf16 head_dim 128: the AVX-512 path; float32 head_dim 64: the
-    portable loop) in 16-token blocks scattered out of order, against float32 attention; rows the
-    sequences do not own hold NaN and must not be read; the new key/value store through the table; a
-    row alone equals it in a batch."""
+    """One query per sequence in scattered blocks (the AVX-512 path and the portable loop) against float32
+    attention; the new key/value stored; a sequence alone equals it in a batch."""
     gen = torch.Generator().manual_seed(11)
     bs = 16
     tables = [[3], [12, 1, 7, 4, 10], [6, 0, 9]]  # one block, five out of order, three (the last partly used)
@@ -287,11 +267,9 @@ def check_decode_attention(kernel: ModuleType) -> None:
 
 def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tabs: torch.Tensor, lens: torch.Tensor,
                                 bs: int) -> None:
-    """The int8 pool (engine/kv_cache.py): quantize_kv equals the torch definition bit for bit (an all-zero row
-    included), and store_kv_int8 stores those bits at the rows it is given; decode_attention_int8 stores the new
-    rows quantized and matches float32 attention over the values it reads (bf16 head_dim 128: the AVX-512 path;
-    head_dim 64: the portable loop); a sequence alone gets the bits it gets in a batch; dequantize_kv_rows gives a
-    sequence's rows dequantize_kv's bits, padded."""
+    """The int8 pool (engine/kv_cache.py): quantize_kv and store_kv_int8 give the torch definition's bits;
+    decode_attention_int8 stores the new rows and matches float32 attention, alone as in a batch;
+    dequantize_kv_rows gives dequantize_kv's bits, padded."""
     from qasr.engine.kv_cache import dequantize_kv, quantize_kv_reference
 
     gen = torch.Generator().manual_seed(12)
@@ -326,8 +304,7 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
             nq, ns = quantize_kv_reference(new)
             if not (torch.equal(pool[:, last], nq.transpose(0, 1)) and torch.equal(scales[:, last], ns.T)):
                 raise SelfTestFailure(f"decode attention int8 {dtype}: new rows not stored quantized")
-        # the values each path reads: float(q) * scale on the AVX-512 path (whose queries, rounded to int16 per row, are
-        # off by 1.5e-5 of their largest value at most), rounded to the dtype on the portable one
+        # the values each path reads: float(q) * scale on the AVX-512 path, rounded to the dtype on the portable one
         read_as = torch.float32 if d == 128 else dtype
         kf, vf = dequantize_kv(kq, ks, read_as).float(), dequantize_kv(vq, vs, read_as).float()
         ref = torch.stack([
@@ -349,8 +326,7 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
                 raise SelfTestFailure(f"dequantize_kv_rows {dtype} d={d}: differs from dequantize_kv")
 
 def check_encoder_attention(kernel: ModuleType) -> None:
-    """Windows of 104, 13 and 1 rows (head_dim 64, the AVX-512 path, in bf16 and float32; head_dim 48, the
-    portable loop) against float32 SDPA over each window's rows; a window alone equals it among others."""
+    """Windows of 104, 13 and 1 rows against float32 SDPA; a window alone equals it among others."""
     gen = torch.Generator().manual_seed(17)
     windows = torch.tensor([[0, 104], [104, 13], [117, 1]])
     for dtype, d, tol in ((torch.bfloat16, 64, 1e-2), (torch.float32, 64, 1e-4), (torch.bfloat16, 48, 1e-2)):
@@ -365,8 +341,7 @@ def check_encoder_attention(kernel: ModuleType) -> None:
 
 
 def check_decoder_ops(kernel: ModuleType) -> None:
-    """rms_norm and norm_rope against the same steps in torch (float math, bf16 where torch rounds), silu_mul
-    against torch's bits."""
+    """rms_norm and norm_rope against the torch steps, silu_mul against torch's bits."""
     gen = torch.Generator().manual_seed(5)
     eps = 1e-6
 
@@ -392,8 +367,7 @@ def check_decoder_ops(kernel: ModuleType) -> None:
 
 
 def check_silu_mul(kernel: ModuleType) -> None:
-    """silu_mul against torch's F.silu(gate) * up bit for bit, on the column halves of one product (views, as the
-    engine passes them) 40 wide (two 16-value vectors and a tail), zeros and large values included."""
+    """silu_mul against F.silu(gate) * up bit for bit, on column views as the engine passes them."""
     from qasr.engine.cpu.activation_tables import silu_table
 
     gen = torch.Generator().manual_seed(7)
@@ -409,10 +383,8 @@ def check_silu_mul(kernel: ModuleType) -> None:
 
 
 def check_encoder_ops(kernel: ModuleType) -> None:
-    """pad_gelu against F.pad(F.gelu(x)) of the contiguous (n, h, w, c) tensor bit for bit (padded_input.py says
-    why contiguous): channels-last and channels-first inputs, padding on both axes, one axis and none, values
-    from -8 to 8 (GELU's curved part) and beyond, zeros; a NaN stays NaN. conv_one_channel against float32
-    convolutions."""
+    """pad_gelu against F.pad(F.gelu(x)) of the contiguous tensor bit for bit, from either memory layout;
+    conv_one_channel within a bf16 step of float32 convolutions."""
     from qasr.engine.cpu.activation_tables import gelu_table
 
     gen = torch.Generator().manual_seed(6)
@@ -426,8 +398,7 @@ def check_encoder_ops(kernel: ModuleType) -> None:
             same = got.view(torch.int16) == want.view(torch.int16)
             if not (got.is_contiguous() and bool((same | (got.isnan() & want.isnan())).all())):
                 raise SelfTestFailure(f"pad_gelu (padding {ph}, {pw}): differs from F.pad(F.gelu(x))")
-    # conv_one_channel: float32 sums rounded once to bf16, so within one bf16 step of the float32 convolution's
-    # rounding; an image alone gets the bits it gets in a batch
+    # conv_one_channel: float32 sums rounded once to bf16; an image alone gets the bits it gets in a batch
     for (kh, kw, sh, sw, ph, pw), has_bias in (((3, 3, 2, 2, 1, 1), True), ((2, 3, 1, 2, 0, 1), False)):
         img = (torch.randn(3, 1, 11, 8, generator=gen) * 3).to(torch.bfloat16)
         w = (torch.randn(40, 1, kh, kw, generator=gen) / 3).to(torch.bfloat16)
@@ -444,7 +415,7 @@ def check_encoder_ops(kernel: ModuleType) -> None:
 
 
 def check_float_decoder_ops(kernel: ModuleType) -> None:
-    """The float forms run the model's own torch ops in C++: the same bits as model/decoder.py, asked exactly."""
+    """The float forms give model/decoder.py's bits exactly."""
     gen = torch.Generator().manual_seed(6)
     for dtype in (torch.float32, torch.float16):
         norm = RMSNorm(64, 1e-6).to(dtype)
