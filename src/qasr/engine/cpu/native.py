@@ -1,23 +1,17 @@
-"""The optional C++ kernels, built once per environment and CPU with torch's extension loader (build.py:
-where, under which lock, with which messages), each proved by a self-test (selftest.py) on the CPU it runs on
-before anything uses it.
+"""The optional C++ kernels of csrc/, built once per environment and CPU (build.py) and each proved by a
+self-test on the CPU it runs on (selftest.py) before anything uses it:
 
-- decode attention: streams every cached key and value once per step; torch's GEMM kernels run the
-  (2 query heads x context) shape far below memory bandwidth on CPUs, so a small loop does it instead.
-- encoder attention: the audio encoder's windowed attention on each window's own rows; torch's masked SDPA
-  over windows padded to their full length costs ~3 ms a layer on 2 cores even for one short live window.
-- decoder ops: RMSNorm and q/k-norm + rotary in one pass each (a decode step is dispatch-bound there); for
-  float32/float16 the torch ops themselves, composed in C++ (one Python call, one GIL hand-off, same bits).
-- batch-invariant bf16 GEMMs (a row's result never depends on the other rows of the call, which oneDNN
-  does not promise): on AMX tiles where the CPU has them (amx_linear.cpp), else AVX512-BF16
-  (bf16_linear.cpp; the flash-style prefill attention in prefill_attention.cpp). Both pack weights the same way.
-- exact int8 W8A8 GEMMs (int8.py's torch reference is the arithmetic, bit for bit): on AMX-INT8 tiles
-  (amx_int8.cpp), else AVX512-VNNI (int8_linear.cpp), else 256-bit AVX-VNNI (int8_avx_vnni.cpp). All pack
-  weights the same way.
-- exact int4 W4A8 GEMM (int4.py's torch reference; group-wise int4 weights, int8 activations) on AVX512-VNNI
-  (int4_linear.cpp), for ``quantize="int4"``'s decoder.
-A kernel that cannot be built, or fails its self-test, is None: the engine falls back to the next kernel or
-to plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off, QASR_NO_AMX=1 the AMX one.
+- decode attention: one pass over every cached key and value per step, where torch's GEMMs run the
+  (2 query heads x context) shape far below memory bandwidth.
+- encoder attention: each audio window's rows over that window only, not SDPA over padded windows.
+- decoder ops: RMSNorm, q/k-norm + rotary, SiLU(gate) * up in one pass each (a decode step is dispatch-bound).
+- batch-invariant bf16 GEMMs (a row never depends on the call's other rows): AMX, else AVX512-BF16; the
+  flash-style bf16 prefill attention.
+- exact int8 W8A8 GEMMs (int8.py's reference, bit for bit): AMX-INT8, else AVX512-VNNI, else AVX-VNNI; the
+  exact int4 W4A8 GEMM (int4.py) on AVX512-VNNI.
+A loader gives None where its kernel cannot be built, does not suit the CPU or fails its self-test; the
+engine then takes the next kernel or plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off,
+QASR_NO_AMX=1 the AMX ones. docs/kernels.md has which kernel runs where.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -34,7 +29,7 @@ from qasr.engine.cpu.build import cpu_flags
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ("-O3", "-march=native", "-fopenmp")
-# -march=native enables AMX on AMX CPUs with recent compilers; naming it keeps older defaults honest.
+# -march=native enables AMX with recent compilers; naming it serves older ones
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 # (module name, source, flags) of each build; `qasr kernels build` builds the same ones
 DECODE_ATTENTION = ("qasr_decode_attention", "decode_attention.cpp", ("-ffast-math",))
@@ -49,7 +44,7 @@ NO_FMA = ("-ffp-contract=off",)
 INT8_VNNI = ("qasr_int8_vnni", "int8_linear.cpp", NO_FMA)
 INT4_VNNI = ("qasr_int4_vnni", "int4_linear.cpp", NO_FMA)
 AMX_INT8 = ("qasr_amx_int8", "amx_int8.cpp", (*NO_FMA, "-mamx-tile", "-mamx-int8"))
-# without AVX-512 even where the CPU has it: this kernel is for CPUs that lack it, and must run as it would there
+# without AVX-512 even where the CPU has it: the kernel is for CPUs that lack it
 AVX_VNNI = ("qasr_int8_avx_vnni", "int8_avx_vnni.cpp", (*NO_FMA, "-mno-avx512f", "-mavxvnni"))
 # the CPU flags without which a kernel is not even built (it would compile to supported() == False)
 AMX_CPU = frozenset({"amx_bf16", "amx_tile"})
@@ -200,7 +195,7 @@ def clear_caches() -> None:
 @functools.cache
 def _bf16_module(build_spec: tuple = BF16_LINEAR) -> ModuleType | None:
     if not AVX512_BF16_CPU <= cpu_flags():
-        return None  # not built at all, as the AMX one: a minute's compile of a kernel that cannot run here
+        return None  # not even built, as the AMX one
     mod = _build(*build_spec)
     return mod if mod is not None and mod.supported() else None
 
@@ -217,6 +212,37 @@ def spec(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[str
     return build.KernelSpec(name, CSRC / source, (*BASE_FLAGS, *flags), ("-fopenmp",), include)
 
 
-@functools.cache
+def build_all(builds: list[tuple], retry: bool = False) -> dict[tuple, float]:
+    """Build each of ``builds`` (the tuples above), as many at once as this process has CPUs, for the loaders
+    to find; ``retry`` tries a build that failed before again. Each build's seconds."""
+    if os.environ.get("QASR_NO_NATIVE") == "1":
+        return {}
+    seconds: dict[tuple, float] = {}
+
+    def job(build_spec: tuple) -> None:
+        start = time.monotonic()
+        key = _key(*build_spec)
+        _modules[key] = build.build(spec(*key), retry=retry)
+        seconds[build_spec] = time.monotonic() - start
+
+    build.build_all([functools.partial(job, b) for b in dict.fromkeys(builds)])
+    return seconds
+
+
+def built_module(build_spec: tuple) -> ModuleType | None:
+    """The module this process built for ``build_spec`` (before any self-test), or None."""
+    return _modules.get(_key(*build_spec))
+
+
+_modules: dict[tuple, ModuleType | None] = {}  # every build of this process, by _key
+
+
+def _key(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> tuple:
+    return name, source, tuple(flags), tuple(include)
+
+
 def _compile(name: str, source: str, flags: tuple[str, ...], include: tuple[str, ...]) -> ModuleType | None:
-    return build.build(spec(name, source, flags, include))
+    key = _key(name, source, flags, include)
+    if key not in _modules:
+        _modules[key] = build.build(spec(*key))
+    return _modules[key]
