@@ -1,18 +1,9 @@
-// int8 W8A8 linear layer on Intel AMX-INT8 tiles (tdpbssd: int8 x int8, int32 accumulation), exact to the
-// spec in int8_common.h, for Xeons from Sapphire Rapids on.
+// int8 W8A8 linear layer on AMX-INT8 tiles (tdpbssd), exact to the spec in int8_common.h.
 //
-// Tiles: C is 32 rows x 32 columns of int32 in four tiles (tmm0-3), A two 16-row tiles of 64 int8 of K
-// (tmm4-5), B two tiles of 16 four-value groups x 16 columns (tmm6-7), read in place from the packed weight
-// (int8_common.h: a group of 4 k values is 64 columns x 4 bytes = 256 bytes, so a B tile is 16 rows of 64 bytes
-// with a 256-byte stride). The panel of quantized rows is padded to 32 rows and K to 64 with zeros, so every
-// tile is full and one tile configuration serves every call; padding rows are computed and not stored,
-// padded K multiplies zero weights. The integer products are exact, so neither this blocking nor the thread
-// split can change a result.
-//
-// Work items are (64-column block, 32-row pair), block-major: a thread keeps one block's weights in cache
-// while the row pairs pass; a decode call (M <= 32) is one row pair, and the items are the column blocks, so
-// the weights stream once, split over the threads. A call of <= 16 rows uses one A tile and two C tiles; a
-// call of <= 4 rows runs on AVX512-VNNI registers instead (int8_common.h: vnni512_run), the same exact sums.
+// C: 32 x 32 int32 in tmm0-3; A: two 16-row tiles of 64 int8 of K (tmm4-5); B: two tiles read in place from
+// the packed weight with a 256-byte stride (tmm6-7). Rows are padded to 32 and K to 64 with zeros, so one tile
+// configuration serves every call. Items are (64-column block, 32-row pair), block-major; calls of <= 4 rows
+// run on AVX512-VNNI registers instead (vnni512_run). The sums are exact, so no blocking changes a result.
 #include "amx_tiles.h"
 #include "int8_common.h"
 
@@ -118,9 +109,8 @@ static constexpr int8::RunFn run = nullptr;
 #endif
 
 #if QASR_AMX_INT8 && defined(__AVX512VNNI__)
-// Up to 4 rows, AVX512-VNNI registers beat 16-row tiles that mostly multiply padding (single thread,
-// K = 1024, N = 3072 on the 2-vCPU AMX Xeon of docs/kernels.md, VNNI vs tiles: 1 row 63 vs 54 GOP/s, 4 rows
-// 248 vs 201; 6 rows 266 vs 294).
+// Up to 4 rows, AVX512-VNNI registers beat 16-row tiles that mostly multiply padding
+// (docs/log/*-cpu-amx-int8-few-rows.md).
 static const int8::Gemm GEMM{"qasr AMX-INT8", "this build or CPU lacks AMX-INT8, or the OS refused tile data",
                              supported, run, 0, 4, int8::vnni512_run, 0x80};
 #else

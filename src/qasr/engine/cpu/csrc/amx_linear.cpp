@@ -1,28 +1,12 @@
-// Batch-invariant bfloat16 linear layer on Intel AMX tiles (TDPBF16PS), for Xeons from Sapphire Rapids on.
-//
-// Why: on those CPUs oneDNN's AMX GEMM is ~5x faster than our AVX512-BF16 kernel (bf16_linear.cpp) but
-// rounds a row differently depending on how many rows share the call. This kernel keeps the invariance
-// rule of bf16_linear.cpp -- every output element is one float32 accumulation over K in a fixed order --
-// on the AMX units:
-//   - K is cut into tiles of 32 values (16 pairs) at fixed offsets 0, 32, 64, ..., accumulated in
-//     ascending order into the same C tile; K is never split across threads, and nothing depends on M.
-//   - a tile row is one matrix row: AMX computes each C row from its own A row only, so the other rows of
-//     the tile (other rows of the call, or zero padding) never touch it.
-//   - a K tail (K % 32 != 0) is padded with zero values on both sides (A in a zero-padded panel, B in a
-//     zero-padded copy of the block's last k-pair rows), the same for every M.
-// Work is parallel over (row pair, column block) items, each computing all of K for its 32 x 64 outputs,
-// so the thread split never changes the arithmetic either. Decode-sized calls (M = 1..32) are one row pair:
-// the items are the column blocks, and the weights stream once, spread over the threads.
-//
-// Module interface, packed weight layout and the front of linear() / conv() are shared with bf16_linear.cpp
-// (gemm_common.h): supported(), pack(w), linear(x, packed, N, bias), conv(...). The layout
-// (N_pad / 64, K / 2, 64, 2) bf16 holds, for each k pair, 64 columns x 2 values = 256 bytes; an AMX B tile
-// (16 k pairs x 16 columns x 2 values) is 16 rows of 64 bytes of it, loaded in place with a row stride of
-// 256 bytes. Weights packed once serve both kernels.
-//
-// Nobody on the team could run this on AMX hardware when it was written: tests compile this AMX path
-// everywhere (with explicit -mamx flags) and run it against a scalar model of the tile instructions
-// (tests/amx_emulate.h, -DQASR_AMX_EMULATE); on an AMX CPU the loader's self-test checks it before use.
+// Batch-invariant bfloat16 linear layer on AMX-BF16 tiles (TDPBF16PS), with bf16_linear.cpp's rule: every
+// output is one float32 accumulation over K in a fixed order, whatever M (oneDNN's AMX GEMM rounds a row by
+// how many rows share the call).
+//   - K tiles of 32 values at fixed offsets, accumulated in ascending order; K is never split across threads.
+//   - AMX computes each C row from its own A row, so other rows (or zero padding) never touch it.
+//   - a K tail is zero-padded on both sides (A panel, B copy of the block's last k pairs), for every M.
+// Items are (row pair, column block), each all of K for 32 x 64 outputs; a decode call is one row pair.
+// Interface and packed layout are gemm_common.h's; a B tile is 16 rows of 64 bytes of a block, read in place
+// with a 256-byte stride. Tests run this path on a scalar model of the tiles (tests/amx_emulate.h).
 #include "amx_tiles.h"
 #include "gemm_common.h"
 #include <vector>

@@ -1,15 +1,7 @@
-// Batch-invariant bfloat16 linear layer for CPUs with AVX512-BF16.
-//
-// Why our own: oneDNN picks different blockings (and K splits) for different row counts, so a row's
-// result depends on how many other rows share the call -- a request's tokens would then depend on its
-// neighbours in the batch. Here every output element is one float32 accumulation over K in a fixed
-// order (k pairs, ascending, one vdpbf16ps lane), whatever M is and whichever tile the row falls in.
-// It is also the fast path for decode: with few rows the product streams the weight once at close to
-// memory bandwidth, parallel over column blocks.
-//
-// Packed weight layout (shared with amx_linear.cpp, as pack() and the front of linear() / conv() are:
-// gemm_common.h): (N_pad / 64, K / 2, 64, 2) bf16, so one k pair of a block is four contiguous 64-byte
-// vectors.
+// Batch-invariant bfloat16 linear layer on AVX512-BF16: every output is one float32 accumulation over K in a
+// fixed order (k pairs ascending, one vdpbf16ps lane), whatever M, so a row never depends on its batch (oneDNN
+// picks its blocking by row count). Few rows stream the weight once, parallel over column blocks.
+// Packed layout and interface: gemm_common.h (shared with amx_linear.cpp).
 #include "bf16_dot_tile.h"
 
 #if QASR_HAS_BF16
@@ -39,11 +31,9 @@ static void run(const Rows& rows, int64_t M, const uint16_t* packed, int64_t N, 
   // while many rows pass over them, column blocks spread the weight stream over the threads.
   const int64_t rows_per_group = 6 * MR;
   const int64_t groups = (M + rows_per_group - 1) / rows_per_group;
-  // Item order is for the caches only (every tile is the same computation in any order): block-major
-  // keeps a weight block in L2 while all row groups pass over it; once the rows no longer fit in the
-  // last-level cache that re-reads them from memory for every block (measured: an encoder conv GEMM,
-  // 6400 x 4320 x 480, ran at 200 GFLOP/s instead of 440), so large inputs go group-major: a row group
-  // stays in L2 while the blocks pass.
+  // Item order is for the caches only: block-major keeps a weight block in L2 while the row groups pass;
+  // inputs larger than the last-level cache go group-major, so rows are not re-read from memory per block
+  // (docs/log/*-cpu-bf16-gemm-group-major.md).
   const bool group_major = M * kpairs * 4 > (int64_t(16) << 20);
   at::parallel_for(0, blocks * groups, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {

@@ -18,12 +18,9 @@
 template <typename T>
 static inline float as_float(T x) { return static_cast<float>(x); }
 
-// Runs body(begin, end) over the (sequence, kv head) tasks [0, batch * kv_heads), split between the threads by
-// the keys they stream rather than by their count: at::parallel_for's split by count gave one thread the long
-// sequences of a batch whose contexts differ (a 1,600-token request beside four of 100-900), and the other
-// waited. Each thread takes one contiguous run of tasks holding about an equal share of the keys. A task's
-// result does not depend on which thread runs it. Small calls stay on the calling thread: waking a thread
-// team costs more than the work, and far more when the cores are busy with other processes.
+// Runs body(begin, end) over the (sequence, kv head) tasks [0, batch * kv_heads), each thread a contiguous run
+// holding about an equal share of the keys (a split by count leaves a thread with the long contexts). Small
+// calls stay on the calling thread. A task's result does not depend on which thread runs it.
 template <typename Body>
 static void for_tasks_by_keys(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t dim, const Body& body) {
   const int64_t n = batch * kv_heads;
@@ -66,10 +63,8 @@ static inline void load32_bf16(const at::BFloat16* p, __m512& even, __m512& odd)
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
-// acc + a * b, fused (one rounding, as _mm512_fmadd_ps), in inline assembly: the values passes hold 16 float32
-// accumulators (REP 2 x 128 dims) in an array, and GCC 12 kept that array on the stack, storing every
-// accumulator back after each fma (seen in perf annotate: the values pass was most of the int8 kernel's time);
-// the tied "+v" operand keeps each accumulator in a register.
+// acc + a * b, fused (one rounding, as _mm512_fmadd_ps), in inline assembly: the tied "+v" operand keeps each
+// of the values pass's 16 accumulators in a register (GCC's intrinsic let it spill the array to the stack).
 static inline __m512 fma_acc(__m512 acc, __m512 a, __m512 b) {
   asm("vfmadd231ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
@@ -81,13 +76,9 @@ static inline int64_t next_block_row(const int64_t* table, int64_t t0, int64_t l
   return t0 + bs < len ? g * pool + table[t0 / bs + 1] * bs : -1;
 }
 
-// The next block of a sequence lies anywhere in the pool: its first rows would start cold, after the hardware
-// prefetchers had run to the end of the current block. Each key (or pair) read asks for the next block's row at
-// the same offset, so that block is in cache by the time it is reached. Into L2 (T1), not L1 (T0): a prefetch
-// into L1 holds one of the core's few L1 miss buffers until its line arrives, and with a block's worth in
-// flight the loads of the current block queued behind them. On an AMD EPYC (Zen 4, 2 threads), 64-token blocks
-// scattered over the pool: T0 read 15-21 GB/s, T1 23-32 GB/s (0.64-0.76x the time, int8 and bf16 pools alike);
-// consecutive blocks read the same either way (benchmarks/kv_int8_rates.py, docs/engine.md).
+// The next block of a sequence lies anywhere in the pool, so each key (or pair) read prefetches the next block's
+// row at the same offset. Into L2 (T1), not L1: L1 prefetches hold the few L1 miss buffers the current block's
+// loads need (docs/log/*-cpu-decode-attention-prefetch.md).
 static inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
@@ -236,7 +227,6 @@ static inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 // products an instruction), scaled once by the query's and the key row's scales; two keys at a time, their
 // horizontal sums four at once. Values: a row's scale is folded into its softmax weight, each value widened to
 // float once and accumulated in float32 in position order. A row's result does not depend on the other rows.
-// (Dequantizing every value to float first made this loop compute-bound and slower than the bf16 one.)
 template <int REP>
 static void run_int8_d128(const at::BFloat16* q, const int8_t* kq, const float* ks, const int8_t* vq,
                           const float* vs, at::BFloat16* out, const int64_t* tables, int64_t width, int64_t bs,
@@ -567,7 +557,7 @@ std::vector<torch::Tensor> quantize_kv(torch::Tensor x) {
 
 // x (n, KVH, D) float32 or bf16 quantized as quantize_kv does and stored at pool rows index (n,): row index[i] of
 // each kv head g gets x[i, g] (pool (KVH, P, D) int8, scales (KVH, P) float32). The same bits as quantize_kv
-// followed by the two index stores; one pass instead of five torch ops (a prefill chunk's keys and values).
+// followed by the two index stores, in one pass (a prefill chunk's keys and values).
 void store_kv_int8(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor index) {
   TORCH_CHECK(pool.is_contiguous() && scales.is_contiguous() && pool.scalar_type() == at::kChar &&
               scales.scalar_type() == at::kFloat && pool.dim() == 3 && scales.dim() == 2 &&
@@ -702,7 +692,7 @@ static void dequantize_rows(const int8_t* q, const float* scales, const int64_t*
 // k_out[g, i] and v_out[g, i] (kv_heads, length, D; bf16 or float32, preallocated by the caller) get pool row
 // rows[i] of kv head g dequantized exactly as torch's dequantize_kv gives it (float(q) * scale rounded to the
 // output's dtype); rows after rows.numel() (the padding to whole blocks) are zeros. The same bits as the torch
-// gather + dequantize + pad, which made several passes over float32 copies (slower than the attention itself).
+// gather + dequantize + pad, in one pass.
 void dequantize_kv_rows(torch::Tensor kpool, torch::Tensor vpool, torch::Tensor kscale, torch::Tensor vscale,
                         torch::Tensor rows, torch::Tensor k_out, torch::Tensor v_out) {
   TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kscale.is_contiguous() && vscale.is_contiguous() &&

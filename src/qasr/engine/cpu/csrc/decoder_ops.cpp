@@ -1,13 +1,7 @@
-// Fused bf16 elementwise steps of a decoder layer on CPU: RMSNorm, q/k RMSNorm + rotary, and the MLP's
-// SiLU(gate) * up.
-//
-// A decode step runs 28 layers of small tensors; in plain torch each RMSNorm is eight ops and the
-// rotary six more per projection, each paying a dispatch (and an OpenMP team wake-up) of several
-// microseconds -- about 7 ms of a 50 ms step. These kernels do each in one pass, row by row, with the
-// same roundings as the torch code (float math, bf16 results where torch rounds to bf16). Rows are taken
-// eight at a time, their sums of squares added side by side, and the element-wise steps run 16 values at a
-// time with AVX-512: the bits of the row-by-row scalar loops (kept for other widths and CPUs), 1.7-2.2x
-// faster (0.6B decoder, 2 Zen 4 cores: q norm + rotary 31.6 -> 17.7 us at 8 rows, 969 -> 539 us at 512).
+// Fused bf16 elementwise steps of a decoder layer: RMSNorm, q/k RMSNorm + rotary, and the MLP's SiLU(gate) * up,
+// each one pass instead of several torch ops (each a dispatch), with torch's roundings (float math, bf16 where
+// torch rounds). Rows eight at a time and 16 values a step with AVX-512 give the bits of the scalar loops, which
+// stay for other widths and CPUs (docs/log/*-cpu-fused-norms*.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -175,11 +169,10 @@ torch::Tensor norm_rope(torch::Tensor x, torch::Tensor weight, torch::Tensor cos
 
 // silu(gate) * up for bf16 rows, torch's F.silu(gate) * up in one pass: gate and up (N, F) with contiguous rows at
 // any row stride (the column halves of one gate/up product are read in place); table: 65,536 float32, table[bits] =
-// torch's F.silu of the bf16 value with those bits, a bf16 value held as float32 (engine/cpu/silu_mul.py makes it
+// torch's F.silu of the bf16 value with those bits, a bf16 value held as float32 (activation_tables.py makes it
 // with torch itself, so no exp is written here; float32 so that AVX-512 gathers 16 entries at a time from it)
 // -> (N, F) contiguous bf16. The product is float32 (exact: two 8-bit significands) rounded once to bf16 as
-// torch's bf16 multiply rounds. In torch these are two passes and a temporary (with the torch profiler on, 0.37 +
-// 0.18 s of the quick int8 run on 2 Zen 4 cores); here 600 -> 410 us at 416 x 3,072, 21 -> 14 us at 5 rows.
+// torch's bf16 multiply rounds: one pass instead of torch's two (docs/log/*-cpu-silu-mul.md).
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, torch::Tensor table) {
   TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
                   gate.sizes() == up.sizes(), "silu_mul: gate and up (N, F) bfloat16 of one shape");

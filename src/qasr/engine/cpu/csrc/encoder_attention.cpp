@@ -1,9 +1,8 @@
 // Attention inside the audio encoder's windows: every row of a window attends to every row of the same
 // window (no causality), the windows given as (start, length) runs of the packed rows. One task per
 // (window, head); each query row is computed alone over its window's keys in order, in float32, so a row's
-// result depends on its window only, never on how many windows or rows share the call. (The padded SDPA it
-// replaces got that invariance by padding every window to its full 104 rows and masking: ~3 ms a layer on 2
-// cores even for a live session's one short window.)
+// result depends on its window only, never on how many windows or rows share the call, with no padding of
+// every window to 104 rows (docs/log/*-cpu-encoder-attention.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>

@@ -1,11 +1,7 @@
-// Two steps of the encoder's conv front on CPU (bf16): the first convolution (one input channel), and the step
-// between two convolutions -- GELU of the first one's output, zero-padded as the next one reads it (channels-last).
-//
-// In torch the latter is three passes over the activation -- gelu, then F.pad filling a new tensor with zeros and
-// copying the interior in (with the torch profiler on the quick int8 run: GELU 0.52 s, F.pad's copies 0.45 s, on 2
-// Zen 4 cores). Here each value is read once and written once. GELU of a bf16 value is a lookup in a table of all
-// 65,536 bf16 inputs that the caller computes with torch's own F.gelu (engine/cpu/padded_input.py): the same bits
-// as torch's contiguous GELU by construction, in any torch version, with no erf written here.
+// Two steps of the encoder's conv front (bf16): the first convolution (one input channel), and GELU of a
+// convolution's output zero-padded channels-last as the next one reads it, in one pass instead of torch's three.
+// GELU is a lookup in a table of torch's own F.gelu at all 65,536 bf16 values (activation_tables.py): torch's
+// contiguous GELU bits by construction. Figures: docs/log/*-cpu-encoder-ops.md.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -58,9 +54,7 @@ torch::Tensor pad_gelu(torch::Tensor x, torch::Tensor table, int64_t ph, int64_t
 // cout) float32 (tap-major: (ky, kx) order), bias (cout) float32 or none -> (n, ho, wo, cout) bf16, channels-last
 // as the GEMM convolutions after it read it. Each output is float32: bias, then + x * w for the taps in (ky, kx)
 // order (zero padding adds nothing), rounded once to bf16 -- a position's result depends on nothing else.
-// Why: oneDNN ran this convolution at 4-20 ms per 8 chunks on 2 Zen 4 cores (its speed moved between processes
-// with the weight's and input's strides) and wrote it channels-first, so the next step transposed 25 MB; this
-// is a few multiply-adds per output value, written once where the next convolution reads it.
+// Why: oneDNN's speed here moved with the strides, and it wrote channels-first, which the next step transposed.
 torch::Tensor conv_one_channel(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t kh,
                                int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw) {
   TORCH_CHECK(x.dim() == 4 && x.size(1) == 1 && x.scalar_type() == at::kBFloat16, "conv_one_channel: (n, 1, h, w) bfloat16");

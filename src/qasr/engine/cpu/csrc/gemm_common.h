@@ -1,11 +1,8 @@
-// What qasr's two batch-invariant bf16 GEMM kernels share (amx_linear.cpp on AMX tiles, bf16_linear.cpp on
-// AVX512-BF16 registers): the packed weight layout and pack(), the rows a product reads, and the front of
-// linear() and conv() -- argument checks, bias to float32, the output tensor -- which hands the product to
-// the kernel's own run(). Each kernel keeps its arithmetic in its own file; this header holds none.
+// What the two batch-invariant bf16 GEMM kernels share (amx_linear.cpp, bf16_linear.cpp): the packed weight
+// layout and pack(), the rows a product reads, and the front of linear() and conv(); no arithmetic.
 //
-// Packed weight layout: (N_pad / 64, K / 2, 64, 2) bf16 -- for each block of 64 output columns and each
-// pair of input features, the 64 columns' two weights sit next to each other, so one k pair of a block is
-// 64 columns x 2 values = 256 contiguous bytes. Weights packed once serve both kernels.
+// Packed weight: (N_pad / 64, K / 2, 64, 2) bf16 -- per block of 64 output columns and pair of input features,
+// the 64 columns' two weights side by side (256 contiguous bytes). Weights packed once serve both kernels.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -117,10 +114,8 @@ inline torch::Tensor gemm_conv(const Gemm& g, torch::Tensor xp, torch::Tensor pa
 }
 
 // The GEMM interface both modules share: pack(), linear() and conv() on kernel `g` (a static object).
-// `linear_doc` says how the kernel computes.
-// Every compute entry point releases the GIL while it runs (NO_GIL): a product can take tens of
-// milliseconds, and holding the GIL that long stalls the server's event loop and every other Python
-// thread (uploads, live sessions) for as long. The bodies touch no Python object.
+// Every compute entry point releases the GIL while it runs (NO_GIL), so other Python threads (the server's
+// event loop) go on; the bodies touch no Python object.
 #define NO_GIL pybind11::call_guard<pybind11::gil_scoped_release>()
 
 inline void def_gemm(pybind11::module& m, const Gemm& g, const char* linear_doc) {

@@ -1,11 +1,10 @@
 // int4 weight W4A8 linear layer on AVX512-VNNI for the decoder's linears and LM head (quantize="int4"):
 // group-wise int4 weights, the int8 per-row activations of int8_common.h, exact to the spec below.
 //
-// Why: a decode step reads every weight once for a handful of rows, so its time is the weights' bytes over the
-// memory bandwidth; int4 halves int8's bytes. The decoder's prefill rows run here too (at 0.87-0.95x the int8
-// kernel's rate); the encoder, compute-bound, stays on the int8 kernels.
+// Why: a decode step's time is the weights' bytes over the memory bandwidth, and int4 halves int8's bytes; the
+// compute-bound encoder stays on the int8 kernels (docs/log/*-cpu-int4-decoder.md).
 //
-// The arithmetic (int4_reference.py holds it in torch ops), groups of G = 128 input features along K:
+// The arithmetic (int4.py's reference holds it in torch ops), groups of G = 128 input features along K:
 //   w_scale[n, g] = max_{k in g} |w[n, k]| / 7 (1 for an all-zero group), w_q = clamp(round_half_even(w / s), -7, 7)
 //   x_q, a_scale: the int8 activation quantization of int8_common.h (per row, 127 levels)
 //   acc_g = sum_{k in g} x_q[m, k] * w_q[n, k] (exact int32)

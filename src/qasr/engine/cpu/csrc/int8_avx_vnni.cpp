@@ -1,5 +1,5 @@
-// int8 W8A8 linear layer on 256-bit AVX-VNNI (VEX vpdpbusd), for CPUs with AVX2 and AVX-VNNI but no AVX-512
-// (Intel client cores from Alder Lake on, and others); exact to the spec in int8_common.h.
+// int8 W8A8 linear layer on 256-bit AVX-VNNI (VEX vpdpbusd), for CPUs with AVX2 and AVX-VNNI but no AVX-512;
+// exact to the spec in int8_common.h.
 //
 // The same arithmetic as int8_linear.cpp, 8 columns per register instead of 16: the panel holds x_q + 128 as
 // uint8, the packed column sums (128 * sum_k w) are subtracted afterwards, and both wrap modulo 2^32 together,

@@ -3,7 +3,7 @@
 // the per-row activation quantization, the float32 epilogue and the front of linear(), which quantizes x into
 // a panel and hands it to the kernel's own run().
 //
-// The arithmetic is fixed bit for bit (int8_reference.py holds it in torch ops):
+// The arithmetic is fixed bit for bit (int8.py's reference holds it in torch ops):
 //   a_amax = max_k |x[m,k]|; a_scale = a_amax / 127, inv = 127 / a_amax (float32 divisions; 0 for a zero row)
 //   x_q = clamp(round_half_even(x * inv), -127, 127); acc = sum_k x_q * w_q (exact int32)
 //   out = dtype((float32(acc) * (a_scale[m] * w_scale[n])) + bias[n]), each step one IEEE rounding.
@@ -204,9 +204,8 @@ inline void quantize_values(const T* x, int64_t K, float inv, uint8_t flip, uint
 }
 
 #if QASR_INT8_AVX512
-// bf16 rows, the engine's usual input, in integer steps: about a third of the instructions of the float loops
-// above (quantize_panel was ~2% of an int8 quick-benchmark run's perf samples; on an AMD EPYC this made
-// quantize_rows 2.4-2.7x faster and the encoder's conv products 5%, whose patches are quantized per row).
+// bf16 rows, the engine's usual input, in integer steps: about a third of the float loops' instructions
+// (docs/log/*-cpu-int8-vnni-pass.md).
 // |x| of a bf16 is its bits & 0x7FFF, and for non-negative values the integer order of those bits is the float
 // order, so a_amax is one vpmaxuw per 32 values; a NaN is any |bits| above +inf's (0x7F80). Returns the bits of
 // a_amax, 0x7FC0 for NaN.
@@ -321,8 +320,7 @@ template <typename T>
 inline void quantize_panel(const Rows<T>& src, int64_t M, int64_t Kp, int64_t rows_pad, uint8_t flip,
                            uint8_t* panel, float* a_scale) {
   const int64_t K = src.K();
-  // a decode step's few rows are quantized by the calling thread (seen in profiles as the threads waiting in
-  // this loop, a fork and join per product)
+  // a decode step's few rows are quantized by the calling thread (a fork and join per product costs more)
   at::parallel_for(0, rows_pad, grain_for(rows_pad, M * K, 16), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       uint8_t* dst = panel + r * Kp;
@@ -455,10 +453,9 @@ struct Gemm {
 // an item, passes of up to 6 rows x 64 columns keep 24 int32 accumulators in registers, each pass over all of K.
 constexpr int64_t VNNI_MR = 6;          // rows per register pass
 
-// acc += u8 a x s8 b, four bytes per int32 lane (vpdpbusd), in inline assembly: with GCC 12's intrinsic
-// (_mm512_dpbusd_epi32) the register allocator kept the 24 accumulators of a pass on the stack and loaded and
-// stored them around every instruction (seen in the disassembly; 230 GOP/s on 2 Zen 4 cores where the same loop
-// in registers runs at ~2x that); the tied "+v" operand keeps each accumulator in one register.
+// acc += u8 a x s8 b, four bytes per int32 lane (vpdpbusd), in inline assembly: the tied "+v" operand keeps each
+// of a pass's 24 accumulators in one register (GCC's intrinsic let them live on the stack;
+// docs/log/*-cpu-int8-inline-asm.md).
 inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
   return acc;
@@ -471,9 +468,8 @@ inline void vnni512_pass(const Args& a, int64_t m0, int64_t b) {
   const int64_t groups = a.Kp / 4;
   const int8_t* blk = a.blocks + b * groups * NB * 4;
   const uint8_t* rows = a.panel + m0 * a.Kp;
-  // Every loop over r and j is unrolled, so the accumulators live in registers from start to end: with the
-  // epilogue's loop rolled (it stopped at the last valid column) GCC kept a copy of them in a stack array,
-  // zeroed it on entry (24 zmm stores a pass) and spilled to it before the epilogue, ~6% of a pass's samples.
+  // Every loop over r and j is unrolled, so the accumulators live in registers from start to end (a rolled
+  // epilogue loop made GCC keep a stack copy of them).
   __m512i acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -526,10 +522,8 @@ inline void vnni512_rows(const Args& a, int64_t m, int64_t end, int64_t b) {
 
 inline void vnni512_run(const Args& a) {
   const int64_t blocks = (a.N + NB - 1) / NB, chunks = (a.M + VNNI_ROW_CHUNK - 1) / VNNI_ROW_CHUNK;
-  // A last block of at most 32 columns (the encoder convolutions' 480 = 7.5 blocks) runs on two vectors instead
-  // of four (its other two hold padding columns: zero weights whose products were thrown away), and so costs
-  // about half a block. The threads split the (block, chunk) items, block-major, by that cost rather than by
-  // their count: with 8 blocks over 2 threads a split by count gave one thread 4 blocks and the other 3.5.
+  // A last block of at most 32 columns (the encoder convolutions' 480 = 7.5 blocks) runs on two vectors, at
+  // about half a block's cost; the threads split the (block, chunk) items, block-major, by cost, not count.
   const auto narrow = [&](int64_t b) { return a.N - b * NB <= 32; };  // only ever the last block
   const bool half_last = narrow(blocks - 1);
   const int64_t whole = (half_last ? blocks - 1 : blocks) * chunks;  // items before the half block's
@@ -539,9 +533,7 @@ inline void vnni512_run(const Args& a) {
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     const int64_t first = item_at(cost * p0 / parts), last = item_at(cost * p1 / parts);
     // A thread's items run chunk by chunk, its blocks inside: a chunk's panel rows stay in L2 while the blocks
-    // pass, instead of the whole panel streaming from memory once per block (a convolution's 6,400 rows x
-    // 4,352 bytes are 28 MB). Measured on 2 Zen 4 cores: 750 -> 793 GOP/s at the second convolution's shape,
-    // 607 -> 663 at 6,144 x 1,024 x 4,096; unchanged where the panel fits in cache. A decode call is one chunk.
+    // pass, instead of the whole panel streaming from memory once per block. A decode call is one chunk.
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m = c * VNNI_ROW_CHUNK, end = std::min(a.M, m + VNNI_ROW_CHUNK);
       for (int64_t b = first / chunks; b * chunks < last; ++b) {
@@ -669,9 +661,8 @@ inline torch::Tensor conv(const Gemm& g, torch::Tensor xp, torch::Tensor packed,
   });
 }
 
-// The interface every int8 module shares: pack(), quantize_rows(), linear() and conv() on kernel `g` (a static object).
-// Each releases the GIL while it runs: a product can take tens of milliseconds, and holding the GIL that long
-// would stall every other Python thread (a server's event loop); the bodies touch no Python object.
+// The interface every int8 module shares: pack(), quantize_rows(), linear() and conv() on kernel `g` (a static
+// object). Each releases the GIL while it runs; the bodies touch no Python object.
 inline void def_int8(pybind11::module& m, const Gemm& g, const char* linear_doc) {
   const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("pack", &pack, "pack an (N, K) int8 weight for linear() (the layout every int8 kernel shares)", no_gil);

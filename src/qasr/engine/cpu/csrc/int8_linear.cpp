@@ -1,8 +1,7 @@
 // int8 W8A8 linear layer on AVX512-VNNI (vpdpbusd), exact to the spec in int8_common.h.
 //
-// The product (int8_common.h: vnni512_run, where the u8 x s8 trick and its exactness are explained) is shared
-// with the AMX-INT8 kernel, which runs it for calls of very few rows; this module is it alone, for CPUs with
-// AVX512-VNNI and no AMX (Intel Cascade Lake to Ice Lake, AMD Zen 4 and later).
+// The product (int8_common.h: vnni512_run) is shared with the AMX-INT8 kernel, which runs it for calls of very
+// few rows; this module is it alone, for CPUs with AVX512-VNNI and no AMX-INT8.
 #include "int8_common.h"
 
 #if QASR_INT8_AVX512 && defined(__AVX512VNNI__)
