@@ -1,14 +1,9 @@
 """Aligner mode of the throughput benchmark (``qasr bench --aligner``): forced alignment, side by side.
 
-A random Qwen3-ForcedAligner checkpoint with the real 0.6B dimensions ("hf" layout, 5000 timestamp
-classes), seeded noise clips of 2-60 s (log-uniform) each with a seeded transcript of 2.5 words per
-second drawn from a fixed English word list. qasr aligns all clips at once through
-``Aligner.submit_pieces``; transformers runs ``Qwen3ASRForTokenClassification`` the way its users
-batch: clips sorted by length, batch 8, its processor's ``prepare_forced_aligner_inputs`` (left padding
-and an attention mask) and ``decode_forced_alignment``. Same clips, same dtype (bf16), each side in its
-own process. The figure is audio seconds aligned per wall second; the last line is
-``aligner_speedup=<x> aligner_rtfx=<y>``. Both sides' word times are compared and the agreement is
-reported, not asserted: bf16 sums in a different order can move an argmax by a class.
+A random Qwen3-ForcedAligner checkpoint with the real 0.6B dimensions, seeded noise clips of 2-60 s with
+seeded English transcripts: qasr's ``Aligner.submit_pieces`` against transformers'
+``Qwen3ASRForTokenClassification`` batched as its users batch it. The last line is
+``aligner_speedup=<x> aligner_rtfx=<y>``; the word times' agreement is reported, not asserted.
 """
 
 from __future__ import annotations
@@ -30,9 +25,7 @@ CLASSIFY_NUM = 5000  # the release's timestamp classes (400 s at 80 ms)
 LANGUAGE = "English"
 TIME_STEP_S = 0.08  # one timestamp class
 
-# The benchmark's vocabulary: common English words. The checkpoint's tokenizer learns each as one
-# token (see build_aligner_checkpoint), as the real Qwen tokenizer does for most common English words,
-# so the prompts carry a realistic number of text tokens.
+# common English words, each one token for the checkpoint's tokenizer, as for the real one
 WORDS: tuple[str, ...] = tuple("""
 the of and to in is that for it with as was on be at by this have from or one had not but what all were
 when we there can an your which their said if do will each about how up out them then she many some so
@@ -51,9 +44,8 @@ knew try told young miles sun ways thing whole hear example heard several change
 top turned learn point city play toward five using himself usually money seen car morning given friends
 """.split())
 
-# transformers' processor renders the aligner layout through a chat template that the random
-# checkpoint's tokenizer does not ship (the parity test uses the same one): audio, then each word
-# followed by its two timestamp slots, no chat markup.
+# the chat template transformers' processor needs and the random tokenizer lacks: audio, then each
+# word and its two timestamp slots
 CHAT_TEMPLATE = (
     "{%- for m in messages %}{%- for c in m['content'] %}{%- if c['type'] == 'audio' %}"
     "<|audio_start|><|audio_pad|><|audio_end|>{%- else %}{{ c['text'] }}<timestamp><timestamp>{%- endif %}"
@@ -88,8 +80,7 @@ def build_aligner_checkpoint(cache_dir: Path, dims: dict[str, int] | None = None
     ready = path / "bench-ready"  # written last: a build cut short is redone, not reused half-made
     if not ready.exists():
         print(f"building a random aligner checkpoint in {path} ...", flush=True)
-        # each word on its own line: the BPE learner then merges every bare word (the aligner writes
-        # words without spaces) into one token; the budget leaves room for all of them
+        # each word on its own line, so the BPE learner makes every bare word one token
         make_tiny_aligner_checkpoint(path, layout="hf", seed=0, dtype=dtype, std=0.02, classify_num=CLASSIFY_NUM,
                                      extra_text="\n" + "\n".join(WORDS) + "\n", vocab_budget=2000,
                                      **(QWEN3_ASR_0_6B_DIMS if real else dims))
@@ -99,12 +90,9 @@ def build_aligner_checkpoint(cache_dir: Path, dims: dict[str, int] | None = None
 
 
 def decorrelate_head(path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Give the random classifier varied answers, so the two sides' word times are worth comparing.
-
-    In a random model every slot's hidden state is mostly one shared vector, so one class wins at every
-    slot (seen: all words at 275.04 s) and both sides agree trivially. Removing that direction from the
-    classifier's rows leaves the argmax to what differs between slots (audio, words, position), as
-    tests/align/test_aligner_parity.py does. Costs one forward over 13 s of audio, once per cached checkpoint."""
+    """Give the random classifier varied answers, so the two sides' word times are worth comparing:
+    remove the direction every slot's hidden state shares from the classifier's rows (as the aligner
+    parity test does), or one class wins everywhere. One forward, once per cached checkpoint."""
     from safetensors.torch import load_file, save_file
 
     from qasr.align.aligner import Aligner
@@ -138,7 +126,7 @@ def _times(words: list) -> list[tuple[float, float]]:
     return [(float(w[0]), float(w[1])) for w in words]
 
 
-# ---------------------------------------------------------------------------------------------- qasr
+# --- qasr
 def run_qasr_aligner(ckpt_dir: Path, clips: list[np.ndarray], texts: list[str], kv_gib: float,
                      dtype: str = "bfloat16") -> dict:
     from qasr.align.aligner import Aligner
@@ -148,7 +136,7 @@ def run_qasr_aligner(ckpt_dir: Path, clips: list[np.ndarray], texts: list[str], 
                                       engine_config=EngineConfig(kv_cache_bytes=int(kv_gib * 2**30)))
     # warm-up: builds the native kernels and touches the code paths
     aligner.align_pieces([make_clip(3.0, 999)], [transcript(3.0, 999)], LANGUAGE)
-    # longest first, as ASR.transcribe does: long clips start early instead of running alone at the end
+    # longest first, as ASR.transcribe does
     order = sorted(range(len(clips)), key=lambda i: len(clips[i]), reverse=True)
     with PeakRss() as rss, ForeignCpu() as others:
         t0 = time.perf_counter()
@@ -164,7 +152,7 @@ def run_qasr_aligner(ckpt_dir: Path, clips: list[np.ndarray], texts: list[str], 
                 foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
 
 
-# ---------------------------------------------------------------------------------------- reference
+# --- reference
 def run_reference_aligner(ckpt_dir: Path, clips: list[np.ndarray], texts: list[str], batch: int = 8,
                           dtype: str = "bfloat16") -> dict:
     import transformers
@@ -201,12 +189,10 @@ def run_reference_aligner(ckpt_dir: Path, clips: list[np.ndarray], texts: list[s
                 batch=batch, foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
 
 
-# ------------------------------------------------------------------------------------------- report
+# --- report
 def agreement(ours: WordTimes, ref: WordTimes) -> dict:
-    """How often both sides gave a word the same times: exactly, and within one class (80 ms).
-
-    ``distinct_starts`` says whether the check means anything: a random head can put every slot in the
-    same class, and then both sides agree trivially."""
+    """How often both sides gave a word the same times: exactly, and within one class.
+    ``distinct_starts`` says whether that means anything (a random head can agree trivially)."""
     words = exact = close = 0
     starts: set[float] = set()
     for a, b in zip(ours, ref, strict=True):

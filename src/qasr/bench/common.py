@@ -1,6 +1,6 @@
-"""What the benchmark modes share: seeded clips, peak memory, the random checkpoint with the real 0.6B
-dimensions, transformers' batched generate as the reference, a closed-loop driver with one percentile
-definition, each side in a fresh process, and ``qasr serve`` in a subprocess for the server benchmarks."""
+"""What the benchmark modes share: seeded clips, peak memory, the random checkpoint, transformers'
+generate as the reference, a closed-loop driver, fresh processes, ``qasr serve`` in a subprocess.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +30,8 @@ CONTENDED = 0.1  # other processes' share of the CPUs above which a side's figur
 
 
 def clip_lengths(n: int, seed: int, lo: float = 2.0, hi: float = 120.0) -> list[float]:
-    """n lengths spread over lo-hi s, log-uniformly (stratified, then shuffled), rounded to 0.01 s.
-
-    Log-uniform: real archives hold many short utterances and a few long ones (mean about 29 s over
-    the default 2-120 s; the aligner mode uses 2-60 s)."""
+    """n lengths spread log-uniformly over lo-hi s (stratified, shuffled, rounded to 0.01 s): many short
+    utterances and a few long ones, as real archives hold."""
     rng = np.random.default_rng(seed)
     edges = np.geomspace(lo, hi, n + 1)
     lengths = [round(float(np.exp(rng.uniform(np.log(edges[i]), np.log(edges[i + 1])))), 2) for i in range(n)]
@@ -47,11 +45,7 @@ def make_clip(seconds: float, seed: int) -> np.ndarray:
 
 
 class PeakRss:
-    """Peak resident memory of this process over a phase, from the kernel's high-water mark.
-
-    No sampling thread: on a 2-core machine a thread waking every 20 ms preempts the OpenMP workers
-    and slowed the engine by ~7% (measured). Linux resets the mark through /proc/self/clear_refs and
-    reports it as VmHWM; elsewhere the process-lifetime peak (ru_maxrss) is reported instead."""
+    """Peak resident memory over a phase, from the kernel's high-water mark (docs/log: bench-peak-rss)."""
 
     def __init__(self) -> None:
         self.peak = 0
@@ -98,10 +92,8 @@ def build_checkpoint(cache_dir: Path) -> Path:
 
 
 class ReferenceGenerate:
-    """transformers' qwen3_asr generate, batched the way its users batch: features from its own extractor
-    (on the model's device), left-padded prompts, and every row of a batch forced to the batch's mean of
-    TOKENS_PER_SECOND tokens per audio second (equal total work). Calling it with clips returns the
-    number of generated tokens."""
+    """transformers' qwen3_asr generate, batched as its users batch, every row of a batch forced to the
+    batch's mean of TOKENS_PER_SECOND tokens per audio second. A call returns the tokens generated."""
 
     def __init__(self, ckpt_dir: Path, device: str = "cpu") -> None:
         import transformers
@@ -144,10 +136,9 @@ class ReferenceGenerate:
 
 def closed_loop(submit: Callable[[int], Future], lengths: Sequence[float], concurrency: int,
                 budget_s: float | None = None) -> dict:
-    """c clients; each submits the next request (``submit(k)`` for request k, a clip of lengths[k] s) when
-    its previous one is done, until all are done or the budget is spent; then what still runs is
-    cancelled and the level is partial. Throughput counts completed requests over the wall time from
-    the first submit to the last completion (to the budget's end when partial)."""
+    """c clients, each submitting its next request when the previous one is done, until all are done or
+    the budget is spent (then the rest is cancelled and the level is partial). Throughput: completed
+    requests over the wall time."""
     lock = threading.Lock()
     t0 = time.perf_counter()
     deadline = math.inf if budget_s is None else t0 + budget_s  # None: no budget, every request runs
@@ -229,8 +220,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def save_report(report: dict, out: Path, stem: str, plot: Callable[[dict, Path], None], machine: dict) -> None:
-    """Write ``stem.json`` and the plot ``stem.png`` under ``out``, then print the machine's line between
-    blank lines (the mode's table follows)."""
+    """Write ``stem.json`` and ``stem.png`` under ``out``, then print the machine's line."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     plot(report, out / f"{stem}.png")
@@ -246,8 +236,8 @@ def free_port() -> int:
 
 
 def start_server(model: str, device: str, dtype: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``qasr serve`` in a subprocess on a free port (output to ``log``, ``extra`` arguments appended);
-    returns the process and its URL once /health answers 200 (the model loaded and warmed up)."""
+    """``qasr serve`` in a subprocess on a free port; returns the process and its URL once /health
+    answers 200."""
     import httpx
 
     port = free_port()

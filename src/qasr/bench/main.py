@@ -1,8 +1,7 @@
 """Side-by-side throughput benchmark: qasr's engine against transformers' qwen3_asr generate.
 
-``qasr bench`` (and benchmarks/throughput.py): one parser for the three modes, each in its own module:
-cpu.py (the default), gpu.py (``--device cuda``) and aligner.py (``--aligner``); what they share is in
-common.py, the FLOP model, machine probes and report in perf/. A mode loads only when it is chosen.
+``qasr bench`` parses the flags and runs one mode, loaded only when chosen: cpu.py (the default), gpu.py
+(``--device cuda``) or aligner.py (``--aligner``).
 """
 
 from __future__ import annotations

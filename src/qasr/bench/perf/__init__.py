@@ -1,2 +1,2 @@
-"""Performance accounting for the benchmarks: the model's FLOP and memory traffic for a workload
-(flops), this machine's measured peaks (machine), and achieved rates per phase against them (roofline)."""
+"""Performance accounting for the benchmarks: model FLOP and traffic (flops), the machine's peaks
+(machine), achieved rates per phase against them (phases, report)."""

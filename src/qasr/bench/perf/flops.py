@@ -1,14 +1,8 @@
 """Model FLOP and minimum memory traffic of a Qwen3-ASR workload, counted from the checkpoint config.
 
-FLOP = 2 x the multiply-accumulates of the matrix products: convolutions, linears, attention scores and
-weighted sums. Norms, activations, softmax, rotary and embedding gathers are left out (well under 1%).
-This is the work the model defines for the input, not what an implementation happens to run:
-- the conv stack runs over whole 1 s chunks, the last one zero-padded (the model is defined that way);
-- encoder attention runs inside the true windows (the last one shorter; no padding to 104 rows);
-- decoder attention: a query at position p attends p + 1 positions (causal; no chunk padding);
-- lm_head only for rows whose logits are used: the last prompt row (the first token) and every decode
-  row. N forced tokens take 1 prefill logit row plus N - 1 decode forwards (the last token is never fed
-  back).
+FLOP = 2 x the multiply-accumulates of the matrix products (norms, activations, softmax, rotary are
+left out), as the model defines the work: whole 1 s conv chunks, attention within the true windows,
+causal decoder attention, lm_head only on the rows whose logits are used.
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ def _half(n: int) -> int:
     return (n - 1) // 2 + 1
 
 
-# --------------------------------------------------------------------------------------------- encoder
+# --- encoder
 def conv_stack_macs(enc: EncoderConfig) -> int:
     """MACs of one chunk (mel x conv_chunk_frames) through conv2d1..3 and conv_out."""
     ch, f, t = enc.downsample_hidden_size, enc.num_mel_bins, enc.conv_chunk_frames
@@ -90,7 +84,7 @@ def encoder_weight_bytes(enc: EncoderConfig, itemsize: int = 2) -> int:
     return params * itemsize
 
 
-# --------------------------------------------------------------------------------------------- decoder
+# --- decoder
 def decoder_layer_macs_per_token(dec: DecoderConfig) -> int:
     h, q, kv = dec.hidden_size, dec.num_attention_heads * dec.head_dim, dec.num_key_value_heads * dec.head_dim
     return h * q + 2 * h * kv + q * h + 3 * h * dec.intermediate_size  # q, k, v, o; gate, up, down
@@ -140,7 +134,7 @@ def kv_bytes_per_position(dec: DecoderConfig, itemsize: int = 2) -> int:
     return 2 * dec.num_hidden_layers * dec.num_key_value_heads * dec.head_dim * itemsize
 
 
-# --------------------------------------------------------------------------------------------- workload
+# --- workload
 def utterance_flops(cfg: ModelConfig, utt: Utterance) -> PhaseFlops:
     return PhaseFlops(encoder_flops(cfg.encoder, utt.frames), prefill_flops(cfg.decoder, utt.prompt_tokens),
                       decode_flops(cfg.decoder, utt.prompt_tokens, utt.new_tokens))

@@ -1,9 +1,6 @@
-"""What this machine can do right now: CPU model, best bf16 GEMM rate, best int8 GEMM rate (where qasr's int8
-kernel runs), memory read bandwidth.
-
-These machines are shared and their speed moves 2x from hour to hour, so a benchmark measures them at
-the start of its run, with its own thread count, and reports efficiency against them, never a bare time.
-Sizes are parameters so tests can probe on tiny ones.
+"""What this machine can do right now: CPU model, best bf16 and int8 GEMM rates, read bandwidth. A
+benchmark measures them at its start, with its own threads, and reports against them (the machines'
+speed drifts; docs/log: bench-machine-drift). Sizes are parameters, for tests.
 """
 
 from __future__ import annotations
@@ -34,12 +31,8 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
 
 
 class ForeignCpu:
-    """CPU seconds other processes used while the block ran, and their share of the machine's CPUs.
-
-    A benchmark side shares the machine with whatever else runs: with 2 cores, one busy neighbour
-    oversubscribes the OpenMP workers, and a step of many short parallel regions then costs a
-    scheduler time slice per region (a 10x slowdown was seen). This says when a figure is not
-    representative. Linux only (/proc/stat); elsewhere the counts stay zero."""
+    """CPU seconds other processes used while the block ran, and their share of the CPUs: a busy
+    neighbour makes a figure unrepresentative (docs/log: bench-foreign-cpu). Linux only (/proc/stat)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -81,8 +74,8 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def gemm_rates(m: int, k: int, n: int, kernels: dict[str, object], repeats: int) -> dict[str, float]:
-    """FLOP/s of one seeded (m x k) @ (k x n) bf16 product by torch's F.linear ("torch") and by each of
-    qasr's GEMM modules in ``kernels`` (name -> module with pack / linear), each its best of ``repeats``."""
+    """FLOP/s of one seeded (m x k) @ (k x n) bf16 product by torch's F.linear ("torch") and by each
+    GEMM module in ``kernels``, each its best of ``repeats``."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
@@ -95,8 +88,7 @@ def gemm_rates(m: int, k: int, n: int, kernels: dict[str, object], repeats: int)
 
 
 def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict:
-    """Best FLOP/s of an (m x k) @ (k x n) bf16 product, by torch's F.linear and by qasr's invariant
-    kernel (when it builds on this CPU); ``best`` is the larger, the machine's peak for our purposes."""
+    """Best bf16 GEMM FLOP/s by torch and by qasr's invariant kernel; ``best``, the larger, is the peak."""
     from qasr.engine.cpu.native import linear_kernel
 
     kernel = linear_kernel() if k % 2 == 0 else None
@@ -106,10 +98,8 @@ def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) ->
 
 
 def int8_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict | None:
-    """Best ops/s (2 m k n per call) of an (m x k) bf16 activation @ (k x n) int8 weight product by qasr's
-    fastest int8 module here (native.int8_kernel(): AMX-INT8, AVX512-VNNI or AVX-VNNI), the whole W8A8 path
-    quantize="int8" runs (per-row activation quantization, int32 product, float32 epilogue); None where no
-    int8 module built and passed its self-test (then only the torch reference runs, and no peak is claimed)."""
+    """Best ops/s of an (m x k) bf16 activation @ (k x n) int8 weight product by qasr's fastest int8
+    module here, the whole W8A8 path of quantize="int8"; None where no int8 module passed its self-test."""
     from qasr.engine.cpu.native import int8_kernel
 
     mod = int8_kernel()
@@ -125,8 +115,7 @@ def int8_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) ->
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second of a float32 sum over a buffer far larger than the caches (best of ``repeats``):
-    the rate at which a decode step can stream weights and KV cache at best."""
+    """Bytes per second of a float32 sum over a buffer far larger than the caches (best of ``repeats``)."""
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # ones, not empty: every page is touched
     seconds = best_seconds(lambda: buf.sum(), repeats)
     return buf.numel() * 4 / seconds
@@ -139,7 +128,7 @@ def probe(gemm_shape: tuple[int, int, int] = (1024, 1024, 3072), bandwidth_bytes
         gemm = gemm_peak(m, k, n)
         int8 = int8_peak(m, k, n)
         bw = read_bandwidth(bandwidth_bytes)
-    # the load average says whether other tenants were busy while we measured (it counts this probe too)
+    # whether other tenants were busy (it counts this probe too)
     return dict(cpu=cpu_info(), threads=torch.get_num_threads(), gemm=gemm, peak_flops=gemm["best_flops"],
                 int8_gemm=int8, int8_peak_ops=int8["ops"] if int8 else None, bandwidth_Bps=bw,
                 load_avg_1min=os.getloadavg()[0])

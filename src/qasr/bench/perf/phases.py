@@ -1,11 +1,8 @@
 """Achieved FLOP/s and bytes/s of the engine's phases against the machine's measured peaks.
 
-The engine times its phases (``engine.timings``) but a forward that carries prefill chunks may also
-carry decode rows riding along. ForwardLog reads each step's plan to count what every forward carried,
-and phase_report splits each such mixed forward's seconds and weight traffic between its prefill chunks
-and its ride-along decode rows in proportion to their FLOP: the weights are streamed for the chunk
-anyway, so a riding row costs about its share of the compute. Decode-only forwards are all decode.
-KV reads are charged exactly to the rows that make them.
+A forward carrying prefill chunks may also carry decode rows; its seconds and weight traffic are split
+between them in proportion to their FLOP (ForwardLog counts what every forward carried). KV reads are
+charged to the rows that make them.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ PHASES = ("encoder", "prefill", "decode")
 
 @dataclass(frozen=True)
 class Storage:
-    """Bytes a side moves per weight and per cached key or value element: what its mode stores. The minimum
-    bytes of a phase (its roofline x-axis and its share of the read bandwidth) are counted with these, so a
-    quantized side is measured against the bytes it really streams, not the bf16 model's."""
+    """Bytes a side moves per weight and per cached key or value element, as its mode stores them, so a
+    quantized side is measured against the bytes it really streams."""
 
     encoder_weight: float = 2.0  # per encoder parameter
     decoder_weight: float = 2.0  # per parameter of the decoder's linears and the LM head
@@ -43,10 +39,8 @@ class Storage:
     @classmethod
     def of(cls, itemsize: int, quantize: str | None = None, kv_cache_dtype: str = "auto",
            head_dim: int = 128) -> Storage:
-        """``quantize``: None, "int8" (int8 weights everywhere; the per-channel scales, 4 bytes per row of
-        1,024 or more, are left out) or "int4" (the decoder's linears and LM head in int4 with a float32 scale
-        per group of 128, the encoder int8). ``kv_cache_dtype`` "int8": one byte a value plus a float32 scale
-        per row of ``head_dim``."""
+        """``quantize``: None, "int8" (int8 weights, per-channel scales left out) or "int4" (the decoder's
+        linears and LM head int4 with a scale per 128, the encoder int8); ``kv_cache_dtype`` "int8"."""
         kv = 1.0 + 4.0 / head_dim if kv_cache_dtype == "int8" else float(itemsize)
         if quantize is None:
             return cls(float(itemsize), float(itemsize), kv, activation=float(itemsize))
@@ -107,9 +101,8 @@ def _phase(flop: float, seconds: float, nbytes: float, peak: float, bandwidth: f
 
 def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, timings: dict,
                  log: ForwardLog, peak_flops: float, bandwidth_Bps: float, storage: Storage | None = None) -> dict:
-    """Per phase: seconds, model FLOP, minimum bytes moved (weights and KV as ``storage`` says; default bf16),
-    achieved FLOP/s and bytes/s, and their fractions of the machine's peak GEMM rate and read bandwidth.
-    ``timings`` as in engine.timings (differences over the measured window)."""
+    """Per phase: seconds, model FLOP, minimum bytes moved, achieved FLOP/s and bytes/s, and their
+    fractions of the machine's peaks. ``timings`` as in engine.timings."""
     st = storage or Storage()
     enc, dec = cfg.encoder, cfg.decoder
     ride = decode_row_flops(dec, log.ride_rows, log.ride_attended)
@@ -137,10 +130,8 @@ def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: Phase
 def efficiency_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, audio_s: float,
                       wall_s: float, timings: dict, log: ForwardLog, machine: dict,
                       reference_wall_s: float | None = None, storage: Storage | None = None) -> dict:
-    """Overall efficiency = model FLOP / wall seconds / peak GEMM rate (= FLOP per audio second x RTFx / peak),
-    plus the per-phase report. The peak is the machine's bf16 GEMM rate for every side (one yardstick for
-    all); a quantized side (``storage.quantized``) also gets its efficiency against the measured int8 GEMM
-    peak (``int8_overall``, each phase's ``int8_efficiency``) where the probe measured one."""
+    """Overall efficiency = model FLOP / wall seconds / peak bf16 GEMM rate, plus the per-phase report; a
+    quantized side also against the int8 GEMM peak where one was measured."""
     peak, bw = machine["peak_flops"], machine["bandwidth_Bps"]
     out: dict[str, Any] = dict(
         peak_flops=peak, bandwidth_Bps=bw, flop_per_audio_s={p: getattr(flops, p) / audio_s for p in PHASES},

@@ -42,9 +42,8 @@ def phase_table(eff: dict) -> str:
 
 
 def draw_roofline(ax, eff: dict) -> None:  # noqa: ANN001 - a matplotlib Axes
-    """Arithmetic intensity vs achieved FLOP/s, one point per qasr phase, under this machine's measured
-    GEMM peak (flat line) and read bandwidth (slanted line): left of the ridge a phase can be at most
-    bandwidth-bound, right of it compute-bound; its distance below the roof is what is left on the table."""
+    """Arithmetic intensity vs achieved FLOP/s, one point per phase, under the machine's GEMM peak and
+    read bandwidth."""
     peak, bw = eff["peak_flops"], eff["bandwidth_Bps"]
     pts = {p: eff["phases"][p] for p in PHASES}
     lo = min(0.3, *(v["intensity"] / 3 for v in pts.values()))
