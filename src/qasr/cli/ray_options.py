@@ -1,8 +1,5 @@
-"""The ``--ray`` options of ``qasr transcribe`` and ``qasr serve``: argparse only, nothing heavy loads.
-
-``--ray [ADDRESS]`` takes an optional value, so ``qasr transcribe --ray in/ -o out`` would read the folder
-as the address; ``split_ray_address`` rewrites the command line before parsing so that only a value that
-looks like a Ray address is taken as one.
+"""The ``--ray`` options of ``qasr transcribe`` and ``qasr serve`` (argparse only). ``--ray`` takes an
+optional ADDRESS, so ``split_ray_address`` keeps ``--ray in/`` from reading the folder as one.
 """
 
 from __future__ import annotations

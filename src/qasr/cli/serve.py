@@ -1,7 +1,5 @@
-"""``qasr serve``: its arguments, and running the server until SIGTERM/SIGINT (docs/server.md).
-
-Only argparse loads here at import time; FastAPI, uvicorn and torch load when the server starts.
-"""
+"""``qasr serve``: its arguments, and running the server until SIGTERM/SIGINT (docs/server.md). Only
+argparse loads at import time."""
 
 from __future__ import annotations
 
@@ -129,13 +127,8 @@ def serve_command(args: argparse.Namespace) -> int:
                                                                 kv_cache_dtype=args.kv_cache_dtype))
 
     app = create_app(config, load)
-    # uvicorn's own access log would print query strings; qasr's (logger qasr.server.access) prints no more
-    # than method, path, status and time. Its graceful shutdown starts only once our drain has ended every
-    # request (or cut it at --drain-timeout), so it has only closed connections to wait for.
-    # No pong timeout: a live client the server is throttling (its backlog full, nothing read from its
-    # connection) has its pong queued in TCP behind its own audio, so under load a timeout would close
-    # exactly the sessions that are busiest, losing their transcript; a client that went away is closed by
-    # --live-idle-timeout-s instead, once its audio is processed.
+    # qasr's access log, not uvicorn's (which prints query strings). No pong timeout: a throttled live
+    # client's pong waits in TCP behind its audio; a client that left is closed by --live-idle-timeout-s.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                                            log_level=args.log_level, timeout_graceful_shutdown=5,
                                            ws_ping_interval=args.ws_ping_interval, ws_ping_timeout=None))
@@ -144,8 +137,7 @@ def serve_command(args: argparse.Namespace) -> int:
     stopped_at_once: list[int] = []  # a second signal came
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
-        """First signal: drain (new requests 503, accepted ones finish within --drain-timeout, then exit).
-        Second: stop now."""
+        """First signal: drain, then exit. Second: stop now."""
         if state.draining:
             stopped_at_once.append(sig)
             server.should_exit = True
@@ -156,8 +148,7 @@ def serve_command(args: argparse.Namespace) -> int:
             signal.Signals(sig).name, state.in_flight, config.drain_timeout_s)
         state.start_drain()
 
-    # uvicorn installs server.handle_exit for SIGINT/SIGTERM; ours drains first and, unlike uvicorn's, does
-    # not re-raise the signal after shutdown, so a drained server exits 0
+    # ours drains first and does not re-raise the signal, so a drained server exits 0
     server.handle_exit = on_signal  # type: ignore[method-assign]
     server.run()
     return 1 if stopped_at_once or state.drain_cut.is_set() else 0

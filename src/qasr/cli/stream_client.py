@@ -51,19 +51,17 @@ StreamEvent = Partial | Final | ServerError
 
 
 def file_chunks(path: str, chunk_ms: int) -> Iterator[bytes]:
-    """A file decoded to 16 kHz pcm16, in chunks of ``chunk_ms``. The file is decoded here, at once, so
-    a file that is not audio fails (AudioError) before anything is sent."""
+    """A file decoded at once to 16 kHz pcm16, in chunks of ``chunk_ms``: one that is not audio fails
+    before anything is sent."""
     pcm = (np.clip(load_audio(path), -1.0, 1.0) * 32767).astype("<i2").tobytes()
     step = SAMPLE_RATE * chunk_ms // 1000 * BYTES_PER_SAMPLE
     return (pcm[i:i + step] for i in range(0, len(pcm), step))
 
 
 class Capture:
-    """Audio captured by ffmpeg (``-f input_format -i device``: alsa/pulse on Linux, avfoundation on macOS,
-    dshow on Windows, lavfi for generated test signals), iterated as 16 kHz pcm16 chunks until ``stop()``.
-
-    ffmpeg runs in a session of its own, so a Ctrl-C at the terminal reaches only qasr, which then ends
-    the capture itself (``stop()``) and still sends what was captured and reads the final transcript."""
+    """Audio captured by ffmpeg (``-f input_format -i device``), as 16 kHz pcm16 chunks until ``stop()``.
+    ffmpeg runs in its own session, so a Ctrl-C reaches only qasr, which ends the capture and still reads
+    the final transcript."""
 
     def __init__(self, input_format: str, device: str, chunk_ms: int) -> None:
         self.source = f"{input_format}:{device}"
@@ -110,15 +108,12 @@ def websocket_url(server: str, protocol: Protocol) -> str:
 def stream(chunks: Iterable[bytes], server: str, protocol: Protocol = "native", language: str | None = None,
            turn_detection: bool = True, speed: float = 1.0, api_key: str | None = None,
            keepalive_s: float = KEEPALIVE_S, stop: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Send ``chunks`` (16 kHz pcm16) paced at ``speed`` x real time (0: as fast as the server takes
-    them) and yield the transcript events until the server has answered the end of the stream.
+    """Send ``chunks`` (16 kHz pcm16) at ``speed`` x real time (0: as fast as the server takes them) and
+    yield the transcript events until the server has answered the end of the stream.
 
-    There is no overall timeout: a long silence (no events) or a busy server is waited for, and only a
-    server that does not answer a ping within ``keepalive_s`` (pings go every ``keepalive_s``) is taken
-    as gone (websockets then raises ConnectionClosedError). The sender keeps the audio the server has not
-    reported processed (its ``progress`` events) under half the server's backlog, so nothing is ever
-    refused and pings never wait behind audio. ``stop`` set: the input ends there (``end`` is sent) and
-    the transcript of what was sent still comes."""
+    No overall timeout: only a server that misses a ping within ``keepalive_s`` is gone. Unprocessed audio
+    stays under half the server's backlog, so pings never wait behind audio. ``stop`` set: the input ends
+    there and the transcript of what was sent still comes."""
     from websockets.sync.client import connect
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -165,10 +160,8 @@ def _send_all(wire: _Wire, chunks: Iterable[bytes], speed: float, stop: threadin
 
 
 class _Wire:
-    """What both protocols' clients share: the flow control. Audio waits until the session is open (the
-    server answered the settings); ``sent_s`` is the audio sent, ``processed_s`` what the server reported
-    processed, and audio waits while the difference would pass ``window_s`` (None: a server that does not
-    report progress, and is not waited for)."""
+    """What both protocols' clients share, the flow control: audio waits until the session is open and
+    while the audio in flight (``sent_s - processed_s``) would pass ``window_s`` (None: not waited for)."""
 
     def __init__(self) -> None:
         self.done = False
@@ -184,8 +177,8 @@ class _Wire:
         return self.window_s is None or in_flight <= 0 or in_flight + seconds <= self.window_s
 
     def wait_for_room(self, seconds: float) -> bool:
-        """Block until the session is open and ``seconds`` more audio fits in the window (always, when
-        nothing is in flight); False when the session stopped meanwhile."""
+        """Block until the session is open and ``seconds`` more audio fits in the window; False when the
+        session stopped meanwhile."""
         with self._room:
             self._room.wait_for(lambda: self.stopped or self._open and self._fits(seconds))
             if self.stopped:
@@ -249,9 +242,8 @@ class _NativeWire(_Wire):
 
 
 class _OpenAIWire(_Wire):
-    """OpenAI's event names. The end of the stream is a commit followed by a clear: the server handles
-    both in order after all the audio, so its ``cleared`` comes after every transcript of the stream.
-    A settings error (an unsupported language: the session would go on without it) ends the stream."""
+    """OpenAI's event names. The stream ends with a commit and a clear, which the server handles after all
+    the audio, so its ``cleared`` comes last. A settings error ends the stream."""
 
     FATAL = frozenset({"session_idle", "shutting_down", "server_error", "model_loading", "too_many_sessions",
                        "invalid_api_key", "model_not_loaded", "unsupported_intent", "unsupported_language",
