@@ -30,7 +30,7 @@ CONTENDED = 0.1  # other processes' share of the CPUs above which a side's figur
 
 
 def clip_lengths(n: int, seed: int, lo: float = 2.0, hi: float = 120.0) -> list[float]:
-    """n lengths spread log-uniformly over lo-hi s (stratified, shuffled, rounded to 0.01 s): many short
+    """n lengths spread log-uniformly over lo-hi s (stratified, shuffled, to the centisecond): many short
     utterances and a few long ones, as real archives hold."""
     rng = np.random.default_rng(seed)
     edges = np.geomspace(lo, hi, n + 1)

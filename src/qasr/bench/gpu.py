@@ -50,7 +50,7 @@ class GpuPlan:
     reference_budget_s: float = 50.0
     seed: int = 0
     dtype: str = "bfloat16"
-    kv_gib: float = 0.0  # 0: the engine's default (60% of the free GPU memory)
+    kv_gib: float = 0.0  # 0: the engine's default share of the free GPU memory
 
     def __post_init__(self) -> None:
         if len(self.level_budgets_s) != len(self.levels):
@@ -110,7 +110,7 @@ def level_with_first_tokens(submit: Callable[[int, Callable[[int | None], None]]
 
 
 def lengths_for(n: int, seed: int, clip_range: tuple[float, float]) -> list[float]:
-    """n clip lengths drawn uniformly from the range, seeded, rounded to 0.01 s."""
+    """n clip lengths drawn uniformly from the range, seeded, to the centisecond."""
     rng = np.random.default_rng(seed)
     return [round(float(x), 2) for x in rng.uniform(*clip_range, size=n)]
 

@@ -25,7 +25,7 @@ def token_usage(done: Finished) -> dict:
 
 
 def _segment(i: int, seg: Segment, tokens: tuple[int, ...]) -> dict:
-    return {"id": i, "seek": round(seg.start * 100),  # in 10 ms frames from the start, as Whisper counts
+    return {"id": i, "seek": round(seg.start * 100),  # in centiseconds from the start, as Whisper counts
             "start": seg.start, "end": seg.end, "text": seg.text, "tokens": list(tokens),
             "temperature": 0.0,  # decoding is greedy
             # mean log-probability of the segment's generated tokens; UTF-8 bytes over zlib bytes (null: no text)

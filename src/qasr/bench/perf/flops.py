@@ -1,6 +1,6 @@
 """Model FLOP and minimum memory traffic of a Qwen3-ASR workload, counted from the checkpoint config.
 
-FLOP = 2 x the multiply-accumulates of the matrix products (norms, activations, softmax, rotary are
+FLOP = twice the multiply-accumulates of the matrix products (norms, activations, softmax, rotary are
 left out), as the model defines the work: whole 1 s conv chunks, attention within the true windows,
 causal decoder attention, lm_head only on the rows whose logits are used.
 """
