@@ -1,9 +1,6 @@
-"""int4 decoder weights on the CPU (``quantize="int4"``): the decoder's linears and LM head in W4A8, the encoder as
-in the int8 mode (decode is bound by the weights' bytes, the encoder by compute; docs/log/*-cpu-int4-decoder.md).
-
-The arithmetic is the torch reference below, which the native kernel gives bit for bit: weights per output
-channel and group of ``GROUP`` features in [-7, 7], activations as in the int8 mode, an exact int32 sum per group,
-then float32 steps in group order without fused multiply-add.
+"""int4 decoder weights on the CPU (``quantize="int4"``): the decoder's linears and LM head in W4A8 (decode is bound
+by the weights' bytes: docs/log/*-cpu-int4-decoder.md), the encoder as in the int8 mode. The arithmetic is the
+torch reference below, which the native kernel gives bit for bit.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""int8 linears and convolutions on the CPU (``quantize="int8"``): W8A8 with dynamic per-row activations.
-
-The arithmetic is the torch reference below (``quantize_weight``, ``quantize_rows_reference``,
-``int8_linear_reference``), which every native kernel gives bit for bit: symmetric per-channel weights and
-per-row activations in [-127, 127], exact int32 sums, then float32 steps without fused multiply-add. A row's
-result depends only on that row.
+"""int8 linears and convolutions on the CPU (``quantize="int8"``): W8A8, dynamic per-row activations. The
+arithmetic is the torch reference below, which every native kernel gives bit for bit; a row depends on no other.
 """
 
 from __future__ import annotations
@@ -18,9 +14,9 @@ from torch import nn
 
 from qasr.engine.cpu.conv import OtherConvs, padded_nhwc
 
-QMAX = 127  # symmetric: -128 is never used, so negating a quantized value never overflows
+QMAX = 127  # symmetric: -128 is never used
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
-WEIGHT_BLOCK = 1 << 22  # weight values quantized per block (16 MB of float32 temporaries)
+WEIGHT_BLOCK = 1 << 22  # weight values quantized per block
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +60,7 @@ class Int8Weight:
     def product(self, x: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if kernel is not None and x.dtype in KERNEL_DTYPES:
-            # straight to the module (any row count and layout): a decode step makes ~200 of these calls
+            # straight to the module: a decode step makes ~200 of these calls
             return kernel.linear(x, self.packed, self.n, self.scale, self.bias)
         if kernel is not None:  # the packed layout is the kernel's own
             raise ValueError(f"the native int8 kernel takes float32 or bfloat16 activations, not {x.dtype}")
@@ -79,14 +75,14 @@ class Int8Convs:
 
     def __init__(self, model: nn.Module, kernel: ModuleType | None = None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel
-        self.ops = ops  # the native encoder ops: of_gelu's GELU while padding
+        self.ops = ops
         self.weights: dict[nn.Conv2d, Int8Weight] = {}
         others: list[nn.Conv2d] = []
         for module in model.modules():
             if not isinstance(module, nn.Conv2d):
                 continue
             if int8_conv_supported(module):
-                # (cout, kh*kw*cin): the feature order of the patches
+                # (cout, kh*kw*cin)
                 w = module.weight.detach().permute(0, 2, 3, 1).reshape(module.out_channels, -1)
                 self.weights[module] = Int8Weight.of(w, module.bias, kernel)
             else:

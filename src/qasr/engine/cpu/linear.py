@@ -36,7 +36,7 @@ class InvariantLinears:
         return out.view(*shape[:-1], module.out_features)
 
     def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self(module, x)`` for 2-D x, with the lookup done now (model/decoder.py's BoundDecoderLayers)."""
+        """``x -> self(module, x)`` for 2-D x, the lookup done now."""
         entry = self.packed.get(module)
         if entry is None:
             return lambda x: self(module, x)

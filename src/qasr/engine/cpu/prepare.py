@@ -1,6 +1,4 @@
-"""CPU preparation: pick the native kernels that passed their self-tests here, pack the weights for them, and
-describe the result (engine/device.py keeps it per model, so engines on one checkpoint share the packed weights).
-"""
+"""CPU preparation: pick the native kernels that passed their self-tests, pack the weights, describe the result."""
 
 from __future__ import annotations
 
@@ -115,8 +113,7 @@ def _float_products(model: Qwen3ASRModel, use_native: bool,
 
 
 def _row_invariant(model: Qwen3ASRModel, linear: Linear) -> bool:
-    """Whether every decoder linear gives a row the same bits whatever rows share the call: the quantized modes
-    and the invariant bf16 GEMM where it packed them all (oneDNN and torch block by row count)."""
+    """Whether every decoder linear is row-invariant: the quantized modes, or the invariant GEMM packing them all."""
     if getattr(linear, "kind", None) in ("int8", "int4"):
         return True
     decoder = [m for m in model.model.modules() if isinstance(m, nn.Linear)] + [model.lm_head]

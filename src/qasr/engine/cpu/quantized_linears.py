@@ -79,7 +79,7 @@ class QuantizedLinears:
         return product(x.reshape(-1, shape[-1])).view(*shape[:-1], product.weight.n)
 
     def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self(module, x)`` for 2-D x, with the lookups done now (model/decoder.py's BoundDecoderLayers)."""
+        """``x -> self(module, x)`` for 2-D x, the lookups done now."""
         product = self.products.get(module)
         if product is None:
             return lambda x: self(module, x)
@@ -107,15 +107,14 @@ class QuantizedLinears:
 
 def int8_linears(model: nn.Module, kernel: ModuleType | None = None,
                  groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
-    """``quantize="int8"``: every linear W8A8, on ``kernel`` (a native int8 module) or the torch reference."""
+    """``quantize="int8"``: every linear W8A8 on ``kernel``, or on the torch reference."""
     return QuantizedLinears(model, lambda w, b, _: Product(Int8Weight.of(w, b, kernel), kernel), "int8", groups)
 
 
 def int4_decoder_linears(model: nn.Module, int8_kernel: ModuleType | None = None,
                          int4_kernel: ModuleType | None = None,
                          groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
-    """``quantize="int4"``: the decoder's linears and the LM head W4A8 on ``int4_kernel`` (or the torch reference),
-    the encoder's W8A8 on ``int8_kernel`` (or torch)."""
+    """``quantize="int4"``: the decoder's linears and LM head W4A8 on ``int4_kernel``, the encoder's W8A8."""
     decoder = {m for m in model.model.modules() if isinstance(m, nn.Linear)} | {model.lm_head}
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Linear) -> Product:
