@@ -40,7 +40,8 @@ def test_notebook_words_in_code_and_strings_are_not_prose(house, tmp_path: Path)
     clean.write_text('"""Cuts a file at its quiet points."""\n\nTODAY = "today"  # the key the client sends\n'
                      'def f() -> str:\n    """Return the word."""\n    return "measured on Xeon"\n', encoding="utf-8")
     cpp = tmp_path / "kernel.cpp"
-    cpp.write_text('// Batch-invariant linear layer for CPUs with AVX512-BF16.\nconst char* s = "EPYC";\n',
+    cpp.write_text('// Batch-invariant linear layer for CPUs with AVX512-BF16.\nconst char* s = "EPYC";\n'
+                   '// rows of 16: see docs/log/2026-12-03-cpu-tiles.md\n',
                    encoding="utf-8")
     house.ROOT = tmp_path
     assert house.notebook_lines([clean, cpp]) == []
