@@ -106,7 +106,7 @@ def figures() -> dict[str, object]:
     segment_files = sum(1 for p in source_files() if "max_segment_s" in p.read_text(encoding="utf-8"))
     tests = [p for p in (ROOT / "tests").rglob("test_*.py")]
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and not p.name.startswith("_")} | {"e2e"}
-    in_folder = sum(1 for p in tests if p.parent.name in packages)
+    in_folder = sum(1 for p in tests if p.relative_to(ROOT / "tests").parts[0] in packages)
     return {
         "prose share of src/qasr/**/*.py": round(prose / total, 3),
         "notebook lines in src/": len(notebook_lines(source_files())),
