@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from qasr.engine.block_manager import BlockManager
+from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.request import Request
 
 DRAFT_ROWS = 8  # guesses checked per request and step (a live step rolls back about 5 tokens)
