@@ -1,9 +1,6 @@
-"""Building one native kernel with torch's extension loader: in a folder of its own per environment and CPU
-(the build key), under an OS file lock, remembering a failed build there; several at once with build_all.
-docs/kernels.md (Building) gives the folder, the key, the lock and the messages.
-
-Progress goes to stderr with print, not logging: an embedding program that never configured logging must
-see that a first-run build is under way.
+"""Building a native kernel with torch's extension loader, in a folder per environment and CPU (the build
+key), under an OS file lock, a failed build remembered there; several at once with build_all. The folder, key,
+lock and messages: docs/kernels.md. Progress goes to stderr by print: it must show without logging set up.
 """
 
 from __future__ import annotations
@@ -32,13 +29,13 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 DEFAULT_WAIT_S = 300.0
-LOCK_FILE = "qasr.lock"  # ours (flock); torch's own marker file in the same folder is "lock"
-DONE_FILE = "built"  # written once a build loaded: its absence means the next load compiles
-FAILED_FILE = "failed"  # the output of a build that failed: later loads fall back instead of compiling again
+LOCK_FILE = "qasr.lock"  # our flock; torch's marker file is "lock"
+DONE_FILE = "built"
+FAILED_FILE = "failed"  # a failed build's output: later loads fall back without compiling
 # /proc/cpuinfo flags naming instruction sets -march=native may use (flags like "ht" do not change the code)
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "popcnt", "abm", "movbe", "adx", "gfni",
                 "vaes", "vpclmulqdq", "sha_ni", "aes", "pclmulqdq")
-WAIT_NOTICE_S = 2.0  # a cached load holds the lock far less: only a real build makes a waiter say so
+WAIT_NOTICE_S = 2.0  # longer than a cached load holds the lock
 REBUILD_HINT = "`qasr kernels build` tries again"
 
 
@@ -82,14 +79,13 @@ def isa_flags() -> list[str]:
 
 @cache
 def compiler_identity() -> tuple[str, str]:
-    """(the compiler command torch will run, the first line of its --version); not its path, since a
-    wrapper or a symlink of the same compiler makes the same code."""
-    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension runs
+    """(the compiler command torch runs, the first line of its --version): a symlink makes the same code."""
+    cxx = os.environ.get("CXX", "c++")
     try:
         out = subprocess.run([*(shlex.split(cxx) or ["c++"]), "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        out = ""  # no compiler: the build itself fails and says so
+        out = ""
     return cxx, out.splitlines()[0] if out else ""
 
 
@@ -115,7 +111,7 @@ def build_key(spec: KernelSpec) -> dict[str, object]:
 
 
 def local_headers(spec: KernelSpec) -> list[Path]:
-    """Every header in the source's own folder, sorted (one that changes rebuilds all the folder's kernels)."""
+    """Every header in the source's folder, sorted."""
     return sorted(spec.source.parent.glob("*.h"))
 
 
@@ -131,12 +127,12 @@ def module_name(spec: KernelSpec) -> str:
 
 
 def is_built(spec: KernelSpec) -> bool:
-    """Whether ``spec`` was built and loaded here before (a later load compiles nothing)."""
+    """Whether ``spec`` was built here before."""
     return (kernel_dir(spec) / DONE_FILE).exists()
 
 
 def failure_file(spec: KernelSpec) -> Path | None:
-    """The file holding the output of ``spec``'s failed build here, or None if it did not fail."""
+    """The output of ``spec``'s failed build here, or None."""
     marker = kernel_dir(spec) / FAILED_FILE
     return marker if marker.exists() else None
 
@@ -150,9 +146,8 @@ def wait_limit_s() -> float:
 
 
 def build(spec: KernelSpec, retry: bool = False) -> ModuleType | None:
-    """The extension for ``spec``, built here if this environment and CPU never built it. None, with one
-    warning, when it cannot be built, when its build failed before (unless ``retry``), or when another
-    process's build outlasts the wait. A failed build is remembered in its folder."""
+    """The extension for ``spec``, built if this environment and CPU never built it; None with one warning
+    where it cannot be built, its build failed before (unless ``retry``) or another process's outlasts the wait."""
     try:
         name = module_name(spec)
         folder = kernel_root() / name
@@ -180,8 +175,7 @@ def build(spec: KernelSpec, retry: bool = False) -> ModuleType | None:
 
 
 def build_all(jobs: Iterable[Callable[[], object]], workers: int | None = None) -> None:
-    """Run each of ``jobs`` (builds) on a pool of ``workers`` threads, default usable_cpus(). On an
-    interrupt the builds under way end quietly, none recorded as failed."""
+    """Run ``jobs`` (builds) on ``workers`` threads, default usable_cpus(); an interrupt fails none of them."""
     pool = ThreadPoolExecutor(max(1, workers or usable_cpus()), thread_name_prefix="qasr-build")
     try:
         for done in as_completed([pool.submit(job) for job in jobs]):
@@ -230,8 +224,7 @@ _warned_lock = threading.Lock()
 
 
 def _record_failure(spec: KernelSpec, folder: Path, exc: Exception) -> None:
-    """Remember a failed build in its folder and say so in one warning (the compiler's errors, where the
-    whole output went); an interrupted build is neither."""
+    """Keep the build's output in its folder and warn once with its first errors (not for an interrupt)."""
     text = str(exc)
     if _stopping.is_set() or "interrupted by user" in text:
         return
@@ -258,7 +251,7 @@ def _failed_before(spec: KernelSpec, folder: Path) -> None:
 
 
 def _errors(output: str, most: int = 3) -> str:
-    """The compiler's first error lines in a build's output (else its last lines), joined."""
+    """The first error lines of a build's output (else its last lines), joined."""
     lines = [line.strip() for line in output.splitlines()
              if line.strip() and not line.startswith(("[", "FAILED:", "ninja:")) and " -o " not in line]
     errors = [line for line in lines if "error" in line.lower()] or lines[-most:]
@@ -294,7 +287,6 @@ def _load(spec: KernelSpec, name: str, folder: Path) -> ModuleType:
 
 
 def _copy_if_changed(original: Path, copy: Path) -> None:
-    """``copy`` holds ``original``'s bytes, written (atomically) only if it did not already."""
     if not copy.exists() or copy.read_bytes() != original.read_bytes():
         tmp = copy.with_name(f"{copy.name}.{threading.get_ident()}.tmp")
         shutil.copyfile(original, tmp)
@@ -305,7 +297,6 @@ _announced = threading.Event()
 
 
 def _announce_first_build() -> None:
-    """Once per process, before its first compile."""
     if not _announced.is_set():
         _announced.set()
         print(f"qasr: building qasr's CPU kernels for this machine (once per environment and CPU; in "
@@ -314,8 +305,7 @@ def _announce_first_build() -> None:
 
 @contextmanager
 def _lock(folder: Path, label: str) -> Iterator[bool]:
-    """Hold ``folder``'s flock for the block (yields True), or yield False after waiting wait_limit_s().
-    The OS releases it when the descriptor closes, including when the process is killed."""
+    """Hold ``folder``'s flock for the block (yields True), or yield False after waiting wait_limit_s()."""
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         yield _acquire(fd, folder, label)

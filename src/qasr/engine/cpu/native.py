@@ -1,17 +1,7 @@
-"""The optional C++ kernels of csrc/, built once per environment and CPU (build.py) and each proved by a
-self-test on the CPU it runs on (selftest.py) before anything uses it:
-
-- decode attention: one pass over every cached key and value per step, where torch's GEMMs run the
-  (2 query heads x context) shape far below memory bandwidth.
-- encoder attention: each audio window's rows over that window only, not SDPA over padded windows.
-- decoder ops: RMSNorm, q/k-norm + rotary, SiLU(gate) * up in one pass each (a decode step is dispatch-bound).
-- batch-invariant bf16 GEMMs (a row never depends on the call's other rows): AMX, else AVX512-BF16; the
-  flash-style bf16 prefill attention.
-- exact int8 W8A8 GEMMs (int8.py's reference, bit for bit): AMX-INT8, else AVX512-VNNI, else AVX-VNNI; the
-  exact int4 W4A8 GEMM (int4.py) on AVX512-VNNI.
-A loader gives None where its kernel cannot be built, does not suit the CPU or fails its self-test; the
-engine then takes the next kernel or plain torch ops (same maths). QASR_NO_NATIVE=1 turns every kernel off,
-QASR_NO_AMX=1 the AMX ones. docs/kernels.md has which kernel runs where.
+"""The optional C++ kernels of csrc/ (what each does and why: docs/engine.md; which runs on which CPU:
+docs/kernels.md), built by build.py, each proved by its self-test (selftest.py) before use. A loader gives None
+where its kernel cannot be built, does not suit the CPU or fails its self-test; the engine then takes the next
+kernel or plain torch ops. QASR_NO_NATIVE=1 turns every kernel off, QASR_NO_AMX=1 the AMX ones.
 """
 
 from __future__ import annotations
@@ -63,38 +53,35 @@ def decode_kernel() -> ModuleType | None:
 
 @functools.cache
 def encoder_attention_kernel() -> ModuleType | None:
-    """Attention within the audio encoder's windows, each row alone over its window (encoder_attention.cpp)."""
+    """The audio encoder's windowed attention (encoder_attention.cpp)."""
     mod = _build(*ENCODER_ATTENTION)
     return selftest.verified("encoder attention", mod, selftest.check_encoder_attention)
 
 
 @functools.cache
 def decoder_ops_kernel() -> ModuleType | None:
-    """Fused bf16 RMSNorm and q/k-norm + rotary, and their float forms (decoder_ops.cpp)."""
+    """Fused RMSNorm, q/k-norm + rotary, SiLU * up (decoder_ops.cpp)."""
     mod = _build(*DECODER_OPS)
     return selftest.verified("decoder ops", mod, selftest.check_decoder_ops)
 
 
 @functools.cache
 def encoder_ops_kernel() -> ModuleType | None:
-    """The encoder's first convolution (one input channel), and GELU + zero padding between its convolutions in
-    one pass (encoder_ops.cpp)."""
+    """The encoder's first convolution, GELU + padding between its convolutions (encoder_ops.cpp)."""
     mod = _build(*ENCODER_OPS)
     return selftest.verified("encoder ops", mod, selftest.check_encoder_ops)
 
 
 @functools.cache
 def linear_kernel() -> ModuleType | None:
-    """The fastest batch-invariant bf16 GEMM module that passed its self-test here (pack, linear, conv):
-    the AMX one, else the AVX512-BF16 one, else None."""
+    """The batch-invariant bf16 GEMM module (pack, linear, conv): AMX, else AVX512-BF16, else None."""
     amx = amx_kernel()
     return amx if amx is not None else avx512_kernel()
 
 
 @functools.cache
 def amx_kernel() -> ModuleType | None:
-    """The AMX-BF16 GEMM module, or None: QASR_NO_AMX=1, no AMX in /proc/cpuinfo, no build, the OS refused
-    tile data, or the self-test failed."""
+    """The AMX-BF16 GEMM module (amx_linear.cpp), or None (also where QASR_NO_AMX=1 or the OS refuses AMX)."""
     if os.environ.get("QASR_NO_AMX") == "1" or not AMX_CPU <= cpu_flags():
         return None  # not built at all: -march=native would compile it to supported() == False anyway
     mod = _build(*AMX_LINEAR)
@@ -108,13 +95,13 @@ def amx_kernel() -> ModuleType | None:
 
 @functools.cache
 def avx512_kernel() -> ModuleType | None:
-    """The AVX512-BF16 GEMM module (bf16_linear.cpp) if its products passed their self-test here."""
+    """The AVX512-BF16 GEMM module (bf16_linear.cpp)."""
     return selftest.verified("AVX512-BF16 linear", _bf16_module(), selftest.check_gemm)
 
 
 @functools.cache
 def attention_kernel() -> ModuleType | None:
-    """The flash-style bf16 prefill attention module (prefill_attention.cpp), if it passed its self-test here."""
+    """The flash-style bf16 prefill attention (prefill_attention.cpp)."""
     return selftest.verified("AVX512-BF16 prefill attention", _bf16_module(PREFILL_ATTENTION),
                              selftest.check_prefill_attention)
 
@@ -133,8 +120,7 @@ def int8_kernel() -> ModuleType | None:
 
 @functools.cache
 def amx_int8_kernel() -> ModuleType | None:
-    """The AMX-INT8 GEMM module, or None: QASR_NO_AMX=1, no AMX-INT8 in /proc/cpuinfo, no build, the OS
-    refused tile data, or the self-test failed."""
+    """The AMX-INT8 GEMM module (amx_int8.cpp), or None (also where QASR_NO_AMX=1 or the OS refuses AMX)."""
     if os.environ.get("QASR_NO_AMX") == "1" or not AMX_INT8_CPU <= cpu_flags():
         return None
     mod = _build(*AMX_INT8)
@@ -149,21 +135,19 @@ def amx_int8_kernel() -> ModuleType | None:
 
 @functools.cache
 def vnni_int8_kernel() -> ModuleType | None:
-    """The AVX512-VNNI int8 GEMM module (int8_linear.cpp) if it passed its self-test here."""
+    """The AVX512-VNNI int8 GEMM module (int8_linear.cpp)."""
     return _int8_module(VNNI_CPU, INT8_VNNI, "AVX512-VNNI int8 linear")
 
 
 @functools.cache
 def avx_vnni_int8_kernel() -> ModuleType | None:
-    """The 256-bit AVX-VNNI int8 GEMM module (int8_avx_vnni.cpp, for AVX2 CPUs without AVX-512) if it passed
-    its self-test here."""
+    """The 256-bit AVX-VNNI int8 GEMM module (int8_avx_vnni.cpp), for CPUs without AVX-512."""
     return _int8_module(AVX_VNNI_CPU, AVX_VNNI, "AVX-VNNI int8 linear")
 
 
 @functools.cache
 def int4_kernel() -> ModuleType | None:
-    """The AVX512-VNNI int4 W4A8 GEMM module (int4_linear.cpp: pack(w_q, w_scale), linear) if this CPU has
-    AVX512-VNNI and the module passed its self-test here, else None (the torch reference runs)."""
+    """The AVX512-VNNI int4 W4A8 GEMM module (int4_linear.cpp: pack(w_q, w_scale), linear)."""
     if not VNNI_CPU <= cpu_flags():
         return None
     mod = _build(*INT4_VNNI)
@@ -173,8 +157,7 @@ def int4_kernel() -> ModuleType | None:
 
 
 def _int8_module(needs: frozenset[str], build_spec: tuple, name: str) -> ModuleType | None:
-    """The int8 module of ``build_spec`` if this CPU has the flags it ``needs`` (else it is not even built),
-    it reports itself supported and it passes the int8 self-test."""
+    """The int8 module of ``build_spec``, built only where the CPU has the flags it ``needs``."""
     if not needs <= cpu_flags():
         return None
     mod = _build(*build_spec)
@@ -184,8 +167,7 @@ def _int8_module(needs: frozenset[str], build_spec: tuple, name: str) -> ModuleT
 
 
 def clear_caches() -> None:
-    """Forget which kernels were chosen and verified, so QASR_NO_AMX / QASR_NO_NATIVE are read again
-    (tests). Built modules stay loaded: a build is expensive and a loaded extension cannot be unloaded."""
+    """Forget which kernels were chosen and verified (tests); built modules stay loaded."""
     for fn in (decode_kernel, decoder_ops_kernel, encoder_ops_kernel, linear_kernel, amx_kernel, avx512_kernel,
                attention_kernel, int8_kernel, amx_int8_kernel, vnni_int8_kernel, avx_vnni_int8_kernel, int4_kernel,
                _bf16_module, cpu_flags):
