@@ -34,7 +34,6 @@ class KVCache(Protocol):
 
 
 class StepRunner(Protocol):
-    """Runs one engine step on the device."""
 
     def encode(self, slices: list[tuple[Request, int]]) -> float: ...
 
@@ -59,9 +58,9 @@ class PreparedModel:
     prefill_attention: ModuleType | None = None
     release_caller_threads: Callable[[], None] = lambda: None  # called by submitting threads
     description: str = "torch"  # which kernels run, for logs
-    # a prompt row's bits do not depend on the prefill chunking: a kept prefix may be continued anywhere
+    # a prompt row's bits do not depend on the prefill chunking
     chunk_invariant_prefill: bool = False
-    # a decode row's bits do not depend on the rows beside it: drafts may be checked in one forward
+    # a decode row's bits do not depend on the rows beside it
     row_invariant_decode: bool = False
     # None: engine/kv_cache.KVPool and engine/runner.Runner
     make_pool: PoolFactory | None = None

@@ -14,8 +14,7 @@ _prepared: weakref.WeakKeyDictionary[Qwen3ASRModel, dict[tuple[str, bool, str | 
 
 
 def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
-    """``auto``: the model's device type. ``cuda`` on a CPU model runs the CUDA backend with its portable
-    kernels (as the tests do)."""
+    """``auto``: the model's device type; ``cuda`` on a CPU model runs the portable CUDA paths."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -27,8 +26,8 @@ def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
 
 def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto",
                   quantize: str | None = None) -> PreparedModel:
-    """The model prepared for its backend, shared by every engine on the same model and choice (the model
-    itself is never modified). ``native=False`` keeps to torch ops. ``quantize`` ("int8", "int4"): CPU only."""
+    """The model prepared for its backend (never modified), shared by every engine on it. ``native=False``
+    keeps to torch ops; ``quantize`` ("int8", "int4") is CPU only."""
     chosen = backend_for(model, backend)
     if quantize is not None and (chosen != "cpu" or model.device.type != "cpu"):
         raise ValueError(f"quantize={quantize!r} runs on the CPU backend only (no {chosen} {quantize} kernels yet): "

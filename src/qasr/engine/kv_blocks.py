@@ -88,11 +88,10 @@ class BlockManager:
         return sum(len(lease.blocks) for lease in self.leases.values())
 
     def missing(self, req: Request, tokens: int) -> int:
-        """Blocks the request still lacks to hold positions [0, tokens)."""
         return max(0, self.allocator.blocks_for(tokens) - len(req.blocks))
 
     def grow(self, req: Request, tokens: int) -> bool:
-        """Give the request the blocks it lacks for positions [0, tokens); False (nothing taken) if short."""
+        """Blocks for positions [0, tokens); False (nothing taken) if too few are free."""
         need = self.missing(req, tokens)
         if need == 0:
             return True

@@ -40,7 +40,7 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def quantizer(kernel: ModuleType | None) -> Callable[[torch.Tensor], Sequence[torch.Tensor]]:
-    """The native ``quantize_kv`` where the decode kernel has it, else the torch reference."""
+    """The native ``quantize_kv`` if the decode kernel has it, else the reference."""
     if kernel is not None and hasattr(kernel, "quantize_kv"):
         return kernel.quantize_kv
     return quantize_kv_reference
@@ -168,7 +168,7 @@ class KVPool:
         nd = meta.num_decode
         outs = []
         if nd:
-            if self.kernel is not None:  # it stores the new keys and values too
+            if self.kernel is not None:  # it stores k/v too
                 out = self.kernel.decode_attention(q[:nd].contiguous(), kc, vc, meta.decode_tables, meta.decode_lens,
                                                    meta.block_size, self.scale, k[:nd], v[:nd])
                 outs.append(out.reshape(nd, -1))
@@ -195,12 +195,12 @@ class KVPool:
 
     def _attend_int8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMeta) -> torch.Tensor:
-        """``attend`` over the int8 pool; new rows are read back as stored, like older ones."""
+        """``attend`` over the int8 pool; new rows are read as stored."""
         kq, vq, ks, vs = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
         nd = meta.num_decode
         outs = []
         if nd:
-            if self.kernel is not None:  # it quantizes and stores the new keys and values too
+            if self.kernel is not None:  # it stores k/v too
                 out = self.kernel.decode_attention_int8(q[:nd].contiguous(), kq, vq, ks, vs, meta.decode_tables,
                                                         meta.decode_lens, meta.block_size, self.scale, k[:nd], v[:nd])
                 outs.append(out.reshape(nd, -1))

@@ -1,7 +1,5 @@
-"""Pure decode steps replayed as CUDA graphs, one per batch bucket (plan.decode_buckets), over static
-buffers; pad rows use only the pool's scratch row. Each graph's first replay on real rows is checked
-against the eager forward. Without capture the same bucketed steps run eagerly (as the CPU tests run them).
-"""
+"""Pure decode steps replayed as CUDA graphs, one per batch bucket, over static buffers; each graph's first
+replay is checked against the eager forward. Without capture the same bucketed steps run eagerly."""
 
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ def _host(flat: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class _Step:
-    """One bucket's static buffers and graph."""
 
     def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, rows: int) -> None:
         self.model, self.pool, self.kernels, self.rows = model, pool, kernels, rows
@@ -159,8 +156,8 @@ class DecodeGraphs:
             step.graph = None
 
     def prepare(self) -> None:
-        """Static buffers for every bucket and, with ``capture``, a graph each (largest first, sharing one
-        memory pool); a failed capture leaves every bucket eager, with a warning. Runs once."""
+        """Static buffers for every bucket and, with ``capture``, a graph each (largest first, one memory
+        pool); a failed capture leaves them eager, with a warning. Runs once."""
         if self._steps:
             return
         t0 = time.perf_counter()

@@ -47,7 +47,7 @@ class CudaRunner(Runner):
 
     def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
         if self.graphs is not None and batch.pure_decode:
-            # a graph reads the pool in place: every row's blocks must be consecutive
+            # a graph reads the pool in place
             bs = self.pool.block_size
             starts = [contiguous_start(t, bs, c + 1) for t, c in zip(batch.tables, batch.ctxs, strict=True)]
             if all(s is not None for s in starts):
@@ -67,7 +67,7 @@ class CudaRunner(Runner):
         return read_back(*pick(logits)) if batch.rows else ([], [])
 
     def stats(self) -> dict:
-        """How the decode steps ran (graph replays, eager forwards), for benchmarks and logs."""
+        """How the decode steps ran, for benchmarks and logs."""
         g = self.graphs
         return dict(eager_steps=self.eager_steps, scattered_decode_steps=self.scattered_decode_steps,
                     bucketed_steps=g.steps if g else 0,
