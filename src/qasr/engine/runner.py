@@ -143,7 +143,7 @@ class Runner:
 def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax and its float32 log-softmax at that id; a row's values do not depend on its neighbours."""
     scores = logits.float()  # exact: bf16 and float16 are subsets of float32
-    # the same index as the logits' argmax, and cheaper than torch's bf16 one (docs/log/, engine-argmax)
+    # the same index as the logits' argmax, and cheaper than torch's bf16 one (docs/log/, engine-argmax-float32)
     tokens = scores.argmax(-1, keepdim=True)
     logprobs = torch.log_softmax(scores, -1).gather(-1, tokens)
     return tokens.squeeze(-1), logprobs.squeeze(-1)
