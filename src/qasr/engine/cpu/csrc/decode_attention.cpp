@@ -515,7 +515,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kpool, torch::Tens
 // Each (token, kv head) row of keys or values is stored as int8 with one float32 scale: amax = max |x|,
 // q = round-to-nearest-even(x * (127 / amax)) clamped to [-127, 127], scale = amax * (1 / 127) (a product, not
 // a quotient: -ffast-math may turn a division by a constant into a product anyway, so the definition is the
-// product; qasr.engine.kv_quant.quantize_kv_reference is the same arithmetic in torch). An all-zero row gets
+// product; qasr.engine.kv_cache.quantize_kv_reference is the same arithmetic in torch). An all-zero row gets
 // q = 0 and scale 0. A row's result depends on that row alone.
 template <typename T>
 static inline void quantize_row(const T* x, int64_t dim, int8_t* q, float* scale) {
