@@ -4,7 +4,7 @@
 
 A live step's prompt ends with the last output minus its last 5 tokens (the official rollback), and the
 model mostly makes those tokens again. With drafts on, the step hands them to the engine as a guess
-(``Engine.submit(draft=...)``), which feeds each guess in a decode row of its own beside the newest token
+(``Continuation.draft``), which feeds each guess in a decode row of its own beside the newest token
 and keeps the tokens of the rows whose guesses came true: several tokens for one pass over the weights.
 The output is the same bit for bit; this run checks that every event of the two sides is identical.
 
@@ -62,8 +62,8 @@ def session_run(ck, quantize: str | None, compare: str, on: bool, audio: np.ndar
     """One LiveSession on a fresh engine: each push's seconds, the events' text, the engine's guess counts and,
     per turn, the time from its pause to its final transcript in a stream paced in real time."""
     from qasr.engine.engine import Engine, EngineConfig
-    from qasr.streaming.config import StreamConfig
-    from qasr.streaming.live import LiveConfig, LiveSession, SpeechStopped, TurnFinal, TurnUpdate
+    from qasr.streaming.config import LiveConfig, StreamConfig
+    from qasr.streaming.live import LiveSession, SpeechStopped, TurnFinal, TurnUpdate
 
     sr = ck.features.sampling_rate
     drafts = on or compare != "drafts"

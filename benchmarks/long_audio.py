@@ -33,6 +33,7 @@ import soundfile as sf
 from qasr import TranscribeOptions
 from qasr.bench.common import PeakRss, build_checkpoint, in_subprocess
 from qasr.bench.perf.machine import ForeignCpu, cpu_info
+from qasr.engine.engine import RequestSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SR = 16000
@@ -99,8 +100,8 @@ def run_serial(model: str, dtype: str, path: str) -> dict:
     with ForeignCpu() as foreign:
         t0 = time.perf_counter()
         for p in pieces:
-            result = asr._core.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens,
-                                             ignore_eos=True).result()
+            result = asr._core.engine.submit(RequestSpec(p.prompt, p.max_new_tokens, waveform=p.samples,
+                                                   ignore_eos=True)).result()
             tokens += len(result.token_ids)
         wall = time.perf_counter() - t0
     audio = sf.info(path).duration

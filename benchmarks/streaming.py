@@ -188,7 +188,9 @@ def set_state(stream, state: dict) -> None:  # noqa: ANN001
 def ours_at(asr, settings: dict, audio: np.ndarray, state: dict):  # noqa: ANN001, ANN201
     """A Session holding the first ``state['steps']`` chunks of ``audio`` as decoded, and that state's
     text: its next push is step steps+1 (encoding everything, as no window is kept yet)."""
-    s = asr.stream(**settings)
+    from qasr.streaming import StreamConfig
+
+    s = asr.stream(StreamConfig(**settings))
     n = s.config.chunk_size_samples * state["steps"]
     s.audio.append(audio[:n])
     s.consumed = n
@@ -271,9 +273,10 @@ def step_cost(asr, audio: np.ndarray, settings: dict, steps: int, naive_times: l
     returned (for run 2). ``partial``: where the rows so far are written every minute (a long run on a
     shared machine may be cut short)."""
     from qasr.bench.perf.machine import ForeignCpu
+    from qasr.streaming import StreamConfig
 
     cs = int(settings["chunk_size_sec"] * SR)
-    s = asr.stream(**settings)
+    s = asr.stream(StreamConfig(**settings))
     ours, naive, states, tokens, naive_states = [], [], {}, {}, {}
     t_start = time.perf_counter()
     for k in range(1, steps + 1):
@@ -389,10 +392,10 @@ def live_step_cost(asr, audio: np.ndarray, settings: dict, pushes: int, budget: 
                    partial: Path | None = None, label: str = "live", **live_settings: object) -> dict:
     """One LiveSession (``settings`` and ``live_settings``, default LiveConfig otherwise) given every 1 s
     chunk to ``pushes`` seconds, as fast as it goes; a row per push. Stops early past its budget share."""
-    from qasr.streaming import TurnFinal
+    from qasr.streaming import LiveConfig, StreamConfig, TurnFinal
 
     cs = int(settings["chunk_size_sec"] * SR)
-    live = asr.live(**settings, **live_settings)
+    live = asr.live(LiveConfig(StreamConfig(**settings), **live_settings))
     watch = TurnWatch(live)
     rows: list[dict] = []
     turns: list[dict] = []
@@ -513,9 +516,11 @@ def live_trial(asr, n: int, audio: np.ndarray, settings: dict, start: int, measu
                reference: list[dict]) -> dict:
     """n fresh LiveSessions pushing in real time from ``start`` seconds on. Stream 0 notes after each push
     whether a turn is open and how long it is, to compare with the step-cost run (``reference``)."""
+    from qasr.streaming import LiveConfig, StreamConfig
+
     cs = int(settings["chunk_size_sec"] * SR)
     t0 = time.perf_counter()
-    streams = [asr.live(**settings) for _ in range(n)]
+    streams = [asr.live(LiveConfig(StreamConfig(**settings))) for _ in range(n)]
     setup_s = time.perf_counter() - t0
     seen: list[tuple[bool, float]] = []
 
@@ -602,6 +607,7 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
 
     from qasr import ASR
     from qasr.bench.perf.machine import probe
+    from qasr.streaming import LiveConfig, StreamConfig
 
     budget = Budget(args.get("deadline"))
     machine = probe()
@@ -611,12 +617,12 @@ def run_model(label: str, model: str, dtype: str, args: dict) -> dict:
     audio = speech(max(steps, at + args["measure"], live_pushes) + 2)
     quantize = args.get("quantize")
     asr = ASR.from_pretrained(model, device="cpu", dtype=dtype, quantize=None if quantize == "none" else quantize)
-    warm = asr.stream(**settings)
+    warm = asr.stream(StreamConfig(**settings))
     for k in range(3):
         warm.push(audio[k * SR:(k + 1) * SR])
     warm.close()
     if live:  # and the VAD
-        warm = asr.live(**settings)
+        warm = asr.live(LiveConfig(StreamConfig(**settings)))
         for k in range(3):
             warm.push(audio[k * SR:(k + 1) * SR])
         warm.close()

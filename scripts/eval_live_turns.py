@@ -2,7 +2,7 @@
 
 The validation split's sentence clips (``scripts/make_demo_data.py --splits val``) are joined into one stream
 with pauses of ``--min-gap``-``--max-gap`` seconds between them (long enough to end a turn: 500 ms of silence),
-pushed through ``ASR.live(chunk_size_sec=...)`` 1 s at a time, as a microphone would send it. The turns' final
+pushed through ``ASR.live`` 1 s at a time, as a microphone would send it. The turns' final
 transcripts, joined, are scored against the clips' texts joined (the stream's WER), for each setting, and
 beside them the offline transcript of each clip (``ASR.transcribe``) for scale.
 
@@ -26,12 +26,12 @@ from eval_demo_model import word_errors  # noqa: E402
 
 from qasr import ASR, TranscribeOptions  # noqa: E402
 from qasr.audio.io import SAMPLE_RATE as SR  # noqa: E402
-from qasr.streaming import TurnFinal  # noqa: E402
+from qasr.streaming import LiveConfig, StreamConfig, TurnFinal  # noqa: E402
 
 
 def live_text(asr: ASR, stream: np.ndarray, chunk_s: float, end_on_chunk: bool) -> tuple[str, int, float]:
     """The joined final transcripts of the stream's turns, the turn count, and the seconds it took."""
-    live = asr.live(chunk_size_sec=chunk_s, end_on_chunk=end_on_chunk)
+    live = asr.live(LiveConfig(StreamConfig(chunk_size_sec=chunk_s), end_on_chunk=end_on_chunk))
     finals: list[str] = []
     start = time.perf_counter()
     for i in range(0, len(stream), SR):

@@ -52,7 +52,7 @@ from qasr.audio.features import LogMel
 from qasr.bench.common import TOKENS_PER_SECOND, build_checkpoint, clip_lengths, make_clip
 from qasr.engine.config import KV_CACHE_DTYPES
 from qasr.engine.cpu.prepare import prepare_cpu
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import single_prefill
 from qasr.model.checkpoint import Checkpoint, load_checkpoint
 from qasr.model.config import audio_token_count
@@ -78,10 +78,10 @@ def greedy(ck: Checkpoint, clips: list[np.ndarray], forced: list[int] | None, qu
         for k, wave in enumerate(clips):
             prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // 160))
             if forced:
-                futures.append(engine.submit(prompt, waveform=wave, max_new_tokens=forced[k], ignore_eos=True))
+                futures.append(engine.submit(RequestSpec(prompt, forced[k], waveform=wave, ignore_eos=True)))
             else:  # until end of text, within the cap transcribe() gives a clip of this length
                 cap = default_token_cap(len(wave) / 16000, 15.0)
-                futures.append(engine.submit(prompt, waveform=wave, max_new_tokens=cap))
+                futures.append(engine.submit(RequestSpec(prompt, cap, waveform=wave)))
         return [list(f.result().token_ids) for f in futures]
 
 

@@ -103,18 +103,18 @@ def one_behind_a_queue(ck, config, queued: int, queued_seconds: float, queued_to
     ``late_kwargs``). Returns its tokens, the steps from its submit to its end, and the steps the whole run
     took: how long a late request waits behind a queue, counted in engine steps (not seconds, which the
     shared machines move by 2x)."""
-    from qasr.engine.engine import Engine
+    from qasr.engine.engine import Engine, RequestSpec
 
     with Engine(ck, config) as engine:
         wave = noise(queued_seconds, seed=1)
-        ahead = [engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=queued_tokens, ignore_eos=True,
-                               **(queued_kwargs or {})) for _ in range(queued)]
+        ahead = [engine.submit(RequestSpec(prompt_for(ck, wave), queued_tokens, waveform=wave, ignore_eos=True,
+                                           **(queued_kwargs or {}))) for _ in range(queued)]
         while engine.steps < 2:  # the queue is under way
             pass
         late = noise(1.0, seed=2)
         at = engine.steps
-        result = engine.submit(prompt_for(ck, late), waveform=late, max_new_tokens=6, ignore_eos=True,
-                               **(late_kwargs or {})).result(timeout=120)
+        result = engine.submit(RequestSpec(prompt_for(ck, late), 6, waveform=late, ignore_eos=True,
+                                           **(late_kwargs or {}))).result(timeout=120)
         took = engine.steps - at
         for f in ahead:
             f.result(timeout=300)

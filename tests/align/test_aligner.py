@@ -10,7 +10,7 @@ from conftest import noise
 
 import qasr
 from qasr.align.aligner import Aligner
-from qasr.engine.engine import Engine
+from qasr.engine.engine import Engine, RequestSpec
 from qasr.model.checkpoint import load_checkpoint
 from qasr.results import Word
 from qasr.testing import make_tiny_aligner_checkpoint
@@ -79,7 +79,7 @@ def test_errors(aligner: Aligner) -> None:
     with pytest.raises(ValueError, match="1-D float"):
         aligner.align_pieces([np.zeros((2, 100), np.float32)], ["hi"], "English")
     with pytest.raises(ValueError, match="use submit_alignment"):
-        aligner.engine.submit([1, 2, 3], waveform=wave, max_new_tokens=4)
+        aligner.engine.submit(RequestSpec([1, 2, 3], 4, waveform=wave))
     prompt = aligner._prepare(wave, "hi", None)[2]
     for bad, message in (([], "non-empty"), ([len(prompt.ids)], "must lie in"), ([3, 3], "distinct")):
         with pytest.raises(ValueError, match=message):

@@ -16,7 +16,7 @@ import torch
 from conftest import noise, prompt_for
 
 from qasr.engine.cpu.native import attention_kernel, linear_kernel
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.model.checkpoint import load_checkpoint
 from qasr.testing import make_tiny_checkpoint
@@ -36,8 +36,8 @@ def ck128(tmp_path_factory):
 
 def alone_tokens(ck, waves, max_new_tokens: int = 16, ignore_eos: bool = False) -> list[list[int]]:
     with Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=1)) as solo:
-        return [solo.submit(prompt_for(ck, w), waveform=w, max_new_tokens=max_new_tokens,
-                            ignore_eos=ignore_eos).result().token_ids for w in waves]
+        return [solo.submit(RequestSpec(prompt_for(ck, w), max_new_tokens, waveform=w,
+                                        ignore_eos=ignore_eos)).result().token_ids for w in waves]
 
 
 def test_malformed_requests_are_refused_at_submit(ck) -> None:
@@ -54,13 +54,13 @@ def test_malformed_requests_are_refused_at_submit(ck) -> None:
     ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
-            engine.submit(p, max_new_tokens=4, **kwargs)
+            engine.submit(RequestSpec(p, 4, **kwargs))
     for n in (0, -1, 1.5):
         with pytest.raises(ValueError, match="max_new_tokens"):
-            engine.submit(p, waveform=w, max_new_tokens=n)
+            engine.submit(RequestSpec(p, n, waveform=w))
     with pytest.raises(ValueError, match="token ids"):
-        engine.submit([*p, 10**9], waveform=w, max_new_tokens=4)
-    assert engine.submit(p, waveform=w, max_new_tokens=4).result().token_ids  # still serving
+        engine.submit(RequestSpec([*p, 10**9], 4, waveform=w))
+    assert engine.submit(RequestSpec(p, 4, waveform=w)).result().token_ids  # still serving
     engine.close()
 
 
@@ -81,8 +81,8 @@ def test_a_failing_request_fails_alone_and_the_others_keep_their_tokens(ck) -> N
     engine.runner.forward = faulty_forward
     gate = threading.Event()
     hold = noise(1.0, seed=77)  # its first token holds the loop until all five are queued behind it
-    engine.submit(prompt_for(ck, hold), waveform=hold, max_new_tokens=1, on_token=lambda t: gate.wait())
-    futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=16) for w in waves]
+    engine.submit(RequestSpec(prompt_for(ck, hold), 1, waveform=hold), on_token=lambda t: gate.wait())
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 16, waveform=w)) for w in waves]
     gate.set()
     with pytest.raises(RuntimeError, match="injected fault"):
         futures[2].result(timeout=60)
@@ -107,9 +107,9 @@ def test_cancel_mid_decode_frees_the_region_and_spares_the_others(ck) -> None:
             if count[0] == 5:
                 seen.set()
 
-    victim = engine.submit(prompt_for(ck, long_wave), waveform=long_wave, max_new_tokens=2000, ignore_eos=True,
+    victim = engine.submit(RequestSpec(prompt_for(ck, long_wave), 2000, waveform=long_wave, ignore_eos=True),
                            on_token=on_token)
-    others = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=40, ignore_eos=True) for w in waves]
+    others = [engine.submit(RequestSpec(prompt_for(ck, w), 40, waveform=w, ignore_eos=True)) for w in waves]
     assert seen.wait(60)
     used_before = engine.stats().kv_tokens_used
     assert victim.cancel()
@@ -128,8 +128,8 @@ def test_cancelling_an_async_task_cancels_its_request(ck) -> None:
     w = noise(3.0)
 
     async def main() -> None:
-        task = asyncio.create_task(engine.generate_async(prompt_for(ck, w), waveform=w, max_new_tokens=5000,
-                                                         ignore_eos=True))
+        task = asyncio.create_task(engine.generate_async(RequestSpec(prompt_for(ck, w), 5000, waveform=w,
+                                                                     ignore_eos=True)))
         while engine.stats().generated_tokens < 3:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -148,7 +148,7 @@ def test_cancelling_an_async_task_cancels_its_request(ck) -> None:
 def test_close_resolves_every_future(ck, drain: bool) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=2))
     waves = [noise(1.0 + k % 5, seed=k) for k in range(12)]
-    futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=30, ignore_eos=True) for w in waves]
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 30, waveform=w, ignore_eos=True)) for w in waves]
     engine.close(drain=drain, timeout=120)
     assert all(f.done() for f in futures)
     done = [f for f in futures if f.exception() is None]
@@ -158,13 +158,13 @@ def test_close_resolves_every_future(ck, drain: bool) -> None:
         closed = [f for f in futures if isinstance(f.exception(), EngineClosed)]
         assert len(closed) >= 8 and len(done) + len(closed) == 12
     with pytest.raises(EngineClosed):
-        engine.submit(prompt_for(ck, waves[0]), waveform=waves[0], max_new_tokens=4)
+        engine.submit(RequestSpec(prompt_for(ck, waves[0]), 4, waveform=waves[0]))
 
 
 def test_an_error_in_the_loop_breaks_the_engine_loudly(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=1))
     w = noise(2.0)
-    first = engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4)
+    first = engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w))
     first.result(timeout=60)
 
     def broken_plan():  # noqa: ANN202
@@ -175,7 +175,7 @@ def test_an_error_in_the_loop_breaks_the_engine_loudly(ck) -> None:
     outcomes: list = []
     for _ in range(3):
         try:
-            outcomes.append(engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4))
+            outcomes.append(engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)))
         except EngineBroken as exc:
             outcomes.append(exc)
     assert not isinstance(outcomes[0], EngineBroken)  # accepted: the engine was healthy until its next step
@@ -188,7 +188,7 @@ def test_an_error_in_the_loop_breaks_the_engine_loudly(ck) -> None:
         assert isinstance(info.value.__cause__, RuntimeError)
     assert engine.stats().broken
     with pytest.raises(EngineBroken, match="scheduler bug"):
-        engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4)
+        engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w))
     engine.close()
 
 
@@ -196,17 +196,17 @@ def test_streamed_tokens_equal_submitted_ones(ck) -> None:
     waves = [noise(s, seed=20 + k) for k, s in enumerate((2.5, 8.0))]
     want = alone_tokens(ck, waves, max_new_tokens=24)
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
-    assert [list(engine.stream(prompt_for(ck, w), waveform=w, max_new_tokens=24)) for w in waves] == want
+    assert [list(engine.stream(RequestSpec(prompt_for(ck, w), 24, waveform=w))) for w in waves] == want
 
     async def collect(w: np.ndarray) -> list[int]:
-        return [t async for t in engine.stream_async(prompt_for(ck, w), waveform=w, max_new_tokens=24)]
+        return [t async for t in engine.stream_async(RequestSpec(prompt_for(ck, w), 24, waveform=w))]
 
     async def both() -> list[list[int]]:
         return list(await asyncio.gather(*(collect(w) for w in waves)))
 
     assert asyncio.run(both()) == want
     # leaving a stream early cancels its request
-    stream = engine.stream(prompt_for(ck, waves[1]), waveform=waves[1], max_new_tokens=3000, ignore_eos=True)
+    stream = engine.stream(RequestSpec(prompt_for(ck, waves[1]), 3000, waveform=waves[1], ignore_eos=True))
     assert next(stream) == want[1][0]
     stream.close()
     deadline = time.time() + 10
@@ -223,7 +223,7 @@ def test_stats_report_the_engine_state(ck) -> None:
     assert s0.kv_tokens_total == engine.pool.tokens == s0.kv_blocks_total * s0.kv_block_tokens
     assert (s0.kv_blocks_used, s0.preemptions, s0.broken, s0.closed) == (0, 0, False, False)
     w = noise(2.0)
-    out = engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=10, ignore_eos=True).result()
+    out = engine.submit(RequestSpec(prompt_for(ck, w), 10, waveform=w, ignore_eos=True)).result()
     s1 = engine.stats()
     assert s1.generated_tokens == len(out.token_ids) == 10 and s1.steps >= 10 and s1.tokens_per_s > 0
     engine.close()
@@ -234,12 +234,12 @@ def test_short_request_behind_a_20_minute_piece_starts_within_a_few_steps(ck) ->
     engine = Engine(ck, EngineConfig(kv_cache_bytes=256 << 20))
     long_wave = noise(1200.0, seed=5)
     first_token_step: list[int] = []
-    long_future = engine.submit(prompt_for(ck, long_wave), waveform=long_wave, max_new_tokens=2)
+    long_future = engine.submit(RequestSpec(prompt_for(ck, long_wave), 2, waveform=long_wave))
     while engine.stats().steps < 3:  # the long piece is being encoded
         time.sleep(0.001)
     short = noise(2.0, seed=6)
     submitted_at = engine.stats().steps
-    f = engine.submit(prompt_for(ck, short), waveform=short, max_new_tokens=2,
+    f = engine.submit(RequestSpec(prompt_for(ck, short), 2, waveform=short),
                       on_token=lambda t: first_token_step.append(engine.steps) if t is not None else None)
     f.result(timeout=120)
     assert not long_future.done()  # the short one did not wait for the long prefill
@@ -258,7 +258,7 @@ def test_production_kernels_in_the_engine_give_batch_independent_tokens(ck128) -
     assert "invariant GEMM" in prepared.description
     waves = [noise(s, seed=30 + k) for k, s in enumerate((3.0, 17.0, 0.5, 9.0, 26.0))]
     want = alone_tokens(ck128, waves, max_new_tokens=20, ignore_eos=True)
-    futures = [engine.submit(prompt_for(ck128, w), waveform=w, max_new_tokens=20, ignore_eos=True) for w in waves]
+    futures = [engine.submit(RequestSpec(prompt_for(ck128, w), 20, waveform=w, ignore_eos=True)) for w in waves]
     assert [f.result().token_ids for f in futures] == want
     assert len({t for toks in want for t in toks}) > 3  # not a degenerate model
     engine.close()
@@ -274,6 +274,6 @@ def test_two_engines_on_one_checkpoint_leave_the_model_untouched(ck128) -> None:
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights
     w = noise(2.0)
-    assert b.submit(prompt_for(ck128, w), waveform=w, max_new_tokens=5).result().token_ids is not None
+    assert b.submit(RequestSpec(prompt_for(ck128, w), 5, waveform=w)).result().token_ids is not None
     a.close()
     b.close()

@@ -13,7 +13,7 @@ import torch
 from conftest import noise, prompt_for
 
 from qasr.engine.cpu.native import linear_kernel
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.engine.runner import pick
 
@@ -30,7 +30,7 @@ def test_concurrent_random_arrivals_match_one_by_one(dtype, request) -> None:
     alone = []
     solo = Engine(ck, EngineConfig(kv_cache_bytes=64 << 20, max_running=1))
     for p, w in zip(prompts, waves, strict=True):
-        alone.append(solo.submit(p, waveform=w, max_new_tokens=24).result().token_ids)
+        alone.append(solo.submit(RequestSpec(p, 24, waveform=w)).result().token_ids)
     solo.close()
 
     engine = Engine(ck, EngineConfig(kv_cache_bytes=64 << 20, max_running=16, prefill_tokens=300))
@@ -38,7 +38,7 @@ def test_concurrent_random_arrivals_match_one_by_one(dtype, request) -> None:
 
     def client(k: int) -> None:
         time.sleep(rng.uniform(0, 0.6))
-        results[k] = engine.submit(prompts[k], waveform=waves[k], max_new_tokens=24).result().token_ids
+        results[k] = engine.submit(RequestSpec(prompts[k], 24, waveform=waves[k])).result().token_ids
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(30)]
     for t in threads:
@@ -56,11 +56,11 @@ def test_asyncio_submissions_batch_together(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20))
 
     async def main() -> list:
-        return await asyncio.gather(*(engine.generate_async(prompt_for(ck, w), waveform=w, max_new_tokens=8)
+        return await asyncio.gather(*(engine.generate_async(RequestSpec(prompt_for(ck, w), 8, waveform=w))
                                       for w in waves))
 
     out = asyncio.run(main())
-    expected = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=8).result().token_ids for w in waves]
+    expected = [engine.submit(RequestSpec(prompt_for(ck, w), 8, waveform=w)).result().token_ids for w in waves]
     engine.close()
     assert [r.token_ids for r in out] == expected
 
@@ -68,7 +68,7 @@ def test_asyncio_submissions_batch_together(ck) -> None:
 def test_ignore_eos_forces_exact_length(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20))
     w = noise(2.0)
-    r = engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=37, ignore_eos=True).result()
+    r = engine.submit(RequestSpec(prompt_for(ck, w), 37, waveform=w, ignore_eos=True)).result()
     engine.close()
     assert len(r.token_ids) == 37 and r.finish_reason == "length" and 0 < r.ttft_s <= r.latency_s
 
@@ -77,8 +77,8 @@ def test_request_larger_than_cache_is_refused_at_submit(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=kv_bytes_per_token(ck.config.decoder, ck.dtype) * 300))
     big, small = noise(30.0), noise(1.0)
     with pytest.raises(ValueError, match="KV-cache tokens"):
-        engine.submit(prompt_for(ck, big), waveform=big, max_new_tokens=4)
-    f_small = engine.submit(prompt_for(ck, small), waveform=small, max_new_tokens=4)
+        engine.submit(RequestSpec(prompt_for(ck, big), 4, waveform=big))
+    f_small = engine.submit(RequestSpec(prompt_for(ck, small), 4, waveform=small))
     assert len(f_small.result().token_ids) >= 1
     engine.close()
 
@@ -95,7 +95,7 @@ def test_hundreds_of_queued_long_clips_stay_within_memory_budget(ck) -> None:
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = base
-    futures = [engine.submit(prompt, waveform=wave, max_new_tokens=1) for _ in range(CLIPS)]
+    futures = [engine.submit(RequestSpec(prompt, 1, waveform=wave)) for _ in range(CLIPS)]
     while not all(f.done() for f in futures[::20]) or not futures[-1].done():
         peak = max(peak, proc.memory_info().rss)
         time.sleep(0.01)
@@ -116,7 +116,7 @@ def test_portable_decode_path_matches_native(ck) -> None:
         engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20, native_kernels=native))
         engine.pool.k.fill_(float("nan"))  # the pool is uninitialised memory: nothing may read unwritten slots
         engine.pool.v.fill_(float("nan"))
-        futures = [engine.submit(p, waveform=w, max_new_tokens=20) for p, w in zip(prompts, waves, strict=True)]
+        futures = [engine.submit(RequestSpec(p, 20, waveform=w)) for p, w in zip(prompts, waves, strict=True)]
         out[native] = [f.result().token_ids for f in futures]
         engine.close()
     assert out[True] == out[False]

@@ -10,7 +10,7 @@ from conftest import DEMO, one_behind_a_queue
 
 from qasr import TranscribeOptions
 from qasr.engine.engine import EngineConfig
-from qasr.engine.request import Request
+from qasr.engine.request import Request, RequestSpec
 from qasr.engine.scheduler import _by_group, _next_group
 
 FILE = "a long file"
@@ -33,7 +33,7 @@ def test_a_short_request_does_not_wait_for_a_long_files_queue(ck) -> None:  # no
 
 
 def _waiting(*groups: object) -> deque[Request]:
-    return deque(Request(prompt=[1], max_new_tokens=1, group=g) for g in groups)
+    return deque(Request(RequestSpec([1], 1, group=g)) for g in groups)
 
 
 def test_the_group_with_fewest_running_goes_first_queue_order_within_a_group() -> None:
@@ -104,9 +104,9 @@ def test_each_transcribe_call_is_one_group() -> None:
         groups: list[object] = []
         submit = asr._core.engine.submit
 
-        def recording(prompt, **kwargs):  # noqa: ANN001, ANN202 - Engine.submit's own signature
-            groups.append(kwargs.get("group"))
-            return submit(prompt, **kwargs)
+        def recording(spec, **kwargs):  # noqa: ANN001, ANN202 - Engine.submit's own signature
+            groups.append(spec.group)
+            return submit(spec, **kwargs)
 
         asr._core.engine.submit = recording  # type: ignore[method-assign]
         rng = np.random.default_rng(0)

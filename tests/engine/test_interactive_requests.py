@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import noise, one_behind_a_queue, prompt_for
 
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 
 
 def run_behind_a_queue(ck, interactive: bool) -> tuple[list[int], int, int]:  # noqa: ANN001
@@ -28,12 +28,13 @@ def test_an_interactive_request_does_not_wait_for_the_queue(ck) -> None:  # noqa
 def test_the_scheduler_takes_batch_blocks_for_an_interactive_request_never_the_reverse() -> None:
     """The memory rule alone, on a pool of 4 blocks: an older batch request short of a block takes none
     from a younger interactive one (it waits), and an interactive request takes a batch request's."""
-    from qasr.engine.kv_blocks import BlockAllocator, BlockManager
+    from qasr.engine.block_manager import BlockManager
+    from qasr.engine.kv_blocks import BlockAllocator
     from qasr.engine.request import Request
     from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
     def running(interactive: bool, blocks: int) -> Request:
-        req = Request(prompt=[1] * 16 * blocks, max_new_tokens=8, interactive=interactive)
+        req = Request(RequestSpec([1] * 16 * blocks, 8, interactive=interactive))
         assert sched.blocks.grow(req, 16 * blocks)
         sched.active.append(req)
         return req
@@ -52,21 +53,22 @@ def test_while_live_work_runs_batch_work_gets_one_chunk_and_one_window_per_step(
     """Short steps while someone waits: batch prefill is one chunk per step and batch audio one encoder
     window, however much is ready; without interactive work the full budgets apply."""
 
-    from qasr.engine.kv_blocks import BlockAllocator, BlockManager
+    from qasr.engine.block_manager import BlockManager
+    from qasr.engine.kv_blocks import BlockAllocator
     from qasr.engine.request import Request
     from qasr.engine.scheduler import Scheduler, SchedulerConfig
 
     cfg = SchedulerConfig(prefill_tokens=512, prefill_chunk=128, encoder_tokens=512, window_tokens=104)
 
     def batch_request() -> Request:  # a prompt of 512 text tokens, ready to prefill, and 520 audio tokens
-        return Request(prompt=[1] * 512, max_new_tokens=8, audio_tokens=520,
+        return Request(RequestSpec([1] * 512, 8), audio_tokens=520,
                        audio_before=np.zeros(513, dtype=np.int64))
 
     def plan_with(interactive: bool) -> tuple[int, int]:
         sched = Scheduler(cfg, BlockManager(BlockAllocator(1024, 16)))
         sched.active = [batch_request(), batch_request()]
         if interactive:
-            sched.active.append(Request(prompt=[2] * 40, max_new_tokens=4, interactive=True,
+            sched.active.append(Request(RequestSpec([2] * 40, 4, interactive=True),
                                         audio_before=np.zeros(41, dtype=np.int64)))
         plan = sched.plan()
         batch_chunks = sum(1 for r, _ in plan.prefill if not r.interactive)
@@ -81,7 +83,8 @@ def test_steps_the_engine_keeps_short_give_batch_work_no_chunk_and_no_window() -
     """batch_heavy_ok False (the engine's ration of batch steps beside live work): the plan holds the live
     request's prefill and the batch requests' decode rows only, and says it carried no batch work; without
     live work the flag changes nothing."""
-    from qasr.engine.kv_blocks import BlockAllocator, BlockManager
+    from qasr.engine.block_manager import BlockManager
+    from qasr.engine.kv_blocks import BlockAllocator
     from qasr.engine.request import Request
     from qasr.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -89,14 +92,14 @@ def test_steps_the_engine_keeps_short_give_batch_work_no_chunk_and_no_window() -
 
     def plan_with(interactive: bool, heavy_ok: bool):  # noqa: ANN202
         sched = Scheduler(cfg, BlockManager(BlockAllocator(1024, 16)))
-        ready = Request(prompt=[1] * 512, max_new_tokens=8, audio_tokens=520,
+        ready = Request(RequestSpec([1] * 512, 8), audio_tokens=520,
                         audio_before=np.zeros(513, dtype=np.int64))
-        decoding = Request(prompt=[1] * 16, max_new_tokens=8, audio_before=np.zeros(17, dtype=np.int64))
+        decoding = Request(RequestSpec([1] * 16, 8), audio_before=np.zeros(17, dtype=np.int64))
         decoding.prefilled = 16
         assert sched.blocks.grow(decoding, 17)
         sched.active = [ready, decoding]
         if interactive:
-            sched.active.append(Request(prompt=[2] * 40, max_new_tokens=4, interactive=True,
+            sched.active.append(Request(RequestSpec([2] * 40, 4, interactive=True),
                                         audio_before=np.zeros(41, dtype=np.int64)))
         sched.batch_heavy_ok = heavy_ok
         plan = sched.plan()
@@ -117,7 +120,7 @@ def test_live_batch_share_rations_batch_steps_and_everything_finishes(ck) -> Non
     gets alone."""
     wave, live = noise(6.0, seed=3), noise(1.0, seed=4)
     with Engine(ck, EngineConfig(max_running=4, live_batch_share=1.0)) as engine:
-        alone = engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=8, ignore_eos=True).result(60)
+        alone = engine.submit(RequestSpec(prompt_for(ck, wave), 8, waveform=wave, ignore_eos=True)).result(60)
     with Engine(ck, EngineConfig(max_running=4, live_batch_share=0.05, prefill_chunk=16, prefill_tokens=16)) as engine:
         seen: list[tuple[bool, bool]] = []  # per step: (batch_heavy_ok, the plan carried batch work beside live)
         plan = engine.scheduler.plan
@@ -128,11 +131,11 @@ def test_live_batch_share_rations_batch_steps_and_everything_finishes(ck) -> Non
             return got
 
         engine.scheduler.plan = recording_plan
-        batch = engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=8, ignore_eos=True)
+        batch = engine.submit(RequestSpec(prompt_for(ck, wave), 8, waveform=wave, ignore_eos=True))
         lives = []
         while not batch.done() and len(lives) < 200:
-            lives.append(engine.submit(prompt_for(ck, live), waveform=live, max_new_tokens=3, ignore_eos=True,
-                                       interactive=True).result(timeout=60))
+            lives.append(engine.submit(RequestSpec(prompt_for(ck, live), 3, waveform=live, ignore_eos=True,
+                                                   interactive=True)).result(timeout=60))
         result = batch.result(timeout=60)
     assert result.token_ids == alone.token_ids and all(len(r.token_ids) == 3 for r in lives)
     carried = [i for i, (_, work) in enumerate(seen) if work]
@@ -158,7 +161,7 @@ def test_an_engine_going_idle_frees_its_threads_pool(ck) -> None:  # noqa: ANN00
                            lambda: (calls.append(threading.current_thread().name), release()))
         wave = noise(1.0, seed=5)
         for _ in range(2):
-            engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=3, ignore_eos=True).result(timeout=60)
+            engine.submit(RequestSpec(prompt_for(ck, wave), 3, waveform=wave, ignore_eos=True)).result(timeout=60)
             deadline = time.monotonic() + 10
             while "qasr-engine" not in calls[-1:] and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -18,7 +18,7 @@ from conftest import noise, prompt_for
 
 from qasr.audio.features import LogMel
 from qasr.engine.cpu.native import linear_kernel
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Continuation, Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_blocks import BlockAllocator, token_rows
 from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.engine.request import Request
@@ -64,7 +64,7 @@ def wait_until(cond, what: str) -> None:  # noqa: ANN001 - a predicate
 def alone(ck, jobs: list[tuple[list[int], dict]], **config) -> list[list[int]]:  # noqa: ANN003
     """Each job's tokens on a roomy engine of the same configuration, one at a time (never preempted)."""
     with engine_for(ck, 1 << 14, **config) as eng:
-        out = [eng.submit(p, **kw).result(WAIT_S) for p, kw in jobs]
+        out = [eng.submit(RequestSpec(p, **kw)).result(WAIT_S) for p, kw in jobs]
     assert not any(r.preempted for r in out)
     return [r.token_ids for r in out]
 
@@ -101,15 +101,15 @@ def test_a_fragmented_pool_still_serves_a_request_larger_than_any_gap(ck) -> Non
         leases, hogs = [], []
         for _ in range(2):
             gate = Gate(1)  # the long request holds its memory (it has made a token) before the session's step
-            hogs.append(eng.submit(prompt_for(ck, two), waveform=two, max_new_tokens=258, ignore_eos=True,
-                                   on_token=gate))
+            hogs.append(eng.submit(RequestSpec(prompt_for(ck, two), 258, waveform=two, ignore_eos=True), on_token=gate))
             assert gate.done.wait(WAIT_S)
-            kept = eng.submit(prompt_for(ck, short), waveform=short, max_new_tokens=2, ignore_eos=True, keep_kv=True)
+            kept = eng.submit(RequestSpec(prompt_for(ck, short), 2, waveform=short, ignore_eos=True,
+                                          continuation=Continuation(keep_kv=True)))
             leases.append(kept.result(WAIT_S).kv)
         for hog in hogs:
             hog.cancel()
         wait_until(lambda: eng.stats().running == 0, "the long requests to stop")
-        big = eng.submit(prompt_for(ck, ten), waveform=ten, max_new_tokens=400, ignore_eos=True)
+        big = eng.submit(RequestSpec(prompt_for(ck, ten), 400, waveform=ten, ignore_eos=True))
         tokens = big.result(WAIT_S).token_ids  # the old regions: TimeoutError here
         assert tokens == alone(ck, [(prompt_for(ck, ten), dict(waveform=ten, max_new_tokens=400, ignore_eos=True))])[0]
         # the leases survived (the free blocks sufficed: nothing evicted, nobody preempted) and free at release
@@ -147,8 +147,8 @@ def test_preempted_requests_give_the_tokens_of_an_unpreempted_run(dtype, kv, req
             heard = Gate(10 ** 6)
             second: list[Future] = []
             gate = Gate(at, lambda late=late, heard=heard, second=second, eng=eng: second.append(
-                eng.submit(late[0], on_token=heard, **late[1])))
-            first = eng.submit(a[0], on_token=gate, **a[1])
+                eng.submit(RequestSpec(late[0], **late[1]), on_token=heard)))
+            first = eng.submit(RequestSpec(a[0], **a[1]), on_token=gate)
             ra = first.result(WAIT_S)
             rl = second[0].result(WAIT_S)
             assert ra.token_ids == want[0] and ra.preempted == ()
@@ -176,15 +176,17 @@ def test_a_preempted_continuation_recomputes_its_kept_prefix_exactly(ck) -> None
         prompt_a = build_prompt(ck.tokenizer, ck.special, rows_a.shape[0])
         prompt_b = build_prompt(ck.tokenizer, ck.special, rows_b.shape[0])
         assert prompt_a[:256] == prompt_b[:256] and torch.equal(rows_a[:312], rows_b[:312])
-        lease = eng.submit(prompt_a, audio_embeds=rows_a, max_new_tokens=2, ignore_eos=True, keep_kv=True).result(
+        keep = Continuation(keep_kv=True)
+        lease = eng.submit(RequestSpec(prompt_a, 2, audio_embeds=rows_a, ignore_eos=True, continuation=keep)).result(
             WAIT_S).kv
         assert lease is not None and len(lease.blocks) == -(-len(prompt_a) // 16)
         old_wave = noise(2.0, seed=7)
         old = (prompt_for(ck, old_wave), dict(waveform=old_wave, max_new_tokens=400, ignore_eos=True))
         cont: list[Future] = []
-        gate = Gate(1, lambda: cont.append(eng.submit(prompt_b, audio_embeds=rows_b, max_new_tokens=300,
-                                                      ignore_eos=True, kv_prefix=(lease, 256))))
-        first = eng.submit(old[0], on_token=gate, **old[1])
+        spec = RequestSpec(prompt_b, 300, audio_embeds=rows_b, ignore_eos=True,
+                           continuation=Continuation(kv_prefix=(lease, 256)))
+        gate = Gate(1, lambda: cont.append(eng.submit(spec)))
+        first = eng.submit(RequestSpec(old[0], **old[1]), on_token=gate)
         got_old, got = first.result(WAIT_S), cont[0].result(WAIT_S)
         want_old, want = alone(ck, [old, (prompt_b, dict(audio_embeds=rows_b, max_new_tokens=300, ignore_eos=True))],
                                **config)
@@ -203,11 +205,12 @@ def test_an_evicted_lease_is_continued_from_scratch(ck) -> None:
     try:
         wave, big = noise(20.0, seed=8), noise(10.0, seed=9)
         p = prompt_for(ck, wave)
-        lease = eng.submit(p, waveform=wave, max_new_tokens=2, keep_kv=True).result(WAIT_S).kv
+        lease = eng.submit(RequestSpec(p, 2, waveform=wave, continuation=Continuation(keep_kv=True))).result(WAIT_S).kv
         assert lease is not None and eng.stats().kv_blocks_used == len(lease.blocks) == 18
-        filler = eng.submit(prompt_for(ck, big), waveform=big, max_new_tokens=100, ignore_eos=True).result(WAIT_S)
+        filler = eng.submit(RequestSpec(prompt_for(ck, big), 100, waveform=big, ignore_eos=True)).result(WAIT_S)
         assert not filler.preempted and eng.stats().preemptions == 0 and eng.stats().kv_blocks_used == 0
-        again = eng.submit(p, waveform=wave, max_new_tokens=6, kv_prefix=(lease, 256)).result(WAIT_S)
+        again = eng.submit(RequestSpec(p, 6, waveform=wave,
+                                       continuation=Continuation(kv_prefix=(lease, 256)))).result(WAIT_S)
         assert again.token_ids == alone(ck, [(p, dict(waveform=wave, max_new_tokens=6))], **config)[0]
     finally:
         eng.close(drain=False)
@@ -226,7 +229,7 @@ def test_a_cancelled_request_frees_its_blocks_at_the_next_step(ck) -> None:
             cancelled[0].cancel()
 
         gate = Gate(20, cancel)
-        cancelled.append(eng.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=500, ignore_eos=True,
+        cancelled.append(eng.submit(RequestSpec(prompt_for(ck, wave), 500, waveform=wave, ignore_eos=True),
                                     on_token=gate))
         assert gate.done.wait(WAIT_S)
         steps, used = seen[0]
@@ -246,8 +249,8 @@ def test_recomputed_tokens_are_checked_and_not_delivered_twice(ck) -> None:
     the first), and the engine goes on."""
     eng = engine_for(ck, 1024)
     heard: list[int | None] = []
-    same = Request(prompt=[1, 2, 3], max_new_tokens=5, on_token=heard.append)
-    other = Request(prompt=[1, 2, 3], max_new_tokens=5)
+    same = Request(RequestSpec([1, 2, 3], 5), on_token=heard.append)
+    other = Request(RequestSpec([1, 2, 3], 5))
     for req in (same, other):
         req.prefilled, req.replay, req.delivered = 3, [7, 8], 2  # preempted after two delivered tokens
         eng.scheduler.active.append(req)

@@ -9,7 +9,7 @@ import torch
 from conftest import greedy_without_engine, noise, prompt_for
 
 from qasr.engine.cpu.native import decode_kernel, linear_kernel
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import KVPool, dequantize_kv, kv_bytes_per_token, quantize_kv_reference
 from qasr.model.kernels import TORCH_KERNELS
 
@@ -250,7 +250,7 @@ def test_config_refuses_unknown_dtypes_and_other_backends(ck) -> None:  # noqa: 
 # ------------------------------------------------------------------------------------------- the engine
 def generate(ck, waves: list[np.ndarray], new_tokens: int = 10, **config) -> list:  # noqa: ANN001, ANN003
     with Engine(ck, EngineConfig(**{"kv_cache_bytes": KV, "kv_cache_dtype": "int8", **config})) as engine:
-        futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
+        futures = [engine.submit(RequestSpec(prompt_for(ck, w), new_tokens, waveform=w, ignore_eos=True))
                    for w in waves]
         return [f.result(WAIT_S) for f in futures]
 

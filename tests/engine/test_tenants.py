@@ -22,7 +22,7 @@ import soxr
 from conftest import noise, prompt_for
 
 from qasr import ASR, Aligner
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Continuation, Engine, EngineConfig, RequestSpec
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.model.checkpoint import load_checkpoint
 from qasr.testing.checkpoint import make_tiny_aligner_checkpoint
@@ -92,7 +92,7 @@ def test_a_consumer_whose_event_loop_closed_mid_stream_costs_only_its_request(ck
     got: list[int] = []
 
     async def consume() -> None:
-        stream = engine.stream_async(prompt_for(ck, wave), waveform=wave, max_new_tokens=2000, ignore_eos=True)
+        stream = engine.stream_async(RequestSpec(prompt_for(ck, wave), 2000, waveform=wave, ignore_eos=True))
         async for token in stream:
             got.append(token)
             if len(got) == 3:
@@ -106,12 +106,12 @@ def test_a_consumer_whose_event_loop_closed_mid_stream_costs_only_its_request(ck
     consumer.join(60)
     assert not consumer.is_alive() and len(got) == 3
     others = [noise(1.0 + k, seed=10 + k) for k in range(3)]
-    futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=8) for w in others]
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 8, waveform=w)) for w in others]
     gate.open()  # the next step resolves the cancelled stream: its listener raises on the closed loop
     assert all(len(f.result(timeout=60).token_ids) > 0 for f in futures)
     assert not engine.stats().broken
     w = others[0]
-    assert engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4).result(timeout=60).token_ids
+    assert engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)).result(timeout=60).token_ids
     engine.close()
 
 
@@ -119,12 +119,12 @@ def test_close_settles_every_future_behind_a_dead_consumers_stream(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=1))
     gate = StepGate(engine)
     long_wave = noise(2.0, seed=2)
-    blocker = engine.submit(prompt_for(ck, long_wave), waveform=long_wave, max_new_tokens=2000, ignore_eos=True)
+    blocker = engine.submit(RequestSpec(prompt_for(ck, long_wave), 2000, waveform=long_wave, ignore_eos=True))
     gate.wait_blocked()  # the loop sits in a step: whatever is submitted now stays in its inbox
     wave = noise(1.5, seed=3)
 
     async def start_and_leave() -> None:
-        stream = engine.stream_async(prompt_for(ck, wave), waveform=wave, max_new_tokens=50)
+        stream = engine.stream_async(RequestSpec(prompt_for(ck, wave), 50, waveform=wave))
         asyncio.ensure_future(anext(stream))  # submits; asyncio.run cancels it and closes the loop
         await asyncio.sleep(0.1)
 
@@ -132,7 +132,7 @@ def test_close_settles_every_future_behind_a_dead_consumers_stream(ck) -> None:
     consumer.start()
     consumer.join(30)
     assert not consumer.is_alive() and engine.stats().waiting == 2  # the stream in the inbox, its loop closed
-    futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=8)
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 8, waveform=w))
                for w in (noise(1.0, seed=k) for k in range(4))]
     engine.close(drain=False, timeout=0)
     gate.open()
@@ -206,21 +206,23 @@ def test_a_cancelled_request_deep_in_the_queue_is_gone_after_one_step(ck) -> Non
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=1, prefill_chunk=64, prefill_tokens=64))
     kept_wave = noise(10.0, seed=4)
     kept_prompt = prompt_for(ck, kept_wave)
-    lease = engine.submit(kept_prompt, waveform=kept_wave, max_new_tokens=2, keep_kv=True).result(timeout=60).kv
+    lease = engine.submit(RequestSpec(kept_prompt, 2, waveform=kept_wave,
+                                      continuation=Continuation(keep_kv=True))).result(timeout=60).kv
     assert lease is not None
     gate = StepGate(engine)
     long_wave = noise(2.0, seed=5)
-    blocker = engine.submit(prompt_for(ck, long_wave), waveform=long_wave, max_new_tokens=2000, ignore_eos=True)
+    blocker = engine.submit(RequestSpec(prompt_for(ck, long_wave), 2000, waveform=long_wave, ignore_eos=True))
     gate.wait_blocked()
     waves = [noise(1.0, seed=100 + k) for k in range(40)]
-    futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4) for w in waves[:20]]
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves[:20]]
     victim_wave = noise(1.0, seed=7)
     victim_ref = weakref.ref(victim_wave)
     ended: list = []
-    victim = engine.submit(prompt_for(ck, victim_wave), waveform=victim_wave, max_new_tokens=4, on_token=ended.append)
+    victim = engine.submit(RequestSpec(prompt_for(ck, victim_wave), 4, waveform=victim_wave), on_token=ended.append)
     del victim_wave
-    continuing = engine.submit(kept_prompt, waveform=kept_wave, max_new_tokens=4, kv_prefix=(lease, 128))
-    futures += [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4) for w in waves[20:]]
+    continuing = engine.submit(RequestSpec(kept_prompt, 4, waveform=kept_wave,
+                                           continuation=Continuation(kv_prefix=(lease, 128))))
+    futures += [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves[20:]]
     gate.run(1)  # the step in flight; then the loop takes the inbox: all 42 wait behind the running one
     gate.wait_blocked()
     assert len(engine.scheduler.waiting) == 42
@@ -274,8 +276,8 @@ def test_the_settings_in_use_still_construct() -> None:
 def test_a_chunk_at_the_limit_still_finishes_long_audio(ck) -> None:
     wave = noise(30.0, seed=8)  # 390 audio tokens: far beyond the encoder's lookahead of 2 * prefill_tokens
     with Engine(ck, EngineConfig(kv_cache_bytes=KV, prefill_tokens=64, prefill_chunk=128, encoder_tokens=104)) as e:
-        assert len(e.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=3,
-                            ignore_eos=True).result(timeout=120).token_ids) == 3
+        assert len(e.submit(RequestSpec(prompt_for(ck, wave), 3, waveform=wave,
+                                        ignore_eos=True)).result(timeout=120).token_ids) == 3
 
 
 # ---------------------------------------------------------------- 5. a device that fails every request
@@ -288,9 +290,9 @@ def test_a_step_where_every_request_fails_alone_breaks_the_engine(ck) -> None:
     engine.runner.forward = failing
     gate = StepGate(engine)
     waves = [noise(1.0 + k, seed=20 + k) for k in range(4)]
-    first = engine.submit(prompt_for(ck, waves[0]), waveform=waves[0], max_new_tokens=4)
+    first = engine.submit(RequestSpec(prompt_for(ck, waves[0]), 4, waveform=waves[0]))
     gate.wait_blocked()
-    rest = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4) for w in waves[1:]]
+    rest = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves[1:]]
     gate.run(1)  # the first request's step, alone: it fails, and one request failing is no proof of a device
     with pytest.raises(RuntimeError, match="device lost"):
         first.result(timeout=30)
@@ -304,7 +306,7 @@ def test_a_step_where_every_request_fails_alone_breaks_the_engine(ck) -> None:
         time.sleep(0.01)
     assert engine.stats().broken
     with pytest.raises(EngineBroken, match="failed alone"):
-        engine.submit(prompt_for(ck, waves[0]), waveform=waves[0], max_new_tokens=4)
+        engine.submit(RequestSpec(prompt_for(ck, waves[0]), 4, waveform=waves[0]))
     engine.close()
 
 
@@ -321,15 +323,15 @@ def test_a_step_where_one_request_fails_keeps_the_engine(ck) -> None:
 
     engine.runner.forward = faulty
     gate = StepGate(engine)
-    engine.submit(prompt_for(ck, waves[2]), waveform=waves[2], max_new_tokens=2)
+    engine.submit(RequestSpec(prompt_for(ck, waves[2]), 2, waveform=waves[2]))
     gate.wait_blocked()
-    futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=4) for w in waves]
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves]
     gate.open()
     with pytest.raises(RuntimeError, match="bad request"):
         futures[1].result(timeout=60)
     assert futures[0].result(timeout=60).token_ids and futures[2].result(timeout=60).token_ids
     assert not engine.stats().broken
-    assert engine.submit(prompt_for(ck, waves[0]), waveform=waves[0], max_new_tokens=2).result(timeout=60)
+    assert engine.submit(RequestSpec(prompt_for(ck, waves[0]), 2, waveform=waves[0])).result(timeout=60)
     engine.close()
 
 
@@ -337,7 +339,7 @@ def test_a_step_where_one_request_fails_keeps_the_engine(ck) -> None:
 CHILD = textwrap.dedent("""
     import json, signal, sys, time
     import numpy as np
-    from qasr.engine.engine import Engine, EngineConfig
+    from qasr.engine.engine import Engine, EngineConfig, RequestSpec
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
     from qasr.model.prompt import build_prompt
@@ -351,7 +353,7 @@ CHILD = textwrap.dedent("""
     futures = []
     try:
         with Engine(ck, EngineConfig(kv_cache_bytes=64 << 20, max_running=1)) as engine:
-            futures += [engine.submit(prompt, waveform=wave, max_new_tokens=2000, ignore_eos=True) for _ in range(100)]
+            futures += [engine.submit(RequestSpec(prompt, 2000, waveform=wave, ignore_eos=True)) for _ in range(100)]
             while engine.stats().generated_tokens < 5:
                 time.sleep(0.01)
             started = time.monotonic()

@@ -17,7 +17,7 @@ from qasr import TranscribeOptions
 from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.cuda import graphs as cuda_graphs
 from qasr.engine.cuda import prepare as cuda_prepare
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.engine.request import GenerationResult
 from qasr.outputs.writers import render
@@ -36,7 +36,7 @@ WAIT_S = 120
 def generate(ck, waves: list[np.ndarray], new_tokens: int = 16, **config) -> list[GenerationResult]:  # noqa: ANN003
     """Every wave submitted at once (they share steps), each forced to ``new_tokens`` tokens."""
     with Engine(ck, EngineConfig(**{"kv_cache_bytes": KV, **config})) as engine:
-        futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
+        futures = [engine.submit(RequestSpec(prompt_for(ck, w), new_tokens, waveform=w, ignore_eos=True))
                    for w in waves]
         return [f.result(WAIT_S) for f in futures]
 
@@ -59,7 +59,7 @@ def test_eos_is_left_out_like_the_ids(ck) -> None:
     eos = frozenset(ck.generation.eos_token_ids) | {forced.token_ids[5]}  # the sixth token made an EOS too
     with Engine(ck, EngineConfig(kv_cache_bytes=KV)) as engine:
         engine.eos = eos
-        result = engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=24).result(WAIT_S)
+        result = engine.submit(RequestSpec(prompt_for(ck, wave), 24, waveform=wave)).result(WAIT_S)
     cut = next(i for i, t in enumerate(forced.token_ids) if t in eos)
     assert result.finish_reason == "eos" and result.token_ids == forced.token_ids[:cut]
     assert result.logprobs == forced.logprobs[:cut]
@@ -102,10 +102,9 @@ def test_a_preempted_request_recomputes_the_same_logprobs(dtype, request) -> Non
         def arrive(token: int | None) -> None:
             if token is not None and not started.is_set():
                 started.set()
-                second.append(engine.submit(prompt_for(ck, c_wave), waveform=c_wave, max_new_tokens=300,
-                                            ignore_eos=True))
+                second.append(engine.submit(RequestSpec(prompt_for(ck, c_wave), 300, waveform=c_wave, ignore_eos=True)))
 
-        first = engine.submit(prompt_for(ck, a_wave), waveform=a_wave, max_new_tokens=300, ignore_eos=True,
+        first = engine.submit(RequestSpec(prompt_for(ck, a_wave), 300, waveform=a_wave, ignore_eos=True),
                               on_token=arrive)
         got = [first.result(WAIT_S), second[0].result(WAIT_S)]
     assert got[1].preempted == ("decode",) and got[0].preempted == ()

@@ -66,14 +66,14 @@ def live_reference(offline):
     equal the offline transcripts (docs/streaming.md: a turn's last step continues a rolled-back prefix, and
     the demo model can continue one differently), so they are only checked to be close to them."""
     from qasr import ASR
-    from qasr.streaming import TurnFinal
+    from qasr.streaming import LiveConfig, StreamConfig, TurnFinal
     from qasr.streaming.ingest import PcmIngest
 
     asr = ASR.from_pretrained(DEMO_MODEL, device="cpu", dtype="float32")
 
     @functools.cache  # both qasr stream protocols send the same bytes
     def reference(data: bytes, pcm_format: str, rate: int) -> tuple[str, ...]:
-        ingest, live = PcmIngest(pcm_format, rate), asr.live(chunk_size_sec=1.0)
+        ingest, live = PcmIngest(pcm_format, rate), asr.live(LiveConfig(StreamConfig(chunk_size_sec=1.0)))
         step = rate * (2 if pcm_format == "pcm16" else 4) // 10  # 100 ms pieces
         events = []
         for i in range(0, len(data), step):

@@ -11,6 +11,7 @@ from conftest import noise
 
 from qasr.audio.features import LogMel
 from qasr.engine.request import EncodeResult
+from qasr.streaming.config import StreamConfig
 from qasr.streaming.logmel import StreamingLogMel
 from qasr.streaming.windows import WindowEncoder
 
@@ -91,7 +92,7 @@ def test_window_encoder_keeps_conv_output_and_the_bits(tiny_original, setup: str
 
 
 def test_a_session_records_the_chunks_it_convolved(tiny_asr) -> None:  # noqa: ANN001
-    session = tiny_asr.stream(chunk_size_sec=1.0, max_new_tokens=3)
+    session = tiny_asr.stream(StreamConfig(chunk_size_sec=1.0, max_new_tokens=3))
     wave = noise(6.0, seed=11)
     for i in range(0, wave.size, 16000):
         session.push(wave[i:i + 16000])

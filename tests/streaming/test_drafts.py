@@ -1,4 +1,4 @@
-"""Guessed tokens checked as the engine decodes (``Engine.submit(draft=...)``): each guess is fed in a decode row
+"""Guessed tokens checked as the engine decodes (``Continuation.draft``): each guess is fed in a decode row
 of its own beside the request's newest token, and the tokens of the rows whose guesses before them came true
 are kept. Where a decode row's bits do not depend on the rows beside it (qasr's bf16 and quantized CPU
 kernels), the output, its log-probabilities and the listener's calls are those without a draft, bit for bit,
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import noise, prompt_for
 
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Continuation, Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.engine.scheduler import DRAFT_ROWS
 from qasr.streaming.config import StreamConfig
@@ -52,8 +52,9 @@ def run(eng: Engine, wave: np.ndarray, draft: list[int] = (), new_tokens: int = 
     """(result, the listener's calls, decode rows of guesses, guesses kept, engine steps) of one request alone."""
     heard: list[int | None] = []
     t0, steps0 = dict(eng.timings), eng.steps
-    result = eng.submit(prompt_for(eng.checkpoint, wave), waveform=wave, max_new_tokens=new_tokens, draft=draft,
-                        on_token=heard.append, **{"ignore_eos": True, **kw}).result(WAIT_S)
+    spec = RequestSpec(prompt_for(eng.checkpoint, wave), new_tokens, waveform=wave,
+                       continuation=Continuation(draft=draft), **{"ignore_eos": True, **kw})
+    result = eng.submit(spec, on_token=heard.append).result(WAIT_S)
     return (result, heard, eng.timings["draft_rows"] - t0["draft_rows"], eng.timings["draft_kept"] - t0["draft_kept"],
             eng.steps - steps0)
 
@@ -105,8 +106,9 @@ def test_requests_with_and_without_drafts_together_give_their_outputs_alone(engi
     waves = [noise(s, seed=10 + k) for k, s in enumerate((1.3, 3.7, 6.1))]
     alone = [run(engine, w)[0] for w in waves]
     drafts = [alone[0].token_ids, [], [*alone[2].token_ids[:4], 0, *alone[2].token_ids[5:]]]
-    futures = [engine.submit(prompt_for(engine.checkpoint, w), waveform=w, max_new_tokens=TOKENS, ignore_eos=True,
-                             draft=d) for w, d in zip(waves, drafts, strict=True)]
+    futures = [engine.submit(RequestSpec(prompt_for(engine.checkpoint, w), TOKENS, waveform=w, ignore_eos=True,
+                                         continuation=Continuation(draft=d)))
+               for w, d in zip(waves, drafts, strict=True)]
     for f, want in zip(futures, alone, strict=True):
         got = f.result(WAIT_S)
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
@@ -122,8 +124,8 @@ def test_a_listener_that_fails_among_kept_guesses_ends_its_request_there(engine)
         if len(heard) == 4:
             raise RuntimeError("the consumer went away")
 
-    future = engine.submit(prompt_for(engine.checkpoint, wave), waveform=wave, max_new_tokens=TOKENS,
-                           ignore_eos=True, draft=t, on_token=listener)
+    future = engine.submit(RequestSpec(prompt_for(engine.checkpoint, wave), TOKENS, waveform=wave, ignore_eos=True,
+                                       continuation=Continuation(draft=t)), on_token=listener)
     with pytest.raises(RuntimeError, match="went away"):
         future.result(WAIT_S)
     assert heard == t[:4]  # the kept guesses after the failing call were not handed out
@@ -150,11 +152,11 @@ def test_a_preempted_request_with_a_draft_recomputes_the_same_output(path128) ->
         def arrive(token: int | None) -> None:
             if token is not None and not started.is_set():
                 started.set()
-                second.append(eng.submit(prompt_for(ck, c_wave), waveform=c_wave, max_new_tokens=300,
-                                         ignore_eos=True, draft=want[1].token_ids))
+                second.append(eng.submit(RequestSpec(prompt_for(ck, c_wave), 300, waveform=c_wave, ignore_eos=True,
+                                                     continuation=Continuation(draft=want[1].token_ids))))
 
-        first = eng.submit(prompt_for(ck, a_wave), waveform=a_wave, max_new_tokens=300, ignore_eos=True,
-                           on_token=arrive, draft=want[0].token_ids)
+        first = eng.submit(RequestSpec(prompt_for(ck, a_wave), 300, waveform=a_wave, ignore_eos=True,
+                                       continuation=Continuation(draft=want[0].token_ids)), on_token=arrive)
         got = [first.result(WAIT_S), second[0].result(WAIT_S)]
         assert eng.timings["draft_kept"] > 0
     assert got[1].preempted and not got[0].preempted
@@ -191,7 +193,7 @@ def test_a_malformed_draft_is_refused_at_submit(tiny_asr) -> None:  # noqa: ANN0
     vocab = tiny_asr._core.checkpoint.config.decoder.vocab_size
     for bad in ([vocab], [-1], [1.5], [True], "ab"):
         with pytest.raises(ValueError, match="draft"):  # refused wherever it runs, used or not
-            eng.submit(prompt, waveform=wave, max_new_tokens=4, draft=bad)
+            eng.submit(RequestSpec(prompt, 4, waveform=wave, continuation=Continuation(draft=bad)))
 
 
 def test_a_live_step_guesses_the_tokens_its_prefix_rolled_back(path128) -> None:  # noqa: ANN001

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qasr.audio.features import LogMel
+from qasr.engine.engine import Continuation, RequestSpec
 from qasr.model.prompt import build_prompt
 from qasr.streaming.config import StreamConfig
 from qasr.streaming.oracle import OracleStream
@@ -57,11 +58,12 @@ def test_a_prefix_continued_off_the_grid_gives_the_bits_of_a_fresh_prefill(asr12
     prompt_b = build_prompt(ck.tokenizer, ck.special, rows_b.shape[0])
     head = prompt_a.index(ck.special.audio_pad)
     assert cut <= head + 104 and rows_a.shape[0] < rows_b.shape[0]  # inside the head and the shared window
-    lease = eng.submit(prompt_a, audio_embeds=rows_a, max_new_tokens=3, keep_kv=True).result(timeout=60).kv
-    fresh = eng.submit(prompt_b, audio_embeds=rows_b, max_new_tokens=8, ignore_eos=True).result(timeout=60)
+    lease = eng.submit(RequestSpec(prompt_a, 3, audio_embeds=rows_a,
+                                   continuation=Continuation(keep_kv=True))).result(timeout=60).kv
+    fresh = eng.submit(RequestSpec(prompt_b, 8, audio_embeds=rows_b, ignore_eos=True)).result(timeout=60)
     prefilled = eng.timings["prefill_tokens"]
-    cont = eng.submit(prompt_b, audio_embeds=rows_b, max_new_tokens=8, ignore_eos=True,
-                      kv_prefix=(lease, cut)).result(timeout=60)
+    cont = eng.submit(RequestSpec(prompt_b, 8, audio_embeds=rows_b, ignore_eos=True,
+                                  continuation=Continuation(kv_prefix=(lease, cut)))).result(timeout=60)
     assert eng.timings["prefill_tokens"] - prefilled == len(prompt_b) - cut  # the prefix was not prefilled again
     assert cont.token_ids == fresh.token_ids and cont.logprobs == fresh.logprobs  # float32 values, bit for bit
 

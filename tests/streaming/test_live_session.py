@@ -233,14 +233,15 @@ def test_carry_context_hands_committed_text_to_the_next_turn(tiny_asr) -> None: 
     assert live.next_context == (f"names: Ada\n{carried}" if carried else "names: Ada")
 
 
-def test_asr_live_takes_both_kinds_of_settings(tiny_asr) -> None:  # noqa: ANN001
-    live = tiny_asr.live(chunk_size_sec=0.5, language="English", silence_ms=800, turn_detection=False)
-    assert live.config.silence_ms == 800 and not live.config.turn_detection
-    assert live.config.stream.chunk_size_sec == 0.5 and live.config.stream.language == "English"
+def test_asr_live_takes_a_live_config(tiny_asr) -> None:  # noqa: ANN001
+    cfg = LiveConfig(StreamConfig(chunk_size_sec=0.5, language="English"), silence_ms=800, turn_detection=False)
+    live = tiny_asr.live(cfg)
+    assert live.config is cfg
+    assert tiny_asr.live().config == LiveConfig()
     with pytest.raises(TypeError):
-        tiny_asr.live(no_such_setting=1)
+        LiveConfig(no_such_setting=1)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="soft_turn_s"):
-        tiny_asr.live(soft_turn_s=90.0)
+        LiveConfig(soft_turn_s=90.0)
 
 
 # ------------------------------------------------------------------------------------------- ingest

@@ -10,6 +10,7 @@ import torch
 
 from qasr import TranscribeOptions
 from qasr.audio.features import LogMel
+from qasr.engine.engine import RequestSpec
 from qasr.model.prompt import build_prompt
 from qasr.streaming import OracleStream, Session, StreamConfig
 from qasr.streaming.logmel import StreamingLogMel
@@ -120,13 +121,13 @@ def test_submit_with_audio_embeds_matches_waveform(tiny_asr) -> None:  # noqa: A
     with torch.inference_mode():
         rows = eng.prepared.model.audio_tower([feats], conv_batch=eng.runner.conv_batch, kernels=eng.runner.kernels)[0]
     prompt = build_prompt(ck.tokenizer, ck.special, rows.shape[0])
-    ref = eng.submit(prompt, waveform=wave, max_new_tokens=6).result()
-    got = eng.submit(prompt, audio_embeds=rows, max_new_tokens=6).result()
+    ref = eng.submit(RequestSpec(prompt, 6, waveform=wave)).result()
+    got = eng.submit(RequestSpec(prompt, 6, audio_embeds=rows)).result()
     assert got.token_ids == ref.token_ids
     with pytest.raises(ValueError, match="placeholders"):
-        eng.submit(prompt, audio_embeds=rows[:-1], max_new_tokens=6)
+        eng.submit(RequestSpec(prompt, 6, audio_embeds=rows[:-1]))
     with pytest.raises(ValueError, match="not with them"):
-        eng.submit(prompt, audio_embeds=rows, waveform=wave, max_new_tokens=6)
+        eng.submit(RequestSpec(prompt, 6, waveform=wave, audio_embeds=rows))
 
 
 # ------------------------------------------------------------------------ session == oracle (random)
@@ -156,7 +157,7 @@ def test_session_int16_forced_language_and_context(tiny_asr) -> None:  # noqa: A
 
 
 def test_finish_without_tail_and_push_after_finish(tiny_asr) -> None:  # noqa: ANN001
-    session = tiny_asr.stream(chunk_size_sec=1.0, max_new_tokens=3)
+    session = tiny_asr.stream(StreamConfig(chunk_size_sec=1.0, max_new_tokens=3))
     session.push(noise(2.0, seed=1))
     final = session.finish()
     assert final.final and session.state.steps == 2 and final.step == 1  # no leftover audio: no third decode
@@ -170,7 +171,7 @@ def test_finish_without_tail_and_push_after_finish(tiny_asr) -> None:  # noqa: A
 def test_work_per_step_stays_flat_over_a_long_stream(tiny_asr) -> None:  # noqa: ANN001
     """10 minutes in 4 s chunks: the features, encoder rows and prefilled prompt tokens of a step depend
     on the open window only (the rest is kept), so the steps of minute 10 cost what those of minute 1 do."""
-    session = tiny_asr.stream(chunk_size_sec=4.0, max_new_tokens=1, unfixed_chunk_num=1000)
+    session = tiny_asr.stream(StreamConfig(chunk_size_sec=4.0, max_new_tokens=1, unfixed_chunk_num=1000))
     audio = noise(600.0, seed=2)
     for i in range(0, len(audio), 64000):
         session.push(audio[i:i + 64000])

@@ -18,7 +18,7 @@ import soundfile as sf
 from conftest import noise
 
 from qasr import ASR, AudioError, Piece, TranscribeOptions, Transcription
-from qasr.engine.engine import EngineConfig
+from qasr.engine.engine import EngineConfig, RequestSpec
 from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.weights import resolve_model_dir
@@ -196,7 +196,7 @@ def test_prepared_pieces_driven_by_hand_match_transcribe(split_asr) -> None:
         assert p.max_new_tokens == 3 and p.language is None
         assert p.prompt.count(audio_id) > 0
     assert sum(p.duration for p in pieces) == pytest.approx(25.0)
-    futures = [split_asr._core.engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)
+    futures = [split_asr._core.engine.submit(RequestSpec(p.prompt, p.max_new_tokens, waveform=p.samples))
                for p in pieces]
     by_hand = split_asr._core.assemble(pieces, [f.result() for f in futures])
     r = split_asr.transcribe((x, 16000), max_new_tokens=3)[0]
@@ -207,8 +207,8 @@ def test_prepared_pieces_driven_by_hand_match_transcribe(split_asr) -> None:
 def test_prepare_by_hand_on_the_demo_model(demo_asr) -> None:
     [piece] = demo_asr._core.prepare(ALARM, TranscribeOptions(language="en"))
     assert piece.source == str(ALARM) and piece.language == "English"
-    result = demo_asr._core.engine.submit(piece.prompt, waveform=piece.samples,
-                                          max_new_tokens=piece.max_new_tokens).result()
+    spec = RequestSpec(piece.prompt, piece.max_new_tokens, waveform=piece.samples)
+    result = demo_asr._core.engine.submit(spec).result()
     r = demo_asr.transcribe(ALARM, language="en")[0]
     assert tuple(result.token_ids) == r.token_ids and r.text == "set an alarm for seven thirty tomorrow"
 

@@ -1,10 +1,24 @@
-"""GPU mode of the throughput benchmark (``qasr bench --device cuda``).
+"""GPU mode of the throughput benchmark (`benchmarks/throughput.py --device cuda`, `qasr bench --device cuda`).
 
-As the official figures were measured (docs/benchmarks.md): ~2-minute clips from c closed-loop clients,
-here on a random bf16 checkpoint with the real 0.6B dimensions and forced output lengths. It reports
-throughput, TTFT and latency at concurrency 1, 16, 128 and 512, peak memory, bf16 batch invariance, and
-transformers' ``generate`` at batch 8 and 32 in its own process. Each level has a time budget (0 skips
-it). The last line is ``gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>``.
+The official Qwen3-ASR figures (vLLM: 2000 audio-s/s at concurrency 128, TTFT 92 ms at concurrency 1, for
+the 0.6B model, as published with the official release) come from ~2-minute clips sent by c concurrent
+clients, each sending its next clip when the previous one is done. This mode measures qasr the same way,
+on a random checkpoint with the real 0.6B dimensions in bf16, with forced output lengths (EOS ignored,
+TOKENS_PER_SECOND tokens per audio second, so random weights do realistic work):
+
+- audio seconds per wall second at concurrency 1, 16, 128 and 512 (closed loop), TTFT and latency p50 /
+  p95 per level, the GPU's peak memory, and how the decode steps ran (graph replays against eager);
+- bf16 batch invariance: the same clips run together and one at a time, and how many came out identical;
+- transformers' own `generate` batched at 8 and at 32 on the same GPU, in the same run (its own process,
+  after qasr's, so each side has the GPU to itself).
+
+Every level has a time budget (0 skips the level; a reference budget of 0 skips transformers): past it no
+new request starts and what is still running is cancelled, and the level is marked partial. TTFT counts
+every request a level submitted (``FirstTokens``: a request still without a first token at the end counts
+its wait so far), not only the completed ones. Each side writes its figures to a JSON file as it goes, and
+qasr's summary line is printed before the reference side starts, so a run stopped from outside still
+leaves what it measured. The last line is ``gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y>
+speedup_vs_transformers=<z>``.
 """
 
 from __future__ import annotations
@@ -50,7 +64,7 @@ class GpuPlan:
     reference_budget_s: float = 50.0
     seed: int = 0
     dtype: str = "bfloat16"
-    kv_gib: float = 0.0  # 0: the engine's default share of the free GPU memory
+    kv_gib: float = 0.0  # 0: the engine's default (60% of the free GPU memory)
 
     def __post_init__(self) -> None:
         if len(self.level_budgets_s) != len(self.levels):
@@ -67,8 +81,13 @@ QUICK = GpuPlan(levels=((1, 2), (16, 16), (128, 128), (512, 512)), level_budgets
 
 
 class FirstTokens:
-    """Time to first token of every request a level submits, through ``on_token``: one still waiting
-    at the level's end counts its wait so far (a lower bound), so the slowest starts stay in the p95."""
+    """Time to first token of EVERY request a level submits, through the engine's ``on_token``.
+
+    The closed loop's own TTFT figures count completed requests only: when a level's budget ends, the
+    requests still running (the slowest to start, at high concurrency) would drop out of its p95. Here a
+    request that has its first token by the end counts its real TTFT; one that has none yet counts the
+    time it had waited at the end (a lower bound of its TTFT), and ``ttft_without_first_token`` says how
+    many did."""
 
     def __init__(self) -> None:
         self.submitted: dict[int, float] = {}
@@ -98,8 +117,8 @@ class FirstTokens:
 
 def level_with_first_tokens(submit: Callable[[int, Callable[[int | None], None]], Future], lengths: list[float],
                             concurrency: int, budget_s: float) -> dict:
-    """``closed_loop`` with TTFT over every submitted request; its own figures over completed requests
-    stay as ``ttft_completed_p50_s`` / ``ttft_completed_p95_s``."""
+    """``closed_loop`` with TTFT over every submitted request (``FirstTokens``); the closed loop's own
+    figures over completed requests stay as ``ttft_completed_p50_s`` / ``ttft_completed_p95_s``."""
     firsts = FirstTokens()
     level = closed_loop(lambda k: firsts.submit(k, lambda on_token: submit(k, on_token)), lengths, concurrency,
                         budget_s)
@@ -110,7 +129,7 @@ def level_with_first_tokens(submit: Callable[[int, Callable[[int | None], None]]
 
 
 def lengths_for(n: int, seed: int, clip_range: tuple[float, float]) -> list[float]:
-    """n clip lengths drawn uniformly from the range, seeded, to the centisecond."""
+    """n clip lengths drawn uniformly from the range, seeded, rounded to 0.01 s."""
     rng = np.random.default_rng(seed)
     return [round(float(x), 2) for x in rng.uniform(*clip_range, size=n)]
 
@@ -121,8 +140,8 @@ def clip_pool(n: int, seconds: float, seed: int) -> list[np.ndarray]:
 
 
 def gpu_engine_config(max_running: int, kv_bytes: int | None) -> object:
-    """The engine's settings for a GPU: a whole 2-minute clip encoded and prefilled in one step, up to
-    ``max_running`` sequences decoding together."""
+    """The engine's settings for a GPU: whole 2-minute clips encoded and prefilled in one step each (a
+    1,560-token clip is one prefill chunk), up to ``max_running`` sequences decoding together."""
     from qasr.engine.engine import EngineConfig
 
     return EngineConfig(kv_cache_bytes=kv_bytes, max_running=max_running, prefill_tokens=16384, prefill_chunk=2048,
@@ -144,12 +163,12 @@ def _write(path: Path | None, data: dict) -> None:
         path.write_text(json.dumps(data, indent=2, default=str))
 
 
-# --- qasr side
+# ---------------------------------------------------------------------------------------------- qasr side
 def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: Path | None = None) -> dict:
-    """qasr's engine through the levels, then the batch-invariance check (``device="cpu"`` runs the
-    same code on CPU tensors, for tests)."""
+    """qasr's engine through the levels, then the batch-invariance check. ``device="cpu"`` runs the same
+    code on CPU tensors (the tests do, on a tiny checkpoint)."""
     from qasr.bench.perf.phases import timing_delta
-    from qasr.engine.engine import Engine
+    from qasr.engine.engine import Engine, RequestSpec
     from qasr.model.checkpoint import load_checkpoint
     from qasr.model.config import audio_token_count
     from qasr.model.prompt import build_prompt
@@ -168,8 +187,8 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
 
     def submit_clip(wave: np.ndarray, on_token: Callable[[int | None], None] | None = None) -> Future:
         prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // hop))
-        return engine.submit(prompt, waveform=wave, max_new_tokens=max(1, round(TOKENS_PER_SECOND * len(wave) / SR)),
-                             ignore_eos=True, on_token=on_token)
+        return engine.submit(RequestSpec(prompt, max(1, round(TOKENS_PER_SECOND * len(wave) / SR)), waveform=wave,
+                                         ignore_eos=True), on_token=on_token)
 
     def clip(k: int, seconds: float) -> np.ndarray:
         return pool[k % len(pool)][:int(seconds * SR)]
@@ -179,7 +198,8 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
 
     try:
         t0 = time.perf_counter()
-        # first kernels and cuBLAS heuristics on short and full-length shapes
+        # first kernels and cuBLAS heuristics on short and full-length shapes (the decode graphs were
+        # captured when the engine started)
         warm_s = [*lengths_for(3, plan.seed + 9, plan.invariance_range), plan.clip_range[0]]
         for f in [submit_clip(clip(k, s)) for k, s in enumerate(warm_s)]:
             f.result()
@@ -219,7 +239,8 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
 
 
 def batch_invariance(submit_clip: Callable[[np.ndarray], Future], plan: GpuPlan) -> dict:
-    """The same clips together and one at a time: how many get identical tokens, and where others differ."""
+    """The same clips submitted together and then one at a time: how many get identical tokens, and for
+    the others where they first differ."""
     t0 = time.perf_counter()
     lengths = lengths_for(plan.invariance_clips, plan.seed + 77, plan.invariance_range)
     waves = clip_pool(len(lengths), max(lengths), plan.seed + 78)
@@ -237,10 +258,11 @@ def batch_invariance(submit_clip: Callable[[np.ndarray], Future], plan: GpuPlan)
                 seconds=time.perf_counter() - t0)
 
 
-# --- reference side
+# ----------------------------------------------------------------------------------------- reference side
 def run_reference_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: Path | None = None) -> dict:
-    """transformers' generate batched at each of ``plan.reference_batches``, within the budget: a batch
-    starts only while the time spent plus the previous batch's time fits it."""
+    """transformers' generate on the same kind of clips, batched at each of ``plan.reference_batches``
+    (clips sorted by length within each batch's set), within the time budget: a batch starts only while
+    the time spent plus the previous batch's wall time (a larger batch takes at least as long) fits it."""
     dev = torch.device(device)
     generate = ReferenceGenerate(ckpt_dir, device=device)
     pool = clip_pool(DISTINCT_CLIPS, plan.clip_range[1], plan.seed + 500)
@@ -270,10 +292,10 @@ def run_reference_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progr
     return report
 
 
-# --- machine
+# ----------------------------------------------------------------------------------------------- machine
 def gpu_probe(device: str = "cuda", n: int = 8192, copy_bytes: int = 2 << 30, repeats: int = 10) -> dict:
-    """The GPU's name and measured ceilings: a bf16 n x n x n product (TFLOP/s) and a device-to-device
-    copy (bytes per second); medians of ``repeats`` runs."""
+    """The GPU's name and its measured ceilings: a bf16 n x n x n product (TFLOP/s, random data) and a
+    device-to-device copy (bytes read + written per second); medians of ``repeats`` timed runs."""
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -301,7 +323,7 @@ def gpu_probe(device: str = "cuda", n: int = 8192, copy_bytes: int = 2 << 30, re
                 bf16_matmul_tflops=2 * n**3 / mm / 1e12, copy_GBps=2 * copy_bytes / cp / 1e9)
 
 
-# --- report
+# ------------------------------------------------------------------------------------------------ report
 def speedup(report: dict) -> float:
     """qasr at concurrency 128 over transformers' best batch (NaN where either is missing)."""
     ours = report.get("qasr", {}).get("levels", {}).get("128", {}).get("rtfx", math.nan)

@@ -23,33 +23,34 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 
 import numpy as np
 import psutil
 import torch
 
 from qasr.audio.features import LogMel
+from qasr.engine.block_manager import BlockManager
 from qasr.engine.config import EngineConfig, EngineStats
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
-from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.request import EncodeResult, GenerationResult, KVLease, Request
+from qasr.engine.request import Continuation, EncodeResult, GenerationResult, KVLease, Request, RequestSpec
 from qasr.engine.runner import Runner
 from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from qasr.engine.validate import (
     Limits,
     check_conv_head,
-    check_draft,
-    check_embeds,
     check_encoder_features,
     check_positions,
     check_request,
+    check_spec,
 )
 from qasr.model.checkpoint import Checkpoint
 
+__all__ = ["Continuation", "Engine", "EngineConfig", "EngineStats", "GenerationResult", "KVLease", "RequestSpec"]
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0  # the rolling tokens/s in stats() counts the steps of the last 10 s
 
@@ -116,83 +117,34 @@ class Engine:
                             prefill_tokens=0, decode_tokens=0, draft_rows=0, draft_kept=0)
 
     # ------------------------------------------------------------------ public API
-    def submit(self, prompt: list[int], *, waveform: np.ndarray | None = None, features: torch.Tensor | None = None,
-               max_new_tokens: int, ignore_eos: bool = False,
-               on_token: Callable[[int | None], None] | None = None,
-               audio_embeds: torch.Tensor | None = None, keep_kv: bool = False,
-               kv_prefix: tuple[KVLease, int] | None = None, interactive: bool = False,
-               group: Hashable | None = None, draft: Sequence[int] = ()) -> Future:
-        """Queue one request; the future resolves to a GenerationResult (or raises its error).
+    def submit(self, spec: RequestSpec, on_token: Callable[[int | None], None] | None = None) -> Future:
+        """Queue one generation request; the future resolves to a GenerationResult (or raises its error).
 
-        ``prompt`` holds the audio placeholders expanded (``ASR.prepare`` builds it); pass the audio as a
-        1-D float 16 kHz ``waveform`` or as (mel, frames) ``features``. ``on_token`` (called on the engine
-        thread, so keep it quick) receives each generated token and then None. Cancelling the future
-        stops the request at the next step. Raises ValueError for a malformed request, EngineClosed
-        after close(), EngineBroken after the loop failed.
-
-        ``audio_embeds`` instead of audio: the encoder's output rows, (audio tokens, hidden), computed by
-        the caller (a live session keeps the rows of finished 8 s windows and encodes only the open one);
-        the request then skips the encoder and goes straight to prefill with the other requests.
-
-        ``keep_kv``: on success the request's KV blocks are kept and returned as ``result.kv`` (a
-        ``KVLease``). ``kv_prefix=(lease, n)`` continues such a prefix: the first n prompt positions are
-        reused, not prefilled (n a multiple of ``prefix_grid``: of ``prefill_chunk``, so the later chunks
-        lie on the grid a fresh prefill uses and give the same bits, or of 1 where the kernels give a row
-        the same bits however the prompt is chunked; the caller vouches that the audio rows before n are
-        those of the lease's request). Should the engine have evicted the lease to make room meanwhile,
-        the whole prompt is prefilled instead (the same bits again). A lease is used once; ``release``
-        frees one that is not.
-
-        ``interactive``: someone is waiting for this request now (a live session's step): it is admitted and
-        prefilled before batch work (files), whatever the queue holds, and batch work never preempts it.
-        Its tokens are the same as they would be without the flag; only its place in line changes.
-
-        ``group``: any hashable naming whose work this is (one caller's call: a long file's segments, one
-        upload's pieces). When a place in the running set frees, the waiting request whose group has the
-        fewest requests running goes first, arrival order within a group and between equals; None: the
-        request is a group of its own. So a short request submitted behind a 20-minute file's 200 segments
-        starts at the next free place, not after them. Like ``interactive``, it changes the place in line,
-        never the tokens.
-
-        ``draft``: ids the caller guesses the output begins with (a live step: the tokens its prefix rolled
-        back). While the output agrees with them, each decode step also feeds the next guesses (up to
-        scheduler.DRAFT_ROWS), each in a decode row of its own, and keeps the tokens of the rows whose
-        guesses before them came true: several tokens for one pass over the weights. The output, its
-        log-probabilities and the listener's calls are those without a draft, bit for bit, because a decode
-        row's result does not depend on the rows beside it; where the kernels do not promise that
-        (``verifies_drafts`` False: float32, torch or oneDNN GEMMs, CUDA) the draft is ignored."""
+        ``on_token`` (called on the engine thread: keep it quick) receives each generated token, then None.
+        Cancelling the future stops the request at the next step. Raises ValueError for a malformed
+        request, EngineClosed after close(), EngineBroken after the loop failed. A kept prefix that the
+        engine evicted meanwhile is prefilled again instead, with the same bits."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
-        if audio_embeds is not None:
-            if waveform is not None or features is not None:
-                raise ValueError("pass audio_embeds instead of waveform or features, not with them")
-            audio_embeds = check_embeds(prompt, audio_embeds, max_new_tokens, self.limits,
-                                        self.checkpoint.config.decoder.hidden_size, self.prepared.model.device)
-        else:
-            waveform, features, _ = check_request(prompt, waveform, features, max_new_tokens, self.limits)
-        prompt = [int(t) for t in prompt]
-        guess = check_draft(draft, self.limits.vocab_size) if draft else ()
-        audio_tokens = prompt.count(self.audio_token_id)
-        req = Request(prompt=prompt, max_new_tokens=int(max_new_tokens), ignore_eos=ignore_eos,
-                      waveform=waveform, features=features, audio_tokens=audio_tokens, on_token=on_token,
-                      audio_before=self._audio_before(prompt), keep_kv=keep_kv, interactive=interactive,
-                      group=group, draft=guess if self.verifies_drafts else ())
-        if audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
-            req.audio, req.encoded_tokens = audio_embeds, audio_tokens
-        if kv_prefix is None:
-            return self._enqueue(req)
-        lease, n = kv_prefix
-        if not (0 < n < len(prompt) and n <= lease.valid and n % self.prefix_grid == 0):
-            raise ValueError(f"kv_prefix length {n} must be a positive multiple of {self.prefix_grid} (prefix_grid), "
-                             f"below the prompt's length and within the lease")
-        if tuple(prompt[:n]) != lease.prompt[:n]:
-            raise ValueError("kv_prefix: the prompt does not start with the kept request's tokens")
-        with self._lock:
-            if lease.taken:
-                raise ValueError("kv_prefix: this KV lease was already used or released")
-            lease.taken = True
-        req.kv_prefix, req.prefix_len = lease, n  # the blocks are taken over (or found evicted) at admission
+        spec = check_spec(spec, self.limits, self.checkpoint.config.decoder.hidden_size, self.prepared.model.device,
+                          self.prefix_grid)
+        cont = spec.continuation
+        if cont.draft and not self.verifies_drafts:
+            cont = replace(cont, draft=())
+        prompt = spec.prompt
+        req = Request(replace(spec, waveform=None, features=None, audio_embeds=None, continuation=cont),
+                      on_token=on_token, waveform=spec.waveform, features=spec.features,
+                      audio_tokens=prompt.count(self.audio_token_id), audio_before=self._audio_before(prompt))
+        if spec.audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
+            req.audio, req.encoded_tokens = spec.audio_embeds, req.audio_tokens
+        if cont.kv_prefix is not None:
+            lease, n = cont.kv_prefix
+            with self._lock:
+                if lease.taken:
+                    raise ValueError("kv_prefix: this KV lease was already used or released")
+                lease.taken = True
+            req.kv_prefix, req.prefix_len = lease, n  # the blocks are taken over (or found evicted) at admission
         return self._enqueue(req)
 
     def release(self, lease: KVLease) -> None:
@@ -217,9 +169,8 @@ class Engine:
         waveform, features, audio_tokens = check_request(prompt, waveform, features, 0, self.limits,
                                                          min_new_tokens=0)
         prompt = [int(t) for t in prompt]
-        req = Request(prompt=prompt, max_new_tokens=0, waveform=waveform, features=features,
-                      audio_tokens=audio_tokens, classify=check_positions(positions, len(prompt)),
-                      audio_before=self._audio_before(prompt))
+        req = Request(RequestSpec(prompt, 0), waveform=waveform, features=features, audio_tokens=audio_tokens,
+                      classify=check_positions(positions, len(prompt)), audio_before=self._audio_before(prompt))
         return self._enqueue(req)
 
     def submit_encode(self, features: torch.Tensor, conv_head: torch.Tensor | None = None) -> Future:
@@ -233,7 +184,7 @@ class Engine:
         if conv_head is not None:
             rows = check_conv_head(conv_head, features.shape[-1], self.checkpoint.config.encoder,
                                    self.prepared.model.device)
-        req = Request(prompt=[], max_new_tokens=0, features=features, audio_tokens=rows, encode_only=True,
+        req = Request(RequestSpec([], 0), features=features, audio_tokens=rows, encode_only=True,
                       conv_head=conv_head, audio_before=np.zeros(1, dtype=np.int64))
         return self._enqueue(req)
 
@@ -250,23 +201,21 @@ class Engine:
         self.prepared.release_caller_threads()  # e.g. this thread's idle OpenMP pool (see cpu/openmp.py)
         return req.future
 
-    async def generate_async(self, prompt: list[int], **kwargs: object) -> GenerationResult:
+    async def generate_async(self, spec: RequestSpec) -> GenerationResult:
         """``submit`` for asyncio; cancelling the awaiting task cancels the request."""
-        return await asyncio.wrap_future(self.submit(prompt, **kwargs))  # type: ignore[arg-type]
+        return await asyncio.wrap_future(self.submit(spec))
 
-    def stream(self, prompt: list[int], **kwargs: object) -> Iterator[int]:
+    def stream(self, spec: RequestSpec) -> Iterator[int]:
         """Yield each generated token id as soon as it is sampled (the same ids ``submit`` returns).
         Raises the request's error after its last token; closing the iterator early cancels the request."""
         tokens: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        future = self.submit(prompt, on_token=tokens.put, **kwargs)  # type: ignore[arg-type]
-        return _drain(tokens, future)
+        return _drain(tokens, self.submit(spec, on_token=tokens.put))
 
-    async def stream_async(self, prompt: list[int], **kwargs: object) -> AsyncIterator[int]:
+    async def stream_async(self, spec: RequestSpec) -> AsyncIterator[int]:
         """``stream`` for asyncio: an async iterator of token ids."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[int | None] = asyncio.Queue()
-        future = self.submit(prompt, on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t),
-                             **kwargs)  # type: ignore[arg-type]
+        future = self.submit(spec, on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t))
         try:
             while (token := await tokens.get()) is not None:
                 yield token
@@ -484,7 +433,7 @@ class Engine:
                 ended.add(id(req))
                 continue
             reason = None
-            if not req.ignore_eos and token in self.eos:
+            if not req.spec.ignore_eos and token in self.eos:
                 reason = "eos"
             else:
                 req.output.append(token)
@@ -499,7 +448,7 @@ class Engine:
             if reason is not None:
                 ended.add(id(req))
                 lease = None
-                if req.keep_kv:  # the blocks stay held until a request takes them over or they are released
+                if req.spec.continuation.keep_kv:  # held until a request takes them over or they are released
                     self.scheduler.retire(req)
                     lease = self.scheduler.blocks.keep(req)
                 else:

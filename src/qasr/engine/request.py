@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -56,64 +56,92 @@ class EncodeResult:
     conv: torch.Tensor  # (chunks, tokens_per_conv_chunk, d_model)
 
 
-@dataclass(eq=False)
-class Request:
-    """A prompt plus its audio. Features are computed when the request is first encoded, not at submit,
-    so a long queue holds only waveforms (or nothing extra when callers share arrays)."""
+@dataclass(frozen=True)
+class Continuation:
+    """How a request continues an earlier one (a live session's step continues the step before)."""
 
-    prompt: list[int]
+    keep_kv: bool = False  # on success keep the KV blocks: ``result.kv`` is a KVLease
+    # (lease, n): reuse the lease's first n positions instead of prefilling them; n a multiple of the engine's
+    # prefix_grid, and the caller vouches that the audio rows before n are the lease's. Used once.
+    kv_prefix: tuple[KVLease, int] | None = None
+    # ids the output is guessed to begin with, checked in extra decode rows where that cannot change a bit
+    # (Engine.verifies_drafts), else ignored
+    draft: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One generation request, as ``Engine.submit`` takes it (checked there by validate.check_spec).
+
+    The audio is exactly one of ``waveform`` (1-D float, 16 kHz), ``features`` (mel, frames) or
+    ``audio_embeds`` (the encoder's output rows, (audio tokens, hidden), on the model's device); ``prompt``
+    holds one audio placeholder per encoder row (``ASR.prepare`` builds it). ``interactive`` and ``group``
+    change a request's place in line, never its tokens (see scheduler.py)."""
+
+    prompt: Sequence[int]
     max_new_tokens: int
-    ignore_eos: bool = False
     waveform: np.ndarray | None = None
     features: torch.Tensor | None = None
+    audio_embeds: torch.Tensor | None = None
+    ignore_eos: bool = False
+    interactive: bool = False  # someone waits for it now: admitted and prefilled before batch work
+    group: Hashable | None = None  # whose work it is: the group with the fewest running requests goes first
+    continuation: Continuation = Continuation()
+
+
+@dataclass(eq=False)
+class Request:
+    """A request inside the engine. ``spec`` is what was asked, its audio moved out into the fields below
+    (each form is let go of once the next exists); everything after ``submitted`` is progress, owned by the
+    engine thread."""
+
+    spec: RequestSpec
+    classify: np.ndarray | None = None  # alignment: sorted prompt positions whose head argmax is the result
+    encode_only: bool = False  # Engine.submit_encode: no prompt, no KV; the result is an EncodeResult
+    on_token: Callable[[int | None], None] | None = None  # each token, then None at the end
     audio_tokens: int = 0  # audio placeholders in the prompt (= encoder output rows)
-    on_token: Callable[[int | None], None] | None = None  # streaming: each token, then None at the end
-    # alignment requests (max_new_tokens 0): sorted prompt positions whose head argmax is the result;
-    # the request ends with its prefill
-    classify: np.ndarray | None = None
-    # encoder-only requests (``Engine.submit_encode``): no prompt, no KV; the result is an ``EncodeResult``
-    encode_only: bool = False
-    # an encoder-only request's given conv output of its first whole chunks (``features`` hold the frames after
-    # them), and the conv output of the chunks the engine computed, returned with the rows
-    conv_head: torch.Tensor | None = None
-    conv: torch.Tensor | None = None
-    keep_kv: bool = False  # on success, keep the KV blocks and return them as a KVLease
-    # a live session's step: admitted and prefilled before batch work, never preempted by it (see scheduler.py)
-    interactive: bool = False
-    # the caller's share of the running set (see scheduler.py): requests of one group (one call's pieces, one
-    # upload's) queue behind each other, and the group with the fewest running requests is admitted first
-    group: Hashable | None = None
-    kv_prefix: KVLease | None = None  # continue this kept prefix: its first ``prefix_len`` positions are reused
-    # ids the caller guesses the output begins with (``submit(draft=...)``): checked several at a time in one
-    # forward while the output agrees with them; they never change what is generated
-    draft: tuple[int, ...] = ()
+    audio_before: np.ndarray | None = None  # (len(prompt) + 1,) audio placeholders in prompt[:i]
+    kv_prefix: KVLease | None = None  # taken over at admission: its first ``prefix_len`` positions are reused
     prefix_len: int = 0
+    # the audio as it is used: waveform -> features -> encoder rows; an encoder-only request's given conv
+    # output of its first whole chunks, and the conv output of those the engine computed
+    waveform: np.ndarray | None = None
+    features: torch.Tensor | None = None
+    conv_head: torch.Tensor | None = None
     future: Future = field(default_factory=Future)
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
-    # progress (owned by the engine thread)
-    blocks: list[int] = field(default_factory=list)  # block table: KV blocks held, in position order
-    # encoder output (audio_tokens, hidden), filled window by window; kept until the request ends, so a
-    # preempted request recomputes its prefill without encoding again
-    audio: torch.Tensor | None = None
+    conv: torch.Tensor | None = None
+    audio: torch.Tensor | None = None  # encoder rows (audio_tokens, hidden), kept until the end for recomputation
     encoded_tokens: int = 0  # rows of ``audio`` computed so far
-    audio_before: np.ndarray | None = None  # (len(prompt) + 1,) audio placeholders in prompt[:i]; set at submit
-    prefilled: int = 0  # prompt tokens already in the cache
+    blocks: list[int] = field(default_factory=list)  # KV blocks held, in position order
+    prefilled: int = 0  # prompt tokens in the cache
     output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each token of ``output``
     classes: list[int] = field(default_factory=list)  # argmax at the ``classify`` positions prefilled so far
     first_token_at: float | None = None
-    # preemption: the tokens produced before the last preemption, which the recomputation must reproduce
-    # (and which are not delivered to on_token again), and the phase of each preemption
+    # after a preemption: the tokens made before it, which the recomputation must reproduce (and does not
+    # deliver again), and the phase of each preemption
     replay: list[int] = field(default_factory=list)
     delivered: int = 0  # tokens handed to on_token so far
     preempted: list[str] = field(default_factory=list)
-    # log-probability of each token of ``output`` (a recomputation overwrites them with the same values)
-    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.spec.prompt  # type: ignore[return-value]  # a list once checked
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.spec.max_new_tokens
+
+    @property
+    def interactive(self) -> bool:
+        return self.spec.interactive
 
     @property
     def group_key(self) -> object:
         """Whose share this request counts against: its group, or itself alone."""
-        return ("request", self.id) if self.group is None else self.group
+        return ("request", self.id) if self.spec.group is None else self.spec.group
 
     @property
     def needs_tokens(self) -> int:
@@ -134,10 +162,10 @@ class Request:
     def draft_ahead(self, limit: int) -> tuple[int, ...]:
         """The next ``limit`` (at most) guessed ids after the output, while the output so far is the draft's
         start; () once it departs from it."""
-        n = len(self.output)
-        if limit <= 0 or n >= len(self.draft) or tuple(self.output) != self.draft[:n]:
+        n, draft = len(self.output), self.spec.continuation.draft
+        if limit <= 0 or n >= len(draft) or tuple(self.output) != draft[:n]:
             return ()
-        return self.draft[n:n + limit]
+        return draft[n:n + limit]
 
     def ready_until(self, encoded: int) -> int:
         """Prompt tokens [0, n) whose audio embeddings exist once ``encoded`` audio tokens are encoded:

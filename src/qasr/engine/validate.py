@@ -3,12 +3,13 @@ batch (where it would cost its neighbours a retry)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from qasr.engine.request import Continuation, KVLease, RequestSpec
 from qasr.model.config import EncoderConfig, audio_token_count
 
 
@@ -22,6 +23,45 @@ class Limits:
     num_mel_bins: int
     conv_chunk_frames: int
     kv_tokens: int  # the KV cache's capacity: prompt + max_new_tokens must fit
+
+
+def check_spec(spec: RequestSpec, limits: Limits, hidden: int, device: torch.device, prefix_grid: int) -> RequestSpec:
+    """Validate a generation request; returns it with its prompt a list of ints, its audio as float32 and its
+    draft a tuple. Raises ValueError naming what is wrong."""
+    if not isinstance(spec, RequestSpec):
+        raise TypeError(f"submit takes a RequestSpec, got {type(spec).__name__}")
+    for name in ("ignore_eos", "interactive"):
+        if not isinstance(getattr(spec, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(spec, name)!r}")
+    if not isinstance(spec.group, Hashable):
+        raise ValueError(f"group must be hashable, got {type(spec.group).__name__}")
+    cont = spec.continuation
+    if not isinstance(cont, Continuation) or not isinstance(cont.keep_kv, bool):
+        raise ValueError("continuation must be a Continuation (keep_kv a bool)")
+    waveform, features, embeds = spec.waveform, spec.features, spec.audio_embeds
+    if embeds is not None:
+        if waveform is not None or features is not None:
+            raise ValueError("pass audio_embeds instead of waveform or features, not with them")
+        embeds = check_embeds(spec.prompt, embeds, spec.max_new_tokens, limits, hidden, device)
+    else:
+        waveform, features, _ = check_request(spec.prompt, waveform, features, spec.max_new_tokens, limits)
+    prompt = [int(t) for t in spec.prompt]
+    draft = check_draft(cont.draft, limits.vocab_size) if cont.draft else ()
+    if cont.kv_prefix is not None:
+        _check_prefix(cont.kv_prefix, prompt, prefix_grid)
+    return replace(spec, prompt=prompt, max_new_tokens=int(spec.max_new_tokens), waveform=waveform,
+                   features=features, audio_embeds=embeds, continuation=replace(cont, draft=draft))
+
+
+def _check_prefix(kv_prefix: tuple[KVLease, int], prompt: list[int], grid: int) -> None:
+    lease, n = kv_prefix
+    if not isinstance(lease, KVLease) or isinstance(n, bool) or not isinstance(n, int | np.integer):
+        raise ValueError("kv_prefix must be (a KVLease, a prompt length)")
+    if not (0 < n < len(prompt) and n <= lease.valid and n % grid == 0):
+        raise ValueError(f"kv_prefix length {n} must be a positive multiple of {grid} (prefix_grid), "
+                         f"below the prompt's length and within the lease")
+    if tuple(prompt[:n]) != lease.prompt[:n]:
+        raise ValueError("kv_prefix: the prompt does not start with the kept request's tokens")
 
 
 def check_request(prompt: list[int], waveform: np.ndarray | None, features: torch.Tensor | None,
@@ -45,7 +85,7 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
     expected = audio_token_count(frames, limits.conv_chunk_frames)
     if placeholders != expected:
         raise ValueError(f"prompt has {placeholders} audio placeholders but the audio gives {expected} encoder "
-                         f"tokens ({frames} frames); build the prompt for this audio (Core.prepare does)")
+                         f"tokens ({frames} frames); build the prompt for this audio (ASR.prepare does)")
     need = len(prompt) + int(max_new_tokens)
     if need > limits.kv_tokens:
         raise ValueError(f"request needs {need} KV-cache tokens (prompt {len(prompt)} + max_new_tokens "

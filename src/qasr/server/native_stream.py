@@ -38,11 +38,9 @@ from qasr.streaming import (
     TurnFinal,
     TurnUpdate,
 )
+from qasr.streaming.config import START_SETTINGS, from_start
 
 router = APIRouter()
-# the LiveConfig fields a start message may set (with their types), and that `ready` reports
-_LIVE_KEYS = {"turn_detection": bool, "vad_threshold": float, "silence_ms": int, "prefix_padding_ms": int,
-              "max_turn_s": float, "soft_turn_s": float, "carry_context": bool, "end_on_chunk": bool}
 
 
 class StartError(ValueError):
@@ -177,7 +175,7 @@ def _settings(text: str) -> dict:
 
 
 def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]:
-    known = {"type", "sample_rate", "format", "language", "context", "chunk_size_sec"} | set(_LIVE_KEYS)
+    known = {"type", "sample_rate", "format"} | set(START_SETTINGS)
     unknown = sorted(set(s) - known)
     if unknown:
         raise StartError(f"unknown settings {unknown}; known: {sorted(known - {'type'})}")
@@ -187,25 +185,19 @@ def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]
         language = asr._core.canonical_language(s.get("language") or None)
     except ValueError as exc:
         raise StartError(str(exc), "unsupported_language") from exc
-    stream = StreamConfig(chunk_size_sec=float(s.get("chunk_size_sec", state.config.live_chunk_s)),
-                          language=language, context=str(s.get("context") or ""))
-    live: dict = {"end_on_chunk": state.config.live_end_on_chunk}  # the server's default, which the start may change
-    for key, kind in _LIVE_KEYS.items():
-        if key in s:
-            value = s[key]
-            if kind is bool and not isinstance(value, bool) or kind is not bool and not isinstance(value, int | float):
-                raise StartError(f"{key} must be a {kind.__name__}, got {value!r}")
-            live[key] = kind(value)
-    if "max_turn_s" in live and "soft_turn_s" not in live:
-        live["soft_turn_s"] = min(LiveConfig.soft_turn_s, live["max_turn_s"])
+    # the server's defaults, which the start may change
+    base = LiveConfig(stream=StreamConfig(chunk_size_sec=state.config.live_chunk_s),
+                      end_on_chunk=state.config.live_end_on_chunk)
+    settings = {k: v for k, v in s.items() if k in START_SETTINGS}
+    live = from_start({**settings, "language": language}, base)
     ingest = PcmIngest(s.get("format", "pcm16"), int(s.get("sample_rate", SAMPLE_RATE)))
-    return LiveConfig(stream=stream, **live), ingest
+    return live, ingest
 
 
 def _describe(live: LiveConfig, ingest: PcmIngest) -> dict:
-    return {"sample_rate": ingest.sample_rate, "format": ingest.format, "language": live.stream.language,
-            "context": live.stream.context, "chunk_size_sec": live.stream.chunk_size_sec,
-            **{key: getattr(live, key) for key in _LIVE_KEYS}}
+    stream = {k: getattr(live.stream, k) for k in ("language", "context", "chunk_size_sec")}
+    return {"sample_rate": ingest.sample_rate, "format": ingest.format, **stream,
+            **{k: getattr(live, k) for k in START_SETTINGS if k not in stream}}
 
 
 def _message(e: LiveEvent) -> dict:

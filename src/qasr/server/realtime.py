@@ -43,7 +43,8 @@ from qasr.streaming import (
 router = APIRouter()
 PARTIAL = "conversation.item.input_audio_transcription.partial"
 PROGRESS = "input_audio_buffer.progress"
-SERVER_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}
+SERVER_VAD = {"type": "server_vad", "threshold": LiveConfig.vad_threshold,
+              "prefix_padding_ms": LiveConfig.prefix_padding_ms, "silence_duration_ms": LiveConfig.silence_ms}
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class RealtimeConnection:
             await self.runner.close()
             raise
 
-    # --- client events
+    # ------------------------------------------------------------------ client events
     async def _handle(self, text: str) -> None:
         try:
             event = json.loads(text)
@@ -176,7 +177,7 @@ class RealtimeConnection:
         self._beta = self._beta or beta
         await self._send("transcription_session.updated" if beta else "session.updated", session=self._session())
 
-    # --- server events
+    # ------------------------------------------------------------------ server events
     def _new_runner(self) -> LiveRunner:
         s, cfg = self.settings, self.state.config
         asr = self.state.asr
@@ -184,9 +185,10 @@ class RealtimeConnection:
         vad = s.turn_detection or {}
         stream = StreamConfig(chunk_size_sec=cfg.live_chunk_s, language=s.language, context=s.prompt)
         live = LiveConfig(stream=stream, turn_detection=s.turn_detection is not None,
-                          vad_threshold=float(vad.get("threshold", 0.5)),
-                          prefix_padding_ms=int(vad.get("prefix_padding_ms", 300)),
-                          silence_ms=int(vad.get("silence_duration_ms", 500)), end_on_chunk=cfg.live_end_on_chunk)
+                          vad_threshold=float(vad.get("threshold", LiveConfig.vad_threshold)),
+                          prefix_padding_ms=int(vad.get("prefix_padding_ms", LiveConfig.prefix_padding_ms)),
+                          silence_ms=int(vad.get("silence_duration_ms", LiveConfig.silence_ms)),
+                          end_on_chunk=cfg.live_end_on_chunk)
         return LiveRunner(LiveSession(asr._core.engine, asr._core.checkpoint, live), PcmIngest("pcm16", s.rate),
                           self._emit, self._fail, cfg.live_max_backlog_s, self.state.live_pool, self._progress)
 

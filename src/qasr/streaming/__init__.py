@@ -6,10 +6,9 @@ makes one), ``LiveSession`` cuts an endless stream into turns of Sessions (``ASR
 that re-encodes everything every step (the reference the session is tested against). See docs/streaming.md.
 """
 
-from qasr.streaming.config import StreamConfig
+from qasr.streaming.config import LiveConfig, StreamConfig
 from qasr.streaming.ingest import PcmIngest
 from qasr.streaming.live import (
-    LiveConfig,
     LiveEvent,
     LiveSession,
     SpeechStarted,

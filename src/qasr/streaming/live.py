@@ -34,57 +34,22 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from qasr.audio.io import SAMPLE_RATE
-from qasr.audio.vad import VadBackend, make_scorer, resolve_backend
+from qasr.audio.vad import make_scorer, resolve_backend
 from qasr.audio.vad_models import FRAME, FrameScorer
 from qasr.engine.engine import Engine
 from qasr.model.checkpoint import Checkpoint
-from qasr.streaming.config import StreamConfig
+from qasr.streaming.config import LiveConfig
 from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.session import Session, Update
 
 EndReason = Literal["pause", "long", "max", "commit", "finish"]
 VAD_HYSTERESIS = 0.15  # the exit threshold sits this far below the start threshold (silero's default)
-
-
-@dataclass(frozen=True)
-class LiveConfig:
-    """``stream``: each turn's streaming settings. ``turn_detection``: cut turns by VAD (else only
-    ``commit()`` and ``max_turn_s`` end a turn). ``vad_threshold`` / ``vad_backend``: speech
-    probability that starts a turn, and the scorer ("auto" = silero when installed, else energy).
-    ``silence_ms``: the pause that ends a turn. ``prefix_padding_ms``: audio before the detected start
-    that the turn also gets. ``soft_turn_s``: past this, any silent frame ends the turn;
-    ``max_turn_s``: a turn never gets longer. ``end_on_chunk``: a turn ended by silence ends at its next
-    chunk boundary (module docstring). Defaults follow OpenAI's server VAD (0.5, 300 ms, 500 ms)."""
-
-    stream: StreamConfig = field(default_factory=StreamConfig)
-    turn_detection: bool = True
-    vad_threshold: float = 0.5
-    vad_backend: VadBackend = "auto"
-    silence_ms: int = 500
-    prefix_padding_ms: int = 300
-    soft_turn_s: float = 30.0
-    max_turn_s: float = 60.0
-    carry_context: bool = False
-    carried_chars: int = 500
-    end_on_chunk: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.vad_threshold < 1.0:
-            raise ValueError(f"vad_threshold must be in (0, 1), got {self.vad_threshold}")
-        if self.silence_ms < 0 or self.prefix_padding_ms < 0:
-            raise ValueError("silence_ms and prefix_padding_ms must be >= 0")
-        if not 0 < self.soft_turn_s <= self.max_turn_s:
-            raise ValueError(f"need 0 < soft_turn_s <= max_turn_s, got {self.soft_turn_s} and {self.max_turn_s}")
-        if self.max_turn_s < self.stream.chunk_size_sec:
-            raise ValueError("max_turn_s must be at least one chunk (stream.chunk_size_sec)")
-        if self.carried_chars < 0:
-            raise ValueError("carried_chars must be >= 0")
 
 
 @dataclass(frozen=True)

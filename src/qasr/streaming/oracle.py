@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qasr.engine.engine import Engine
+from qasr.engine.engine import Engine, RequestSpec
 from qasr.model.checkpoint import Checkpoint
 from qasr.model.config import audio_token_count
 from qasr.streaming.config import StreamConfig
@@ -57,8 +57,8 @@ class OracleStream:
         frames = len(self.audio) // self.checkpoint.features.hop_length
         n_audio = audio_token_count(frames, self.checkpoint.config.encoder.conv_chunk_frames)
         prompt = self.state.prompts(n_audio, prefix)
-        result = self.engine.submit(prompt, waveform=self.audio.copy(),
-                                    max_new_tokens=self.config.max_new_tokens).result()
+        result = self.engine.submit(RequestSpec(prompt, self.config.max_new_tokens,
+                                                waveform=self.audio.copy())).result()
         return self.state.absorb(len(self.audio), prefix, prompt, result.token_ids, final)
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qasr.engine.engine import Engine
+from qasr.engine.engine import Continuation, Engine, RequestSpec
 from qasr.engine.request import KVLease
 from qasr.model.checkpoint import Checkpoint
 from qasr.streaming.config import StreamConfig
@@ -138,9 +138,10 @@ class Session:
             self.engine.release(lease)
         self.stats.prefill_tokens.append(len(prompt) - reuse)
         try:
-            future = self.engine.submit(prompt, audio_embeds=embeds, max_new_tokens=self.config.max_new_tokens,
-                                        keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None,
-                                        interactive=True, draft=self.state.guess(prefix))
+            carry = Continuation(keep_kv=not final, kv_prefix=(lease, reuse) if reuse else None,
+                                 draft=self.state.guess(prefix))
+            future = self.engine.submit(RequestSpec(prompt, self.config.max_new_tokens, audio_embeds=embeds,
+                                                    interactive=True, continuation=carry))
         except Exception:
             if lease is not None:
                 self.engine.release(lease)  # refused at submit: the blocks were not handed over

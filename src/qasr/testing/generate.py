@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import kv_bytes_per_token
 from qasr.model.checkpoint import Checkpoint
 
@@ -27,8 +27,8 @@ def generate(checkpoint: Checkpoint, reqs: list[GenRequest], config: EngineConfi
     per_token = kv_bytes_per_token(checkpoint.config.decoder, checkpoint.dtype)
     engine = Engine(checkpoint, config or EngineConfig(kv_cache_bytes=need * per_token))
     try:
-        futures = [engine.submit(r.prompt, features=r.features, max_new_tokens=r.max_new_tokens,
-                                 ignore_eos=r.ignore_eos) for r in reqs]
+        futures = [engine.submit(RequestSpec(r.prompt, r.max_new_tokens, features=r.features,
+                                             ignore_eos=r.ignore_eos)) for r in reqs]
         return [f.result().token_ids for f in futures]
     finally:
         engine.close()

@@ -41,7 +41,7 @@ def speaking_checkpoint(path: Path, dims: dict[str, int], transcript: str = "wor
       step makes again the tokens its prefix rolled back, as a trained model mostly does (the bundled demo
       model did for 193 of 193 guessed tokens over a minute of live speech), where ``words`` picks by random
       logits that flip with any change of the audio (about 1 guess in 5 came true). The work per step is
-      the same; it decides how much checking those guesses (``Engine.submit(draft=...)``) saves."""
+      the same; it decides how much checking those guesses (``Continuation.draft``) saves."""
     path = Path(path)
     if (path / "model.safetensors").exists():
         return path

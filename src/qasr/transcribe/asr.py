@@ -21,8 +21,7 @@ from qasr.transcribe.options import TranscribeOptions
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
-    from qasr.streaming import Session
-    from qasr.streaming.live import LiveSession
+    from qasr.streaming import LiveConfig, LiveSession, Session, StreamConfig
 
 Progress = Callable[[float], None]  # the audio seconds of each piece as it finishes
 
@@ -67,29 +66,20 @@ class ASR:
     def close(self) -> None:
         self._core.close()
 
-    def stream(self, **settings: object) -> Session:
-        """A live transcription session (``qasr.streaming.Session``): ``push`` 16 kHz float32 or int16
-        samples, read an ``Update`` per chunk, ``finish`` at the end. ``settings`` are those of
-        ``qasr.streaming.StreamConfig`` (chunk_size_sec, unfixed_chunk_num, unfixed_token_num,
-        max_new_tokens, context, language); see docs/streaming.md."""
-        from qasr.streaming import Session, StreamConfig
+    def stream(self, config: StreamConfig | None = None) -> Session:
+        """A live transcription session for one turn (``qasr.streaming.Session``): ``push`` 16 kHz float32
+        or int16 samples, read an ``Update`` per chunk, ``finish`` at the end; see docs/streaming.md."""
+        from qasr.streaming import Session
 
-        return Session(self._core.engine, self._core.checkpoint, StreamConfig(**settings))
+        return Session(self._core.engine, self._core.checkpoint, config)
 
-    def live(self, **settings: object) -> LiveSession:
+    def live(self, config: LiveConfig | None = None) -> LiveSession:
         """A live session for a stream of any length (``qasr.streaming.LiveSession``): speech detection
         cuts it into turns, each streamed like ``stream()``; ``push`` returns events (speech started /
-        stopped, updates with the newly stable text, each turn's final transcript). ``settings``: those of
-        ``qasr.streaming.LiveConfig`` (turn_detection, silence_ms, max_turn_s, ...) and of
-        ``StreamConfig`` (chunk_size_sec, language, ...), mixed; see docs/streaming.md."""
-        from dataclasses import fields
+        stopped, updates with the newly stable text, each turn's final transcript)."""
+        from qasr.streaming import LiveSession
 
-        from qasr.streaming import LiveConfig, LiveSession, StreamConfig
-
-        live_names = {f.name for f in fields(LiveConfig)} - {"stream"}
-        live = {k: v for k, v in settings.items() if k in live_names}
-        stream = StreamConfig(**{k: v for k, v in settings.items() if k not in live_names})
-        return LiveSession(self._core.engine, self._core.checkpoint, LiveConfig(stream=stream, **live))
+        return LiveSession(self._core.engine, self._core.checkpoint, config)
 
     def transcribe(self, audio: AudioInput | Sequence[AudioInput], options: TranscribeOptions | None = None, *,
                    language: str | Sequence[str | None] | None = None, context: str | Sequence[str] | None = None,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.model.checkpoint import Checkpoint
 from qasr.model.prompt import SUPPORTED_LANGUAGES
 from qasr.results import Segment, Transcription
@@ -73,8 +73,8 @@ class Core:
     def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None, group: Hashable | None = None) -> Future:
         """Queue a piece (``words``: and its alignment) as ``Engine.submit`` does; ``assemble`` takes the outcome."""
-        fut = self.engine.submit(piece.prompt, waveform=piece.samples, max_new_tokens=piece.max_new_tokens,
-                                 ignore_eos=ignore_eos, on_token=on_token, group=group)
+        fut = self.engine.submit(RequestSpec(piece.prompt, piece.max_new_tokens, waveform=piece.samples,
+                                             ignore_eos=ignore_eos, group=group), on_token=on_token)
         if words and self.aligner is not None:
             from qasr.transcribe.words import with_words
 

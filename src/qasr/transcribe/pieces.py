@@ -18,7 +18,7 @@ CAP_HEADROOM = 24  # the `language X<asr_text>` preamble, EOS, a short clip's wo
 
 @dataclass(frozen=True, eq=False)  # no element-wise comparison of samples
 class Piece:
-    """One engine request: ``engine.submit(p.prompt, waveform=p.samples, max_new_tokens=p.max_new_tokens)``."""
+    """One engine request: ``engine.submit(RequestSpec(p.prompt, p.max_new_tokens, waveform=p.samples))``."""
 
     source: str  # the input's name
     item: int  # the input's index in its call

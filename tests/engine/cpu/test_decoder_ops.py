@@ -10,7 +10,7 @@ from conftest import noise, prompt_for
 
 from qasr.engine.config import EngineConfig
 from qasr.engine.cpu.native import decoder_ops_kernel
-from qasr.engine.engine import Engine
+from qasr.engine.engine import Engine, RequestSpec
 from qasr.model.decoder import RMSNorm, rotate_half
 from qasr.model.kernels import Kernels
 
@@ -77,8 +77,8 @@ def test_a_float32_engine_takes_the_one_call_norms_and_keeps_its_tokens(ck) -> N
         with Engine(ck, EngineConfig(native_kernels=native)) as engine:
             assert ("norms in one call" in engine.prepared.description) == native
             assert engine.prepared.kernels.fused(torch.zeros(1)) == native
-            tokens.append(engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=24,
-                                        ignore_eos=True).result(timeout=120).token_ids)
+            tokens.append(engine.submit(RequestSpec(prompt_for(ck, wave), 24, waveform=wave,
+                                                    ignore_eos=True)).result(timeout=120).token_ids)
     assert tokens[0] == tokens[1]
 
 

@@ -12,7 +12,7 @@ from conftest import noise, prompt_for
 
 from qasr.engine.cpu import native
 from qasr.engine.cpu.prepare import prepare_cpu
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_cache import KVPool
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.decoder import BoundDecoderLayers, bind_decoder_layers
@@ -103,8 +103,8 @@ def test_engine_decodes_through_the_plan(path) -> None:
         BoundDecoderLayers.__call__ = counted  # type: ignore[method-assign]
         try:
             wave = noise(1.0)
-            tokens = engine.submit(prompt_for(ck, wave), waveform=wave, max_new_tokens=6,
-                                   ignore_eos=True).result(timeout=120).token_ids
+            tokens = engine.submit(RequestSpec(prompt_for(ck, wave), 6, waveform=wave,
+                                               ignore_eos=True)).result(timeout=120).token_ids
         finally:
             BoundDecoderLayers.__call__ = original  # type: ignore[method-assign]
     assert len(tokens) == 6 and len(calls) >= 6  # the prompt's forward and one per decode step

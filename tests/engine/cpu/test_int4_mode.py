@@ -17,7 +17,7 @@ from qasr.engine.cpu.int4 import GROUP, Int4Weight, int4_linear_reference, quant
 from qasr.engine.cpu.int8 import Int8Convs, Int8Weight, int8_linear_reference, quantize_rows_reference, quantize_weight
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.cpu.quantized_linears import int4_decoder_linears, same_input_groups
-from qasr.engine.engine import Engine
+from qasr.engine.engine import Engine, RequestSpec
 from qasr.model.kernels import Kernels
 
 KV = 64 << 20
@@ -201,7 +201,7 @@ def marked(ck_bf16):  # noqa: ANN001, ANN201
 def generate(ck, waves: list[np.ndarray], new_tokens: int = 10, **config) -> list:  # noqa: ANN001, ANN003
     with Engine(ck, EngineConfig(**{"kv_cache_bytes": KV, "quantize": "int4", **config})) as engine:
         assert "int4" in engine.prepared.description
-        futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
+        futures = [engine.submit(RequestSpec(prompt_for(ck, w), new_tokens, waveform=w, ignore_eos=True))
                    for w in waves]
         return [f.result(WAIT_S) for f in futures]
 

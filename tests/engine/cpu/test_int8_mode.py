@@ -23,7 +23,7 @@ from qasr.engine.cpu.int8 import quantize_rows_reference as quantize_rows  # the
 from qasr.engine.cpu.native import decode_kernel
 from qasr.engine.cpu.prepare import prepare_cpu
 from qasr.engine.cpu.quantized_linears import int8_linears
-from qasr.engine.engine import Engine
+from qasr.engine.engine import Engine, RequestSpec
 from qasr.model.kernels import Kernels
 from qasr.outputs.writers import score
 
@@ -205,7 +205,7 @@ def reference_greedy(ck, wave: np.ndarray, new_tokens: int) -> list[int]:  # noq
 def generate(ck, waves: list[np.ndarray], new_tokens: int = 10, **config) -> list:  # noqa: ANN001, ANN003
     with Engine(ck, EngineConfig(**{"kv_cache_bytes": KV, "quantize": "int8", **config})) as engine:
         assert "int8" in engine.prepared.description
-        futures = [engine.submit(prompt_for(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
+        futures = [engine.submit(RequestSpec(prompt_for(ck, w), new_tokens, waveform=w, ignore_eos=True))
                    for w in waves]
         return [f.result(WAIT_S) for f in futures]
 

@@ -45,7 +45,7 @@ from qasr.engine.cuda.plan import (
 )
 from qasr.engine.cuda.prepare import graphs_mode
 from qasr.engine.device import backend_for, prepare_model
-from qasr.engine.engine import Engine, EngineConfig
+from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_blocks import token_rows
 from qasr.engine.kv_cache import KVPool
 from qasr.engine.padded_attention import padded_attention, padded_plan
@@ -360,7 +360,7 @@ def _prompt(ck, wave: np.ndarray) -> list[int]:
 
 def _tokens(ck, config: EngineConfig, waves, new_tokens: int = 20) -> tuple[list[list[int]], Engine]:
     with Engine(ck, config) as engine:
-        futures = [engine.submit(_prompt(ck, w), waveform=w, max_new_tokens=new_tokens, ignore_eos=True)
+        futures = [engine.submit(RequestSpec(_prompt(ck, w), new_tokens, waveform=w, ignore_eos=True))
                    for w in waves]
         return [f.result().token_ids for f in futures], engine
 
@@ -468,7 +468,7 @@ def test_decode_graphs_are_captured_at_engine_start_and_replay_the_eager_tokens(
         graphs = engine.runner.graphs
         assert sorted(fake_capture.captured) == [1, 2, 4, 6, 8]  # every bucket, before any request
         assert all(step.graph is not None for step in graphs._steps.values())
-        futures = [engine.submit(_prompt(ck32, w), waveform=w, max_new_tokens=12, ignore_eos=True) for w in waves]
+        futures = [engine.submit(RequestSpec(_prompt(ck32, w), 12, waveform=w, ignore_eos=True)) for w in waves]
         got = [f.result().token_ids for f in futures]
     stats = engine.runner.stats()
     assert got == want
@@ -484,7 +484,7 @@ def test_a_replay_that_differs_from_the_eager_forward_drops_the_graphs_with_one_
     with caplog.at_level(logging.WARNING, logger="qasr.engine.cuda.graphs"):
         with Engine(ck32, config) as engine:
             fake_capture.broken = True  # after the capture's own check: the first real replay disagrees
-            futures = [engine.submit(_prompt(ck32, w), waveform=w, max_new_tokens=12, ignore_eos=True)
+            futures = [engine.submit(RequestSpec(_prompt(ck32, w), 12, waveform=w, ignore_eos=True))
                        for w in waves]
             got = [f.result().token_ids for f in futures]
     stats = engine.runner.stats()
@@ -576,7 +576,7 @@ def test_cuda_decode_graphs_replay_what_the_same_steps_give_eagerly(ck_bf16_cuda
     assert stats["graph_failed"] is None and stats["graph_replays"] > 20, stats
     with Engine(ck, config) as eager:
         eager.runner.graphs.disable("eager on purpose")  # the same buckets and buffers, run eagerly
-        futures = [eager.submit(_prompt(ck, w), waveform=w, max_new_tokens=40, ignore_eos=True) for w in waves]
+        futures = [eager.submit(RequestSpec(_prompt(ck, w), 40, waveform=w, ignore_eos=True)) for w in waves]
         want = [f.result().token_ids for f in futures]
         assert eager.runner.stats()["graph_replays"] == 0 and eager.runner.stats()["bucketed_steps"] > 20
     assert got == want
@@ -589,7 +589,7 @@ def test_cuda_decoder_step_makes_one_host_sync(ck_bf16_cuda) -> None:
     ck = ck_bf16_cuda
     with Engine(ck, EngineConfig(kv_cache_bytes=256 << 20, max_running=8)) as engine:
         warm = noise(3.0)
-        engine.submit(_prompt(ck, warm), waveform=warm, max_new_tokens=8, ignore_eos=True).result()  # captures
+        engine.submit(RequestSpec(_prompt(ck, warm), 8, waveform=warm, ignore_eos=True)).result()  # captures
         runner = engine.runner
         forward = runner.forward
         syncs: dict[str, list[int]] = {"mixed": [], "decode": []}
@@ -609,7 +609,7 @@ def test_cuda_decoder_step_makes_one_host_sync(ck_bf16_cuda) -> None:
 
         runner.forward = counted
         waves = [noise(s, seed=k) for k, s in enumerate((2.0, 3.0, 30.0))]
-        for f in [engine.submit(_prompt(ck, w), waveform=w, max_new_tokens=30, ignore_eos=True) for w in waves]:
+        for f in [engine.submit(RequestSpec(_prompt(ck, w), 30, waveform=w, ignore_eos=True)) for w in waves]:
             f.result()
     assert syncs["mixed"] and syncs["decode"], syncs
     assert set(syncs["mixed"]) == {1} and set(syncs["decode"]) == {1}, syncs
