@@ -4,6 +4,7 @@ form fields are made from it."""
 from __future__ import annotations
 
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 from starlette.datastructures import FormData, UploadFile
@@ -37,8 +38,9 @@ def test_lists_become_tuples_and_shortcuts_replace_fields() -> None:
     assert (g.language, g.max_new_tokens, g.segmentation) == ("fr", 5, "vad")
     with pytest.raises(ValueError, match="max_new_tokens"):
         o.given(max_new_tokens=0)  # a shortcut is checked like the field
-    assert o.with_segment_default(12).max_segment_s == 12.0
-    assert TranscribeOptions(max_segment_s=4).with_segment_default(12).max_segment_s == 4
+    model = SimpleNamespace(max_segment_s=12)
+    assert o.for_model(model).max_segment_s == 12.0
+    assert TranscribeOptions(max_segment_s=4).for_model(model).max_segment_s == 4
 
 
 def test_every_field_has_its_help() -> None:
@@ -82,8 +84,6 @@ def test_an_unknown_language_fails_before_the_model_loads(tmp_path, capsys) -> N
 
 
 def test_the_server_form_becomes_options() -> None:
-    from types import SimpleNamespace
-
     from qasr.server.params import parse_params
 
     core = SimpleNamespace(aligner=SimpleNamespace(supported_languages=("English",)),
