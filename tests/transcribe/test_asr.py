@@ -312,12 +312,12 @@ def test_transcribe_async_bounds_the_audio_in_flight_in_seconds(tiny_asr, monkey
     lock = threading.Lock()
     real_submit = tiny_asr._core.engine.submit
 
-    def submit(*args, waveform, **kwargs):
-        seconds = len(waveform) / 16000
+    def submit(spec, *args, **kwargs):
+        seconds = len(spec.waveform) / 16000
         with lock:
             in_flight[0] += seconds
             peak[0] = max(peak[0], in_flight[0])
-        fut = real_submit(*args, waveform=waveform, **kwargs)
+        fut = real_submit(spec, *args, **kwargs)
 
         def done(_) -> None:
             with lock:
