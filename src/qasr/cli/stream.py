@@ -1,12 +1,6 @@
 """``qasr stream FILE|mic --server URL``: play audio into a running ``qasr serve`` in real time and print
-the live transcript.
-
-On a terminal the current turn is redrawn in place (stable text, then the unstable tail in grey) and each
-finished turn stays on its own line with its times; piped, only finished turns are printed, one per line
-(``--partials`` prints every update too, ``--json`` prints events as JSON lines).
-
-The first Ctrl-C ends the input (a microphone's capture, or a file's playback) and the final transcript
-of what was sent still comes; a second one quits at once.
+the live transcript: on a terminal the open turn redrawn in place, piped the finished turns (``--partials``:
+every update, ``--json``: every event). The first Ctrl-C ends the input, a second quits at once.
 """
 
 from __future__ import annotations
@@ -84,7 +78,7 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         if not os.path.isfile(args.input):
             print(f"qasr stream: error: no such file: {args.input}", file=sys.stderr)
             return EXIT_USAGE
-        try:  # decoded before connecting: a file that is not audio fails now, not after a session
+        try:  # decoded before connecting: a file that is not audio fails now
             chunks = file_chunks(args.input, args.chunk_ms)
         except AudioError as exc:
             print(f"qasr stream: error: {exc}", file=sys.stderr)
@@ -97,7 +91,7 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         failed = _print_events(args, chunks, stop, out)
     except KeyboardInterrupt:  # the second Ctrl-C
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
+    except BrokenPipeError:  # stdout closed early (`| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except (OSError, RuntimeError, ValueError, TimeoutError, WebSocketException) as exc:
@@ -113,8 +107,7 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 
 def _first_interrupt(stop: threading.Event, capture: Capture | None):  # noqa: ANN202 - a signal handler
-    """The first Ctrl-C ends the input (the transcript of what was sent still comes); the next one raises
-    KeyboardInterrupt as usual."""
+    """The first Ctrl-C ends the input (the transcript of what was sent still comes); the next raises."""
 
     def handler(sig: int, frame: FrameType | None) -> None:
         stop.set()

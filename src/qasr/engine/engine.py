@@ -1,18 +1,9 @@
-"""The engine: owns the model and the KV pool, batches every submitted request on one loop.
+"""The engine: owns the model and the KV pool and batches every submitted request on one background thread.
 
-``submit`` is thread-safe and returns a ``concurrent.futures.Future``; ``generate_async`` wraps it for
-asyncio, ``stream`` / ``stream_async`` yield each token as it is sampled. One background thread drives
-the device: each step admits waiting requests (KV blocks are taken as their tokens are made), encodes
-a few audio windows in one packed call, and runs one packed decoder forward that mixes the decode rows
-of running requests with chunked prefill of new ones. On a forced-aligner checkpoint,
-``submit_alignment`` requests ride the same steps and end with their prefill (the head's argmax at
-given positions is their result).
-
-No request harms another: a malformed request is refused at submit; a step that raises is rerun one
-request at a time so only the culprit fails; a cancelled future stops its request at the next step and
-frees its KV blocks; when the blocks run out the youngest request is preempted and recomputed (same
-tokens); an unexpected error in the loop marks the engine broken and fails every pending future with it
-(and every later submit); ``close`` resolves every future it does not finish.
+Each step admits waiting requests, encodes a few audio windows in one packed call and runs one decoder
+forward mixing decode rows with chunked prefill. No request harms another: a malformed one is refused at
+submit, a failing step is rerun one request at a time, the youngest request is preempted (and recomputed
+to the same tokens) when KV blocks run out, and a loop failure fails every pending future.
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ from qasr.model.checkpoint import Checkpoint
 
 __all__ = ["Continuation", "Engine", "EngineConfig", "EngineStats", "GenerationResult", "KVLease", "RequestSpec"]
 log = logging.getLogger(__name__)
-RATE_WINDOW_S = 10.0  # the rolling tokens/s in stats() counts the steps of the last 10 s
+RATE_WINDOW_S = 10.0
 
 
 def default_kv_bytes(device: torch.device) -> int:
@@ -71,11 +62,11 @@ class Engine:
         model = prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype, config.kv_cache_dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)
-        blocks = -(-max(budget // per_token, 256) // config.kv_block_tokens)  # rounded up: a budget of N tokens holds N
+        blocks = -(-max(budget // per_token, 256) // config.kv_block_tokens)
         if config.kv_cache_dtype != "auto" and (prepared.make_pool is not None or model.device.type != "cpu"):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the CPU backend only: load the model "
                              "on the CPU, or leave the KV cache in the model's dtype")
-        if prepared.make_pool is not None:  # the backend's own pool layout
+        if prepared.make_pool is not None:
             self.pool = prepared.make_pool(checkpoint.config.decoder, blocks, config.kv_block_tokens, model.device,
                                            model.dtype)
         else:
@@ -92,10 +83,9 @@ class Engine:
             self.runner = Runner(prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
-        # where a kept KV prefix may be cut (see submit's kv_prefix): anywhere when prefill is chunk-invariant
+        # a kv_prefix length must be a multiple of this, so the chunks after it give a fresh prefill's bits
         self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
-        # whether submit's draft is used (checked in the decode rows) or dropped: only where a decode row's bits
-        # do not depend on the rows beside it, so that checking guesses never changes a token or a log-probability
+        # drafts are checked only where a decode row's bits do not depend on the rows beside it
         self.verifies_drafts = config.drafts and prepared.row_invariant_decode
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
                              checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
@@ -103,27 +93,22 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closing = False  # no new submits; the loop ends once idle
-        self._abort = False  # the loop ends after the current step (close(drain=False))
+        self._abort = False  # the loop ends now
         self._broken: BaseException | None = None
         self.steps = 0
-        self._last_step_ran = True  # whether the last step planned any work (see _wait_for_batch_turn)
-        self._batch_heavy_at = 0.0  # from this perf_counter time a step may carry batch encode/prefill beside live work
-        self.encoder_calls = 0  # packed encoder calls made (encoder-only requests ride them too)
+        self._last_step_ran = True
+        self._batch_heavy_at = 0.0  # from this perf_counter time a step may carry batch encode/prefill work
+        self.encoder_calls = 0
         self.generated_tokens = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
-        # wall seconds by phase; step_s is the total, what it has beyond the others is host-side work.
-        # forward_mixed_s counts forwards that carry prefill chunks (decode rows may ride along).
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens)
+        # seconds by phase and token counts (docs/engine.md)
         self.timings = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
                             prefill_tokens=0, decode_tokens=0, draft_rows=0, draft_kept=0)
 
-    # ------------------------------------------------------------------ public API
     def submit(self, spec: RequestSpec, on_token: Callable[[int | None], None] | None = None) -> Future:
-        """Queue one generation request; the future resolves to a GenerationResult (or raises its error).
-
-        ``on_token`` (called on the engine thread: keep it quick) receives each generated token, then None.
-        Cancelling the future stops the request at the next step. Raises ValueError for a malformed
-        request, EngineClosed after close(), EngineBroken after the loop failed. A kept prefix that the
-        engine evicted meanwhile is prefilled again instead, with the same bits."""
+        """Queue one request (thread-safe); the future resolves to a GenerationResult. ``on_token``, called
+        on the engine thread, gets each token, then None. Cancelling the future stops the request. Raises
+        ValueError for a malformed spec, EngineClosed after close(), EngineBroken after a loop failure."""
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -136,7 +121,7 @@ class Engine:
         req = Request(replace(spec, waveform=None, features=None, audio_embeds=None, continuation=cont),
                       on_token=on_token, waveform=spec.waveform, features=spec.features,
                       audio_tokens=prompt.count(self.audio_token_id), audio_before=self._audio_before(prompt))
-        if spec.audio_embeds is not None:  # already encoded: the scheduler plans no encoder slice for it
+        if spec.audio_embeds is not None:
             req.audio, req.encoded_tokens = spec.audio_embeds, req.audio_tokens
         if cont.kv_prefix is not None:
             lease, n = cont.kv_prefix
@@ -144,26 +129,23 @@ class Engine:
                 if lease.taken:
                     raise ValueError("kv_prefix: this KV lease was already used or released")
                 lease.taken = True
-            req.kv_prefix, req.prefix_len = lease, n  # the blocks are taken over (or found evicted) at admission
+            req.kv_prefix, req.prefix_len = lease, n  # taken over (or found evicted: prefilled) at admission
         return self._enqueue(req)
 
     def release(self, lease: KVLease) -> None:
-        """Free kept KV blocks that no request will continue (no-op if the lease was used or released)."""
+        """Free a lease no request will take over (no-op if used or released)."""
         with self._lock:
             if lease.taken:
                 return
             lease.taken = True
-            if self._closing:  # the loop is gone or going: the pool goes with it
+            if self._closing:  # the pool goes with the loop
                 return
-            self._inbox.put(lease)  # the blocks belong to the engine thread
+            self._inbox.put(lease)
 
     def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,
                          features: torch.Tensor | None = None) -> Future:
-        """Queue one forced-alignment request (the engine must run an aligner checkpoint); the future
-        resolves to a list of class ids, the head's argmax at each of ``positions`` (prompt indices,
-        answered in ascending order). The request is prefilled in chunks like any prompt, batched with
-        the other work of each step, runs the head only at its positions and ends with its prefill: it
-        generates nothing. Raises like ``submit``."""
+        """Queue a forced-alignment request (aligner checkpoints only): it ends with its prefill and its future
+        resolves to the head's argmax at each of ``positions``, in ascending order. Raises like ``submit``."""
         if not self.checkpoint.config.is_aligner:
             raise ValueError("alignment requests need a forced-aligner checkpoint (a timestamp classifier head)")
         waveform, features, audio_tokens = check_request(prompt, waveform, features, 0, self.limits,
@@ -174,12 +156,9 @@ class Engine:
         return self._enqueue(req)
 
     def submit_encode(self, features: torch.Tensor, conv_head: torch.Tensor | None = None) -> Future:
-        """Queue an encoder-only request: the future resolves to an ``EncodeResult``, the audio encoder's
-        output rows for these (mel, frames) features and the conv front end's output of their chunks. It
-        rides the next step's packed encoder call with the other requests' audio slices (a live session's
-        window: the same bits as encoded alone) and holds no KV. ``conv_head``: the conv output of whole
-        chunks that come before ``features`` (from earlier results, for the same features), which are
-        then not convolved again; the request must then fit one attention window. Raises like ``submit``."""
+        """Queue an encoder-only request for (mel, frames) features; the future resolves to an EncodeResult.
+        ``conv_head``: the conv output of whole chunks before ``features`` (an earlier EncodeResult.conv),
+        not convolved again; the request must then fit one attention window. Raises like ``submit``."""
         features, rows = check_encoder_features(features, self.limits)
         if conv_head is not None:
             rows = check_conv_head(conv_head, features.shape[-1], self.checkpoint.config.encoder,
@@ -192,13 +171,13 @@ class Engine:
         return np.concatenate([[0], np.cumsum(np.asarray(prompt) == self.audio_token_id)])
 
     def _enqueue(self, req: Request) -> Future:
-        with self._lock:  # the check and the put are one step, so close() never strands a request
+        with self._lock:  # one step with the check, so close() never strands a request
             self._raise_if_unusable()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="qasr-engine", daemon=True)
                 self._thread.start()
             self._inbox.put(req)
-        self.prepared.release_caller_threads()  # e.g. this thread's idle OpenMP pool (see cpu/openmp.py)
+        self.prepared.release_caller_threads()  # this thread's idle OpenMP pool (cpu/openmp.py)
         return req.future
 
     async def generate_async(self, spec: RequestSpec) -> GenerationResult:
@@ -206,8 +185,8 @@ class Engine:
         return await asyncio.wrap_future(self.submit(spec))
 
     def stream(self, spec: RequestSpec) -> Iterator[int]:
-        """Yield each generated token id as soon as it is sampled (the same ids ``submit`` returns).
-        Raises the request's error after its last token; closing the iterator early cancels the request."""
+        """Each generated token id as it is sampled; raises the request's error after the last. Closing the
+        iterator cancels the request."""
         tokens: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         return _drain(tokens, self.submit(spec, on_token=tokens.put))
 
@@ -219,12 +198,12 @@ class Engine:
         try:
             while (token := await tokens.get()) is not None:
                 yield token
-            await asyncio.wrap_future(future)  # the request's error, if it failed
+            await asyncio.wrap_future(future)  # its error, if any
         finally:
             future.cancel()  # no-op once done
 
     def stats(self) -> EngineStats:
-        """A snapshot of the engine's state (read from any thread; counts may be one step stale)."""
+        """The engine's state, from any thread (counts may be one step stale)."""
         now = time.perf_counter()
         recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
         rate = sum(n for _, n in recent) / RATE_WINDOW_S if recent else 0.0
@@ -238,16 +217,15 @@ class Engine:
                            broken=self._broken is not None, closed=self._closing, kv_cache_bytes=self.pool.nbytes)
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting requests. ``drain=True`` finishes what was accepted; ``drain=False`` stops after
-        the current step and fails every unfinished request with EngineClosed. Either way every future
-        is resolved when the loop ends; ``timeout`` bounds the wait for it."""
+        """Stop accepting requests, finishing what was accepted (``drain``) or failing it with EngineClosed
+        after the current step; every future is resolved. ``timeout`` bounds the wait."""
         with self._lock:
             self._closing = True
             self._abort = self._abort or not drain
             thread = self._thread
         if thread is None:
             return
-        self._inbox.put(None)  # wake the loop
+        self._inbox.put(None)
         if thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -255,7 +233,7 @@ class Engine:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        # leaving on an error (Ctrl-C included) must not wait for the queue: stop after the current step
+        # leaving on an error (Ctrl-C included) must not wait for the queue
         self.close(drain=exc_type is None)
 
     def _raise_if_unusable(self) -> None:
@@ -264,19 +242,15 @@ class Engine:
         if self._closing:
             raise EngineClosed("the engine is closed")
 
-    # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         try:
             while not self._abort:
                 if self.scheduler.idle:
                     if self._closing and self._inbox.empty():
                         break
-                    # going idle: free this thread's OpenMP pool too, or an idle engine beside a busy one (an
-                    # aligner's beside the ASR's) keeps libgomp in its throttled mode, where every parallel region
-                    # pays a futex wake-up (cpu/openmp.py; measured with two engines alive on 2 cores, decode at
-                    # batch 1: int8 59-69 -> 31 ms/token, bf16 65 -> 52-54)
+                    # an idle engine's OpenMP pool throttles a busy one's (docs/log, engine-openmp-two-engines)
                     self.prepared.release_caller_threads()
-                    self._take(self._inbox.get())  # nothing to do: sleep until a request (or close) arrives
+                    self._take(self._inbox.get())
                 while True:
                     try:
                         self._take(self._inbox.get_nowait())
@@ -292,9 +266,8 @@ class Engine:
             self._fail_everything()
 
     def _wait_for_batch_turn(self) -> None:
-        """After a step that found nothing it could run because batch work's encoder and prefill steps are
-        rationed beside live work (live_batch_share), sleep until batch work's turn or the next submission,
-        instead of spinning empty steps."""
+        """After an empty step (batch work rationed beside live work), sleep until batch work's turn or the
+        next submission."""
         if self._last_step_ran or self.scheduler.batch_heavy_ok:
             return
         wait = self._batch_heavy_at - time.perf_counter()
@@ -307,12 +280,12 @@ class Engine:
     def _take(self, item: Request | KVLease | None) -> None:
         if isinstance(item, KVLease):
             self.scheduler.blocks.release(item)
-        elif item is not None:  # None only wakes the loop (close)
+        elif item is not None:
             self.scheduler.add(item)
 
     def _fail_everything(self) -> None:
         with self._lock:
-            self._closing = True  # later submits raise (EngineBroken first when broken)
+            self._closing = True
         if self._broken is not None:
             error: BaseException = EngineBroken(f"the engine failed: {self._broken!r}")
             error.__cause__ = self._broken
@@ -329,19 +302,19 @@ class Engine:
         self.scheduler.encoding.clear()
         self.scheduler.active.clear()
         self.scheduler.waiting.clear()
-        for req in pending:  # resolve never raises: a listener's failure cannot strand the requests after it
+        for req in pending:
             req.resolve(error=error)
 
     def step(self) -> None:
-        """One scheduling step. A failing step is rerun one request at a time: only the culprit fails."""
+        """One scheduling step; a failing one is rerun a request at a time so only the culprit fails."""
         sched = self.scheduler
         t_step = time.perf_counter()
-        for req in [r for r in sched.active if r.cancelled]:  # stop cancelled requests, free their blocks
+        for req in [r for r in sched.active if r.cancelled]:
             sched.finish(req)
             req.resolve()
-        for req in sched.drop_cancelled():  # cancelled while waiting, wherever they stand in the queue
-            req.resolve()  # closes its stream and lets go of its audio
-        for req in sched.admit():  # submit refuses these already: a guard so nothing waits forever on memory
+        for req in sched.drop_cancelled():
+            req.resolve()
+        for req in sched.admit():  # submit refuses these already: nothing waits forever on memory
             req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
                                          f"{self.pool.tokens}"))
         sched.batch_heavy_ok = t_step >= self._batch_heavy_at
@@ -353,20 +326,19 @@ class Engine:
                 self._encode(plan.encode)
             encoded = True
             sampled = self._forward(plan)
-        except Exception as exc:  # noqa: BLE001 - find the culprit below
+        except Exception as exc:  # noqa: BLE001
             sampled = self._rerun_alone(plan, exc, encoded)
         self.steps += 1
         self._finish_encodes(plan)
         self._apply(sampled)
         self._finish_alignments(plan)
         now = time.perf_counter()
-        if plan.live_batch_work:  # ration such steps: at most live_batch_share of the time while live work runs
+        if plan.live_batch_work:  # at most live_batch_share of the time while live work runs
             share = self.config.live_batch_share
             self._batch_heavy_at = now + (now - t_step) * (1 - share) / share
         self.timings["step_s"] += now - t_step
 
     def _finish_encodes(self, plan: StepPlan) -> None:
-        """Encoder-only requests this step encoded are done: their rows are the result."""
         for req, _ in plan.encode:
             if req.encode_only and req.encoded and req in self.scheduler.encoding:
                 self.scheduler.finish(req)
@@ -389,15 +361,14 @@ class Engine:
         st["prefill_tokens"] += sum(n for _, n in plan.prefill)
         st["decode_tokens"] += len(plan.decode)
         guessed = sum(len(g) for g in plan.drafts.values())
-        if guessed:  # each kept token beyond a row's first came from a guess that came true
+        if guessed:  # each kept token beyond a row's first is a guess that came true
             st["draft_rows"] += guessed
             st["draft_kept"] += len(sampled) - len({id(r) for r, _ in sampled})
         return sampled
 
     def _rerun_alone(self, plan: StepPlan, exc: Exception, encoded: bool) -> list[tuple[Request, int]]:
-        """Rerun each request's share of a failed step alone (its encoder slice too, unless the step's
-        packed encoder call had already succeeded). Row-invariant kernels make the survivors' results
-        the same as in the batch; the culprit fails with its own error."""
+        """Rerun each request's share of a failed step alone (row-invariant kernels: the survivors' results
+        are the batch's); the culprit fails with its own error."""
         reqs = plan.requests
         log.warning("qasr: a step of %d requests failed (%r); rerunning them one by one", len(reqs), exc)
         sampled = []
@@ -408,14 +379,13 @@ class Engine:
                 if own.encode and not encoded:
                     self._encode(own.encode)
                 sampled += self._forward(own)
-            except Exception as err:  # noqa: BLE001 - this request is the culprit: it alone fails
+            except Exception as err:  # noqa: BLE001 - the culprit
                 log.error("qasr: request %d failed: %r", req.id, err)
                 self.scheduler.finish(req)
                 req.resolve(error=err)
                 failed.append(err)
         if len(reqs) > 1 and len(failed) == len(reqs):
-            # no culprit: every request fails alone too, so the device is failing (a sticky error). Break the
-            # engine (the loop fails what is pending and refuses later submits) instead of failing them one by one.
+            # no culprit: the device is failing (a sticky error); break the engine
             raise RuntimeError(f"every one of the {len(reqs)} requests of a step failed alone as well (the first "
                                f"with {failed[0]!r}): the device, not a request, is failing") from exc
         return sampled
@@ -423,7 +393,7 @@ class Engine:
     def _apply(self, sampled: list[tuple[Request, int]]) -> None:
         now = time.perf_counter()
         generated = 0
-        ended: set[int] = set()  # a request with several tokens this step (guesses that came true) may end early
+        ended: set[int] = set()
         for req, token in sampled:
             if id(req) in ended:
                 continue
@@ -437,7 +407,7 @@ class Engine:
                 reason = "eos"
             else:
                 req.output.append(token)
-                if len(req.output) > req.delivered:  # not a recomputed token, which was handed out already
+                if len(req.output) > req.delivered:  # not a recomputed token
                     generated += 1
                     req.delivered += 1
                     if req.on_token is not None and not self._deliver(req, token):
@@ -456,7 +426,7 @@ class Engine:
                 req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
                                              now - req.submitted, kv=lease, preempted=tuple(req.preempted),
                                              logprobs=tuple(req.logprobs[:len(req.output)])))
-                if lease is not None and req.future.cancelled():  # nobody will see the lease: free it
+                if lease is not None and req.future.cancelled():
                     lease.taken = True
                     self.scheduler.blocks.release(lease)
         self.generated_tokens += generated
@@ -465,9 +435,7 @@ class Engine:
             self._recent.popleft()
 
     def _replays_faithfully(self, req: Request, token: int) -> bool:
-        """A preempted request recomputes the tokens it had made; they must come out the same (greedy
-        decoding, row-invariant kernels, the same chunk grid), since some were already delivered. If one
-        differs the request fails rather than contradict what its listener saw."""
+        """A preempted request must recompute the tokens it had delivered; one that differs fails."""
         i = len(req.output)
         if i >= len(req.replay) or req.replay[i] == token:
             return True
@@ -479,14 +447,13 @@ class Engine:
         return False
 
     def _finish_alignments(self, plan: StepPlan) -> None:
-        """Alignment requests whose prefill this step completed are done: free them, hand out their ids."""
         for req, _ in plan.prefill:
             if req.classify is not None and req.prefill_done and req in self.scheduler.active:
                 self.scheduler.finish(req)
                 req.resolve(req.classes)
 
     def _deliver(self, req: Request, token: int) -> bool:
-        """Hand a token to the request's listener; a listener that raises ends its own request only."""
+        """A listener that raises ends its own request only."""
         try:
             req.on_token(token)  # type: ignore[misc]
             return True
@@ -502,6 +469,6 @@ def _drain(tokens: queue.SimpleQueue, future: Future) -> Iterator[int]:
     try:
         while (token := tokens.get()) is not None:
             yield token
-        future.result()  # the request's error, if it failed
+        future.result()  # its error, if any
     finally:
-        future.cancel()  # the consumer stopped early: stop the request (no-op once done)
+        future.cancel()  # the consumer stopped early (no-op once done)

@@ -1,5 +1,4 @@
-"""Checks a request at submit, so a malformed one is refused with a clear message before it can reach a
-batch (where it would cost its neighbours a retry)."""
+"""Checks a request at submit: a malformed one is refused, naming what is wrong, before it reaches a batch."""
 
 from __future__ import annotations
 
@@ -15,19 +14,18 @@ from qasr.model.config import EncoderConfig, audio_token_count
 
 @dataclass(frozen=True)
 class Limits:
-    """What a request must agree with, all read from the checkpoint."""
+    """What a request must agree with, read from the checkpoint."""
 
     audio_token_id: int
     vocab_size: int
     hop_length: int
     num_mel_bins: int
     conv_chunk_frames: int
-    kv_tokens: int  # the KV cache's capacity: prompt + max_new_tokens must fit
+    kv_tokens: int  # prompt + max_new_tokens must fit
 
 
 def check_spec(spec: RequestSpec, limits: Limits, hidden: int, device: torch.device, prefix_grid: int) -> RequestSpec:
-    """Validate a generation request; returns it with its prompt a list of ints, its audio as float32 and its
-    draft a tuple. Raises ValueError naming what is wrong."""
+    """The spec with its prompt a list of ints, its audio float32 and its draft a tuple; else ValueError."""
     if not isinstance(spec, RequestSpec):
         raise TypeError(f"submit takes a RequestSpec, got {type(spec).__name__}")
     for name in ("ignore_eos", "interactive"):
@@ -67,9 +65,8 @@ def _check_prefix(kv_prefix: tuple[KVLease, int], prompt: list[int], grid: int) 
 def check_request(prompt: list[int], waveform: np.ndarray | None, features: torch.Tensor | None,
                   max_new_tokens: int, limits: Limits,
                   min_new_tokens: int = 1) -> tuple[np.ndarray | None, torch.Tensor | None, int]:
-    """Validate one request; returns (waveform as float32, features as float32, audio placeholder count).
-    ``min_new_tokens`` is 0 for alignment requests, which end with their prefill. Raises ValueError
-    naming what is wrong."""
+    """(waveform as float32, features as float32, audio placeholders) of a valid request; else ValueError.
+    ``min_new_tokens`` is 0 for alignment requests."""
     if (waveform is None) == (features is None):
         raise ValueError("pass exactly one of waveform or features")
     if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
@@ -96,8 +93,7 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
 
 def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, limits: Limits, hidden: int,
                  device: torch.device) -> torch.Tensor:
-    """Validate a request whose encoder output is given: one row per audio placeholder, the decoder's
-    width, finite, already on the model's device. Returns the rows; raises ValueError otherwise."""
+    """Given encoder rows: one per audio placeholder, the decoder's width, finite, on the model's device."""
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != hidden:
         shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
         raise ValueError(f"audio_embeds must be an (audio tokens, {hidden}) tensor, got {shape}")
@@ -116,7 +112,7 @@ def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, l
 
 
 def check_draft(draft: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    """A request's guessed output ids (``submit(draft=...)``) as a tuple, after checking they are token ids."""
+    """Guessed output ids (Continuation.draft) as a tuple of token ids."""
     ids = tuple(draft)
     if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
         raise ValueError("draft must be a sequence of token ids")
@@ -126,7 +122,7 @@ def check_draft(draft: Sequence[int], vocab_size: int) -> tuple[int, ...]:
 
 
 def check_positions(positions: object, prompt_len: int) -> np.ndarray:
-    """Classifier positions of an alignment request: distinct prompt indices, returned sorted (int64)."""
+    """An alignment request's positions: distinct prompt indices, sorted (int64)."""
     pos = np.asarray(positions)
     if pos.ndim != 1 or pos.size == 0 or not np.issubdtype(pos.dtype, np.integer):
         raise ValueError("positions must be a non-empty list of prompt indices")
@@ -155,16 +151,14 @@ def _check_waveform(waveform: np.ndarray, hop: int) -> np.ndarray:
 
 
 def check_encoder_features(features: torch.Tensor, limits: Limits) -> tuple[torch.Tensor, int]:
-    """Validate an encoder-only request's (mel, frames) features; returns them as float32 and the encoder
-    rows they give."""
+    """An encoder-only request's features as float32, and the encoder rows they give."""
     features = _check_features(features, limits.num_mel_bins)
     return features, audio_token_count(features.shape[-1], limits.conv_chunk_frames)
 
 
 def check_conv_head(conv_head: torch.Tensor, frames: int, enc: EncoderConfig, device: torch.device) -> int:
-    """Validate an encoder-only request's conv head (the conv output of its first whole chunks, an earlier
-    ``EncodeResult.conv``) before ``frames`` more frames: ``(chunks, tokens_per_conv_chunk, d_model)``,
-    finite, on the model's device, and the whole request inside one attention window. Returns its rows."""
+    """The rows of an encoder-only request with a conv head (chunks, tokens_per_conv_chunk, d_model), finite,
+    on the model's device, before ``frames`` more frames: all in one attention window."""
     want = (enc.tokens_per_conv_chunk, enc.d_model)
     if (not isinstance(conv_head, torch.Tensor) or conv_head.dim() != 3 or tuple(conv_head.shape[1:]) != want
             or conv_head.shape[0] < 1 or not conv_head.is_floating_point()):
@@ -191,7 +185,7 @@ def _check_features(features: torch.Tensor, mel: int) -> torch.Tensor:
 
 
 def _audio_placeholders(prompt: list[int], limits: Limits) -> int:
-    """Audio placeholders in a prompt, after checking it is a non-empty list of in-vocabulary token ids."""
+    """Audio placeholders in a prompt of in-vocabulary token ids."""
     ids = np.asarray(prompt)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError("prompt must be a non-empty list of token ids")

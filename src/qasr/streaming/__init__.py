@@ -1,10 +1,5 @@
-"""Live transcription sessions: the official re-feed streaming algorithm, computed incrementally.
-
-``StreamConfig`` holds the settings, ``Session`` is the incremental implementation (``ASR.stream``
-makes one), ``LiveSession`` cuts an endless stream into turns of Sessions (``ASR.live``),
-``PcmIngest`` turns wire PCM into 16 kHz samples, ``OracleStream`` is the straightforward algorithm
-that re-encodes everything every step (the reference the session is tested against). See docs/streaming.md.
-"""
+"""Live transcription: ``Session`` runs one turn of the official streaming algorithm incrementally
+(``ASR.stream``), ``LiveSession`` cuts an endless stream into turns (``ASR.live``). See docs/streaming.md."""
 
 from qasr.streaming.config import LiveConfig, StreamConfig
 from qasr.streaming.ingest import PcmIngest

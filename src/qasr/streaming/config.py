@@ -76,10 +76,8 @@ START_SETTINGS = {f.name: f.metadata["start"] for cls in (StreamConfig, LiveConf
 
 
 def from_start(settings: Mapping[str, object], base: LiveConfig = LiveConfig()) -> LiveConfig:
-    """``base`` with the START_SETTINGS a /v1/stream start message gives, flat by field name: a bool field
-    takes a JSON bool, a number field a number, a text field a string (null: its default). A ``max_turn_s``
-    below ``base.soft_turn_s`` lowers that too. Raises ValueError for an unknown name or a value of the wrong
-    type, or one the configs refuse."""
+    """``base`` with a /v1/stream start message's START_SETTINGS (flat, JSON-typed; a null text: its default).
+    A ``max_turn_s`` below ``base.soft_turn_s`` lowers that too. Raises ValueError for a bad setting."""
     unknown = sorted(set(settings) - set(START_SETTINGS))
     if unknown:
         raise ValueError(f"unknown settings {unknown}")

@@ -1,10 +1,6 @@
-"""Wire PCM to the session's samples: little-endian int16 or float32 bytes at 8, 16, 24 or 48 kHz (or any
-other rate soxr takes) -> float32 mono at 16 kHz.
-
-Frames of any size are accepted, including ones that split a sample in two (the odd byte waits for the
-next frame). Rates other than 16 kHz go through one soxr stream per session, so chunk borders leave no
-seams: the output is the same however the bytes were split.
-"""
+"""Wire PCM -> float32 mono at 16 kHz: little-endian int16 or float32 bytes at any rate soxr takes, in frames
+of any size (a split sample waits for the next frame); one soxr stream per session, so the output does not
+depend on how the bytes were split."""
 
 from __future__ import annotations
 
@@ -28,13 +24,13 @@ class PcmIngest:
         self.format = pcm_format
         self.sample_rate = sample_rate
         self._dtype = _DTYPES[pcm_format]
-        self._carry = b""  # the bytes of a sample split across two frames
+        self._carry = b""  # a sample split across two frames
         self._resampler = (None if sample_rate == SAMPLE_RATE
                            else soxr.ResampleStream(sample_rate, SAMPLE_RATE, 1, dtype="float32"))
-        self.samples_in = 0  # samples received at the wire rate
+        self.samples_in = 0  # at the wire rate
 
     def feed(self, data: bytes) -> np.ndarray:
-        """Bytes of PCM -> float32 samples at 16 kHz (possibly none yet: the resampler holds a few ms)."""
+        """Bytes of PCM -> float32 samples at 16 kHz (maybe none yet: the resampler holds a few ms)."""
         data = self._carry + bytes(data)
         whole = len(data) // self._dtype.itemsize * self._dtype.itemsize
         self._carry = data[whole:]
@@ -43,13 +39,13 @@ class PcmIngest:
         return self._to_16k(self._scale(raw), last=False)
 
     def feed_samples(self, samples: np.ndarray) -> np.ndarray:
-        """Already decoded samples (int16 or float) at the wire rate -> float32 at 16 kHz."""
+        """Decoded samples (int16 or float) at the wire rate -> float32 at 16 kHz."""
         x = np.asarray(samples).reshape(-1)
         self.samples_in += x.size
         return self._to_16k(self._scale(x), last=False)
 
     def flush(self) -> np.ndarray:
-        """The end of the stream: what the resampler still holds."""
+        """What the resampler still holds, at the end of the stream."""
         self._carry = b""
         return self._to_16k(np.zeros(0, dtype=np.float32), last=True)
 

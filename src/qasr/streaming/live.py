@@ -1,33 +1,13 @@
-"""A live session that runs for hours: speech detection cuts the stream into turns, each turn is one
-incremental ``Session`` (the official streaming algorithm on that turn's audio alone), so memory and the
-cost of a step stay bounded however long the stream runs.
+"""A live session that runs for hours: speech detection cuts the stream into turns, each one ``Session``
+on that turn's audio alone, so memory and a step's cost stay bounded.
 
-Audio is handled in 32 ms frames (512 samples, the VAD's frame). With turn detection, each frame is
-scored by the VAD (silero, or the energy fallback) and:
-
-* while nobody speaks, frames go to a short pre-roll (``prefix_padding_ms``) and nowhere else: silence
-  costs no decoding;
-* a frame scoring ``>= vad_threshold`` starts a turn: a fresh Session gets the pre-roll and the frame;
-* in a turn every frame goes to the turn; frames below the exit threshold (``vad_threshold - 0.15``)
-  count as silence, a frame at or above the threshold resets the count (in between changes nothing);
-* the turn ends after ``silence_ms`` of silence (its final transcript is sent; the trailing silence is
-  part of the turn), or at the first silent frame once it is ``soft_turn_s`` long, or at
-  ``max_turn_s`` whatever is said (the next frame then starts a new turn at once);
-* with ``end_on_chunk`` (the default), a turn that a pause ends first takes the silent frames that
-  follow until its audio fills whole chunks: its last step is then an ordinary chunk step and no step
-  decodes a leftover tail. The turn takes as many steps as without it, but never two back to back:
-  without it, a push in which a chunk boundary comes shortly before the pause runs that chunk's step
-  and then the tail's (the slowest pushes of a live caption). ``SpeechStopped`` is sent at the pause as
-  without it; the final transcript comes at the boundary, up to a chunk of audio later (a push later,
-  where the boundary came before the pause).
-  A frame that is not silent ends the turn at once, before that frame, as without the option.
-
-Without turn detection every frame goes to the current turn, which ends on ``commit()`` (or at
-``max_turn_s``). ``carry_context`` hands the committed text of earlier turns (its last
-``carried_chars`` characters) to the next turn as context.
-
-The samples of a turn live in one buffer allocated once for ``max_turn_s`` plus a chunk and reused by
-every turn: a turn is closed before it could overflow.
+Audio goes in frames of 512 samples (the VAD's). With turn detection, silence goes only to a short pre-roll
+(``prefix_padding_ms``); a frame scoring ``>= vad_threshold`` starts a turn with the pre-roll; frames below
+``vad_threshold - 0.15`` count as silence and the turn ends after ``silence_ms`` of it, at the first
+silent frame past ``soft_turn_s``, or at ``max_turn_s``. With ``end_on_chunk`` a turn a pause ends first
+takes silent frames up to its next chunk boundary, so its last step is a chunk step rather than a tail
+right after one (``SpeechStopped`` still comes at the pause). Without turn detection a turn ends on
+``commit()`` or at ``max_turn_s``. The turns share one sample buffer, allocated once.
 """
 
 from __future__ import annotations
@@ -49,25 +29,24 @@ from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.session import Session, Update
 
 EndReason = Literal["pause", "long", "max", "commit", "finish"]
-VAD_HYSTERESIS = 0.15  # the exit threshold sits this far below the start threshold (silero's default)
+VAD_HYSTERESIS = 0.15  # the exit threshold lies this far below the start threshold (silero's default)
 
 
 @dataclass(frozen=True)
 class SpeechStarted:
     turn: int
-    at: float  # seconds from the start of the stream (the turn's audio starts here, pre-roll included)
+    at: float  # seconds from the stream's start, pre-roll included
 
 
 @dataclass(frozen=True)
 class SpeechStopped:
     turn: int
-    at: float  # where the silence that ended the turn began (seconds from the start of the stream)
+    at: float  # where the silence that ended the turn began
 
 
 @dataclass(frozen=True)
 class TurnUpdate:
-    """A step's result in a turn: ``update`` holds the stable and unstable text, ``delta`` the text that
-    became stable with it (stable text only ever grows, so the deltas of a turn join to its stable text)."""
+    """A step's result in a turn; ``delta``: the text that became stable with it."""
 
     turn: int
     update: Update
@@ -76,8 +55,7 @@ class TurnUpdate:
 
 @dataclass(frozen=True)
 class TurnFinal:
-    """The end of a turn. ``text`` (the whole transcript of the turn) equals its deltas joined, this
-    event's ``delta`` included."""
+    """The end of a turn: ``text`` is its deltas joined, this one's included."""
 
     turn: int
     text: str
@@ -105,15 +83,15 @@ class LiveSession:
         self._exit = max(cfg.vad_threshold - VAD_HYSTERESIS, 0.01)
         self._silence_limit = cfg.silence_ms * SAMPLE_RATE // 1000
         self._preroll: deque[np.ndarray] = deque(maxlen=math.ceil(cfg.prefix_padding_ms * SAMPLE_RATE / 1000 / FRAME))
-        self._pending = np.zeros(0, dtype=np.float32)  # samples short of a whole frame
-        self.position = 0  # samples of the stream handled (routed to a turn or let go as silence)
-        self.turns = 0  # turns started
+        self._pending = np.zeros(0, dtype=np.float32)  # short of a frame
+        self.position = 0  # samples handled
+        self.turns = 0
         self._turn: Session | None = None
         self._turn_start = 0
-        self._stable = ""  # the current turn's stable text as reported
+        self._stable = ""  # the open turn's stable text, as reported
         self._in_speech = False
-        self._silence = 0  # samples of silence since the last speech frame of the current turn
-        # why silence ended the open turn, while it takes silent frames up to its chunk boundary
+        self._silence = 0  # samples of silence since the turn's last speech frame
+        # why silence ended the open turn, while it takes frames up to its chunk boundary
         self._closing: EndReason | None = None
         self._carried = ""
         self.closed = False
@@ -140,16 +118,15 @@ class LiveSession:
         for frame in frames:
             if self._scorer is None:
                 self._frame_undetected(frame, out)
-            else:  # one frame a call: the scores (and so the turns) never depend on how pushes were sized
+            else:  # a frame a call: the turns do not depend on how pushes were sized
                 self._frame_detected(frame, float(self._scorer.score(frame[None])[0]), out)
         return out
 
     def commit(self) -> list[LiveEvent]:
-        """End the current turn now (the samples short of a frame included). No events when no turn is
-        open and nothing is pending."""
+        """End the current turn now, the samples short of a frame included."""
         self._check_open()
         out: list[LiveEvent] = []
-        if self._closing is not None:  # silence had ended it: it ends now, as it would have without end_on_chunk
+        if self._closing is not None:  # silence had ended it
             self._close_padded(out)
         self._flush_pending(out)
         if self._turn is not None:
@@ -159,7 +136,7 @@ class LiveSession:
         return out
 
     def clear(self) -> None:
-        """Drop the audio of the current turn (no final transcript) and whatever is pending."""
+        """Drop the current turn's audio (no final transcript) and what is pending."""
         self._check_open()
         self._drop_turn()
         self.position += self._pending.size
@@ -168,7 +145,7 @@ class LiveSession:
         self._in_speech, self._silence, self._closing = False, 0, None
 
     def finish(self) -> list[LiveEvent]:
-        """The end of the stream: the open turn gets what is pending and its final transcript."""
+        """The end of the stream: the open turn gets what is pending, and its final."""
         out: list[LiveEvent] = []
         if self.closed:
             return out
@@ -183,11 +160,10 @@ class LiveSession:
         return out
 
     def close(self) -> None:
-        """Abandon the session: free what the open turn holds in the engine (no final transcript)."""
+        """Abandon the session, freeing what the open turn holds in the engine."""
         self._drop_turn()
         self.closed = True
 
-    # ------------------------------------------------------------------ frames
     def _frame_undetected(self, frame: np.ndarray, out: list[LiveEvent]) -> None:
         if self._turn is None:
             self._start_turn(self.position, out, announce=False)
@@ -200,7 +176,7 @@ class LiveSession:
         if self._closing is not None:
             if p < self._exit and self._pad(frame, out):
                 return
-            self._close_padded(out)  # not silent: the turn ends before this frame, which goes on below
+            self._close_padded(out)  # not silent: the turn ends before this frame
         if not self._in_speech:
             if p < cfg.vad_threshold:
                 self._preroll.append(frame)
@@ -229,22 +205,21 @@ class LiveSession:
                 self._closing = reason  # the final comes at the chunk boundary
                 return
             self._end_turn(reason, out)
-        elif self._turn_full():  # still speaking at the hard limit: the next frame opens the next turn
+        elif self._turn_full():  # still speaking at the hard limit
             out.append(SpeechStopped(self.turns - 1, self.position / SAMPLE_RATE))
             self._end_turn("max", out)
             self._silence = 0
             self._start_turn(self.position, out, announce=True)
 
     def _chunk_room(self) -> int:
-        """Samples the open turn still needs to fill whole chunks (0 when it does)."""
+        """Samples the open turn needs to fill whole chunks."""
         assert self._turn is not None
         chunk = self.config.stream.chunk_size_samples
         return -self._turn.audio.size % chunk
 
     def _pad(self, frame: np.ndarray, out: list[LiveEvent]) -> bool:
-        """Give a silent frame to a turn that silence ended, up to its chunk boundary (the frame is also
-        pre-roll for the next turn: it may hold the start of the next words). True if the frame was
-        taken; False (nothing done) when it would pass ``max_turn_s``."""
+        """Give a silent frame (also the next turn's pre-roll) to a turn silence ended, up to its chunk
+        boundary. False, doing nothing, when it would pass ``max_turn_s``."""
         room = self._chunk_room()
         if (self._turn.audio.size + min(room, frame.size)) / SAMPLE_RATE > self.config.max_turn_s:
             return False
@@ -261,7 +236,7 @@ class LiveSession:
         self._end_turn(reason, out)
 
     def _flush_pending(self, out: list[LiveEvent]) -> None:
-        """Hand the samples short of a frame to the open turn (or to a new one without turn detection)."""
+        """Hand the samples short of a frame to the open turn (a new one without turn detection)."""
         if self._pending.size == 0:
             return
         rest, self._pending = self._pending, np.zeros(0, dtype=np.float32)
@@ -272,14 +247,12 @@ class LiveSession:
         else:
             self.position += rest.size
 
-    # ------------------------------------------------------------------ turns
     def _turn_full(self) -> bool:
         return self.turn_seconds >= self.config.max_turn_s
 
     @property
     def next_context(self) -> str:
-        """The context the next turn starts with: the configured one, plus (``carry_context``) the end of
-        the text committed so far."""
+        """The configured context, plus (``carry_context``) the end of the text committed so far."""
         base = self.config.stream.context
         if not (self.config.carry_context and self._carried):
             return base
@@ -296,7 +269,7 @@ class LiveSession:
 
     def _feed(self, samples: np.ndarray, out: list[LiveEvent], advance: bool = True) -> None:
         assert self._turn is not None
-        if advance:  # pre-roll samples were counted when they arrived
+        if advance:  # pre-roll was counted when it arrived
             self.position += samples.size
         for update in self._turn.push(samples):
             delta = update.stable_text[len(self._stable):]

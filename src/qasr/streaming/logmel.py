@@ -1,13 +1,8 @@
-"""Log-mel of a growing stream, bit-identical to ``qasr.audio.features.LogMel`` on all the audio so far.
+"""Log-mel of a growing stream, bit-identical to ``audio.features.LogMel`` on all the audio so far.
 
-A frame (centre t * hop) is final once the audio reaches past its window (t * hop + n_fft / 2 < N):
-it then reads only real samples, never the reflect padding of the stream's end, so its raw log10 mel
-never changes and is stored. Each step computes only the frames after the last final one (the open
-tail: at most a chunk plus n_fft / 2 / hop frames). The per-utterance clamp ``max(x, max - 8)`` is
-applied when features are read, with the maximum over the stored and the open frames; callers
-holding features made under another floor can tell with ``clamps`` whether a frame range changed.
-Bit-identity holds because every stored frame comes from the same STFT frame samples and the mel
-product and elementwise ops are per column (checked by the tests on the machine that runs them).
+A frame is final once the audio reaches past its window (t * hop + n_fft / 2 < N): its raw log10 mel is
+stored and a step computes only the frames after it. The clamp ``max(x, max - 8)`` is applied when features
+are read; ``clamps`` says whether frames made under another floor changed.
 """
 
 from __future__ import annotations
@@ -25,15 +20,15 @@ class StreamingLogMel:
         self._window = torch.hann_window(config.n_fft)
         fb = mel_filterbank(config.num_mel_bins, config.n_fft, config.sampling_rate)
         self._filters = torch.from_numpy(fb.T.astype(np.float32))
-        self._raw = torch.empty(config.num_mel_bins, capacity_frames)  # stored raw log10 mel of final frames
+        self._raw = torch.empty(config.num_mel_bins, capacity_frames)
         self.final = 0  # frames [0, final) are stored
         self._final_max = torch.tensor(float("-inf"))
-        self._open = torch.empty(config.num_mel_bins, 0)  # raw frames [final, frames) of the current audio
+        self._open = torch.empty(config.num_mel_bins, 0)  # frames [final, frames)
         self.frames = 0
-        self.floor = torch.tensor(float("-inf"))  # the clamp floor of the current audio (max - 8)
+        self.floor = torch.tensor(float("-inf"))  # max - 8
 
     def advance(self, samples: np.ndarray) -> int:
-        """Catch up with all the audio so far (``samples``, the whole stream); returns frames computed."""
+        """Catch up with ``samples`` (the whole stream so far); returns the frames computed."""
         cfg = self.config
         n = len(samples)
         frames = n // cfg.hop_length
@@ -49,17 +44,17 @@ class StreamingLogMel:
         return frames - a
 
     def _compute(self, samples: np.ndarray, a: int, frames: int) -> torch.Tensor:
-        """Raw log10 mel of frames [a, frames) of the stream ``samples``."""
+        """Raw log10 mel of frames [a, frames)."""
         cfg = self.config
         half = cfg.n_fft // 2
         if frames <= a:
             return torch.empty(cfg.num_mel_bins, 0)
-        if a * cfg.hop_length < half:  # the first frames read the reflect padding of the start: all of it, as LogMel
+        if a * cfg.hop_length < half:  # the first frames read the start's reflect padding: compute as LogMel
             x = torch.from_numpy(samples)
             if x.numel() <= half:
                 x = F.pad(x, (0, half + 1 - x.numel()))
             spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=self._window, return_complex=True)[:, a:frames]
-        else:  # frames a.. read samples from a*hop - half on, and the end's reflect padding, as centred STFT does
+        else:  # samples from a*hop - half on, and the end's reflect padding, as a centred STFT
             x = torch.from_numpy(samples[a * cfg.hop_length - half:])
             x = F.pad(x[None, None], (0, half), mode="reflect")[0, 0]
             spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=self._window, center=False,
@@ -70,7 +65,7 @@ class StreamingLogMel:
         k = raw.shape[1]
         if not k:
             return
-        if self.final + k > self._raw.shape[1]:  # grow by doubling: amortised O(new frames)
+        if self.final + k > self._raw.shape[1]:
             grown = torch.empty(self._raw.shape[0], max(self.final + k, 2 * self._raw.shape[1]))
             grown[:, : self.final] = self._raw[:, : self.final]
             self._raw = grown
@@ -79,7 +74,7 @@ class StreamingLogMel:
         self._final_max = torch.maximum(self._final_max, raw.max())
 
     def raw(self, f0: int, f1: int) -> torch.Tensor:
-        """Raw (unclamped) log10 mel of frames [f0, f1) of the current audio."""
+        """Unclamped log10 mel of frames [f0, f1)."""
         if f1 <= self.final:
             return self._raw[:, f0:f1]
         if f0 >= self.final:
@@ -87,12 +82,11 @@ class StreamingLogMel:
         return torch.cat([self._raw[:, f0:self.final], self._open[:, : f1 - self.final]], 1)
 
     def features(self, f0: int, f1: int) -> torch.Tensor:
-        """Model features of frames [f0, f1): clamped at the current floor, then (x + 4) / 4."""
+        """Model features of frames [f0, f1)."""
         return (torch.maximum(self.raw(f0, f1), self.floor) + 4.0) / 4.0
 
     def clamps(self, f0: int, f1: int, floor: float) -> bool:
-        """Whether frames [f0, f1) would read differently under ``floor`` than under the current floor:
-        only when the floors differ and some raw value lies below the higher one."""
+        """Whether frames [f0, f1) read differently under ``floor`` than under the current floor."""
         now = float(self.floor)
         if now == floor:
             return False

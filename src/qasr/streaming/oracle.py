@@ -1,6 +1,5 @@
-"""The official streaming algorithm, written plainly on qasr's offline path: every step re-encodes all
-the audio so far (features, encoder, a fresh request with the whole prompt). It is the reference the
-incremental ``Session`` is tested against, token for token; its cost per step grows with the stream."""
+"""The official streaming algorithm written plainly: every step re-encodes all the audio so far. The reference
+``Session`` is tested against, token for token."""
 
 from __future__ import annotations
 
@@ -22,12 +21,12 @@ class OracleStream:
         self.config = config = config or StreamConfig()
         prompts = PromptBuilder(checkpoint.tokenizer, checkpoint.special, config.context, config.language)
         self.state = StreamText(config, prompts)
-        self.audio = np.zeros(0, dtype=np.float32)  # all audio decoded so far
+        self.audio = np.zeros(0, dtype=np.float32)  # decoded so far
         self.pending = np.zeros(0, dtype=np.float32)  # pushed, not yet a full chunk
         self.finished = False
 
     def push(self, pcm: np.ndarray) -> list[StepResult]:
-        """Add audio; one decode per full chunk now available."""
+        """Add audio; one decode per full chunk."""
         if self.finished:
             raise RuntimeError("the stream is finished")
         self.pending = np.concatenate([self.pending, as_float_pcm(pcm)])
@@ -40,8 +39,7 @@ class OracleStream:
         return out
 
     def finish(self) -> StepResult | None:
-        """Decode the leftover audio (no padding) once more; None when nothing was left over (or the
-        whole stream is shorter than one feature frame)."""
+        """Decode the leftover audio; None when there is none (or less than a feature frame in all)."""
         if self.finished:
             raise RuntimeError("the stream is finished")
         self.finished = True

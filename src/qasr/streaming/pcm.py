@@ -1,4 +1,4 @@
-"""Incoming audio: conversion of pushed PCM and a growable sample buffer."""
+"""Pushed PCM as float32, and the turn's sample buffer."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import numpy as np
 
 
 def as_float_pcm(pcm: np.ndarray) -> np.ndarray:
-    """1-D float32 or int16 samples -> float32 (int16 scaled by 1/32768, as the official session does;
-    float input is taken as it is)."""
+    """1-D float32 or int16 samples -> float32 (int16 scaled by 1/32768, as the official session does)."""
     x = np.asarray(pcm)
     if x.ndim != 1:
         raise ValueError(f"push mono 1-D samples, got shape {x.shape}")
@@ -22,12 +21,9 @@ def as_float_pcm(pcm: np.ndarray) -> np.ndarray:
 
 
 class SampleBuffer:
-    """All samples of a turn in one preallocated float32 array, so appending costs O(pushed samples) and
-    ``view`` hands out the prefix without copying. The whole turn is kept (64 KiB per second): the
-    feature front end reads samples just before the open frames, and finish() needs nothing older, but
-    keeping it all makes the buffer one plain array. A live session (``LiveSession``) preallocates it for
-    its longest turn and reuses it turn after turn (``reset``), so it never grows; a bare ``Session``
-    fed past the capacity doubles it."""
+    """All samples of a turn in one float32 array: appends cost the samples pushed, ``view`` copies
+    nothing. A LiveSession allocates it for its longest turn and reuses it (``reset``); past its capacity
+    it doubles."""
 
     def __init__(self, capacity: int = 16000 * 30) -> None:
         self._data = np.zeros(max(capacity, 1), dtype=np.float32)
@@ -43,7 +39,7 @@ class SampleBuffer:
         self.size = need
 
     def reset(self) -> None:
-        """Empty it for the next turn, keeping the allocation (earlier views become invalid)."""
+        """Empty it, keeping the allocation (earlier views become invalid)."""
         self.size = 0
 
     @property
@@ -51,5 +47,5 @@ class SampleBuffer:
         return len(self._data)
 
     def view(self, end: int | None = None) -> np.ndarray:
-        """Samples [0, end) (all by default), without a copy: valid until the next append."""
+        """Samples [0, end), without a copy: valid until the next append."""
         return self._data[: self.size if end is None else end]

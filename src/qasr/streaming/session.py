@@ -1,11 +1,5 @@
-"""An incremental live transcription session: the official streaming algorithm, token for token, at a
-cost per step that depends on the open 8 s window rather than on the whole stream (for the audio side;
-see docs/streaming.md for what is still proportional to the stream).
-
-``push`` takes float32 or int16 16 kHz mono samples of any size; every full chunk makes one step and one
-``Update``. ``finish`` decodes the leftover samples once more and returns the final update. A session
-is driven from one thread at a time; its encoder windows and its decoder steps are requests of the shared
-engine, so several sessions (on their own threads) batch their work together, and with files.
+"""One turn of the official streaming algorithm, token for token, a step costing what the open 8 s window
+does. Driven from one thread at a time; its work is requests of the shared engine.
 """
 
 from __future__ import annotations
@@ -31,15 +25,14 @@ UPDATE_QUEUE = 1024  # untaken updates held for updates()
 
 @dataclass(frozen=True)
 class Update:
-    """The transcript after a step. ``stable_text`` is what the session has committed: the text of the
-    prefix the next step feeds back (it will not be rolled back), never changed once reported;
-    ``unstable_text`` is the rest of the current transcript, which later steps may revise."""
+    """The transcript after a step: ``stable_text`` is committed (never changed once reported),
+    ``unstable_text`` the rest, which later steps may revise."""
 
     stable_text: str
     unstable_text: str
     language: str
     final: bool
-    step: int  # index of the step that produced it
+    step: int
 
     @property
     def text(self) -> str:
@@ -48,22 +41,21 @@ class Update:
 
 @dataclass
 class SessionStats:
-    """Work per step (one entry per decode), for checking that a step's cost stays bounded."""
+    """The work of each step (what was computed rather than kept), and the steps that contradicted the
+    committed text."""
 
-    frames: list[int] = field(default_factory=list)  # log-mel frames computed
-    encoder_tokens: list[int] = field(default_factory=list)  # encoder output rows computed
-    windows_recomputed: list[int] = field(default_factory=list)  # kept windows redone (clamp floor rose)
-    conv_chunks: list[int] = field(default_factory=list)  # 1 s conv chunks convolved (the rest: kept conv output)
-    prefill_tokens: list[int] = field(default_factory=list)  # prompt tokens prefilled (the rest: kept KV)
-    stable_conflicts: int = 0  # steps whose transcript contradicted the committed stable text
+    frames: list[int] = field(default_factory=list)
+    encoder_tokens: list[int] = field(default_factory=list)
+    windows_recomputed: list[int] = field(default_factory=list)
+    conv_chunks: list[int] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
+    stable_conflicts: int = 0
 
 
 class Session:
     def __init__(self, engine: Engine, checkpoint: Checkpoint, config: StreamConfig | None = None,
                  record: bool = False, buffer: SampleBuffer | None = None) -> None:
-        """``record``: keep every step's ``StepResult`` in ``results`` (for tests: each holds its whole
-        prompt, so a long session would grow quadratically); by default only the last one. ``buffer``:
-        an allocation to hold the samples in (emptied first), reused by a live session across turns."""
+        """``record``: keep every step's StepResult, not only the last. ``buffer``: reused across turns."""
         self.engine = engine
         self.checkpoint = checkpoint
         self.config = config = config or StreamConfig()
@@ -71,26 +63,26 @@ class Session:
                                                       config.language), record=record)
         self.audio = buffer if buffer is not None else SampleBuffer()
         self.audio.reset()
-        self.consumed = 0  # samples of ``audio`` already decoded (whole chunks, then the tail at finish)
+        self.consumed = 0
         self.mel = StreamingLogMel(checkpoint.features)
         self.encoder = WindowEncoder(engine)
         self.stats = SessionStats()
         self.stable = ""
         self.finished = False
-        # decoder KV kept from the last step: its blocks, and the kept encoder windows its prompt held
+        # the last step's decoder KV, and the kept encoder windows its prompt held
         self._lease: KVLease | None = None
         self._lease_windows: tuple[KeptWindow, ...] = ()
         self._window_tokens = checkpoint.config.encoder.window_tokens
-        # bounded: a caller that reads push()'s return values never drains it (it then holds the last few)
+        # bounded: a caller reading push()'s return values never drains it
         self._undelivered: deque[Update] = deque(maxlen=UPDATE_QUEUE)
 
     @property
     def results(self) -> list[StepResult]:
-        """The steps' prompts, generated ids and parses (all of them with ``record``, else the last)."""
+        """The steps' StepResults (all of them with ``record``, else the last)."""
         return self.state.results
 
     def push(self, pcm: np.ndarray) -> list[Update]:
-        """Add samples; returns the updates of the steps they completed (also queued for ``updates``)."""
+        """Add 16 kHz float32 or int16 samples; the updates of the steps (one a full chunk) they completed."""
         if self.finished:
             raise RuntimeError("the session is finished")
         self.audio.append(as_float_pcm(pcm))
@@ -102,8 +94,7 @@ class Session:
         return out
 
     def finish(self) -> Update:
-        """Decode the samples left after the last full chunk (if any) and return the final update, in
-        which the whole transcript is stable."""
+        """Decode the samples after the last full chunk; the final update has the whole text stable."""
         if self.finished:
             raise RuntimeError("the session is finished")
         self.finished = True
@@ -115,8 +106,7 @@ class Session:
         return self._publish(self.state.text, final=True, step=self.state.steps - 1)
 
     def updates(self) -> Iterator[Update]:
-        """Yield the updates not yet taken from here, in order (those of later pushes too, as it is
-        iterated again). At most the last ``UPDATE_QUEUE`` untaken updates are held."""
+        """The updates not yet taken from here, in order (at most the last UPDATE_QUEUE)."""
         while self._undelivered:
             yield self._undelivered.popleft()
 
@@ -144,7 +134,7 @@ class Session:
                                                     interactive=True, continuation=carry))
         except Exception:
             if lease is not None:
-                self.engine.release(lease)  # refused at submit: the blocks were not handed over
+                self.engine.release(lease)  # refused at submit: not handed over
             raise
         result = future.result()
         self._lease, self._lease_windows = result.kv, self.encoder.used
@@ -152,10 +142,8 @@ class Session:
         return self._publish(step.text, final, step.index)
 
     def _reusable(self, prompt: list[int]) -> int:
-        """Prompt positions whose decoder KV the last step's blocks already hold: the prompt head and
-        the kept encoder windows both steps share unchanged, rounded down to the engine's ``prefix_grid``
-        (its prefill chunk grid, so later chunks lie where a fresh prefill puts them and give the same
-        bits; or no rounding at all where its kernels make a prompt row's bits independent of chunking)."""
+        """Prompt positions whose KV the last step's blocks hold: the prompt head and the kept windows both
+        steps share, rounded down to the engine's ``prefix_grid``."""
         if self._lease is None:
             return 0
         shared = 0
@@ -168,7 +156,7 @@ class Session:
         return (head + shared * self._window_tokens) // grid * grid
 
     def close(self) -> None:
-        """Free the decoder KV kept for the next step (``finish`` does this too)."""
+        """Free the KV kept for the next step (``finish`` does too)."""
         if self._lease is not None:
             self.engine.release(self._lease)
             self._lease = None
@@ -176,7 +164,7 @@ class Session:
     def _publish(self, text: str, final: bool, step: int) -> Update:
         if final:
             committed = text
-        else:  # the text of what the next step feeds back, if it extends what was committed
+        else:  # what the next step feeds back, if it extends what was committed
             committed = self.state.prompts.parse(self.state.prefix())[1]
         if not text.startswith(self.stable):
             self.stats.stable_conflicts += 1
@@ -184,7 +172,7 @@ class Session:
             self.stable = committed
         if text.startswith(self.stable):
             update = Update(self.stable, text[len(self.stable):], self.state.language, final, step)
-        else:  # the official algorithm revised committed text: keep it, show nothing beyond it
+        else:  # the algorithm revised committed text: keep it, show nothing beyond
             update = Update(self.stable, "", self.state.language, final, step)
         self._undelivered.append(update)
         return update

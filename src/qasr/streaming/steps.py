@@ -10,11 +10,11 @@ from qasr.streaming.text import PromptBuilder, encode_raw, rollback
 
 @dataclass(frozen=True)
 class StepResult:
-    """One decode of the stream: what was fed and what came out."""
+    """One decode of the stream: what was fed (all the samples so far, the answer's start) and what came out."""
 
-    index: int  # 0, 1, ... (the finish step included)
-    samples: int  # audio the step saw (all of it so far)
-    prefix: str  # the answer's start fed to the model
+    index: int
+    samples: int
+    prefix: str
     prompt: tuple[int, ...]
     generated: tuple[int, ...]  # EOS excluded
     raw: str  # prefix + decoded generation
@@ -25,7 +25,7 @@ class StepResult:
 
 @dataclass
 class StreamText:
-    """chunk_id, the last raw output and its parse; decides each step's prefix."""
+    """The last raw output and its parse; decides each step's prefix."""
 
     config: StreamConfig
     prompts: PromptBuilder
@@ -33,7 +33,7 @@ class StreamText:
     raw: str = ""
     language: str = ""
     text: str = ""
-    record: bool = True  # keep every step's result (tests); else only the last (a result holds its prompt)
+    record: bool = True  # keep every step's result; else only the last
     steps: int = 0
     results: list[StepResult] = field(default_factory=list)
 
@@ -44,10 +44,8 @@ class StreamText:
         return rollback(p.tokenizer, p.special, self.raw, self.config.unfixed_token_num, at_finish=at_finish)
 
     def guess(self, prefix: str) -> list[int]:
-        """What the step fed ``prefix`` most likely generates first: the ids of the last output that the
-        prefix leaves out (the rolled-back tokens; the whole last output while the prefix is empty). The
-        engine checks such a draft as it decodes; it never changes the output, only how many tokens a
-        pass over the weights makes."""
+        """The ids the step fed ``prefix`` likely generates first: those of the last output that the prefix
+        leaves out. A draft for the engine (Continuation.draft): it never changes the output."""
         if not self.raw:
             return []
         p = self.prompts
@@ -56,7 +54,7 @@ class StreamText:
         return ids[len(head):] if ids[:len(head)] == head else []
 
     def absorb(self, samples: int, prefix: str, prompt: list[int], generated: list[int], final: bool) -> StepResult:
-        """Take one step's output: raw = prefix + decoded generation, parsed; chunk_id advances."""
+        """Take one step's output."""
         self.raw = prefix + self.prompts.tokenizer.decode(generated)
         self.language, self.text = self.prompts.parse(self.raw)
         step = StepResult(self.steps, samples, prefix, tuple(prompt), tuple(generated), self.raw,

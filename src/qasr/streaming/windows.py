@@ -1,15 +1,5 @@
-"""Encoder outputs of a growing stream, by 8 s attention window.
-
-The encoder attends only inside windows of ``window_tokens`` (8 s) aligned at the stream start, its
-conv front end works on 1 s conv chunks inside them, and qasr's encoder gives a window the same bits
-alone or packed with others. So the output of a window whose frames are all final is kept, and each
-step encodes only the open window (plus, rarely, kept windows whose features a rise of the log-mel
-maximum changed: detected per window from its lowest raw value and the floor it was made under).
-
-Inside the open window the same holds one level down: a conv chunk convolves alone, so the conv
-output of a chunk whose frames are all final is kept too and handed back to the engine as the
-window's conv head; a step then convolves only the chunks that changed (about two a step, where it
-convolved the whole open window, up to nine), and only the transformer layers run over the window.
+"""Encoder output of a growing stream, by 8 s attention window: the rows of windows whose frames are final
+are kept, and in the open one the conv output of whole final 1 s chunks (passed back as its conv head).
 """
 
 from __future__ import annotations
@@ -25,39 +15,39 @@ from qasr.streaming.logmel import StreamingLogMel
 
 @dataclass(frozen=True)
 class KeptWindow:
-    rows: torch.Tensor  # (window_tokens, hidden) encoder output
-    floor: float  # the clamp floor its features were made under
+    rows: torch.Tensor  # (window_tokens, hidden)
+    floor: float  # the clamp floor of its features
 
 
 @dataclass(frozen=True)
 class KeptChunk:
-    conv: torch.Tensor  # (tokens_per_conv_chunk, d_model) conv front end output of one whole final chunk
-    floor: float  # the clamp floor its features were made under
+    conv: torch.Tensor  # (tokens_per_conv_chunk, d_model)
+    floor: float
 
 
 @dataclass(frozen=True)
 class WindowEncoding:
-    rows: torch.Tensor  # the encoder output of all the stream's frames
-    computed: int  # encoder rows computed this step
-    recomputed: int  # kept windows recomputed because the clamp floor moved under them
-    conv_chunks: int  # conv chunks convolved this step
+    rows: torch.Tensor  # of all the stream's frames
+    computed: int  # rows, windows redone and conv chunks convolved this step
+    recomputed: int
+    conv_chunks: int
 
 
 class WindowEncoder:
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine  # encodes on its own thread, packed with other sessions' windows and files' audio
+        self.engine = engine
         enc = engine.checkpoint.config.encoder
         self.chunk_frames = enc.conv_chunk_frames
         self.window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         self.kept: list[KeptWindow] = []
         self.used: tuple[KeptWindow, ...] = ()
-        # the conv output of the whole final chunks at the start of window ``_chunks_window`` (the open one)
+        # the conv output of the whole final chunks that open window ``_chunks_window``
         self._chunks: list[KeptChunk] = []
         self._chunks_window = 0
 
     def encode(self, mel: StreamingLogMel) -> WindowEncoding:
         """Encoder output for all the stream's frames. ``self.used`` then lists the kept windows the rows
-        begin with (the same objects while unchanged: the decoder's KV reuse compares them)."""
+        begin with (the same objects while unchanged: KV reuse compares them)."""
         wf = self.window_frames
         closed = mel.final // wf  # windows whose frames are all final
         floor = float(mel.floor)
@@ -84,13 +74,12 @@ class WindowEncoder:
         return WindowEncoding(torch.cat(parts), computed, recomputed, convolved)
 
     def _run(self, mel: StreamingLogMel, window: int) -> EncodeResult:
-        """Encode window ``window`` as far as the stream goes, reusing the kept conv output of its first
-        chunks when they are the open window's (their features unchanged), and keeping the conv output
-        of its whole final chunks for the next step."""
+        """Encode window ``window`` as far as the stream goes, reusing and then keeping the conv output of
+        its whole final chunks."""
         cf, start = self.chunk_frames, window * self.window_frames
         end = min(mel.frames, start + self.window_frames)
         if window != self._chunks_window:
-            if window < self._chunks_window:  # a closed window redone: its chunks are not the ones held
+            if window < self._chunks_window:  # a closed window redone: not the chunks held
                 return self.engine.submit_encode(mel.features(start, end)).result()
             self._chunks, self._chunks_window = [], window
         held = 0
@@ -103,6 +92,6 @@ class WindowEncoder:
         result = self.engine.submit_encode(mel.features(start + held * cf, end), conv_head=head).result()
         floor = float(mel.floor)
         whole_final = (min(mel.final, end) - start) // cf
-        for j in range(held, whole_final):  # a copy: the row is a view of the packed call's output, all sessions'
+        for j in range(held, whole_final):  # a copy: a view would hold the packed call's whole output
             self._chunks.append(KeptChunk(result.conv[j - held].clone(), floor))
         return result
