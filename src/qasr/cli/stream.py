@@ -106,7 +106,7 @@ def stream_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _first_interrupt(stop: threading.Event, capture: Capture | None):  # noqa: ANN202 - a signal handler
+def _first_interrupt(stop: threading.Event, capture: Capture | None):  # noqa: ANN202
     """The first Ctrl-C ends the input (the transcript of what was sent still comes); the next raises."""
 
     def handler(sig: int, frame: FrameType | None) -> None:

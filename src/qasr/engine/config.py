@@ -24,15 +24,10 @@ class EngineConfig:
     native_kernels: bool = True  # qasr's C++ CPU kernels, each self-tested (else torch ops)
     backend: str = "auto"  # engine/device.py; auto: the model's device type
     cuda_graphs: bool = True  # CUDA: replay pure decode steps as graphs per batch bucket
-    # None: the checkpoint's dtype; "int8" / "int4": quantized weights and int8 activations (CPU backend only;
-    # docs/quantization.md)
-    quantize: str | None = None
-    # the share of engine time that steps carrying batch encoder or prefill work may take while live work runs
-    live_batch_share: float = 0.25
-    # check a request's guessed tokens (Continuation.draft) where the kernels make that exact; False: ignore them
-    drafts: bool = True
-    # "int8": int8 keys and values with a float32 scale per token and head, about half the bytes (CPU backend only)
-    kv_cache_dtype: str = "auto"
+    quantize: str | None = None  # None: the checkpoint's dtype; "int8" / "int4": CPU only (docs/quantization.md)
+    live_batch_share: float = 0.25  # of engine time, for steps with batch encode/prefill while live work runs
+    drafts: bool = True  # check guessed tokens (Continuation.draft) where that is exact
+    kv_cache_dtype: str = "auto"  # "int8": about half the bytes (CPU only)
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress."""
@@ -66,7 +61,7 @@ class EngineConfig:
 class EngineStats:
     waiting: int  # submitted (or preempted), not yet admitted
     running: int
-    kv_tokens_used: int  # blocks in use (running requests and kept leases) x block size
+    kv_tokens_used: int  # blocks in use (leases included) x block size
     kv_tokens_total: int
     kv_blocks_used: int
     kv_blocks_total: int

@@ -1,9 +1,6 @@
-"""The engine: owns the model and the KV pool and batches every submitted request on one background thread.
-
-Each step admits waiting requests, encodes a few audio windows in one packed call and runs one decoder
-forward mixing decode rows with chunked prefill. No request harms another: a malformed one is refused at
-submit, a failing step is rerun one request at a time, the youngest request is preempted (and recomputed
-to the same tokens) when KV blocks run out, and a loop failure fails every pending future.
+"""The engine: owns the model and the KV pool and batches every request on one thread, each step one packed
+encoder call and one decoder forward of decode rows and prefill chunks. No request harms another
+(docs/engine.md).
 """
 
 from __future__ import annotations
@@ -83,9 +80,9 @@ class Engine:
             self.runner = Runner(prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
         self.audio_token_id = checkpoint.config.audio_token_id
-        # a kv_prefix length must be a multiple of this, so the chunks after it give a fresh prefill's bits
+        # kv_prefix lengths are multiples of this, so later chunks give a fresh prefill's bits
         self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
-        # drafts are checked only where a decode row's bits do not depend on the rows beside it
+        # drafts only where a decode row's bits do not depend on the rows beside it
         self.verifies_drafts = config.drafts and prepared.row_invariant_decode
         self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
                              checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
@@ -97,7 +94,7 @@ class Engine:
         self._broken: BaseException | None = None
         self.steps = 0
         self._last_step_ran = True
-        self._batch_heavy_at = 0.0  # from this perf_counter time a step may carry batch encode/prefill work
+        self._batch_heavy_at = 0.0  # perf_counter time from which a step may carry batch encode/prefill
         self.encoder_calls = 0
         self.generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens)
@@ -144,8 +141,8 @@ class Engine:
 
     def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,
                          features: torch.Tensor | None = None) -> Future:
-        """Queue a forced-alignment request (aligner checkpoints only): it ends with its prefill and its future
-        resolves to the head's argmax at each of ``positions``, in ascending order. Raises like ``submit``."""
+        """Queue a forced-alignment request (aligner checkpoints): the future resolves to the head's argmax at
+        each of ``positions``, ascending. Raises like ``submit``."""
         if not self.checkpoint.config.is_aligner:
             raise ValueError("alignment requests need a forced-aligner checkpoint (a timestamp classifier head)")
         waveform, features, audio_tokens = check_request(prompt, waveform, features, 0, self.limits,
@@ -157,8 +154,7 @@ class Engine:
 
     def submit_encode(self, features: torch.Tensor, conv_head: torch.Tensor | None = None) -> Future:
         """Queue an encoder-only request for (mel, frames) features; the future resolves to an EncodeResult.
-        ``conv_head``: the conv output of whole chunks before ``features`` (an earlier EncodeResult.conv),
-        not convolved again; the request must then fit one attention window. Raises like ``submit``."""
+        ``conv_head``: an earlier EncodeResult.conv of the chunks before them (all in one window)."""
         features, rows = check_encoder_features(features, self.limits)
         if conv_head is not None:
             rows = check_conv_head(conv_head, features.shape[-1], self.checkpoint.config.encoder,
@@ -185,8 +181,7 @@ class Engine:
         return await asyncio.wrap_future(self.submit(spec))
 
     def stream(self, spec: RequestSpec) -> Iterator[int]:
-        """Each generated token id as it is sampled; raises the request's error after the last. Closing the
-        iterator cancels the request."""
+        """Each token id as it is sampled, then the request's error if any; closing it cancels the request."""
         tokens: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         return _drain(tokens, self.submit(spec, on_token=tokens.put))
 
@@ -259,7 +254,7 @@ class Engine:
                 if not self.scheduler.idle and not self._abort:
                     self.step()
                     self._wait_for_batch_turn()
-        except BaseException as exc:  # noqa: BLE001 - the loop must never die silently
+        except BaseException as exc:  # noqa: BLE001
             log.exception("qasr engine loop failed; the engine is now broken")
             self._broken = exc
         finally:
@@ -367,8 +362,7 @@ class Engine:
         return sampled
 
     def _rerun_alone(self, plan: StepPlan, exc: Exception, encoded: bool) -> list[tuple[Request, int]]:
-        """Rerun each request's share of a failed step alone (row-invariant kernels: the survivors' results
-        are the batch's); the culprit fails with its own error."""
+        """Rerun each request's share of a failed step alone; the culprit fails with its own error."""
         reqs = plan.requests
         log.warning("qasr: a step of %d requests failed (%r); rerunning them one by one", len(reqs), exc)
         sampled = []
@@ -379,7 +373,7 @@ class Engine:
                 if own.encode and not encoded:
                     self._encode(own.encode)
                 sampled += self._forward(own)
-            except Exception as err:  # noqa: BLE001 - the culprit
+            except Exception as err:  # noqa: BLE001
                 log.error("qasr: request %d failed: %r", req.id, err)
                 self.scheduler.finish(req)
                 req.resolve(error=err)
@@ -418,7 +412,7 @@ class Engine:
             if reason is not None:
                 ended.add(id(req))
                 lease = None
-                if req.spec.continuation.keep_kv:  # held until a request takes them over or they are released
+                if req.spec.continuation.keep_kv:
                     self.scheduler.retire(req)
                     lease = self.scheduler.blocks.keep(req)
                 else:
@@ -457,7 +451,7 @@ class Engine:
         try:
             req.on_token(token)  # type: ignore[misc]
             return True
-        except Exception as exc:  # noqa: BLE001 - e.g. the consumer's event loop is closed
+        except Exception as exc:  # noqa: BLE001
             log.warning("qasr: token listener of request %d failed (%r); cancelling it", req.id, exc)
             req.on_token = None
             self.scheduler.finish(req)

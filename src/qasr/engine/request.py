@@ -1,4 +1,4 @@
-"""What a request asks of the engine (RequestSpec), what it gets back, and its progress inside (Request)."""
+"""A request: what it asks (RequestSpec), what it gets back, its progress inside the engine (Request)."""
 
 from __future__ import annotations
 
@@ -18,30 +18,29 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class KVLease:
-    """The KV blocks of a finished ``keep_kv`` request: positions [0, valid) of its prompt. A cache, not a
-    reservation: the engine may evict it before preempting a request, and a request continuing an evicted
-    lease prefills its whole prompt instead (the same bits). ``engine.release`` frees one not taken over."""
+    """The KV blocks of positions [0, valid) of a finished ``keep_kv`` request's prompt. A cache: the engine
+    may evict it (a request continuing it then prefills its whole prompt, the same bits)."""
 
-    blocks: list[int]  # the engine thread's: empty once taken over, released or evicted
+    blocks: list[int]  # the engine thread's
     valid: int
     prompt: tuple[int, ...]
-    taken: bool = False  # used once: handed to a request or released
+    taken: bool = False  # used once
 
 
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # EOS excluded
     finish_reason: str  # "eos" | "length"
-    ttft_s: float  # from submit
+    ttft_s: float
     latency_s: float
-    kv: KVLease | None = None  # with keep_kv
-    preempted: tuple[str, ...] = ()  # the phase ("prefill" / "decode") of each preemption
-    logprobs: tuple[float, ...] = ()  # of each of token_ids (float32 log-softmax)
+    kv: KVLease | None = None
+    preempted: tuple[str, ...] = ()  # "prefill" / "decode", once a preemption
+    logprobs: tuple[float, ...] = ()  # of each of token_ids
 
 
 @dataclass(frozen=True)
 class EncodeResult:
-    """An encoder-only request's rows, and the conv output of the chunks it computed (the conv head excluded)."""
+    """An encoder-only request's rows, and the conv output of the chunks it computed."""
 
     rows: torch.Tensor  # (rows, hidden)
     conv: torch.Tensor  # (chunks, tokens_per_conv_chunk, d_model)
@@ -49,20 +48,18 @@ class EncodeResult:
 
 @dataclass(frozen=True)
 class Continuation:
-    """How a request continues an earlier one (a live session's step continues the step before)."""
+    """How a request continues an earlier one, as a live session's step does the step before."""
 
-    keep_kv: bool = False  # on success keep the KV blocks: result.kv
-    # (lease, n): reuse its first n positions, n a multiple of Engine.prefix_grid; the caller vouches for the
-    # audio rows before n
+    keep_kv: bool = False  # result.kv: the blocks, kept
+    # (lease, n): reuse its first n positions (a multiple of Engine.prefix_grid; the audio rows the same)
     kv_prefix: tuple[KVLease, int] | None = None
-    draft: Sequence[int] = ()  # ids the output likely begins with: checked in extra decode rows, never a change
+    draft: Sequence[int] = ()  # ids the output likely begins with: never changes it
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One generation request for ``Engine.submit``. The audio is one of ``waveform`` (1-D float, 16 kHz),
-    ``features`` (mel, frames) or ``audio_embeds`` (encoder rows on the model's device); ``prompt`` has one
-    placeholder per encoder row. ``interactive`` and ``group`` change the place in line, never the tokens."""
+    """One generation request. The audio is one of ``waveform`` (1-D, 16 kHz), ``features`` (mel, frames) or
+    ``audio_embeds`` (encoder rows); ``interactive`` and ``group`` change the place in line, not the tokens."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -70,22 +67,22 @@ class RequestSpec:
     features: torch.Tensor | None = None
     audio_embeds: torch.Tensor | None = None
     ignore_eos: bool = False
-    interactive: bool = False  # someone waits for it now: it goes before batch work
-    group: Hashable | None = None  # whose work it is: the group with the fewest running requests goes first
+    interactive: bool = False  # someone waits for it: before batch work
+    group: Hashable | None = None  # whose work: the group with the fewest running goes first
     continuation: Continuation = Continuation()
 
 
 @dataclass(eq=False)
 class Request:
-    """A request inside the engine: ``spec`` is what was asked, its audio moved to the fields below so each
-    form is let go of once used; the fields after ``submitted`` are progress, the engine thread's."""
+    """``spec`` is what was asked (its audio moved below, let go of once used); the fields after
+    ``submitted`` are progress, the engine thread's."""
 
     spec: RequestSpec
-    classify: np.ndarray | None = None  # alignment: the sorted prompt positions to classify
+    classify: np.ndarray | None = None  # alignment: sorted prompt positions
     encode_only: bool = False
     on_token: Callable[[int | None], None] | None = None
     audio_tokens: int = 0  # placeholders in the prompt
-    audio_before: np.ndarray | None = None  # [i]: placeholders in prompt[:i]
+    audio_before: np.ndarray | None = None  # [i]: in prompt[:i]
     kv_prefix: KVLease | None = None  # taken over at admission
     prefix_len: int = 0
     waveform: np.ndarray | None = None
@@ -95,7 +92,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.perf_counter)
     conv: torch.Tensor | None = None
-    audio: torch.Tensor | None = None  # encoder rows, kept for a recomputation
+    audio: torch.Tensor | None = None  # encoder rows
     encoded_tokens: int = 0
     blocks: list[int] = field(default_factory=list)  # KV blocks, in position order
     prefilled: int = 0
@@ -103,7 +100,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     classes: list[int] = field(default_factory=list)
     first_token_at: float | None = None
-    replay: list[int] = field(default_factory=list)  # what a recomputation must reproduce, not deliver again
+    replay: list[int] = field(default_factory=list)  # what a recomputation must reproduce
     delivered: int = 0  # tokens handed to on_token
     preempted: list[str] = field(default_factory=list)
 
@@ -155,8 +152,8 @@ class Request:
 
     def resolve(self, result: GenerationResult | list[int] | torch.Tensor | None = None,
                 error: BaseException | None = None) -> None:
-        """Settle the future (unless cancelled), end the token stream and let go of the audio. Never raises:
-        what user code (done-callbacks, the listener) raises is logged."""
+        """Settle the future, end the token stream, let go of the audio. Never raises (user code's errors
+        are logged)."""
         try:
             if error is not None:
                 self.future.set_exception(error)
@@ -164,12 +161,12 @@ class Request:
                 self.future.set_result(result)
         except InvalidStateError:  # cancelled or already settled
             pass
-        except BaseException as exc:  # noqa: BLE001 - a done-callback's failure is its owner's
+        except BaseException as exc:  # noqa: BLE001
             log.warning("qasr: a done-callback of request %d raised %r", self.id, exc)
         listener, self.on_token = self.on_token, None
         if listener is not None:
             try:
                 listener(None)
-            except BaseException as exc:  # noqa: BLE001 - e.g. the consumer's event loop is closed
+            except BaseException as exc:  # noqa: BLE001
                 log.warning("qasr: the token listener of request %d raised %r at its end", self.id, exc)
         self.waveform = self.features = self.audio = self.conv_head = self.conv = None

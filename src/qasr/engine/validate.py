@@ -157,8 +157,8 @@ def check_encoder_features(features: torch.Tensor, limits: Limits) -> tuple[torc
 
 
 def check_conv_head(conv_head: torch.Tensor, frames: int, enc: EncoderConfig, device: torch.device) -> int:
-    """The rows of an encoder-only request with a conv head (chunks, tokens_per_conv_chunk, d_model), finite,
-    on the model's device, before ``frames`` more frames: all in one attention window."""
+    """The rows of an encoder-only request with a conv head (chunks, tokens_per_conv_chunk, d_model) before
+    ``frames`` more frames, all in one attention window."""
     want = (enc.tokens_per_conv_chunk, enc.d_model)
     if (not isinstance(conv_head, torch.Tensor) or conv_head.dim() != 3 or tuple(conv_head.shape[1:]) != want
             or conv_head.shape[0] < 1 or not conv_head.is_floating_point()):

@@ -1,5 +1,5 @@
-"""Live-session settings, declared, documented and checked here once: ``ASR.stream`` takes a StreamConfig,
-``ASR.live`` a LiveConfig, and the server's /v1/stream start message sets the fields marked ``start``."""
+"""Live-session settings, declared, documented and checked here once (``ASR.stream``, ``ASR.live``, the
+server's /v1/stream start message)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class LiveConfig:
-    """A stream of any length cut into turns, each one StreamConfig turn (streaming/live.py says how).
-    The VAD defaults follow OpenAI's server VAD."""
+    """A stream of any length cut into turns of ``stream``; the VAD defaults are OpenAI's server VAD's."""
 
     stream: StreamConfig = field(default_factory=StreamConfig)
     turn_detection: bool = _setting(True, "cut turns by VAD; else only commit() and max_turn_s end one", bool)

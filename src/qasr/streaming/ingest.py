@@ -1,6 +1,5 @@
-"""Wire PCM -> float32 mono at 16 kHz: little-endian int16 or float32 bytes at any rate soxr takes, in frames
-of any size (a split sample waits for the next frame); one soxr stream per session, so the output does not
-depend on how the bytes were split."""
+"""Wire PCM (little-endian int16 or float32, any rate, frames of any size) -> float32 at 16 kHz, the same
+however the bytes were split."""
 
 from __future__ import annotations
 

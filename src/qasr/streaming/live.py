@@ -1,13 +1,6 @@
-"""A live session that runs for hours: speech detection cuts the stream into turns, each one ``Session``
-on that turn's audio alone, so memory and a step's cost stay bounded.
-
-Audio goes in frames of 512 samples (the VAD's). With turn detection, silence goes only to a short pre-roll
-(``prefix_padding_ms``); a frame scoring ``>= vad_threshold`` starts a turn with the pre-roll; frames below
-``vad_threshold - 0.15`` count as silence and the turn ends after ``silence_ms`` of it, at the first
-silent frame past ``soft_turn_s``, or at ``max_turn_s``. With ``end_on_chunk`` a turn a pause ends first
-takes silent frames up to its next chunk boundary, so its last step is a chunk step rather than a tail
-right after one (``SpeechStopped`` still comes at the pause). Without turn detection a turn ends on
-``commit()`` or at ``max_turn_s``. The turns share one sample buffer, allocated once.
+"""A live session that runs for hours: speech detection cuts the stream into turns, each one ``Session`` on
+that turn's audio alone, so memory and a step's cost stay bounded. The rules (pre-roll, thresholds, pauses,
+``end_on_chunk``) are in docs/streaming.md, "Live sessions".
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ VAD_HYSTERESIS = 0.15  # the exit threshold lies this far below the start thresh
 @dataclass(frozen=True)
 class SpeechStarted:
     turn: int
-    at: float  # seconds from the stream's start, pre-roll included
+    at: float  # seconds, pre-roll included
 
 
 @dataclass(frozen=True)
@@ -70,7 +63,7 @@ LiveEvent = SpeechStarted | SpeechStopped | TurnUpdate | TurnFinal
 
 
 class LiveSession:
-    """Driven from one thread at a time; several sessions on their own threads share the engine."""
+    """Driven from one thread at a time."""
 
     def __init__(self, engine: Engine, checkpoint: Checkpoint, config: LiveConfig | None = None) -> None:
         self.engine = engine
@@ -84,7 +77,7 @@ class LiveSession:
         self._silence_limit = cfg.silence_ms * SAMPLE_RATE // 1000
         self._preroll: deque[np.ndarray] = deque(maxlen=math.ceil(cfg.prefix_padding_ms * SAMPLE_RATE / 1000 / FRAME))
         self._pending = np.zeros(0, dtype=np.float32)  # short of a frame
-        self.position = 0  # samples handled
+        self.position = 0
         self.turns = 0
         self._turn: Session | None = None
         self._turn_start = 0
@@ -218,8 +211,7 @@ class LiveSession:
         return -self._turn.audio.size % chunk
 
     def _pad(self, frame: np.ndarray, out: list[LiveEvent]) -> bool:
-        """Give a silent frame (also the next turn's pre-roll) to a turn silence ended, up to its chunk
-        boundary. False, doing nothing, when it would pass ``max_turn_s``."""
+        """Give a silent frame to a turn silence ended, up to its chunk boundary; False past ``max_turn_s``."""
         room = self._chunk_room()
         if (self._turn.audio.size + min(room, frame.size)) / SAMPLE_RATE > self.config.max_turn_s:
             return False

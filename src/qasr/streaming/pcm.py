@@ -21,9 +21,7 @@ def as_float_pcm(pcm: np.ndarray) -> np.ndarray:
 
 
 class SampleBuffer:
-    """All samples of a turn in one float32 array: appends cost the samples pushed, ``view`` copies
-    nothing. A LiveSession allocates it for its longest turn and reuses it (``reset``); past its capacity
-    it doubles."""
+    """A turn's samples in one float32 array, reused across turns (``reset``); it doubles when full."""
 
     def __init__(self, capacity: int = 16000 * 30) -> None:
         self._data = np.zeros(max(capacity, 1), dtype=np.float32)

@@ -25,8 +25,8 @@ UPDATE_QUEUE = 1024  # untaken updates held for updates()
 
 @dataclass(frozen=True)
 class Update:
-    """The transcript after a step: ``stable_text`` is committed (never changed once reported),
-    ``unstable_text`` the rest, which later steps may revise."""
+    """The transcript after a step: ``stable_text`` never changes once reported, later steps may revise
+    ``unstable_text``."""
 
     stable_text: str
     unstable_text: str
@@ -41,8 +41,7 @@ class Update:
 
 @dataclass
 class SessionStats:
-    """The work of each step (what was computed rather than kept), and the steps that contradicted the
-    committed text."""
+    """What each step computed rather than kept, and the steps that contradicted the committed text."""
 
     frames: list[int] = field(default_factory=list)
     encoder_tokens: list[int] = field(default_factory=list)
@@ -69,7 +68,7 @@ class Session:
         self.stats = SessionStats()
         self.stable = ""
         self.finished = False
-        # the last step's decoder KV, and the kept encoder windows its prompt held
+        # the last step's KV, and the kept windows its prompt held
         self._lease: KVLease | None = None
         self._lease_windows: tuple[KeptWindow, ...] = ()
         self._window_tokens = checkpoint.config.encoder.window_tokens
@@ -78,7 +77,7 @@ class Session:
 
     @property
     def results(self) -> list[StepResult]:
-        """The steps' StepResults (all of them with ``record``, else the last)."""
+        """The StepResults (all with ``record``, else the last)."""
         return self.state.results
 
     def push(self, pcm: np.ndarray) -> list[Update]:
@@ -142,8 +141,8 @@ class Session:
         return self._publish(step.text, final, step.index)
 
     def _reusable(self, prompt: list[int]) -> int:
-        """Prompt positions whose KV the last step's blocks hold: the prompt head and the kept windows both
-        steps share, rounded down to the engine's ``prefix_grid``."""
+        """Prompt positions whose KV the last step's blocks hold (the head and the shared kept windows),
+        rounded down to the engine's ``prefix_grid``."""
         if self._lease is None:
             return 0
         shared = 0

@@ -44,8 +44,7 @@ class StreamText:
         return rollback(p.tokenizer, p.special, self.raw, self.config.unfixed_token_num, at_finish=at_finish)
 
     def guess(self, prefix: str) -> list[int]:
-        """The ids the step fed ``prefix`` likely generates first: those of the last output that the prefix
-        leaves out. A draft for the engine (Continuation.draft): it never changes the output."""
+        """The ids the last output has beyond ``prefix``: what the step likely generates first (a draft)."""
         if not self.raw:
             return []
         p = self.prompts

@@ -10,8 +10,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what a cut through a character decodes to
 
 
 def encode_raw(tokenizer: Tokenizer, special: SpecialTokens, text: str) -> list[int]:
-    """Tokenise decoded output as the official session does: ``<asr_text>`` (the one added token that
-    survives decoding) as its token, BPE between."""
+    """Tokenise decoded output as the official session does: ``<asr_text>`` as its token, BPE between."""
     ids: list[int] = []
     for i, part in enumerate(text.split(ASR_TEXT_TAG)):
         if i:
@@ -38,8 +37,8 @@ def rollback(tokenizer: Tokenizer, special: SpecialTokens, raw: str, drop: int, 
 
 
 class PromptBuilder:
-    """A step's prompt: the ASR prompt for ``n`` audio tokens, its answer begun by the prefix, which is
-    tokenised in one run with the answer's start (as the official session does)."""
+    """A step's prompt: the ASR prompt for ``n`` audio tokens, its answer begun by the prefix (tokenised
+    in one run with the answer's start, as the official session does)."""
 
     def __init__(self, tokenizer: Tokenizer, special: SpecialTokens, context: str, language: str | None) -> None:
         self.tokenizer = tokenizer

@@ -28,7 +28,7 @@ class KeptChunk:
 @dataclass(frozen=True)
 class WindowEncoding:
     rows: torch.Tensor  # of all the stream's frames
-    computed: int  # rows, windows redone and conv chunks convolved this step
+    computed: int  # this step's rows, windows redone, chunks convolved
     recomputed: int
     conv_chunks: int
 
@@ -46,8 +46,8 @@ class WindowEncoder:
         self._chunks_window = 0
 
     def encode(self, mel: StreamingLogMel) -> WindowEncoding:
-        """Encoder output for all the stream's frames. ``self.used`` then lists the kept windows the rows
-        begin with (the same objects while unchanged: KV reuse compares them)."""
+        """Encoder output for all the stream's frames; ``used``: the kept windows they begin with (the same
+        objects while unchanged)."""
         wf = self.window_frames
         closed = mel.final // wf  # windows whose frames are all final
         floor = float(mel.floor)
