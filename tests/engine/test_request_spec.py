@@ -26,9 +26,9 @@ def spec(**changes: object) -> RequestSpec:
 
 
 def test_a_good_spec_comes_back_normalized() -> None:
-    got = check(spec(prompt=np.array(PROMPT), max_new_tokens=np.int64(4),
+    got = check(spec(prompt=np.array(PROMPT), max_new_tokens=np.int64(4), ignore_eos=np.bool_(True),
                      continuation=Continuation(draft=[np.int64(5), 6])))
-    assert got.prompt == PROMPT and all(type(t) is int for t in got.prompt)
+    assert got.prompt == PROMPT and all(type(t) is int for t in got.prompt) and got.ignore_eos is True
     assert type(got.max_new_tokens) is int and got.continuation.draft == (5, 6)
     assert got.audio_embeds is ROWS
 

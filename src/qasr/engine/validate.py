@@ -29,12 +29,12 @@ def check_spec(spec: RequestSpec, limits: Limits, hidden: int, device: torch.dev
     if not isinstance(spec, RequestSpec):
         raise TypeError(f"submit takes a RequestSpec, got {type(spec).__name__}")
     for name in ("ignore_eos", "interactive"):
-        if not isinstance(getattr(spec, name), bool):
+        if not isinstance(getattr(spec, name), bool | np.bool_):
             raise ValueError(f"{name} must be a bool, got {getattr(spec, name)!r}")
     if not isinstance(spec.group, Hashable):
         raise ValueError(f"group must be hashable, got {type(spec.group).__name__}")
     cont = spec.continuation
-    if not isinstance(cont, Continuation) or not isinstance(cont.keep_kv, bool):
+    if not isinstance(cont, Continuation) or not isinstance(cont.keep_kv, bool | np.bool_):
         raise ValueError("continuation must be a Continuation (keep_kv a bool)")
     waveform, features, embeds = spec.waveform, spec.features, spec.audio_embeds
     if embeds is not None:
@@ -47,8 +47,10 @@ def check_spec(spec: RequestSpec, limits: Limits, hidden: int, device: torch.dev
     draft = check_draft(cont.draft, limits.vocab_size) if cont.draft else ()
     if cont.kv_prefix is not None:
         _check_prefix(cont.kv_prefix, prompt, prefix_grid)
+    cont = replace(cont, draft=draft, keep_kv=bool(cont.keep_kv))
     return replace(spec, prompt=prompt, max_new_tokens=int(spec.max_new_tokens), waveform=waveform,
-                   features=features, audio_embeds=embeds, continuation=replace(cont, draft=draft))
+                   features=features, audio_embeds=embeds, ignore_eos=bool(spec.ignore_eos),
+                   interactive=bool(spec.interactive), continuation=cont)
 
 
 def _check_prefix(kv_prefix: tuple[KVLease, int], prompt: list[int], grid: int) -> None:
