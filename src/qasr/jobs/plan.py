@@ -1,12 +1,5 @@
-"""Folder jobs: which files to transcribe, where each one's outputs go, and which are already done.
-
-Output paths mirror the inputs' paths relative to their common ancestor, so ``a/clip.wav`` and
-``b/clip.wav`` land in ``OUT/a/`` and ``OUT/b/``. Outputs are named by the input's stem (``clip.srt``
-beside ``clip.mp4``, as video players expect); two inputs in one folder with the same stem
-(``clip.wav``, ``clip.flac``) keep their extension (``clip.wav.srt``, ``clip.flac.srt``) so neither
-result overwrites the other. Every output is written atomically, so an input counts as done exactly
-when all of its requested outputs exist: a rerun skips it, and an interrupted one is redone whole.
-"""
+"""Folder jobs: the inputs, their output paths (mirroring the inputs' below their common folder), and
+which are done (all requested outputs exist: each is written atomically)."""
 
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-# Containers we look for inside folders (files named on the command line are taken whatever their name).
+# what is looked for inside folders (files named on the command line are taken whatever their name)
 MEDIA_EXTENSIONS = frozenset({
     ".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".m4b", ".aac", ".wma", ".aif", ".aiff",
     ".amr", ".ac3", ".caf", ".mka", ".wv", ".webm", ".mp4", ".m4v", ".mkv", ".mov", ".avi", ".flv",
@@ -27,7 +20,7 @@ FAILED_LIST = "failed.tsv"
 
 @dataclass(frozen=True)
 class Job:
-    source: str  # the input as the user named it (or as found inside a named folder)
+    source: str
     base: Path | None  # output path without the format suffix; None when printing to stdout
 
     def output(self, fmt: str) -> Path:
@@ -39,11 +32,8 @@ class Job:
 
 
 def find_inputs(args: list[str], recursive: bool = False) -> list[str]:
-    """Expand folders into the media files they hold (sorted; subfolders only with ``recursive``).
-
-    Files and anything that is not a folder (a missing path, a URL) are kept as given, so that they
-    fail with their own message instead of vanishing. Duplicates are dropped.
-    """
+    """Folders expanded into their media files (sorted); anything else kept as given, to fail with its own
+    message; duplicates dropped."""
     found: list[str] = []
     for arg in args:
         if os.path.isdir(arg):
@@ -66,7 +56,7 @@ def _media_in(folder: Path, recursive: bool) -> list[str]:
 
 
 def plan_jobs(sources: list[str], out_dir: Path | None) -> list[Job]:
-    """One Job per input with its output base path under ``out_dir`` (see the module docstring)."""
+    """One Job per input; two inputs of one folder with one stem keep their extension (``clip.wav.srt``)."""
     if out_dir is None:
         return [Job(s, None) for s in sources]
     absolute = [Path(os.path.abspath(s)) for s in sources]
@@ -81,19 +71,18 @@ def plan_jobs(sources: list[str], out_dir: Path | None) -> list[Job]:
 
 
 def probe_duration(path: str) -> float | None:
-    """The input's duration from its header (no decoding), or None when the container does not say or
-    cannot be opened: the duration the block decoder, and so the progress it reports, starts from."""
-    from qasr.audio.decode_blocks import BlockDecoder  # imported here: --help stays free of the decoders
+    """The input's duration from its header (no decoding), or None."""
+    from qasr.audio.decode_blocks import BlockDecoder  # --help stays free of the decoders
     from qasr.audio.io import AudioError
 
     try:
         return BlockDecoder(lambda: path, path, block_s=1.0).duration
-    except (AudioError, OSError):  # unreadable: the transcription reports why
+    except (AudioError, OSError):  # the transcription reports why
         return None
 
 
 def update_failed_list(out_dir: Path | None, failures: list[tuple[str, str]]) -> None:
-    """Write ``OUT/failed.tsv`` for this run's failures, or remove a stale one when there are none."""
+    """``OUT/failed.tsv`` of this run's failures, or none."""
     from qasr.outputs.writers import write_atomic
 
     if out_dir is None:
@@ -102,12 +91,11 @@ def update_failed_list(out_dir: Path | None, failures: list[tuple[str, str]]) ->
     if failures:
         write_atomic(path, failed_list_text(failures))
     else:
-        path.unlink(missing_ok=True)  # a list from an earlier run would name inputs that are now done
+        path.unlink(missing_ok=True)
 
 
 def report_failures(out_dir: Path | None, failures: list[tuple[str, str]], count: int) -> None:
-    """The end of a run: ``OUT/failed.tsv`` written (or a stale one removed), and one line on stderr saying
-    how many of the ``count`` inputs failed and where they are listed."""
+    """The end of a run: ``OUT/failed.tsv``, and one line on stderr saying how many failed."""
     update_failed_list(out_dir, failures)
     if failures:
         where = f" (listed in {out_dir / FAILED_LIST})" if out_dir is not None else ""
@@ -115,7 +103,7 @@ def report_failures(out_dir: Path | None, failures: list[tuple[str, str]], count
 
 
 def failed_list_text(failures: list[tuple[str, str]]) -> str:
-    """``OUT/failed.tsv``: one line per failed input with its reason (tabs and newlines made spaces)."""
+    """One line per failed input with its reason."""
     lines = ["input\terror"]
     for source, error in failures:
         lines.append(f"{_cell(source)}\t{_cell(error)}")
