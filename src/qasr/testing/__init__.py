@@ -1,4 +1,4 @@
-"""Test and benchmark helpers: tiny checkpoints in both release layouts, synthetic speech."""
+"""Test and benchmark helpers: tiny checkpoints, synthetic speech."""
 
 from qasr.testing.checkpoint import (
     QWEN3_ASR_0_6B_DIMS,

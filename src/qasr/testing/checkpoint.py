@@ -1,10 +1,5 @@
-"""Tiny random checkpoints in the exact file layouts of the released models.
-
-Tests and benchmarks cannot download weights, so they build checkpoints here: config.json,
-generation_config.json, preprocessor_config.json, a real byte-level BPE tokenizer with the special
-tokens, and random safetensors weights, in the release layout ("original", keys under ``thinker.``)
-or the transformers "-hf" layout. The same seed gives the same weights in both layouts.
-"""
+"""Tiny random checkpoints in the released models' file layouts ("original" or "-hf"; one seed, the same
+weights in both), with a real byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -15,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qasr.align.units import ALIGNER_LANGUAGES
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.config import ModelConfig
 from qasr.testing.tokenizer_files import write_tiny_tokenizer
@@ -25,7 +21,7 @@ TINY_DIMS: dict[str, int] = dict(
     head_dim=16,
 )
 
-# The real Qwen3-ASR-0.6B dimensions (model spec sections 2 and 3), for speed measurements.
+# the real Qwen3-ASR-0.6B dimensions
 QWEN3_ASR_0_6B_DIMS: dict[str, int] = dict(
     d_model=896, encoder_layers=18, encoder_attention_heads=14, encoder_ffn_dim=3584, downsample_hidden_size=480,
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -40,12 +36,6 @@ _HF_RENAMES = (
     ("lm_head.", "lm_head."),
 )
 
-
-# The forced aligner's languages (model spec section 7).
-ALIGNER_LANGUAGES: tuple[str, ...] = (
-    "Chinese", "English", "Cantonese", "French", "German", "Italian", "Japanese", "Korean", "Portuguese",
-    "Russian", "Spanish",
-)
 
 
 def _configs(dims: dict[str, int], specials: dict[str, int], vocab_size: int,
@@ -92,7 +82,7 @@ def _configs(dims: dict[str, int], specials: dict[str, int], vocab_size: int,
 
 
 def _make_aligner(original: dict, hf: dict, timestamp_id: int, classify_num: int) -> None:
-    """Turn both ASR configs into forced-aligner configs, as the two aligner releases write them."""
+    """Both ASR configs made forced-aligner configs, as the two aligner releases write them."""
     original["support_languages"] = list(ALIGNER_LANGUAGES)
     original["timestamp_token_id"] = timestamp_id
     original["timestamp_segment_time"] = 80
@@ -102,11 +92,7 @@ def _make_aligner(original: dict, hf: dict, timestamp_id: int, classify_num: int
 
 
 def random_state_dict(cfg: ModelConfig, seed: int, std: float = 0.2, tied: bool = False) -> dict[str, torch.Tensor]:
-    """Seeded random weights keyed by module name (norm weights near one).
-
-    An untied LM head makes random models emit varied tokens (a tied head mostly repeats the last
-    token), which makes greedy-parity tests meaningful.
-    """
+    """Seeded random weights by module name, norm weights near one (untied: a tied head mostly repeats)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = Qwen3ASRModel(cfg)
@@ -125,9 +111,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed
                          max_new_tokens: int = 64, extra_text: str = "", vocab_budget: int = 400,
                          shards: int = 1, dtype: torch.dtype = torch.float32, tied: bool = False,
                          std: float = 0.2, classify_num: int | None = None, **dims: int) -> Path:
-    """Write a loadable random checkpoint; ``dims`` override TINY_DIMS (see QWEN3_ASR_0_6B_DIMS).
-    ``classify_num`` makes it a forced aligner with that many timestamp classes (see
-    make_tiny_aligner_checkpoint)."""
+    """A loadable random checkpoint; ``dims`` override TINY_DIMS; ``classify_num`` makes it an aligner."""
     if layout not in ("original", "hf"):
         raise ValueError(f"layout must be 'original' or 'hf', got {layout!r}")
     out = Path(path)
@@ -154,9 +138,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, layout: str = "original", seed
 
 def make_tiny_aligner_checkpoint(path: str | os.PathLike, layout: str = "original", seed: int = 0,
                                  classify_num: int = 5000, **kwargs: object) -> Path:
-    """A random Qwen3-ForcedAligner checkpoint: the ASR network with a Linear(hidden -> classify_num)
-    timestamp classifier as its head (``thinker.lm_head`` / ``score``). transformers'
-    Qwen3ASRForTokenClassification loads the "hf" layout."""
+    """A random forced aligner: a timestamp classifier of ``classify_num`` classes as the head."""
     return make_tiny_checkpoint(path, layout=layout, seed=seed, classify_num=classify_num,
                                 **kwargs)  # type: ignore[arg-type]
 

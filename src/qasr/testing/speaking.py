@@ -1,11 +1,5 @@
-"""Random checkpoints that "speak": greedy decoding never picks EOS and its text is chosen in advance.
-
-Benchmarks force equal work on both sides by running every request to its cap; a plain random head
-mostly picks ids that decode to nothing, so a streamed request would send no deltas and a live session
-no growing prefix, and both would cost less than real speech does. Zeroing the LM head rows of all but
-some tokens (their logit is then 0, and the largest of the kept rows' random logits wins) fixes what the
-text is made of.
-"""
+"""Random checkpoints that "speak": the LM head's rows of all but some tokens zeroed, so greedy decoding never
+picks EOS and makes text of those tokens (a plain random head's ids mostly decode to nothing)."""
 
 from __future__ import annotations
 
@@ -29,19 +23,10 @@ def word_ids(model_dir: Path) -> list[int]:
 
 
 def speaking_checkpoint(path: Path, dims: dict[str, int], transcript: str = "words") -> Path:
-    """Build (once: an existing one at ``path`` is returned as it is) a seeded random "-hf" checkpoint in
-    bf16 (std 0.02) at ``dims`` whose greedy text is
-
-    * ``words``: whole-word tokens only (see word_ids): the text grows by one word per generated token and
-      feeds back as the next prefix, like a transcript;
-    * ``empty``: ids beyond the small test tokenizer, which decode to nothing (a stream whose transcript
-      never grows, e.g. silence); ``dims`` must then hold a ``vocab_size`` larger than the tokenizer;
-    * ``steady``: the ``words`` head with every token embedding 50x larger, so that each next word follows
-      from the token before it rather than from the audio: the text is a fixed chain of words, and a live
-      step makes again the tokens its prefix rolled back, as a trained model mostly does (the bundled demo
-      model did for 193 of 193 guessed tokens over a minute of live speech), where ``words`` picks by random
-      logits that flip with any change of the audio (about 1 guess in 5 came true). The work per step is
-      the same; it decides how much checking those guesses (``Continuation.draft``) saves."""
+    """A seeded random "-hf" bf16 checkpoint at ``dims`` (built once) whose greedy text is ``words`` (whole-word
+    tokens, one a step), ``empty`` (ids that decode to nothing; needs a larger ``vocab_size``) or ``steady``
+    (``words``, each next word following from the one before rather than the audio, as a trained model's
+    mostly do: see docs/log's testing-steady-speaking-checkpoint entry)."""
     path = Path(path)
     if (path / "model.safetensors").exists():
         return path
@@ -57,14 +42,13 @@ def speaking_checkpoint(path: Path, dims: dict[str, int], transcript: str = "wor
         kept = word_ids(tmp)
     elif transcript == "steady":
         kept = word_ids(tmp)
-        # token embeddings 2000x larger (std 40, against the ~3 that 28 layers of std 0.02 weights add): the residual
-        # stream, and so each next word, then follows from the token before it, not from the audio
+        # embeddings that outweigh what the layers add: each next word follows from the token before it
         embed = next(k for k in state if k.endswith("embed_tokens.weight"))
         state[embed] *= 2000
     else:
         specials = json.loads((tmp / "tokenizer_config.json").read_text())["added_tokens_decoder"]
         kept = list(range(max(map(int, specials)) + 1, head.shape[0]))
-        if not kept:  # every row zero would make id 0 win every step
+        if not kept:
             shutil.rmtree(tmp)
             raise ValueError(f"transcript 'empty' needs ids beyond the tokenizer's {head.shape[0]}: give dims a "
                              "larger vocab_size")

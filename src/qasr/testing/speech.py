@@ -1,9 +1,4 @@
-"""Synthetic speech for tests and benchmarks, via the espeak-ng and ffmpeg command-line tools.
-
-Real recordings cannot be shipped with the repository, but tests still need genuine speech in genuine
-container formats. espeak-ng is deterministic and tiny; ffmpeg produces every format we decode. Both are
-invoked as subprocesses so this module adds no Python dependencies.
-"""
+"""Synthetic speech in real container formats, by the espeak-ng and ffmpeg command-line tools."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# Encoder arguments by output extension. ".ogg" is Vorbis and ".opus" is Opus (also in an Ogg container).
+# encoder arguments by output extension
 _CODEC_ARGS: dict[str, list[str]] = {
     ".wav": ["-c:a", "pcm_s16le"],
     ".flac": ["-c:a", "flac"],
@@ -27,10 +22,7 @@ _CODEC_ARGS: dict[str, list[str]] = {
 def speak(
     text: str, path: str | os.PathLike, voice: str = "en-us", speed: int = 160, pitch: int = 50
 ) -> Path:
-    """Synthesise ``text`` with espeak-ng into a WAV file at ``path`` and return the path.
-
-    The text is fed on stdin so that text starting with ``-`` is never parsed as an option.
-    """
+    """``text`` spoken by espeak-ng into a WAV file at ``path`` (on stdin: never read as an option)."""
     exe = _require("espeak-ng")
     out = Path(path)
     cmd = [exe, "-v", voice, "-s", str(speed), "-p", str(pitch), "-w", str(out), "--stdin"]
@@ -39,11 +31,7 @@ def speak(
 
 
 def convert(src_wav: str | os.PathLike, dst_path: str | os.PathLike, codec: str | None = None) -> Path:
-    """Transcode ``src_wav`` to ``dst_path`` with ffmpeg, choosing the encoder from the extension.
-
-    Supported extensions: wav, flac, mp3, ogg (Vorbis), opus, m4a (AAC), webm (Opus). ``codec``
-    overrides the encoder, e.g. ``convert(wav, "x.ogg", codec="libopus")`` for Opus in a .ogg file.
-    """
+    """``src_wav`` transcoded by ffmpeg, the encoder by the extension unless ``codec`` names one."""
     exe = _require("ffmpeg")
     dst = Path(dst_path)
     suffix = dst.suffix.lower()

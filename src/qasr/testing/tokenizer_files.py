@@ -1,12 +1,5 @@
-"""Write a tiny but genuine Qwen2-style byte-level BPE tokenizer for tests.
-
-Tests need a tokenizer that behaves like the real one (byte-level symbols, learned merges,
-added control tokens, release file layout without ``tokenizer.json``) yet is small enough to
-build in milliseconds and to pair with tiny random checkpoints.  The merges are learned by a
-small, fully deterministic BPE learner below (ties broken lexicographically) so the files are
-byte-identical on every run; the ``tokenizers`` trainer is avoided because its tie-breaking is
-not documented as stable.
-"""
+"""A tiny but genuine Qwen2-style byte-level BPE tokenizer in the release files, learned deterministically
+(ties broken lexicographically) so the files are the same bytes on every run."""
 
 from __future__ import annotations
 
@@ -92,7 +85,6 @@ def _learn_merges(text: str, budget: int) -> tuple[dict[str, int], list[tuple[st
 
 
 def _apply_merge(word: tuple[str, ...], pair: tuple[str, str], joined: str) -> tuple[str, ...]:
-    """Replace every left-to-right occurrence of ``pair`` in ``word`` by ``joined``."""
     if len(word) < 2:
         return word
     out: list[str] = []

@@ -1,9 +1,5 @@
-"""Random runs of the demo grammar's words, spoken by voices and at speeds the demo model never trained on.
-
-Why a shared module: the end-to-end test and scripts/eval_word_runs.py must draw exactly the same kinds of
-runs (a number-word run or a letter/digit code, in random order, so there is no sentence to lean on),
-and the held-out voices and speeds must match the demo data script's held-out split.
-"""
+"""Random runs of the demo grammar's words (no sentence to lean on), spoken by voices and at speeds the demo
+model never trained on: the same for the end-to-end test and scripts/eval_word_runs.py."""
 
 from __future__ import annotations
 
@@ -12,8 +8,7 @@ from pathlib import Path
 
 from qasr.testing.speech import speak
 
-# Voices held out of make_demo_data.py's training data (the variants f5 and m7 are never trained; their accents
-# are), at speeds outside its 130-190 wpm.
+# voices held out of make_demo_data.py's training data, at speeds outside its range
 UNSEEN_VOICES = (("en-us-nyc+f5", 122), ("en-gb-x-gbcwmd+m7", 198), ("en-us-nyc+m7", 200),
                  ("en-gb-x-gbcwmd+f5", 125))
 NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
@@ -34,12 +29,12 @@ def word_runs(seed: int) -> list[str]:
 
 
 def speak_word_runs(runs: list[str], folder: Path) -> list[Path]:
-    """WAV files of ``runs`` under ``folder``, the voices and speeds of UNSEEN_VOICES taken in turn."""
+    """WAV files of ``runs``, UNSEEN_VOICES taken in turn."""
     return [speak(text, folder / f"run{i}.wav", voice=voice, speed=wpm, pitch=PITCH)
             for i, text in enumerate(runs) for voice, wpm in [UNSEEN_VOICES[i % len(UNSEEN_VOICES)]]]
 
 
 def speak_runs_by(runs: list[str], voice: str, wpm: int, folder: Path) -> list[Path]:
-    """WAV files of ``runs`` under ``folder``, all by one espeak-ng voice at one speed (a voice a user picks)."""
+    """WAV files of ``runs``, all by one espeak-ng voice at one speed."""
     return [speak(text, folder / f"{voice}_{wpm}_run{i}.wav", voice=voice, speed=wpm, pitch=PITCH)
             for i, text in enumerate(runs)]
