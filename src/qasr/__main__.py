@@ -1,4 +1,4 @@
-"""``python -m qasr ...``: the ``qasr`` command, for environments where its script is not on PATH."""
+"""``python -m qasr``: the ``qasr`` command."""
 
 from qasr.cli.main import main
 
