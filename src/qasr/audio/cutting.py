@@ -72,10 +72,8 @@ def iter_segments(
     vad: VadConfig | None = None,
     block_s: float = DEFAULT_BLOCK_S,
 ) -> SegmentCutter:
-    """Segments of ``source`` (as for ``load_audio``), decoded as consumed; modes as in ``audio.segments``.
-
-    ``block_s``: seconds decoded per step (memory and latency, never the result). Errors visible without
-    decoding raise AudioError here, later ones from iteration."""
+    """Segments of ``source`` (as for ``load_audio``), decoded as consumed; ``block_s`` changes memory and
+    latency, never the result."""
     segmenter = Segmenter(mode, max_segment_s, vad or VadConfig())
     if block_s <= 0:
         raise ValueError(f"block_s must be positive, got {block_s}")
@@ -104,7 +102,7 @@ def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, v
     """Cut ``source`` by ``segmentation``: "none" whole, "vad" / "fixed" into segments, "auto" whole up to
     ``max_segment_s`` (a file's container duration when stated), else by the VAD."""
     mode, wave, segments = segmentation, None, None
-    if isinstance(source, (str, os.PathLike, EncodedAudio)):  # an upload is decoded like a file
+    if isinstance(source, (str, os.PathLike, EncodedAudio)):
         if mode == "auto":
             segments = iter_segments(source, mode="vad", max_segment_s=max_segment_s, vad=vad)
             known = segments.duration
@@ -124,7 +122,6 @@ def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, v
 
 
 def _opener(source: AudioSource) -> tuple[Callable[[], object], str]:
-    """A fresh-handle factory and the input's name, with load_audio's checks."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if not data:
@@ -148,7 +145,7 @@ def _array_blocks(wave: np.ndarray, block_s: float) -> Iterator[np.ndarray]:
 
 
 def _resampled(decoder: BlockDecoder) -> Iterator[np.ndarray]:
-    """One pass over the input at 16 kHz, unscaled; rejects NaN/inf like load_audio."""
+    """One pass at 16 kHz, unscaled."""
     resampler = None
     if decoder.rate != SAMPLE_RATE:
         resampler = soxr.ResampleStream(decoder.rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")

@@ -1,5 +1,4 @@
-"""Block-wise decoding of an encoded input to mono float32 at its own rate: the blocks, joined, are the array
-``load_audio`` resamples (same decoders, same channel averaging)."""
+"""Block-wise decoding to mono float32 at the input's rate: the blocks, joined, are what ``load_audio`` resamples."""
 
 from __future__ import annotations
 
@@ -109,7 +108,7 @@ class BlockDecoder:
     def _av_blocks(self) -> Iterator[np.ndarray]:
         with av.open(self._opener(), mode="r") as container:
             track = container.streams.audio[0]
-            resampler = av.AudioResampler(format="fltp")  # sample format only, as load_audio does
+            resampler = av.AudioResampler(format="fltp")
             parts: list[np.ndarray] = []
             size = 0
 
@@ -123,7 +122,7 @@ class BlockDecoder:
                 for mono in frames_out(frame):
                     parts.append(mono)
                     size += mono.size
-                if size >= self._block:  # hand out blocks, not FFmpeg's ~1000-sample frames
+                if size >= self._block:  # blocks, not FFmpeg's frames
                     yield np.concatenate(parts)
                     parts, size = [], 0
             parts.extend(frames_out(None))
@@ -132,7 +131,6 @@ class BlockDecoder:
 
 
 def _probe_av(handle: Any) -> tuple[int, float | None]:
-    """The first audio track's rate and, when the container states it, its duration in seconds."""
     with av.open(handle, mode="r") as container:
         if not container.streams.audio:
             raise ValueError("no audio stream found")

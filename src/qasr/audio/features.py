@@ -12,7 +12,7 @@ import torch
 
 @dataclass(frozen=True)
 class FeatureConfig:
-    """The log-mel settings; read from preprocessor_config.json."""
+    """From preprocessor_config.json."""
 
     num_mel_bins: int = 128
     sampling_rate: int = 16000
@@ -61,7 +61,7 @@ def mel_filterbank(num_mel_bins: int, n_fft: int, sampling_rate: int) -> np.ndar
                              _hz_to_mel_slaney(np.array([sampling_rate / 2]))[0], num_mel_bins + 2)
     hz_points = _mel_to_hz_slaney(mel_points)
     widths = np.diff(hz_points)
-    slopes = hz_points[None, :] - fft_freqs[:, None]  # (n_freqs, num_mel_bins + 2)
+    slopes = hz_points[None, :] - fft_freqs[:, None]
     down = -slopes[:, :-2] / widths[:-1]
     up = slopes[:, 2:] / widths[1:]
     filters = np.maximum(0.0, np.minimum(down, up))
@@ -83,7 +83,6 @@ def log10_mel(filters: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
 
 
 class LogMel:
-    """The log-mel extractor of one config and device."""
 
     def __init__(self, config: FeatureConfig = FeatureConfig(), device: str | torch.device = "cpu") -> None:
         self.config = config

@@ -42,7 +42,7 @@ class AudioError(ValueError):
 
 
 def audio_duration(x: np.ndarray) -> float:
-    """Duration in seconds of a mono waveform sampled at :data:`SAMPLE_RATE`."""
+    """Seconds of a 16 kHz waveform."""
     return len(x) / SAMPLE_RATE
 
 
@@ -98,7 +98,7 @@ def _load_path(source: str | os.PathLike) -> np.ndarray:
 
 
 def checked_path(source: str | os.PathLike) -> str:
-    """The path as a str, or AudioError when it is missing or a directory (every decoder's first check)."""
+    """The path as a str, or AudioError (missing, a directory, empty)."""
     path = os.fspath(source)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
@@ -106,13 +106,13 @@ def checked_path(source: str | os.PathLike) -> str:
         raise AudioError(f"{path}: file not found")
     if os.path.isdir(path):
         raise AudioError(f"{path}: is a directory, not an audio file")
-    if os.path.getsize(path) == 0:  # said plainly, not as two decoders' "format not recognised"
+    if os.path.getsize(path) == 0:
         raise AudioError(f"{path}: {EMPTY_FILE}")
     return path
 
 
 def checked_encoded(source: EncodedAudio) -> EncodedAudio:
-    """The upload itself, or AudioError when it is empty (the same words as for an empty path)."""
+    """The upload, or AudioError when it is empty."""
     if source.size == 0:
         raise AudioError(f"{source.name}: {EMPTY_FILE}")
     return source
@@ -149,7 +149,7 @@ def _load_encoded(opener: Callable[[], Any], name: str, watch: Callable[[float],
 
 
 def _decode_with_av(handle: Any, watch: Callable[[float], None] | None = None) -> tuple[np.ndarray, int]:
-    """(channels, samples) float32 of the first audio track, at its own rate (soxr resamples, as for every decoder)."""
+    """(channels, samples) float32 at the input's rate."""
     with av.open(handle, mode="r") as container:
         if not container.streams.audio:
             raise ValueError("no audio stream found")
@@ -174,7 +174,7 @@ def _decode_with_av(handle: Any, watch: Callable[[float], None] | None = None) -
 
 
 def _to_float32(array: np.ndarray, name: str) -> np.ndarray:
-    """Convert any real numeric dtype to float32 in the conventional [-1, 1) full-scale range."""
+    """Any real dtype -> float32 at full scale [-1, 1)."""
     kind = array.dtype.kind
     if kind == "f":
         return array.astype(np.float32, copy=False)
@@ -204,7 +204,6 @@ def _to_mono(x: np.ndarray, name: str) -> np.ndarray:
 
 
 def _finish(mono: np.ndarray, sr: int, name: str) -> np.ndarray:
-    """Validate, resample to 16 kHz and apply the official amplitude rule."""
     if mono.size == 0:
         raise AudioError(f"{name}: contains no audio samples")
     if not np.isfinite(mono).all():
@@ -231,7 +230,7 @@ def _check_rate(sample_rate: Any) -> int:
     return rate
 
 
-# Decoders' words for a file object (its repr, FFmpeg's '<none>', an errno): noise after the input's name.
+# decoders' words for a file object: noise after the input's name
 _HANDLE_NOISE = re.compile(r"(Error opening )?<[\w.]+ object at 0x[0-9a-fA-F]+>(: )?|:? ?'<none>'|\[Errno -?\d+\] ")
 
 
@@ -241,7 +240,7 @@ def _short(exc: BaseException) -> str:
 
 
 def named_audio_error(exc: ValueError, name: str) -> AudioError:
-    """An AudioError whose message starts with ``name`` (decoders name bytes and arrays generically)."""
+    """An AudioError whose message starts with ``name``."""
     msg = str(exc)
     for generic in ("bytes input", "array input"):
         if name.startswith(generic) and msg.startswith(generic) and not msg.startswith(name):
@@ -255,5 +254,5 @@ def checked_segments(segments: Iterator, name: str) -> Iterator:
         yield from segments
     except ValueError as exc:
         raise named_audio_error(exc, name) from exc
-    except (OSError, RuntimeError) as exc:  # a decoder or the detector failing midway
+    except (OSError, RuntimeError) as exc:
         raise AudioError(f"{name}: {type(exc).__name__}: {exc}") from exc

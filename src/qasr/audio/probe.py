@@ -1,6 +1,5 @@
-"""An encoded input's duration without decoding a sample, for admission: the header's, else the first
-``PROBE_BYTES`` of packets demuxed and extrapolated. Either can be wrong: admit by it, and also watch the
-decoding (EncodedAudio's ``watch``)."""
+"""An encoded input's duration without decoding, for admission: the header's, else extrapolated from the
+first packets. Either can be wrong: watch the decoding too."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class _Buffer:
     def append(self, block: np.ndarray) -> None:
         held = self._hi - self._lo
         if self._hi + block.size > self._data.size:
-            if held + block.size > self._data.size // 2:  # keep appends amortised O(1)
+            if held + block.size > self._data.size // 2:
                 grown = np.zeros(max(2 * (held + block.size), self._data.size), dtype=np.float32)
                 grown[:held] = self._data[self._lo : self._hi]
                 self._data = grown
@@ -72,7 +72,6 @@ class _Buffer:
         return self._data[self._lo + lo - self.base : self._lo + hi - self.base]
 
     def drop_before(self, offset: int) -> None:
-        """Forget the samples before ``offset``."""
         cut = min(max(offset - self.base, 0), self._hi - self._lo)
         self._lo += cut
         self.base += cut
@@ -102,7 +101,6 @@ class Segmenter:
 
     @property
     def vad_backend(self) -> str | None:
-        """The detector's scorer, None outside mode "vad"."""
         return self._detector.backend if self._detector is not None else None
 
     @property
@@ -110,7 +108,6 @@ class Segmenter:
         return self._buf.end - self._buf.base
 
     def feed(self, block: np.ndarray) -> list[AudioSegment]:
-        """Consume ``block`` (1-D float32, 16 kHz) and return the segments it finished."""
         if self._flushed:
             raise RuntimeError("Segmenter.feed after flush()")
         block = np.asarray(block, dtype=np.float32).reshape(-1)
@@ -170,7 +167,7 @@ class Segmenter:
     def _vad(self, regions: list[tuple[int, int]], out: list[AudioSegment], final: bool) -> None:
         assert self._detector is not None
         for start, end in regions:
-            if self._carry is not None:  # this is the region we already cut into
+            if self._carry is not None:
                 start, self._carry = max(start, self._carry), None
             if end > start:
                 self._regions.append([start, end])
@@ -189,7 +186,7 @@ class Segmenter:
             if last_end - seg_start <= self._max:
                 return
             if len(regs) > 1 and last_start >= seg_start + self._max:
-                self._emit_regions(len(regs) - 1, out)  # the new region lies wholly beyond: no cut needed
+                self._emit_regions(len(regs) - 1, out)
             elif len(regs) > 1:
                 self._emit_regions(self._longest_gap(regs, last_start), out)
             else:
@@ -209,7 +206,7 @@ class Segmenter:
                 open_start, open_end = open_region
                 if open_start >= limit:
                     self._emit_regions(len(regs), out)
-                elif open_end > limit:  # the open region straddles the limit: cut at the longest gap
+                elif open_end > limit:
                     cut = self._longest_gap(regs + [[open_start, open_end]], open_start)
                     self._emit_regions(cut, out)
                 else:
@@ -239,7 +236,6 @@ class Segmenter:
         self._regions[0] = [boundary, end]
 
     def _quiet_cut(self, start: int) -> int:
-        """The quietest point within the last QUIET_SEARCH_S before ``start + max``."""
         limit = start + self._max
         lo = max(start + 1, limit - int(min(QUIET_SEARCH_S, self.max_segment_s / 2) * SAMPLE_RATE))
         view = self._buf.view(start, limit)
@@ -257,7 +253,7 @@ class Segmenter:
         assert self._detector is not None
         if self._regions:
             return self._regions[0][0]
-        if self._carry is not None:  # the open region's audio before the cut is out
+        if self._carry is not None:
             return self._carry
         return self._detector.frontier
 

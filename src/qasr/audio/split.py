@@ -25,9 +25,8 @@ def split_long_audio(
     search_sec: float = 5.0,
     min_piece_sec: float = 0.5,
 ) -> list[AudioPiece]:
-    """Pieces of at most ``max_chunk_sec`` + ``search_sec`` tiling ``x``; each cut at the quietest sample of
-    the quietest 100 ms within ``search_sec`` of ``start + max_chunk_sec``. Pieces under ``min_piece_sec``
-    are zero-padded (the model refuses shorter inputs)."""
+    """Pieces tiling ``x``, each cut within ``search_sec`` of ``start + max_chunk_sec`` at the quietest point;
+    pieces under ``min_piece_sec`` zero-padded (the model refuses shorter inputs)."""
     if x.ndim != 1:
         raise ValueError(f"split_long_audio expects a 1-D waveform, got shape {x.shape}")
     if sample_rate <= 0 or max_chunk_sec <= 0 or search_sec < 0:

@@ -72,7 +72,6 @@ def resolve_backend(backend: VadBackend) -> str:
 
 
 def make_scorer(name: str) -> FrameScorer:
-    """A fresh frame scorer (its own state) for a name from ``resolve_backend``."""
     if name == "silero-onnx":
         return SileroOnnx()
     if name == "silero-jit":
@@ -94,12 +93,12 @@ class SpeechDetector:
         self._pad = int(cfg.speech_pad_s * SAMPLE_RATE)
         self._pending = np.zeros(0, dtype=np.float32)  # fed, not yet scored (< one block)
         self._fed = 0
-        self._frames = 0  # frames scored so far
+        self._frames = 0
         self._triggered = False
         self._start = 0  # raw start of the region under way
         self._temp_end: int | None = None  # first frame of the silence that may end that region
         self._held: tuple[int, int] | None = None  # kept region: (padded start, raw end), end unsettled
-        self._last_end = 0  # end of the last reported region
+        self._last_end = 0
         self._flushed = False
 
     @property
@@ -125,7 +124,6 @@ class SpeechDetector:
         end = self._temp_end if self._temp_end is not None else self._frames * FRAME
         if end - self._start <= self._min_speech:
             return None
-        # nothing held: the last region ended at least two pads before, so the start is start - pad
         return max(self._start - self._pad, self._last_end, 0), end
 
     def feed(self, chunk: np.ndarray) -> list[tuple[int, int]]:
@@ -143,7 +141,7 @@ class SpeechDetector:
         return out
 
     def flush(self) -> list[tuple[int, int]]:
-        """End of input: the rest scored (the last frame zero-padded), every region left reported."""
+        """End of input: every region left."""
         if self._flushed:
             return []
         self._flushed = True
@@ -155,7 +153,7 @@ class SpeechDetector:
             self._pending = np.zeros(0, dtype=np.float32)
         total = self._fed
         if self._triggered and total - self._start > self._min_speech:
-            self._keep(self._start, total, out)  # speech running into the end
+            self._keep(self._start, total, out)
         self._triggered = False
         if self._held is not None:
             start, end = self._held

@@ -43,11 +43,10 @@ def _onnx_session():  # run() is thread-safe; the state is the caller's
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    # a small recurrent model: the cores are the engine's
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    options.log_severity_level = 3  # the export's unused initialisers warn on each load
-    import torch  # loaded anyway wherever qasr transcribes
+    options.log_severity_level = 3
+    import torch
 
     threads = torch.get_num_threads()
     session = ort.InferenceSession(_model_path(_SEQUENCE_MODEL), options, providers=["CPUExecutionProvider"])
