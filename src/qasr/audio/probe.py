@@ -1,5 +1,5 @@
-"""An encoded input's duration without decoding, for admission: the header's, else extrapolated from the
-first packets. Either can be wrong: watch the decoding too."""
+"""An input's duration without decoding: for admission (the header's, else extrapolated from the first
+packets; either can be wrong, so watch the decoding too) and for progress (the header's)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ MIN_BYTES_PER_S = 750.0
 class Duration:
     seconds: float
     declared: bool  # False: an estimate
+
+
+def header_duration(path: str) -> float | None:
+    """A file's duration from its header, or None (unstated, or unreadable: the transcription says why)."""
+    try:
+        return BlockDecoder(lambda: path, path, block_s=1.0).duration
+    except (AudioError, OSError):
+        return None
 
 
 def probe_duration(source: EncodedAudio) -> Duration:

@@ -70,17 +70,6 @@ def plan_jobs(sources: list[str], out_dir: Path | None) -> list[Job]:
     return jobs
 
 
-def probe_duration(path: str) -> float | None:
-    """The input's duration from its header (no decoding), or None."""
-    from qasr.audio.decode_blocks import BlockDecoder  # --help stays free of the decoders
-    from qasr.audio.io import AudioError
-
-    try:
-        return BlockDecoder(lambda: path, path, block_s=1.0).duration
-    except (AudioError, OSError):  # the transcription reports why
-        return None
-
-
 def update_failed_list(out_dir: Path | None, failures: list[tuple[str, str]]) -> None:
     """``OUT/failed.tsv`` of this run's failures, or none."""
     from qasr.outputs.writers import write_atomic

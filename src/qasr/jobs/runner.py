@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from qasr.jobs.plan import Job, probe_duration, report_failures, update_failed_list
+from qasr.audio.probe import header_duration
+from qasr.jobs.plan import Job, report_failures, update_failed_list
 from qasr.outputs.writers import render, write_atomic
 from qasr.results import Segment, Transcription
 from qasr.transcribe.asr import ASR
@@ -60,7 +61,7 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
     """Transcribe ``jobs``, write their outputs, list failures; returns the exit status."""
     to_files = args.output_dir is not None
     enabled = args.progress if args.progress is not None else sys.stderr.isatty()
-    total_s = sum(d for d in (probe_duration(j.source) for j in jobs) if d) if enabled else 0.0
+    total_s = sum(d for d in (header_duration(j.source) for j in jobs) if d) if enabled else 0.0
     progress = Progress(total_s, len(jobs), enabled)
     partial = PartialText(jobs, to_files) if "txt" in args.format and (to_files or total_inputs == 1) else None
     emit = _file_writer(args.format) if to_files else _stdout_writer(args.format[0], several=total_inputs > 1,
