@@ -22,7 +22,7 @@ from qasr.model.prompt import SpecialTokens
 from qasr.model.tokenizer import Tokenizer
 from qasr.results import Word
 
-# clips are zero-padded to 0.5 s before the log-mel, as the official library does
+# shorter clips are zero-padded to this before the log-mel, as the official library does
 MIN_SAMPLES = 8000
 
 

@@ -1,4 +1,4 @@
-"""The official long-audio cuts: at the quietest 100 ms within +-5 s of each nominal cut point."""
+"""The official long-audio cuts, each at the quietest point near its nominal place."""
 
 from __future__ import annotations
 
