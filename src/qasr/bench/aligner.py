@@ -1,9 +1,6 @@
-"""Aligner mode of the throughput benchmark (``qasr bench --aligner``): forced alignment, side by side.
-
-A random Qwen3-ForcedAligner checkpoint with the real 0.6B dimensions, seeded noise clips of 2-60 s with
-seeded English transcripts: qasr's ``Aligner.submit_pieces`` against transformers'
-``Qwen3ASRForTokenClassification`` batched as its users batch it. The last line is
-``aligner_speedup=<x> aligner_rtfx=<y>``; the word times' agreement is reported, not asserted.
+"""Aligner mode of the throughput benchmark (``qasr bench --aligner``): a random 0.6B forced aligner,
+seeded clips and transcripts, qasr's ``Aligner.submit_pieces`` against transformers' token classification.
+The last line is ``aligner_speedup=<x> aligner_rtfx=<y>``; the word times' agreement is reported.
 """
 
 from __future__ import annotations

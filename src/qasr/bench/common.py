@@ -136,9 +136,8 @@ class ReferenceGenerate:
 
 def closed_loop(submit: Callable[[int], Future], lengths: Sequence[float], concurrency: int,
                 budget_s: float | None = None) -> dict:
-    """c clients, each submitting its next request when the previous one is done, until all are done or
-    the budget is spent (then the rest is cancelled and the level is partial). Throughput: completed
-    requests over the wall time."""
+    """c clients, each submitting its next request when its previous one is done, until all are done or
+    the budget is spent (the rest cancelled, the level partial); throughput over completed requests."""
     lock = threading.Lock()
     t0 = time.perf_counter()
     deadline = math.inf if budget_s is None else t0 + budget_s  # None: no budget, every request runs

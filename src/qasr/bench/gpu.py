@@ -1,24 +1,7 @@
-"""GPU mode of the throughput benchmark (`benchmarks/throughput.py --device cuda`, `qasr bench --device cuda`).
-
-The official Qwen3-ASR figures (vLLM: 2000 audio-s/s at concurrency 128, TTFT 92 ms at concurrency 1, for
-the 0.6B model, as published with the official release) come from ~2-minute clips sent by c concurrent
-clients, each sending its next clip when the previous one is done. This mode measures qasr the same way,
-on a random checkpoint with the real 0.6B dimensions in bf16, with forced output lengths (EOS ignored,
-TOKENS_PER_SECOND tokens per audio second, so random weights do realistic work):
-
-- audio seconds per wall second at concurrency 1, 16, 128 and 512 (closed loop), TTFT and latency p50 /
-  p95 per level, the GPU's peak memory, and how the decode steps ran (graph replays against eager);
-- bf16 batch invariance: the same clips run together and one at a time, and how many came out identical;
-- transformers' own `generate` batched at 8 and at 32 on the same GPU, in the same run (its own process,
-  after qasr's, so each side has the GPU to itself).
-
-Every level has a time budget (0 skips the level; a reference budget of 0 skips transformers): past it no
-new request starts and what is still running is cancelled, and the level is marked partial. TTFT counts
-every request a level submitted (``FirstTokens``: a request still without a first token at the end counts
-its wait so far), not only the completed ones. Each side writes its figures to a JSON file as it goes, and
-qasr's summary line is printed before the reference side starts, so a run stopped from outside still
-leaves what it measured. The last line is ``gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y>
-speedup_vs_transformers=<z>``.
+"""GPU mode of the throughput benchmark (``qasr bench --device cuda``), measured as the official figures
+were (docs/benchmarks.md): ~2-minute clips from c closed-loop clients, on a random bf16 checkpoint with the
+real 0.6B dimensions, against transformers' ``generate`` at batch 8 and 32. Each level has a time budget.
+The last line is ``gpu_rtfx_c128=<x> ttft_p50_c1_ms=<y> speedup_vs_transformers=<z>``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Achieved FLOP/s and bytes/s of the engine's phases against the machine's measured peaks.
-
-A forward carrying prefill chunks may also carry decode rows; its seconds and weight traffic are split
-between them in proportion to their FLOP (ForwardLog counts what every forward carried). KV reads are
-charged to the rows that make them.
+"""Achieved FLOP/s and bytes/s of the engine's phases against the machine's measured peaks. A mixed
+forward's seconds and weight traffic are split between its prefill chunks and decode rows by FLOP.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Text and plot forms of the efficiency report (perf.phases): the machine line, the phase table, the
-roofline panel."""
+"""Text and plot forms of the efficiency report: the machine line, the phase table, the roofline."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def machine_line(machine: dict) -> str:
 
 
 def phase_table(eff: dict) -> str:
-    """qasr's phases against the machine: model FLOP, achieved rates and their fractions of the peaks (a
-    quantized side's also of the int8 GEMM peak; its bytes are what its mode stores)."""
+    """qasr's phases against the machine: model FLOP, achieved rates, their fractions of the peaks."""
     int8 = "int8_overall" in eff
     extra = (" of int8 peak |", "---|") if int8 else ("", "")
     rows = ["| qasr phase | seconds | GFLOP per audio s | GFLOP/s | of bf16 peak |" + extra[0]
