@@ -1,21 +1,9 @@
 """CPU mode of the throughput benchmark (``qasr bench``): qasr's engine against transformers' generate.
 
-Both sides run on the same random checkpoint with the real Qwen3-ASR-0.6B dimensions,
-the same dtype, the same seeded clips, and a forced output of 4 tokens per audio second (EOS ignored),
-so they do equal work and the ratio is what we report. The reference is batched the way its users
-batch: clips sorted by length, batch 8, features from its own extractor, left-padded prompts.
-transformers is needed only here (a test extra), never by qasr at run time.
-
-The machines are shared and their speed moves 2x from hour to hour, so the run starts by measuring this
-machine (CPU model, best bf16 GEMM rate, read bandwidth; qasr.bench.perf.machine) and reports qasr's
-efficiency against it: model FLOP for the workload (qasr.bench.perf.flops) per wall second over the peak,
-overall and per phase, with a roofline panel (qasr.bench.perf.phases, qasr.bench.perf.report). The last line is
-``speedup=<x> rtfx=<y> efficiency=<z>``.
-
-``--quantize <mode>`` (int8 or int4, engine/config.QUANTIZE_MODES) runs qasr twice, in bf16 and with
-``quantize=<mode>`` (each in its own process), against the same reference run; the report keeps bf16's figures
-where they are and adds ``qasr_<mode>`` and ``<mode>`` beside them, the files are named ``..._<mode>``, and the
-last line gives the mode's figures and ``<mode>_over_bf16=<x>`` (``int8_over_bf16=<x>``, ``int4_over_bf16=<x>``).
+Both sides run one random checkpoint with the real 0.6B dimensions on the same seeded clips with 4 forced
+tokens per audio second, so they do equal work; efficiency is reported against the machine's peaks
+(``perf/``). ``--quantize <mode>`` adds a qasr side with ``quantize=<mode>``. The last line is
+``speedup=<x> rtfx=<y> efficiency=<z>`` (and ``<mode>_over_bf16=<x>``).
 """
 
 from __future__ import annotations
@@ -60,7 +48,7 @@ QUICK = Workload(clips_s=(), ttft_levels=((1, 3), (4, 8), (16, 16), (64, 64)), t
 FULL = Workload(clips_s=(), ttft_levels=((1, 8), (4, 16), (16, 48), (64, 128)), ttft_clip_range=(2.0, 20.0))
 
 
-# ---------------------------------------------------------------------------------------------- qasr
+# --- qasr
 def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: float, seed: int,
              quantize: str | None = None, kv_cache_dtype: str = "auto", ttft: bool = True) -> dict:
     """One qasr side: the clips at once through one engine (wall time, phases, what each forward
@@ -91,7 +79,7 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     forwards.attach(engine.runner)  # counts what each forward carries, to split the mixed forwards' time
     with PeakRss() as rss, ForeignCpu() as others:
         t0 = time.perf_counter()
-        # longest first, as ASR.transcribe does: long clips start early instead of decoding alone at the end
+        # longest first, as ASR.transcribe does
         futures = [submit(w) for w in sorted(clips, key=len, reverse=True)]
         results = [f.result() for f in futures]
         wall = time.perf_counter() - t0
@@ -138,10 +126,7 @@ def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rou
         engine.submit(RequestSpec(prompt, DECODE_B1_TOKENS, waveform=wave, ignore_eos=True), on_token=stamp).result()
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
-    # One engine at a time: two live engines in one process (two engine threads, each with its own OpenMP
-    # pool) put libgomp in its throttled mode, where every parallel region pays a futex wake-up (measured: int8
-    # 28 -> 72 ms/token with an idle bf16 engine beside it). An engine is made for each run and closed after it
-    # (the prepared kernels are kept per model and setting, so only the first one per setting pays for them).
+    # one engine at a time: two live engines throttle libgomp (docs/log: bench-decode-one-engine)
     runs: list[list[float]] = [[] for _ in quantizes]
     kvs = kv_cache_dtypes or ("auto",) * len(quantizes)
     for _ in range(rounds):
@@ -161,8 +146,7 @@ def measure_decode_batch1(ckpt_dir: Path, quantizes: tuple[str | None, ...], rou
 
 
 def measure_ttft(submit, wl: Workload, seed: int) -> dict:  # noqa: ANN001 - the engine's submit
-    """Closed loop (common.closed_loop): c clients each submit their next clip as soon as the previous one
-    finishes; TTFT p50 / p95 per concurrency level."""
+    """Closed loop: TTFT p50 / p95 per concurrency level."""
     rng = np.random.default_rng(seed + 7)
     report = {}
     for conc, n_req in wl.ttft_levels:
@@ -178,7 +162,7 @@ def measure_ttft(submit, wl: Workload, seed: int) -> dict:  # noqa: ANN001 - the
     return report
 
 
-# ---------------------------------------------------------------------------------------- reference
+# --- reference
 def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> dict:
     generate = ReferenceGenerate(ckpt_dir)
     order = sorted(range(len(clips)), key=lambda i: len(clips[i]))
@@ -196,18 +180,15 @@ def run_reference(ckpt_dir: Path, clips: list[np.ndarray], batch: int = 8) -> di
                 batch=batch, foreign_cpu_s=others.seconds, foreign_cpu_share=others.share)
 
 
-# ------------------------------------------------------------------------------------------- report
+# --- report
 def quantized_mode(report: dict) -> str | None:
     """The quantize mode whose side a report carries (its figures under the mode's name), or None."""
     return next((mode for mode in QUANTIZE_MODES if mode in report), None)
 
 
 def decode_b1_ratio(decode_b1: dict, mode: str) -> dict:
-    """The mode's batch-1 time per token over bf16's: the median, over the rounds, of each round's ratio (its two
-    runs ran one right after the other, so the machine's drift cancels within a round, as the throughput rounds'
-    median does; on a machine whose speed moved by up to 46% between rounds, the ratio of the two sides' medians
-    read 0.62 where the rounds' own ratios were 0.54-0.62, median 0.55), and the ratio of the medians beside it. Without
-    the rounds' runs (an older report), the ratio of the medians alone."""
+    """The mode's batch-1 time per token over bf16's: the median of each round's ratio, as the drift
+    cancels within a round (docs/log: bench-decode-rounds), with the ratio of the medians beside it."""
     ours, bf16 = decode_b1[mode], decode_b1["none"]
     of_medians = ours["ms_per_token"] / bf16["ms_per_token"]
     runs, base = ours.get("runs_ms"), bf16.get("runs_ms")
@@ -219,10 +200,8 @@ def decode_b1_ratio(decode_b1: dict, mode: str) -> dict:
 
 
 def add_quantized_side(report: dict, mode: str, side: dict, side_efficiency: dict) -> None:
-    """Put a quantized run (``run_qasr``'s dict for ``mode``) into a bf16 report: its run as ``qasr_<mode>`` and
-    its figures against the reference and bf16 as ``<mode>``; the bf16 figures stay where they are, so a
-    reader of a bf16 report reads a quantized one alike. ``report`` needs reference, qasr, decode_b1 (with
-    the mode's batch-1 run) and title."""
+    """Put a quantized run into a bf16 report: its run as ``qasr_<mode>``, its figures as ``<mode>``;
+    the bf16 figures stay where they are."""
     report[f"qasr_{mode}"] = side
     report[mode] = {"speedup": side["rtfx"] / report["reference"]["rtfx"],
                     f"{mode}_over_bf16": side["rtfx"] / report["qasr"]["rtfx"], "efficiency": side_efficiency,
@@ -269,17 +248,17 @@ def run(args: argparse.Namespace) -> int:
     lengths = clip_lengths(args.clips or (16 if args.quick else 48), args.seed)
     clips = [make_clip(s, args.seed * 1000 + k) for k, s in enumerate(lengths)]
     threads = torch.get_num_threads()
-    # the machine first, with the benchmark's thread count, in its own process like both sides
+    # the machine first, in its own process like both sides
     machine = in_subprocess(probe, threads)
     print(machine_line(machine), flush=True)
     ckpt = build_checkpoint(args.cache)
     print(f"workload: {len(clips)} clips, {sum(lengths):.0f} s of audio (2-120 s), "
           f"{TOKENS_PER_SECOND} forced tokens per audio second, bf16, {threads} threads", flush=True)
     t0 = time.perf_counter()
-    # each side in a fresh process (one after the other), so peak RSS and warm caches are its own
+    # each side in a fresh process, so peak RSS and warm caches are its own
     requested = getattr(args, "quantize", "none")
     mode = None if requested == "none" else requested  # the quantized side's name (int8, int4); None: bf16 alone
-    # --kv-cache-dtype: the quantized side's KV cache (qasr's own side's when there is none); bf16 keeps its own
+    # --kv-cache-dtype: the quantized side's KV cache, else qasr's
     kv = getattr(args, "kv_cache_dtype", "auto")
     ours = in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, None,
                          kv if mode is None else "auto")
@@ -292,8 +271,7 @@ def run(args: argparse.Namespace) -> int:
               f"{quant['rtfx']:.1f}, phases " + ", ".join(f"{k} {v:.1f}" for k, v in quant["phases"].items()),
               flush=True)
     rounds = [side_pair(ours, quant)] if quant is not None else []
-    # with a quantized side, the two qasr sides again, one after the other (no TTFT): the machine's drift between
-    # one side's run and the other's is what moves the ratio most, so the median of several pairs is reported
+    # with a quantized side, the two qasr sides again (no TTFT): the median of the pairs' ratios is reported
     n_rounds = getattr(args, "rounds", 1) if quant is not None else 0
     for k in range(2, n_rounds + 1):
         pair = side_pair(in_subprocess(run_qasr, threads, ckpt, clips, wl, args.kv_gib, args.seed, None, "auto",
@@ -381,8 +359,8 @@ def side_pair(bf16: dict, quantized: dict) -> dict:
 
 
 def add_rounds(report: dict, mode: str, rounds: list[dict]) -> None:
-    """With --rounds N > 1: every round's pair under ``rounds``, and ``<mode>_over_bf16`` becomes their median
-    (the first round's, whose sides the rest of the report describes, stays as ``<mode>_over_bf16_first``)."""
+    """With --rounds N > 1: each round's pair under ``rounds``, ``<mode>_over_bf16`` their median (the
+    first round's as ``<mode>_over_bf16_first``)."""
     key = f"{mode}_over_bf16"
     report["rounds"] = rounds
     report[mode][f"{key}_first"] = report[mode][key]
@@ -396,8 +374,7 @@ def kv_label(side: dict) -> str:
 
 
 def summary_line(report: dict) -> str:
-    """The CPU mode's last line, the one scripts read: qasr's figures against the reference, or the quantized
-    side's (and <mode>_over_bf16, e.g. int8_over_bf16) when the run had one."""
+    """The CPU mode's last line, the one scripts read."""
     mode = quantized_mode(report)
     if mode is not None:
         side = report[mode]

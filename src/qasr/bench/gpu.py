@@ -47,7 +47,7 @@ class GpuPlan:
     reference_budget_s: float = 50.0
     seed: int = 0
     dtype: str = "bfloat16"
-    kv_gib: float = 0.0  # 0: the engine's default (60% of the free GPU memory)
+    kv_gib: float = 0.0  # 0: the engine's default share of the free GPU memory
 
     def __post_init__(self) -> None:
         if len(self.level_budgets_s) != len(self.levels):
@@ -64,13 +64,8 @@ QUICK = GpuPlan(levels=((1, 2), (16, 16), (128, 128), (512, 512)), level_budgets
 
 
 class FirstTokens:
-    """Time to first token of EVERY request a level submits, through the engine's ``on_token``.
-
-    The closed loop's own TTFT figures count completed requests only: when a level's budget ends, the
-    requests still running (the slowest to start, at high concurrency) would drop out of its p95. Here a
-    request that has its first token by the end counts its real TTFT; one that has none yet counts the
-    time it had waited at the end (a lower bound of its TTFT), and ``ttft_without_first_token`` says how
-    many did."""
+    """Time to first token of every request a level submits, through ``on_token``: one still waiting
+    at the level's end counts its wait so far (a lower bound), so the slowest starts stay in the p95."""
 
     def __init__(self) -> None:
         self.submitted: dict[int, float] = {}
@@ -100,8 +95,8 @@ class FirstTokens:
 
 def level_with_first_tokens(submit: Callable[[int, Callable[[int | None], None]], Future], lengths: list[float],
                             concurrency: int, budget_s: float) -> dict:
-    """``closed_loop`` with TTFT over every submitted request (``FirstTokens``); the closed loop's own
-    figures over completed requests stay as ``ttft_completed_p50_s`` / ``ttft_completed_p95_s``."""
+    """``closed_loop`` with TTFT over every submitted request; its own figures over completed requests
+    stay as ``ttft_completed_p50_s`` / ``ttft_completed_p95_s``."""
     firsts = FirstTokens()
     level = closed_loop(lambda k: firsts.submit(k, lambda on_token: submit(k, on_token)), lengths, concurrency,
                         budget_s)
@@ -112,7 +107,7 @@ def level_with_first_tokens(submit: Callable[[int, Callable[[int | None], None]]
 
 
 def lengths_for(n: int, seed: int, clip_range: tuple[float, float]) -> list[float]:
-    """n clip lengths drawn uniformly from the range, seeded, rounded to 0.01 s."""
+    """n clip lengths drawn uniformly from the range, seeded, to the centisecond."""
     rng = np.random.default_rng(seed)
     return [round(float(x), 2) for x in rng.uniform(*clip_range, size=n)]
 
@@ -123,8 +118,8 @@ def clip_pool(n: int, seconds: float, seed: int) -> list[np.ndarray]:
 
 
 def gpu_engine_config(max_running: int, kv_bytes: int | None) -> object:
-    """The engine's settings for a GPU: whole 2-minute clips encoded and prefilled in one step each (a
-    1,560-token clip is one prefill chunk), up to ``max_running`` sequences decoding together."""
+    """The engine's settings for a GPU: a whole 2-minute clip encoded and prefilled in one step, up to
+    ``max_running`` sequences decoding together."""
     from qasr.engine.engine import EngineConfig
 
     return EngineConfig(kv_cache_bytes=kv_bytes, max_running=max_running, prefill_tokens=16384, prefill_chunk=2048,
@@ -146,10 +141,10 @@ def _write(path: Path | None, data: dict) -> None:
         path.write_text(json.dumps(data, indent=2, default=str))
 
 
-# ---------------------------------------------------------------------------------------------- qasr side
+# --- qasr side
 def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: Path | None = None) -> dict:
-    """qasr's engine through the levels, then the batch-invariance check. ``device="cpu"`` runs the same
-    code on CPU tensors (the tests do, on a tiny checkpoint)."""
+    """qasr's engine through the levels, then the batch-invariance check (``device="cpu"`` runs the
+    same code on CPU tensors, for tests)."""
     from qasr.bench.perf.phases import timing_delta
     from qasr.engine.engine import Engine, RequestSpec
     from qasr.model.checkpoint import load_checkpoint
@@ -181,8 +176,7 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
 
     try:
         t0 = time.perf_counter()
-        # first kernels and cuBLAS heuristics on short and full-length shapes (the decode graphs were
-        # captured when the engine started)
+        # first kernels and cuBLAS heuristics on short and full-length shapes
         warm_s = [*lengths_for(3, plan.seed + 9, plan.invariance_range), plan.clip_range[0]]
         for f in [submit_clip(clip(k, s)) for k, s in enumerate(warm_s)]:
             f.result()
@@ -222,8 +216,7 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
 
 
 def batch_invariance(submit_clip: Callable[[np.ndarray], Future], plan: GpuPlan) -> dict:
-    """The same clips submitted together and then one at a time: how many get identical tokens, and for
-    the others where they first differ."""
+    """The same clips together and one at a time: how many get identical tokens, and where others differ."""
     t0 = time.perf_counter()
     lengths = lengths_for(plan.invariance_clips, plan.seed + 77, plan.invariance_range)
     waves = clip_pool(len(lengths), max(lengths), plan.seed + 78)
@@ -241,11 +234,10 @@ def batch_invariance(submit_clip: Callable[[np.ndarray], Future], plan: GpuPlan)
                 seconds=time.perf_counter() - t0)
 
 
-# ----------------------------------------------------------------------------------------- reference side
+# --- reference side
 def run_reference_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: Path | None = None) -> dict:
-    """transformers' generate on the same kind of clips, batched at each of ``plan.reference_batches``
-    (clips sorted by length within each batch's set), within the time budget: a batch starts only while
-    the time spent plus the previous batch's wall time (a larger batch takes at least as long) fits it."""
+    """transformers' generate batched at each of ``plan.reference_batches``, within the budget: a batch
+    starts only while the time spent plus the previous batch's time fits it."""
     dev = torch.device(device)
     generate = ReferenceGenerate(ckpt_dir, device=device)
     pool = clip_pool(DISTINCT_CLIPS, plan.clip_range[1], plan.seed + 500)
@@ -275,10 +267,10 @@ def run_reference_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progr
     return report
 
 
-# ----------------------------------------------------------------------------------------------- machine
+# --- machine
 def gpu_probe(device: str = "cuda", n: int = 8192, copy_bytes: int = 2 << 30, repeats: int = 10) -> dict:
-    """The GPU's name and its measured ceilings: a bf16 n x n x n product (TFLOP/s, random data) and a
-    device-to-device copy (bytes read + written per second); medians of ``repeats`` timed runs."""
+    """The GPU's name and measured ceilings: a bf16 n x n x n product (TFLOP/s) and a device-to-device
+    copy (bytes per second); medians of ``repeats`` runs."""
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -306,7 +298,7 @@ def gpu_probe(device: str = "cuda", n: int = 8192, copy_bytes: int = 2 << 30, re
                 bf16_matmul_tflops=2 * n**3 / mm / 1e12, copy_GBps=2 * copy_bytes / cp / 1e9)
 
 
-# ------------------------------------------------------------------------------------------------ report
+# --- report
 def speedup(report: dict) -> float:
     """qasr at concurrency 128 over transformers' best batch (NaN where either is missing)."""
     ours = report.get("qasr", {}).get("levels", {}).get("128", {}).get("rtfx", math.nan)
