@@ -127,7 +127,7 @@ class RealtimeConnection:
             await self.runner.close()
             raise
 
-    # ------------------------------------------------------------------ client events
+    # --- client events
     async def _handle(self, text: str) -> None:
         try:
             event = json.loads(text)
@@ -177,7 +177,7 @@ class RealtimeConnection:
         self._beta = self._beta or beta
         await self._send("transcription_session.updated" if beta else "session.updated", session=self._session())
 
-    # ------------------------------------------------------------------ server events
+    # --- server events
     def _new_runner(self) -> LiveRunner:
         s, cfg = self.settings, self.state.config
         asr = self.state.asr

@@ -247,4 +247,3 @@ async def page(request: Request) -> HTMLResponse:
 async def favicon() -> Response:
     """Open like the page: browsers fetch it unasked and without the key; an SVG keeps the package free of binaries."""
     return Response(ICON_SVG, media_type="image/svg+xml", headers={"Cache-Control": "public, max-age=86400"})
-
