@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.streaming import LiveConfig, LiveSession, Session, StreamConfig
 
-Progress = Callable[[float], None]  # the audio seconds of each piece as it finishes
+Progress = Callable[[float], None]  # audio seconds done
 
 
 class ASR:
@@ -42,7 +42,7 @@ class ASR:
                         dtype: str | torch.dtype = "auto", aligner: str | os.PathLike | Aligner | None = None,
                         quantize: str | None = None, **kwargs: object) -> ASR:
         """Load from a directory or hub id; ``aligner`` (path, hub id or ``qasr.Aligner``) times words;
-        ``quantize``: "int8", "int4" (CPU only) or None; ``kwargs``: ``ASR()``'s."""
+        ``quantize``: "int8", "int4" (CPU only) or None."""
         mode = quantize_option(quantize)  # a bad value fails before anything loads
         if mode is not None:
             kwargs["engine"] = replace(kwargs.get("engine") or EngineConfig(), quantize=mode)
@@ -145,7 +145,7 @@ class ASR:
             return await asyncio.shield(outcome)
         except asyncio.CancelledError:
             stop.set()
-            await asyncio.wait({outcome})  # settled once the pipeline has cancelled its requests
+            await asyncio.wait({outcome})  # once its requests are cancelled
             raise
 
 

@@ -110,7 +110,7 @@ class Core:
             return assemble(tok, pieces, [outcome_of(f) for f in futures], warn=not ignore_eos,
                             duration=duration, source=call.names[i], words=call.words)
 
-        group = object()  # one place in the engine's admission for the call
+        group = object()  # the call's share of the engine's admission
         results = run_inputs(len(call.items), pieces_of=call.pieces_of,
                              submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words, group),
                              finish=finish, fail=lambda i, message: failed(call.names[i], message),

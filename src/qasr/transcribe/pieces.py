@@ -20,12 +20,12 @@ CAP_HEADROOM = 24  # the `language X<asr_text>` preamble, EOS, a short clip's wo
 class Piece:
     """One engine request: ``engine.submit(RequestSpec(p.prompt, p.max_new_tokens, waveform=p.samples))``."""
 
-    source: str  # the input's name
+    source: str
     item: int  # the input's index in its call
-    offset: float  # seconds from the start of the input
+    offset: float  # seconds into the input
     duration: float  # seconds of real audio (padding not counted)
     samples: np.ndarray  # (n,) float32 mono at 16 kHz
-    prompt: tuple[int, ...]  # audio placeholders expanded
+    prompt: tuple[int, ...]
     language: str | None  # forced (canonical name); None: detected
     max_new_tokens: int
 

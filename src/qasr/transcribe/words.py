@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from qasr.model.tokenizer import Tokenizer
 
 
-# classes of silence before a piece's audio, for the aligner (docs/aligner.md)
+# classes of silence before a piece's audio (docs/aligner.md)
 LEAD_IN_CLASSES = 3
 
 
@@ -93,7 +93,7 @@ def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer
                         return
                     [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
                     inner.append(job)
-            except (ValueError, ImportError) as exc:  # an uncovered language, a piece too long, a missing extra
+            except (ValueError, ImportError) as exc:  # a language not covered, a piece too long
                 settle(Aligned(result, (), str(exc)))
                 return
         except (EngineClosed, EngineBroken) as exc:
