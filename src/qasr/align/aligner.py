@@ -34,11 +34,11 @@ class AlignerPrompt:
 
 
 def build_aligner_prompt(tokenizer: Tokenizer, special: SpecialTokens, timestamp_id: int, audio_tokens: int,
-                         words: Sequence[str]) -> AlignerPrompt:
+                         units: Sequence[str]) -> AlignerPrompt:
     ids = [special.audio_start, *([special.audio_pad] * audio_tokens), special.audio_end]
     slots: list[int] = []
-    for word in words:
-        ids.extend(tokenizer.encode(word))
+    for unit in units:
+        ids.extend(tokenizer.encode(unit))
         slots.extend((len(ids), len(ids) + 1))
         ids.extend((timestamp_id, timestamp_id))
     return AlignerPrompt(ids, slots)
@@ -111,7 +111,7 @@ class Aligner:
         if len(offs) != n:
             raise ValueError(f"{len(offs)} offsets for {n} audio pieces")
         prepared = [self._prepare(s, t, lang) for s, t, lang in zip(samples, texts, langs, strict=True)]
-        return [self._submit(wave, words, prompt, off) for (wave, words, prompt), off in zip(prepared, offs,
+        return [self._submit(wave, units, prompt, off) for (wave, units, prompt), off in zip(prepared, offs,
                                                                                              strict=True)]
 
     def close(self) -> None:
@@ -139,17 +139,17 @@ class Aligner:
         wave = np.ascontiguousarray(wave, dtype=np.float32)
         if len(wave) < MIN_SAMPLES:
             wave = np.pad(wave, (0, MIN_SAMPLES - len(wave)))
-        words = split_units(text, lang)
-        if not words:
-            return wave, words, None
+        units = split_units(text, lang)
+        if not units:
+            return wave, units, None
         ck = self.checkpoint
         frames = len(wave) // ck.features.hop_length
         n_audio = audio_token_count(frames, ck.config.encoder.conv_chunk_frames)
         prompt = build_aligner_prompt(ck.tokenizer, ck.special, ck.config.timestamp_token_id,  # type: ignore[arg-type]
-                                      n_audio, words)
-        return wave, words, prompt
+                                      n_audio, units)
+        return wave, units, prompt
 
-    def _submit(self, wave: np.ndarray, words: list[str], prompt: AlignerPrompt | None, offset: float) -> Future:
+    def _submit(self, wave: np.ndarray, units: list[str], prompt: AlignerPrompt | None, offset: float) -> Future:
         out: Future = Future()
         if prompt is None:  # no letters or digits: nothing to align
             out.set_result([])
@@ -164,7 +164,7 @@ class Aligner:
                 _settle(out, error=f.exception())
                 return
             try:
-                found = words_from_classes(words, f.result(), self.segment_ms)
+                found = words_from_classes(units, f.result(), self.segment_ms)
                 if offset:
                     found = [Word(w.text, round(w.start + offset, 3), round(w.end + offset, 3)) for w in found]
                 _settle(out, found)

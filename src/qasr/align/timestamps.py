@@ -61,12 +61,12 @@ def _lnds_mask(x: np.ndarray) -> np.ndarray:
     return keep
 
 
-def words_from_classes(words: Sequence[str], classes: Sequence[int], segment_ms: float) -> list[Word]:
-    """Word i spans slots 2i and 2i + 1; seconds rounded to 3 decimals."""
-    if len(classes) != 2 * len(words):
-        raise ValueError(f"{len(words)} words need {2 * len(words)} timestamps, got {len(classes)}")
+def words_from_classes(units: Sequence[str], classes: Sequence[int], segment_ms: float) -> list[Word]:
+    """Unit i spans slots 2i and 2i + 1; seconds rounded to 3 decimals."""
+    if len(classes) != 2 * len(units):
+        raise ValueError(f"{len(units)} units need {2 * len(units)} timestamps, got {len(classes)}")
     # float32, as the reference scales them
     ms = (np.asarray(classes, dtype=np.float32) * np.float32(segment_ms)).tolist()
     fixed = repair_monotonic(ms)
     return [Word(w, round(fixed[2 * i] / 1000.0, 3), round(fixed[2 * i + 1] / 1000.0, 3))
-            for i, w in enumerate(words)]
+            for i, w in enumerate(units)]
