@@ -483,3 +483,32 @@ def test_kernels_build_builds_the_stand_in_when_the_kernel_fails(monkeypatch: py
     assert "AVX512-VNNI int8 linear: failed to build (compiler output in /k/failed)" in out
     assert "AVX-VNNI int8 linear: already built, self-test passed" in out
     assert "1 failed" in out
+
+
+def test_a_first_use_that_misses_a_kernel_builds_its_group_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The missing kernel and the others of its group this CPU can use, neither built nor failed before, each
+    built once, together; a kernel outside every group, alone."""
+    a, b, c, d = (("qasr_fake_" + x, x + ".cpp", ()) for x in "abcd")
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(native, "FIRST_USE_GROUPS", (((a, frozenset()), (b, frozenset()), (c, native.AMX_CPU)),))
+    monkeypatch.setattr(native, "_modules", {})
+    monkeypatch.setattr(build, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(build, "is_built", lambda spec: False)
+    monkeypatch.setattr(build, "failure_file", lambda spec: None)
+    built, running, most, lock = [], [0], [0], threading.Lock()
+
+    def fake_build(spec: build.KernelSpec, retry: bool = False) -> object:
+        with lock:
+            built.append(spec.name)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return object()
+
+    monkeypatch.setattr(build, "build", fake_build)
+    assert native._build(*b) is not None
+    assert sorted(built) == ["qasr_fake_a", "qasr_fake_b"] and most[0] == 2  # c needs AMX
+    assert native._build(*a) is not None and len(built) == 2  # built with b
+    assert native._build(*d) is not None and built[2:] == ["qasr_fake_d"]

@@ -42,6 +42,13 @@ AVX512_BF16_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 VNNI_CPU = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 AMX_INT8_CPU = frozenset({"amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl"})  # AVX-512: quantize, epilogue
 AVX_VNNI_CPU = frozenset({"avx2", "avx_vnni"})
+# (build, CPU flags it needs): a first use that misses one builds the others of its group with it, at once
+FIRST_USE_GROUPS = (
+    ((DECODE_ATTENTION, frozenset()), (ENCODER_ATTENTION, frozenset()), (DECODER_OPS, frozenset()),
+     (ENCODER_OPS, frozenset()), (BF16_LINEAR, AVX512_BF16_CPU), (PREFILL_ATTENTION, AVX512_BF16_CPU),
+     (AMX_LINEAR, AMX_CPU)),
+    ((AMX_INT8, AMX_INT8_CPU), (INT8_VNNI, VNNI_CPU), (INT4_VNNI, VNNI_CPU)),
+)
 
 
 @functools.cache
@@ -226,5 +233,21 @@ def _key(name: str, source: str, flags: tuple[str, ...] = (), include: tuple[str
 def _compile(name: str, source: str, flags: tuple[str, ...], include: tuple[str, ...]) -> ModuleType | None:
     key = _key(name, source, flags, include)
     if key not in _modules:
+        group = _missing_with(key)
+        if len(group) > 1:
+            build_all(group)
+    if key not in _modules:
         _modules[key] = build.build(spec(*key))
     return _modules[key]
+
+
+def _missing_with(key: tuple) -> list[tuple]:
+    """``key``'s first-use group where ``key`` is not built here: the builds of it this CPU can use that are
+    neither built nor failed before."""
+    for group in FIRST_USE_GROUPS:
+        if key in {_key(*b) for b, _ in group} and not build.is_built(spec(*key)):
+            no_amx = os.environ.get("QASR_NO_AMX") == "1"
+            usable = [b for b, needs in group if needs <= cpu_flags() and not (no_amx and "amx_tile" in needs)]
+            return [b for b in usable if _key(*b) not in _modules and not build.is_built(spec(*b))
+                    and build.failure_file(spec(*b)) is None]
+    return []
