@@ -78,7 +78,7 @@ def check_turn_events(events: list) -> list[TurnFinal]:
 def test_pauses_cut_turns_and_each_turn_is_the_official_algorithm_on_its_audio(demo, demo_clips) -> None:  # noqa: ANN001
     gap = np.zeros(SR, dtype=np.float32)
     audio = np.concatenate([gap, demo_clips[0], gap, demo_clips[1], gap, demo_clips[2], gap])
-    live = demo.live(chunk_size_sec=1.0)
+    live = demo.live(LiveConfig(StreamConfig(chunk_size_sec=1.0)))
     events = feed(live, audio)
     finals = check_turn_events(events)
     assert len(finals) == 3 and all(f.reason == "pause" for f in finals)
@@ -105,20 +105,20 @@ def test_a_paused_turn_ends_at_its_chunk_boundary_without_a_tail_step(demo, demo
     long_gap = np.zeros(3 * SR, dtype=np.float32)  # room to reach any boundary
     short_gap = np.zeros(int(0.7 * SR), dtype=np.float32)  # the pause is found 0.5 s in, speech is back 0.2 s later
     audio = np.concatenate([long_gap, demo_clips[0], long_gap, demo_clips[1], short_gap, demo_clips[2], long_gap])
-    real = demo.engine.submit
+    real = demo._core.engine.submit
     finals_of_steps: list[bool] = []  # per decoder step of a turn: keep_kv=False marks a turn's tail step
 
-    def submit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        if "audio_embeds" in kwargs:  # a turn's step (the oracle submits waveforms)
-            finals_of_steps.append(not kwargs["keep_kv"])
-        return real(*args, **kwargs)
+    def submit(spec, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if spec.audio_embeds is not None:  # a turn's step (the oracle submits waveforms)
+            finals_of_steps.append(not spec.continuation.keep_kv)
+        return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(demo.engine, "submit", submit)
+    monkeypatch.setattr(demo._core.engine, "submit", submit)
     cfg = StreamConfig(chunk_size_sec=chunk)
     runs = {}
     for option in (True, False):
         finals_of_steps.clear()
-        events = feed(demo.live(chunk_size_sec=chunk, end_on_chunk=option), audio)
+        events = feed(demo.live(LiveConfig(StreamConfig(chunk_size_sec=chunk), end_on_chunk=option)), audio)
         runs[option] = (check_turn_events(events), events, list(finals_of_steps))
     on, on_events, on_steps = runs[True]
     off, _, off_steps = runs[False]
@@ -136,8 +136,8 @@ def test_a_paused_turn_ends_at_its_chunk_boundary_without_a_tail_step(demo, demo
     assert len(on_steps) == sum(-(-n // samples) for n in lengths)
     # SpeechStopped comes at the pause, as without the option
     stops = [e.at for e in on_events if isinstance(e, SpeechStopped)]
-    assert stops == [e.at for e in feed(demo.live(chunk_size_sec=chunk, end_on_chunk=False), audio)
-                     if isinstance(e, SpeechStopped)]
+    without = LiveConfig(StreamConfig(chunk_size_sec=chunk), end_on_chunk=False)
+    assert stops == [e.at for e in feed(demo.live(without), audio) if isinstance(e, SpeechStopped)]
 
 
 def test_commit_finish_and_clear_while_a_paused_turn_waits_for_its_boundary(demo, demo_clips) -> None:  # noqa: ANN001
@@ -147,7 +147,7 @@ def test_commit_finish_and_clear_while_a_paused_turn_waits_for_its_boundary(demo
     gap, pause = np.zeros(SR // 2, dtype=np.float32), np.zeros(int(0.6 * SR), dtype=np.float32)
     audio = np.concatenate([gap, demo_clips[0], pause])
     for end in ("commit", "finish", "clear"):
-        live = demo.live(chunk_size_sec=2.0)
+        live = demo.live(LiveConfig(StreamConfig(chunk_size_sec=2.0)))
         events = live.push(audio)
         assert any(isinstance(e, SpeechStopped) for e in events)
         assert not any(isinstance(e, TurnFinal) for e in events) and live.in_turn  # waiting for the boundary
@@ -161,25 +161,25 @@ def test_commit_finish_and_clear_while_a_paused_turn_waits_for_its_boundary(demo
             assert round((finals[0].end - finals[0].start) * SR) % (2 * SR) != 0  # ended before the boundary
             turn_audio = audio[round(finals[0].start * SR):round(finals[0].end * SR)]
             assert finals[0].text == oracle_text(demo, turn_audio, cfg)
-        assert kv_in_use(demo.engine) == 0
+        assert kv_in_use(demo._core.engine) == 0
 
 
 def test_silence_starts_no_turn_and_costs_no_decoding(demo) -> None:  # noqa: ANN001
     quiet = (noise(20.0, seed=3) * 1e-4).astype(np.float32)
-    before = demo.engine.stats().steps
+    before = demo._core.engine.stats().steps
     live = demo.live()
     assert feed(live, quiet) == []
     assert live.turns == 0 and live.position == len(quiet)
-    assert demo.engine.stats().steps == before
+    assert demo._core.engine.stats().steps == before
 
 
 def test_long_speech_is_cut_at_a_pause_past_soft_turn_s_and_hard_at_max_turn_s(demo, demo_clips) -> None:  # noqa: ANN001
     short_gap = np.zeros(int(0.2 * SR), dtype=np.float32)  # shorter than silence_ms: no end of turn
     speech = np.concatenate([demo_clips[0], short_gap, demo_clips[1], short_gap, demo_clips[2]])
-    soft = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=2.0), speech)
+    soft = feed(demo.live(LiveConfig(StreamConfig(chunk_size_sec=1.0), soft_turn_s=2.0)), speech)
     finals = check_turn_events(soft)
     assert finals[0].reason == "long" and 2.0 <= finals[0].end - finals[0].start < 4.0
-    hard = feed(demo.live(chunk_size_sec=1.0, soft_turn_s=1.5, max_turn_s=1.5), demo_clips[2])
+    hard = feed(demo.live(LiveConfig(StreamConfig(chunk_size_sec=1.0), soft_turn_s=1.5, max_turn_s=1.5)), demo_clips[2])
     finals = check_turn_events(hard)
     assert finals[0].reason == "max" and finals[0].end - finals[0].start == pytest.approx(1.5, abs=0.04)
     # the next turn starts where the cut one ended, announced at once
@@ -280,8 +280,9 @@ def test_float32_ingest_and_bad_input() -> None:
 def test_turns_do_not_depend_on_how_the_audio_was_pushed(demo, demo_clips) -> None:  # noqa: ANN001
     gap = np.zeros(SR // 2 + 1234, dtype=np.float32)
     audio = np.concatenate([gap, demo_clips[1], gap, demo_clips[0], gap])
-    small = feed(demo.live(chunk_size_sec=1.0), audio, (320,))  # 20 ms packets, as WebRTC sends them
-    large = feed(demo.live(chunk_size_sec=1.0), audio, (16000 * 3 + 77,))
+    cfg = LiveConfig(StreamConfig(chunk_size_sec=1.0))
+    small = feed(demo.live(cfg), audio, (320,))  # 20 ms packets, as WebRTC sends them
+    large = feed(demo.live(cfg), audio, (16000 * 3 + 77,))
     assert small == large and len([e for e in small if isinstance(e, TurnFinal)]) == 2
 
 

@@ -50,7 +50,7 @@ class EncodeResult:
 class Continuation:
     """How a request continues an earlier one, as a live session's step does the step before."""
 
-    keep_kv: bool = False  # result.kv: the blocks, kept
+    keep_kv: bool = False  # keep the KV blocks: result.kv
     # (lease, n): reuse its first n positions (a multiple of Engine.prefix_grid; the audio rows the same)
     kv_prefix: tuple[KVLease, int] | None = None
     draft: Sequence[int] = ()  # ids the output likely begins with: never changes it
