@@ -24,13 +24,15 @@ DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = subparsers.add_parser(
         "serve", help="serve an OpenAI-compatible transcription API (needs the server extra)",
+        usage="%(prog)s [MODEL] [options]",
         description="Serve POST /v1/audio/transcriptions (OpenAI-compatible), /v1/models, /health, /metrics and "
                     "a web page at /. One model is loaded and shared by every request. SIGTERM or Ctrl-C: new "
                     "requests get 503 while the accepted ones (live sessions included) finish, for at most "
                     "--drain-timeout seconds; then the server exits: 0 when everything finished, 1 when the "
                     "deadline cut requests short (they get an error) or a second signal stopped it at once.")
-    s.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                   help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
+    s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help=f"checkpoint directory or hub id, as in 'vllm serve MODEL' (default {DEFAULT_MODEL})")
+    s.add_argument("-m", "--model", default=None, help="the same as MODEL")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", default=None,
@@ -84,6 +86,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 
+def resolve_model(args: argparse.Namespace) -> str | None:
+    """Set ``args.model`` from MODEL or ``-m`` (the default without either); the problem when both differ."""
+    given = {m for m in (args.model_arg, args.model) if m is not None}
+    if len(given) > 1:
+        return f"MODEL {args.model_arg!r} and --model {args.model!r} differ: give the model once"
+    args.model = given.pop() if given else DEFAULT_MODEL
+    return None
+
+
 def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
     if args.served_model_name:
         return tuple(dict.fromkeys(args.served_model_name))
@@ -93,6 +104,9 @@ def _served_names(args: argparse.Namespace) -> tuple[str, ...]:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     from qasr.server.config import ServerConfig
 
+    problem = resolve_model(args)
+    if problem is not None:
+        raise ValueError(problem)
     return ServerConfig(model=args.model, served_names=_served_names(args),
                         api_key=args.api_key or os.environ.get("QASR_API_KEY") or None,
                         max_queue_audio_s=args.max_queue_audio_s,
@@ -104,6 +118,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    problem = resolve_model(args)
+    if problem is not None:
+        print(f"qasr serve: error: {problem}", file=sys.stderr)
+        return 2
     try:
         import uvicorn
 
