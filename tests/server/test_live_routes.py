@@ -300,8 +300,11 @@ def test_protocol_errors_are_events_and_the_session_goes_on(server, clips, offli
                       await ask({"type": "session.update", "session": {"audio": {"input": {"format": {
                           "type": "audio/pcmu"}}}}}),
                       await ask({"type": "session.update", "session": {"audio": {"input": {"transcription": {
-                          "language": "klingon"}}}}}),
-                      await ask({"type": "input_audio_buffer.commit"})]
+                          "language": "klingon"}}}}})]
+            # refused updates left the session unconfigured (docs/streaming.md): a valid one lets audio in
+            await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {
+                "type": "audio/pcm", "rate": 24000}}}}}))
+            errors.append(await ask({"type": "input_audio_buffer.commit"}))
             await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                       "audio": base64.b64encode(pcm16(clips["waves"][0], 24000)).decode()}))
             errors.append(await ask({"type": "session.update", "session": {"audio": {"input": {"format": {

@@ -1,5 +1,6 @@
-"""WebSocket ``/v1/realtime?intent=transcription``: OpenAI's Realtime transcription events, plus
-``...transcription.partial`` and ``input_audio_buffer.progress`` of ours (docs/streaming.md).
+"""WebSocket ``/v1/realtime``: OpenAI's Realtime transcription events, plus ``...transcription.partial``
+and ``input_audio_buffer.progress`` of ours, or vLLM's dialect, told by the client's first event
+(docs/streaming.md, "Two dialects").
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ import base64
 import binascii
 import itertools
 import json
+import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
@@ -39,10 +42,13 @@ from qasr.streaming import (
     TurnFinal,
     TurnUpdate,
 )
+from qasr.transcribe.text import is_unspaced
 
 router = APIRouter()
 PARTIAL = "conversation.item.input_audio_transcription.partial"
 PROGRESS = "input_audio_buffer.progress"
+VLLM_RATE = 16000  # vLLM's realtime audio is PCM16 at 16 kHz
+Dialect = Literal["openai", "vllm"]
 SERVER_VAD = {"type": "server_vad", "threshold": LiveConfig.vad_threshold,
               "prefix_padding_ms": LiveConfig.prefix_padding_ms, "silence_duration_ms": LiveConfig.silence_ms}
 
@@ -62,6 +68,39 @@ class RealtimeSettings:
         return {"type": "transcription", "object": "realtime.transcription_session",
                 "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.rate},
                                     "transcription": transcription, "turn_detection": self.turn_detection}}}
+
+
+class VllmTranscript:
+    """One ``transcription.done``'s text: the turns' texts joined as segments are (a space unless a script
+    written without spaces meets it), and equal to the deltas sent for it, joined."""
+
+    def __init__(self) -> None:
+        self.ended = ""  # the ended turns, as sent
+        self.open = ""  # what was sent for the open turn, its separator included
+        self._lead: str | None = None  # the open turn's separator, once it has text
+
+    def update(self, stable: str) -> str:
+        """The open turn's stable text is now ``stable``: what to send."""
+        text = stable.lstrip()
+        if not text:
+            return ""
+        if self._lead is None:
+            self._lead = " " if self.ended and not (is_unspaced(self.ended[-1]) or is_unspaced(text[0])) else ""
+        full = self._lead + text
+        if not full.startswith(self.open):  # sent text is never taken back
+            return ""
+        delta, self.open = full[len(self.open):], full
+        return delta
+
+    def end_turn(self, text: str) -> str:
+        delta = self.update(text)
+        self.ended, self.open, self._lead = self.ended + self.open, "", None
+        return delta
+
+    def take(self) -> str:
+        text = self.ended + self.open
+        self.ended, self.open, self._lead = "", "", None
+        return text
 
 
 class RequestError(Exception):
@@ -100,10 +139,15 @@ class RealtimeConnection:
         self._previous_item: str | None = None
         self._turn_seconds: dict[int, float] = {}
         self._beta = False
+        self.dialect: Dialect | None = None  # set by the first event; OpenAI's answers until then
+        self._configured = False  # a session.update was accepted
+        self._refused: str | None = None  # why audio is refused: an update was refused, none accepted since
+        self._transcript = VllmTranscript()
+        self._done_at = 0  # audio_samples at the last transcription.done
         self.runner = self._new_runner()
 
     async def run(self) -> None:
-        await self._send("session.created", session=self._session())
+        await self._send("session.created", session=self._session(), id=self._session_id, created=int(time.time()))
         await self._progress()  # the backlog, so a client can pace itself from its first append
         try:
             while not self.runner.failed:  # a failed session was reported and closed by _fail
@@ -138,12 +182,17 @@ class RealtimeConnection:
             return
         kind = event.get("type")
         try:
-            if kind in ("session.update", "transcription_session.update"):
+            if self.dialect is None:
+                await self._detect(event)
+            if kind == "session.update" and self.dialect == "vllm":
+                self._vllm_update(event)
+            elif kind in ("session.update", "transcription_session.update"):
                 await self._update(event, beta=kind == "transcription_session.update")
             elif kind == "input_audio_buffer.append":
                 self._append(event)
             elif kind == "input_audio_buffer.commit":
-                self.runner.commit()
+                if self.dialect != "vllm" or event.get("final") is True:
+                    self.runner.commit()  # vLLM's commit without final says "ready": a session always listens
             elif kind == "input_audio_buffer.clear":
                 self.runner.clear()
             else:
@@ -151,7 +200,33 @@ class RealtimeConnection:
         except RequestError as exc:
             await self._send_error(exc.code, exc.message, exc.param, event.get("event_id"))
 
+    async def _detect(self, event: dict) -> None:
+        """vLLM's dialect: a first ``session.update`` with a top-level ``model`` and no ``session``, or a first
+        ``input_audio_buffer.commit`` on a URL without ``intent`` (vLLM's "ready"; OpenAI's would be empty)."""
+        kind = event.get("type")
+        vllm = (kind == "session.update" and "session" not in event and "model" in event) or (
+            kind == "input_audio_buffer.commit" and "intent" not in self.channel.ws.query_params)
+        self.dialect = "vllm" if vllm else "openai"
+        if vllm:  # before any audio: the session restarts at vLLM's rate
+            self.settings = replace(self.settings, rate=VLLM_RATE)
+            await self.runner.close()
+            self.runner = self._new_runner()
+
+    def _vllm_update(self, event: dict) -> None:
+        """vLLM's ``session.update``: names the model (any name is served); answered only when refused."""
+        model = event.get("model")
+        if not isinstance(model, str) or not model or "session" in event:
+            why = "session.update needs 'model', a model name, and no 'session' object"
+            if not self._configured:
+                self._refused = why
+                why += "; audio is refused until a session.update is accepted"
+            raise RequestError("invalid_event", why, "model")
+        self._configured, self._refused = True, None
+
     def _append(self, event: dict) -> None:
+        if self._refused is not None:
+            raise RequestError("session_not_configured", f"the session has no audio settings: a session.update was "
+                               f"refused ({self._refused}); send a valid one before audio", "audio")
         audio = event.get("audio")
         if not isinstance(audio, str):
             raise RequestError("invalid_audio", "input_audio_buffer.append needs 'audio': base64 PCM16", "audio")
@@ -162,20 +237,34 @@ class RealtimeConnection:
         self.runner.audio(pcm)  # never refused: a full backlog holds the next read back instead
 
     async def _update(self, event: dict, beta: bool) -> None:
+        """Until an update is accepted, a refused one leaves the session unconfigured (audio refused until a
+        valid update); so does one asking for an audio format, so audio is never read at a rate not chosen."""
         session = event.get("session")
-        if not isinstance(session, dict):
-            raise RequestError("invalid_session", "the update needs a 'session' object", "session")
-        settings = _apply(self.settings, session, beta, self.state)
+        try:
+            settings = self._updated(session, beta)
+        except RequestError as exc:
+            if not self._configured or _names_format(session, beta):
+                self._refused = exc.message
+                exc.message += "; the session stays unconfigured: audio is refused until a session.update is accepted"
+            raise
+        self._configured, self._refused = True, None
         if settings != self.settings:
-            runner = self.runner
-            if runner.audio_samples or runner.backlog or runner.session.in_turn:
-                raise RequestError("session_busy", "audio settings cannot change after audio was sent; "
-                                   "send the update first, or open a new session", "session")
             self.settings = settings
-            await runner.close()
+            await self.runner.close()
             self.runner = self._new_runner()
         self._beta = self._beta or beta
         await self._send("transcription_session.updated" if beta else "session.updated", session=self._session())
+
+    def _updated(self, session: object, beta: bool) -> RealtimeSettings:
+        if not isinstance(session, dict):
+            raise RequestError("invalid_session", "the update needs a 'session' object (OpenAI's dialect; vLLM's "
+                               "names a top-level 'model' in the session's first event)", "session")
+        settings = _apply(self.settings, session, beta, self.state)
+        runner = self.runner
+        if settings != self.settings and (runner.audio_samples or runner.backlog or runner.session.in_turn):
+            raise RequestError("session_busy", "audio settings cannot change after audio was sent; "
+                               "send the update first, or open a new session", "session")
+        return settings
 
     # --- server events
     def _new_runner(self) -> LiveRunner:
@@ -193,11 +282,16 @@ class RealtimeConnection:
                           self._emit, self._fail, cfg.live_max_backlog_s, self.state.live_pool, self._progress)
 
     async def _progress(self) -> None:
+        if self.dialect == "vllm":
+            return
         r = self.runner
         await self._send(PROGRESS, audio_processed_ms=round(r.audio_samples * 1000 / SAMPLE_RATE),
                          backlog_ms=round(r.backlog * 1000 / SAMPLE_RATE), max_backlog_ms=round(r.max_backlog_s * 1000))
 
     async def _emit(self, op: Op, events: list[LiveEvent]) -> None:
+        if self.dialect == "vllm":
+            await self._emit_vllm(op, events)
+            return
         if op == "commit" and not any(isinstance(e, TurnFinal) for e in events):
             await self._send_error("input_audio_buffer_commit_empty", "the buffer holds no audio to commit")
         if op == "clear":
@@ -216,6 +310,23 @@ class RealtimeConnection:
                                  unstable=e.update.unstable_text, language=e.update.language)
             elif isinstance(e, TurnFinal):
                 await self._final(item, e)
+
+    async def _emit_vllm(self, op: Op, events: list[LiveEvent]) -> None:
+        """Deltas as turns grow; ``transcription.done`` at a final commit, with every turn since the last."""
+        for e in events:
+            delta = ""
+            if isinstance(e, TurnUpdate):
+                delta = self._transcript.update(e.update.stable_text)
+            elif isinstance(e, TurnFinal):
+                delta = self._transcript.end_turn(e.text)
+                self.state.metrics.live_audio_seconds.inc(e.end - e.start)
+            if delta:
+                await self._send("transcription.delta", delta=delta)
+        if op == "commit":
+            seconds = (self.runner.audio_samples - self._done_at) / SAMPLE_RATE
+            self._done_at = self.runner.audio_samples
+            await self._send("transcription.done", text=self._transcript.take(),
+                             usage={"type": "duration", "seconds": round(seconds, 3)})
 
     async def _delta(self, item: str, delta: str) -> None:
         await self._send("conversation.item.input_audio_transcription.delta", item_id=item, content_index=0,
@@ -249,12 +360,24 @@ class RealtimeConnection:
 
     async def _send_error(self, code: str, message: str, param: str | None = None,
                           client_event: str | None = None) -> None:
+        if self.dialect == "vllm":
+            await self.channel.send({"type": "error", "error": message, "code": code})
+            return
         await self.channel.send({"event_id": f"event_{next(self._ids)}", **_error(code, message, param, client_event)})
 
 
 def _error(code: str, message: str, param: str | None = None, client_event: str | None = None) -> dict:
     return {"type": "error", "error": {"type": "invalid_request_error", "code": code, "message": message,
                                        "param": param, "event_id": client_event}}
+
+
+def _names_format(session: object, beta: bool) -> bool:
+    if not isinstance(session, dict):
+        return False
+    if beta:
+        return "input_audio_format" in session
+    audio = session.get("audio")
+    return isinstance(audio, dict) and isinstance(audio.get("input"), dict) and "format" in audio["input"]
 
 
 def _apply(settings: RealtimeSettings, session: dict, beta: bool, state: ServerState) -> RealtimeSettings:
