@@ -20,10 +20,10 @@ import psutil
 import torch
 
 from qasr.audio.features import LogMel
-from qasr.engine.block_manager import BlockManager
 from qasr.engine.config import EngineConfig, EngineStats
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
+from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
 from qasr.engine.request import Continuation, EncodeResult, GenerationResult, KVLease, Request, RequestSpec
 from qasr.engine.runner import Runner
