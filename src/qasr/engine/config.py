@@ -12,7 +12,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How an engine runs; docs/engine.md says what each setting trades."""
+    """How an engine runs (docs/engine.md)."""
 
     kv_cache_bytes: int | None = None  # None or 0: on CPU two fifths of the available memory, at most 8 GiB
     kv_block_tokens: int = 64  # the KV pool's unit
@@ -21,9 +21,9 @@ class EngineConfig:
     prefill_chunk: int = 256  # every prompt's chunk grid (keeps outputs batch-independent)
     encoder_tokens: int = 512  # encoder rows per step, in whole 8 s windows (at least one)
     conv_batch: int = 8  # 1 s chunks per conv call
-    native_kernels: bool = True  # qasr's C++ CPU kernels, each self-tested (else torch ops)
+    native_kernels: bool = True  # qasr's C++ CPU kernels (else torch ops)
     backend: str = "auto"  # engine/device.py; auto: the model's device type
-    cuda_graphs: bool = True  # CUDA: replay pure decode steps as graphs per batch bucket
+    cuda_graphs: bool = True  # CUDA: replay decode steps as graphs
     quantize: str | None = None  # None: the checkpoint's dtype; "int8" / "int4": CPU only (docs/quantization.md)
     live_batch_share: float = 0.25  # of engine time, for steps with batch encode/prefill while live work runs
     drafts: bool = True  # check guessed tokens (Continuation.draft) where that is exact

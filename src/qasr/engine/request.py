@@ -18,8 +18,8 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class KVLease:
-    """The KV blocks of positions [0, valid) of a finished ``keep_kv`` request's prompt. A cache: the engine
-    may evict it (a request continuing it then prefills its whole prompt, the same bits)."""
+    """A finished ``keep_kv`` request's prompt KV, positions [0, valid); the engine may evict it (a request
+    continuing it then prefills all)."""
 
     blocks: list[int]  # the engine thread's
     valid: int

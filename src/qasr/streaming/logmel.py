@@ -1,8 +1,5 @@
-"""Log-mel of a growing stream, bit-identical to ``audio.features.LogMel`` on all the audio so far.
-
-A frame is final once the audio reaches past its window (t * hop + n_fft / 2 < N): its raw log10 mel is
-stored and a step computes only the frames after it. The clamp ``max(x, max - 8)`` is applied when features
-are read; ``clamps`` says whether frames made under another floor changed.
+"""Log-mel of a growing stream, bit-identical to ``audio.features.LogMel`` on all the audio so far: final frames
+(their window inside the audio) are stored, and the clamp ``max(x, max - 8)`` applied when features are read.
 """
 
 from __future__ import annotations
@@ -49,12 +46,12 @@ class StreamingLogMel:
         half = cfg.n_fft // 2
         if frames <= a:
             return torch.empty(cfg.num_mel_bins, 0)
-        if a * cfg.hop_length < half:  # the first frames read the start's reflect padding: compute as LogMel
+        if a * cfg.hop_length < half:  # the start's reflect padding: as LogMel
             x = torch.from_numpy(samples)
             if x.numel() <= half:
                 x = F.pad(x, (0, half + 1 - x.numel()))
             spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=self._window, return_complex=True)[:, a:frames]
-        else:  # samples from a*hop - half on, and the end's reflect padding, as a centred STFT
+        else:  # from a*hop - half on, with the end's reflect padding
             x = torch.from_numpy(samples[a * cfg.hop_length - half:])
             x = F.pad(x[None, None], (0, half), mode="reflect")[0, 0]
             spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=self._window, center=False,

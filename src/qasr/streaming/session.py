@@ -93,7 +93,7 @@ class Session:
         return out
 
     def finish(self) -> Update:
-        """Decode the samples after the last full chunk; the final update has the whole text stable."""
+        """Decode the rest; the final update has all its text stable."""
         if self.finished:
             raise RuntimeError("the session is finished")
         self.finished = True
@@ -105,7 +105,7 @@ class Session:
         return self._publish(self.state.text, final=True, step=self.state.steps - 1)
 
     def updates(self) -> Iterator[Update]:
-        """The updates not yet taken from here, in order (at most the last UPDATE_QUEUE)."""
+        """The updates not yet taken (at most the last UPDATE_QUEUE)."""
         while self._undelivered:
             yield self._undelivered.popleft()
 

@@ -20,8 +20,8 @@ def encode_raw(tokenizer: Tokenizer, special: SpecialTokens, text: str) -> list[
 
 
 def rollback(tokenizer: Tokenizer, special: SpecialTokens, raw: str, drop: int, *, at_finish: bool = False) -> str:
-    """The previous raw output minus its last ``drop`` tokens, moved left past a broken character
-    (U+FFFD) mid-stream; at finish at least one token is kept, unchecked, as the official code does."""
+    """The raw output minus its last ``drop`` tokens and (mid-stream) any broken character, as the official
+    code does."""
     ids = encode_raw(tokenizer, special, raw)
     if at_finish:
         return tokenizer.decode(ids[: max(1, len(ids) - drop)]) if ids else ""

@@ -1,6 +1,5 @@
-"""Encoder output of a growing stream, by 8 s attention window: the rows of windows whose frames are final
-are kept, and in the open one the conv output of whole final 1 s chunks (passed back as its conv head).
-"""
+"""Encoder output of a growing stream by 8 s window, keeping the rows of final windows and the conv output of
+the open window's final chunks."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ class WindowEncoder:
         return WindowEncoding(torch.cat(parts), computed, recomputed, convolved)
 
     def _run(self, mel: StreamingLogMel, window: int) -> EncodeResult:
-        """Encode window ``window`` as far as the stream goes, reusing and then keeping the conv output of
-        its whole final chunks."""
+        """Encode window ``window`` as far as the stream goes, with its final chunks' kept conv output."""
         cf, start = self.chunk_frames, window * self.window_frames
         end = min(mel.frames, start + self.window_frames)
         if window != self._chunks_window:
