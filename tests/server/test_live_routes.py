@@ -326,7 +326,7 @@ def test_protocol_errors_are_events_and_the_session_goes_on(server, clips, offli
 
 def test_audio_sent_faster_than_transcribed_waits_and_is_never_dropped(server, clips, offline) -> None:
     """Three times the clip's 12 s at once, in 2 s appends and one 10 s append bigger than the whole 8 s
-    backlog: no error, every turn transcribed; while the backlog is full the server reads nothing (its
+    backlog: no error, every turn transcribed; while the backlog is full the session takes nothing (its
     progress events never show more waiting than the limit and one append)."""
     async def run() -> list[dict]:
         async with realtime_connect(server) as ws:

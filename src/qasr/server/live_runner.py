@@ -1,7 +1,8 @@
 """One WebSocket connection's live session, its operations run in order on a worker thread.
 
-While the backlog (audio received, not yet processed) is at ``max_backlog_s`` the connection reads
-nothing (``has_room``): TCP slows the client, no audio is dropped.
+While the backlog (audio taken, not yet processed) is at ``max_backlog_s`` the session takes no
+message (``has_room``): the connection reads ahead to a bound, then TCP slows the client; no audio is
+dropped. A client that cannot be sent to is gone: its session is abandoned and freed.
 """
 
 from __future__ import annotations
@@ -59,15 +60,16 @@ class LiveRunner:
         self.failed = False
         self._abandoned = False
         self._working = False
+        self._closing: asyncio.Future | None = None
 
     @property
     def busy(self) -> bool:
         """Work is queued or running (the client is not idle)."""
-        return self._working or not self._queue.empty()
+        return not self._worker.done() and (self._working or not self._queue.empty())
 
     def has_room(self) -> bool:
-        """Whether the connection may read its next message (the backlog is under its limit)."""
-        return self.backlog < self._max_backlog or self.failed or self._abandoned
+        """Whether the connection may take its next message (the backlog is under its limit)."""
+        return self.backlog < self._max_backlog or self.failed or self._abandoned or self._worker.done()
 
     def audio(self, pcm: bytes) -> None:
         """Queue wire PCM in chunks of ``CHUNK`` samples; ValueError for samples that are not audio."""
@@ -105,46 +107,78 @@ class LiveRunner:
             return True
         finishing.cancel()  # only the shield: the worker is stopped below
         # the client hears now; the close finishes in the background
-        closing = asyncio.ensure_future(self.close())
+        closing = self._close_soon()
         _background.add(closing)
         closing.add_done_callback(_closed)
         return False
 
+    @property
+    def closing(self) -> bool:
+        return self._closing is not None
+
     async def close(self) -> None:
-        """Abandon: skip what is queued, stop the worker, free the session's engine state."""
-        self._abandoned = True
-        self._queue.put_nowait(None)
+        """Abandon: skip what is queued, stop the worker, free the session's engine state (idempotent)."""
+        await asyncio.shield(self._close_soon())
+
+    def _close_soon(self) -> asyncio.Future:
+        if self._closing is None:
+            self._abandoned = True
+            self._queue.put_nowait(None)
+            self._closing = asyncio.ensure_future(self._close())
+        return self._closing
+
+    async def _close(self) -> None:
         await asyncio.gather(self._worker, return_exceptions=True)
-        await self._off_loop(self.session.close)
+        await self._free()
+
+    async def _free(self) -> None:
+        try:
+            await self._off_loop(self.session.close)
+        except Exception as exc:  # noqa: BLE001 - the pool is shut down at exit
+            log.debug("a live session's close failed: %r", exc)
 
     async def _run(self) -> None:
-        while (item := await self._queue.get()) is not None:
-            op, samples = item
-            if self.failed or self._abandoned:
-                continue
-            self._working = True
-            try:
-                events = await self._off_loop(functools.partial(self._apply, op, samples))
-            except Exception as exc:  # noqa: BLE001 - reported to the client
-                if self._abandoned:  # e.g. a cut drain closed the engine: the client was told
-                    log.debug("an abandoned live session's last operation failed: %r", exc)
+        try:
+            while (item := await self._queue.get()) is not None:
+                op, samples = item
+                if self.failed or self._abandoned:
                     continue
-                log.exception("live session failed")
-                self.failed = True
-                await self._off_loop(self.session.close)
-                await self._fail(exc)
-                continue
-            finally:
-                self._working = False
-                if samples is not None:  # on the loop's thread, like the additions
-                    self.backlog -= samples.size
-                    self.audio_samples += samples.size
-            if self._abandoned:  # closed while this operation ran
-                continue
-            await self._emit(op, events)
-            if self._progress is not None and self.audio_samples - self._reported >= self._progress_every:
-                self._reported = self.audio_samples
-                await self._progress()
+                self._working = True
+                try:
+                    events = await self._off_loop(functools.partial(self._apply, op, samples))
+                except Exception as exc:  # noqa: BLE001 - reported to the client
+                    if self._abandoned:  # e.g. a cut drain closed the engine: the client was told
+                        log.debug("an abandoned live session's last operation failed: %r", exc)
+                        continue
+                    log.exception("live session failed")
+                    self.failed = True
+                    await self._free()
+                    await self._tell(self._fail(exc))
+                    continue
+                finally:
+                    self._working = False
+                    if samples is not None:  # on the loop's thread, like the additions
+                        self.backlog -= samples.size
+                        self.audio_samples += samples.size
+                if not self._abandoned:  # (closed while this operation ran)
+                    await self._tell(self._report(op, events))
+        finally:
+            self._working = False
+
+    async def _report(self, op: Op, events: list[LiveEvent]) -> None:
+        await self._emit(op, events)
+        if self._progress is not None and self.audio_samples - self._reported >= self._progress_every:
+            self._reported = self.audio_samples
+            await self._progress()
+
+    async def _tell(self, sending: Awaitable[None]) -> None:
+        try:
+            await sending
+        except Exception as exc:  # noqa: BLE001
+            if not self._abandoned:
+                log.debug("a live session's client is gone: %r", exc)
+                self._abandoned = True
+                await self._free()
 
     async def _off_loop(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)

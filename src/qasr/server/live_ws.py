@@ -1,6 +1,6 @@
 """What both live WebSocket protocols share: admission, a serialised JSON sender, and a receive loop
-that closes idle sessions, notices a drain and waits while the backlog is full. Errors are events,
-then a close code (docs/streaming.md).
+that reads ahead (pings stay answered), closes idle sessions, notices a drain or a client gone, and
+waits while the backlog is full. Errors are events, then a close code (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from qasr.server.live_runner import LiveRunner
 from qasr.server.state import ServerState
 
 DRAIN_POLL_S = 0.25
+MAX_UNREAD_BYTES = 16 * 2**20  # read ahead of a session's backlog; then reading pauses (uvicorn's ws_max_size)
 CLOSE_BAD_KEY, CLOSE_BAD_REQUEST, CLOSE_GOING_AWAY = 1008, 4400, 1001
 DRAIN_CUT = "the server is shutting down and its drain timeout passed before this session's last audio was transcribed"
 
@@ -66,67 +68,125 @@ def _authorized(ws: WebSocket, key: str) -> bool:
 
 
 class Channel:
-    """Sends JSON one message at a time; receives with the idle timeout, watching the drain and backlog."""
+    """Sends JSON one message at a time; reads ahead of ``receive`` (pings stay answered while audio waits).
+    A send that fails or cannot finish within the idle timeout means the client is gone."""
 
     def __init__(self, ws: WebSocket, state: ServerState) -> None:
         self.ws = ws
         self.state = state
         self._lock = asyncio.Lock()
+        self.gone: int | None = None  # the close code, once the client left
+        self._unread: deque[dict] = deque()
+        self._unread_bytes = 0
+        self._arrived = asyncio.Event()  # a message came, or the client left
+        self._taken = asyncio.Event()
+        self._reader: asyncio.Task | None = None
 
     async def send(self, message: dict) -> None:
         async with self._lock:
-            if self.ws.application_state == WebSocketState.CONNECTED:
-                await self.ws.send_text(json.dumps(message, ensure_ascii=False))
+            if self.gone is not None:
+                raise WebSocketDisconnect(self.gone)
+            if self.ws.application_state != WebSocketState.CONNECTED:
+                return
+            try:
+                await asyncio.wait_for(self.ws.send_text(json.dumps(message, ensure_ascii=False)),
+                                       self.state.config.live_idle_timeout_s)
+            except (OSError, RuntimeError, TimeoutError, WebSocketDisconnect) as exc:
+                self._left(1006)
+                raise WebSocketDisconnect(1006) from exc
 
     async def receive(self, busy: Callable[[], bool] = lambda: False, room: Callable[[], bool] = lambda: True) -> dict:
-        """The next message (``{"text": ...}`` or ``{"bytes": ...}``); raises WebSocketDisconnect, Idle or
-        Draining. Time while ``busy()`` is not idle; while ``room()`` is false nothing is read."""
-        while not room():
+        """The next message (``{"text": ...}`` or ``{"bytes": ...}``) once ``room()``; raises
+        WebSocketDisconnect, Idle or Draining. Time while ``busy()`` or without room is not idle."""
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+        loop = asyncio.get_running_loop()
+        quiet_since = loop.time()
+        while True:
+            self._arrived.clear()
+            if self.gone is not None:
+                raise WebSocketDisconnect(self.gone)
             if self.state.draining:
                 raise Draining()
-            await asyncio.sleep(DRAIN_POLL_S / 5)  # a full backlog is being worked on: never idle
-        if self.state.draining:
-            raise Draining()
-        timeout = self.state.config.live_idle_timeout_s
-        waited = 0.0
-        pending = asyncio.ensure_future(self.ws.receive())
+            has_room = room()
+            if has_room and self._unread:
+                message = self._unread.popleft()
+                self._unread_bytes -= _size(message)
+                self._taken.set()
+                return message
+            if busy() or not has_room:
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= self.state.config.live_idle_timeout_s:
+                raise Idle()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), DRAIN_POLL_S if has_room else DRAIN_POLL_S / 5)
+
+    async def _read(self) -> None:
         try:
             while True:
-                done, _ = await asyncio.wait({pending}, timeout=DRAIN_POLL_S)
-                if done:
-                    message = pending.result()
-                    if message["type"] == "websocket.disconnect":
-                        raise WebSocketDisconnect(message.get("code", 1000))
-                    return message
-                waited = 0.0 if busy() else waited + DRAIN_POLL_S
-                if self.state.draining:
-                    raise Draining()
-                if waited >= timeout:
-                    raise Idle()
-        finally:
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
+                while self._unread_bytes >= MAX_UNREAD_BYTES:
+                    self._taken.clear()
+                    await self._taken.wait()
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    self._left(message.get("code", 1000))
+                    return
+                self._unread.append(message)
+                self._unread_bytes += _size(message)
+                self._arrived.set()
+        except Exception:  # noqa: BLE001 - a connection starlette no longer reads: gone
+            self._left(1006)
+
+    def _left(self, code: int) -> None:
+        if self.gone is None:
+            self.gone = code
+        self._arrived.set()
+
+    async def stop(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader
+        self._unread.clear()
+        self._unread_bytes = 0
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         async with self._lock:
-            if self.ws.application_state == WebSocketState.CONNECTED:
+            if self.gone is None and self.ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):  # the client may be gone already
-                    await self.ws.close(code, reason[:120])
+                    await asyncio.wait_for(self.ws.close(code, reason[:120]), self.state.config.live_idle_timeout_s)
 
 
-async def hold_session(state: ServerState, body: Callable[[], Awaitable[None]]) -> None:
-    """Count the session as open (the limit, /metrics, the drain) while ``body`` runs."""
+def _size(message: dict) -> int:
+    return len(message.get("bytes") or b"") + len(message.get("text") or "")
+
+
+async def hold_session(state: ServerState, channel: Channel, body: Callable[[], Awaitable[None]]) -> None:
+    """Count the session as open (the limit, /metrics, the drain) while ``body`` runs; then stop reading."""
     state.live_sessions += 1
     state.in_flight += 1
     state.metrics.live_sessions.set(state.live_sessions)
     try:
         await body()
     finally:
-        state.live_sessions -= 1
-        state.in_flight -= 1
-        state.metrics.live_sessions.set(state.live_sessions)
+        try:
+            await channel.stop()
+        finally:
+            state.live_sessions -= 1
+            state.in_flight -= 1
+            state.metrics.live_sessions.set(state.live_sessions)
+
+
+async def unless_gone(sending: Awaitable[None]) -> None:
+    """``await sending``, unless the client is gone."""
+    with contextlib.suppress(WebSocketDisconnect):
+        await sending
+
+
+async def end_session(runner: LiveRunner | None) -> None:
+    """Free the session, unless a cut drain's close is under way."""
+    if runner is not None and not runner.closing:
+        await runner.close()
 
 
 async def drain_session(runner: LiveRunner | None, state: ServerState) -> str:

@@ -22,9 +22,11 @@ from qasr.server.live_ws import (
     Draining,
     Idle,
     drain_session,
+    end_session,
     hold_session,
     offered_subprotocols,
     refusal,
+    unless_gone,
 )
 from qasr.server.state import ServerState
 from qasr.streaming import (
@@ -57,10 +59,10 @@ async def stream(ws: WebSocket) -> None:
     channel = Channel(ws, state)
     why = refusal(ws, state)
     if why is not None:
-        await channel.send({"type": "error", "code": why.code, "message": why.message})
+        await unless_gone(channel.send({"type": "error", "code": why.code, "message": why.message}))
         await channel.close(why.close_code, why.message)
         return
-    await hold_session(state, lambda: _serve(channel, state))
+    await hold_session(state, channel, lambda: _serve(channel, state))
 
 
 async def _serve(channel: Channel, state: ServerState) -> None:
@@ -121,22 +123,17 @@ async def _serve(channel: Channel, state: ServerState) -> None:
                 return
             message = None
     except WebSocketDisconnect:
-        if runner is not None:
-            await runner.close()
+        pass  # the client left: its session is freed below
     except Idle:
-        await channel.send({"type": "error", "code": "session_idle",
-                            "message": f"nothing received for {state.config.live_idle_timeout_s:g} s: closed"})
-        if runner is not None:
-            await runner.close()
+        await unless_gone(channel.send({"type": "error", "code": "session_idle", "message": "nothing received for "
+                                        f"{state.config.live_idle_timeout_s:g} s: closed"}))
         await channel.close(1000, "idle")
     except Draining:  # the audio received gets its transcript (within the drain's deadline), then 1001
         why = await drain_session(runner, state)
-        await channel.send({"type": "error", "code": "shutting_down", "message": why})
+        await unless_gone(channel.send({"type": "error", "code": "shutting_down", "message": why}))
         await channel.close(CLOSE_GOING_AWAY, "server shutting down")
-    except BaseException:
-        if runner is not None:
-            await runner.close()
-        raise
+    finally:
+        await end_session(runner)
 
 
 async def _handle(message: dict, runner: LiveRunner, channel: Channel) -> bool:

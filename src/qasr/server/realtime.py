@@ -26,9 +26,11 @@ from qasr.server.live_ws import (
     Draining,
     Idle,
     drain_session,
+    end_session,
     hold_session,
     offered_subprotocols,
     refusal,
+    unless_gone,
 )
 from qasr.server.state import ServerState
 from qasr.streaming import (
@@ -125,7 +127,7 @@ async def realtime(ws: WebSocket) -> None:
         await channel.send(_error(why.code, why.message))
         await channel.close(why.close_code, why.message)
         return
-    await hold_session(state, RealtimeConnection(channel, state).run)
+    await hold_session(state, channel, RealtimeConnection(channel, state).run)
 
 
 class RealtimeConnection:
@@ -147,9 +149,10 @@ class RealtimeConnection:
         self.runner = self._new_runner()
 
     async def run(self) -> None:
-        await self._send("session.created", session=self._session(), id=self._session_id, created=int(time.time()))
-        await self._progress()  # the backlog, so a client can pace itself from its first append
         try:
+            await self._send("session.created", session=self._session(), id=self._session_id,
+                             created=int(time.time()))
+            await self._progress()  # the backlog, so a client can pace itself from its first append
             while not self.runner.failed:  # a failed session was reported and closed by _fail
                 message = await self.channel.receive(lambda: self.runner.busy, lambda: self.runner.has_room())
                 if message.get("text") is None:
@@ -158,18 +161,16 @@ class RealtimeConnection:
                     continue
                 await self._handle(message["text"])
         except WebSocketDisconnect:
-            await self.runner.close()  # the client left: free its session now
+            pass  # the client left: its session is freed below
         except Idle:
-            await self._send_error("session_idle", f"no event for {self.state.config.live_idle_timeout_s:g} s: "
-                                   "the session is closed")
-            await self.runner.close()
+            await unless_gone(self._send_error("session_idle", f"no event for "
+                                               f"{self.state.config.live_idle_timeout_s:g} s: the session is closed"))
             await self.channel.close(1000, "idle")
         except Draining:  # the audio received still gets its transcript, by the deadline
-            await self._send_error("shutting_down", await drain_session(self.runner, self.state))
+            await unless_gone(self._send_error("shutting_down", await drain_session(self.runner, self.state)))
             await self.channel.close(CLOSE_GOING_AWAY, "server shutting down")
-        except BaseException:
-            await self.runner.close()
-            raise
+        finally:
+            await end_session(self.runner)
 
     # --- client events
     async def _handle(self, text: str) -> None:
