@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+# Why a piece's text ended, one vocabulary from the engine to the outputs (docs/output-formats.md): "stop" the
+# model's EOS, "length" max_new_tokens, "malformed" no <asr_text> tag (set when the text is read).
+FinishReason = Literal["stop", "length", "malformed"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +26,7 @@ class Segment:
     end: float
     text: str
     words: tuple[Word, ...] = ()
-    finish_reason: str = "stop"  # "stop", or "length": cut at max_new_tokens
+    finish_reason: FinishReason = "stop"
     # Whisper's mean token log-probability; not compared (low bits depend on the batch)
     avg_logprob: float | None = field(default=None, compare=False)
     # UTF-8 bytes of ``text`` over their zlib size
@@ -39,7 +44,7 @@ class Transcription:
     error: str | None = None
     source: str = ""
     # the segments' worst; None when the input failed
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # "word" when every segment with text has word times
     timestamps: str = "segment"
 
@@ -54,6 +59,6 @@ class Transcription:
 FINISH_SEVERITY = {"stop": 0, "length": 1, "malformed": 2}  # unknown reasons rank above
 
 
-def worst_finish_reason(reasons: Iterable[str]) -> str:
+def worst_finish_reason(reasons: Iterable[FinishReason]) -> FinishReason:
     """The worst of the segments' reasons ("stop" for none)."""
     return max(reasons, key=lambda r: FINISH_SEVERITY.get(r, len(FINISH_SEVERITY)), default="stop")

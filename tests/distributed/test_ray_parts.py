@@ -29,10 +29,10 @@ def pieces(tiny_asr):
 
 def _outcomes(tiny_asr) -> list[GenerationResult]:
     tok = tiny_asr._core.checkpoint.tokenizer
-    return [GenerationResult(tok.encode("language English<asr_text>one two"), "eos", 0.0, 0.0),
-            GenerationResult(tok.encode("langu"), "eos", 0.0, 0.0),  # no tag: malformed, no text
+    return [GenerationResult(tok.encode("language English<asr_text>one two"), "stop", 0.0, 0.0),
+            GenerationResult(tok.encode("langu"), "stop", 0.0, 0.0),  # no tag: malformed, no text
             GenerationResult(tok.encode("language Chinese<asr_text>你好"), "length", 0.0, 0.0),
-            GenerationResult(tok.encode("language English<asr_text>three"), "eos", 0.0, 0.0)]
+            GenerationResult(tok.encode("language English<asr_text>three"), "stop", 0.0, 0.0)]
 
 
 def _merged(tiny_asr, pieces, outcomes, words: bool) -> tuple[Transcription, Transcription]:

@@ -61,7 +61,7 @@ def test_eos_is_left_out_like_the_ids(ck) -> None:
         engine.eos = eos
         result = engine.submit(RequestSpec(prompt_for(ck, wave), 24, waveform=wave)).result(WAIT_S)
     cut = next(i for i, t in enumerate(forced.token_ids) if t in eos)
-    assert result.finish_reason == "eos" and result.token_ids == forced.token_ids[:cut]
+    assert result.finish_reason == "stop" and result.token_ids == forced.token_ids[:cut]
     assert result.logprobs == forced.logprobs[:cut]
 
 
@@ -156,9 +156,9 @@ def test_compression_ratio_of_known_strings() -> None:
 
 
 def test_avg_logprob_is_the_mean_over_the_generated_tokens() -> None:
-    assert avg_logprob(GenerationResult([5, 6, 7], "eos", 0.0, 0.0, logprobs=(-0.5, -1.0, -3.0))) == -1.5
-    assert avg_logprob(GenerationResult([], "eos", 0.0, 0.0)) is None  # nothing generated
-    assert avg_logprob(GenerationResult([5], "eos", 0.0, 0.0)) is None  # a result made without logprobs
+    assert avg_logprob(GenerationResult([5, 6, 7], "stop", 0.0, 0.0, logprobs=(-0.5, -1.0, -3.0))) == -1.5
+    assert avg_logprob(GenerationResult([], "stop", 0.0, 0.0)) is None  # nothing generated
+    assert avg_logprob(GenerationResult([5], "stop", 0.0, 0.0)) is None  # a result made without logprobs
 
 
 def test_a_transcribed_segment_carries_the_reference_avg_logprob(tiny_asr) -> None:

@@ -92,9 +92,9 @@ def test_a_request_that_ends_among_kept_guesses_stops_there(engine, monkeypatch)
     first = t.index(stop)
     monkeypatch.setattr(engine, "eos", frozenset({stop}))
     plain, heard_plain, *_ = run(engine, wave, ignore_eos=False)
-    assert plain.finish_reason == "eos" and plain.token_ids == t[:first]
+    assert plain.finish_reason == "stop" and plain.token_ids == t[:first]
     got, heard, rows, kept, _ = run(engine, wave, draft=t, ignore_eos=False)
-    assert (got.token_ids, got.logprobs, got.finish_reason) == (plain.token_ids, plain.logprobs, "eos")
+    assert (got.token_ids, got.logprobs, got.finish_reason) == (plain.token_ids, plain.logprobs, "stop")
     assert heard == heard_plain and kept >= first - 1
     monkeypatch.undo()
     for cap in (1, 2, 5, 9):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import threading
 import time
+import typing
 from concurrent.futures import CancelledError
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from qasr.engine.request import GenerationResult
 from qasr.model.checkpoint import load_checkpoint
 from qasr.model.weights import resolve_model_dir
 from qasr.outputs.writers import render
+from qasr.results import FINISH_SEVERITY, FinishReason
 from qasr.testing import make_tiny_checkpoint
 from qasr.testing.speech import convert, speak
 
@@ -218,7 +220,7 @@ def test_prepare_raises_naming_the_bad_input(tiny_asr, tmp_path) -> None:
     pieces = tiny_asr._core.prepare([good, good], TranscribeOptions(language=["en", None]))
     assert [(p.item, p.language) for p in pieces] == [(0, "English"), (1, None)]
     with pytest.raises(ValueError, match="several inputs"):
-        tiny_asr._core.assemble(pieces, [GenerationResult([1], "eos", 0.0, 0.0)] * 2)
+        tiny_asr._core.assemble(pieces, [GenerationResult([1], "stop", 0.0, 0.0)] * 2)
     with pytest.raises(AudioError, match="missing.wav"):
         tiny_asr._core.prepare([good, tmp_path / "missing.wav"])
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -252,10 +254,16 @@ def test_finish_reason_and_the_cut_warning(demo_asr, caplog) -> None:
     assert data["finish_reason"] == "length" and data["segments"][0]["finish_reason"] == "length"
 
 
+def test_one_finish_reason_vocabulary() -> None:
+    """The engine's GenerationResult, segments and transcriptions share the words ranked by severity."""
+    assert typing.get_args(FinishReason) == tuple(FINISH_SEVERITY) == ("stop", "length", "malformed")
+    assert typing.get_type_hints(GenerationResult)["finish_reason"] == FinishReason
+
+
 def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
     pieces = split_asr._core.prepare((noise(25.0, seed=3), 16000), TranscribeOptions(language="en"))
-    ends = [GenerationResult([5, 6], "eos", 0.0, 0.0), GenerationResult([7], "length", 0.0, 0.0),
-            GenerationResult([8], "eos", 0.0, 0.0)]
+    ends = [GenerationResult([5, 6], "stop", 0.0, 0.0), GenerationResult([7], "length", 0.0, 0.0),
+            GenerationResult([8], "stop", 0.0, 0.0)]
     r = split_asr._core.assemble(pieces, ends)
     assert [s.finish_reason for s in r.segments] == ["stop", "length", "stop"]
     assert r.finish_reason == "length" and r.token_ids == (5, 6, 7, 8)
@@ -263,8 +271,8 @@ def test_worst_finish_reason_of_a_split_input(split_asr) -> None:
     assert failed.error == "array input: boom" and failed.finish_reason is None
     auto = split_asr._core.prepare((noise(25.0, seed=3), 16000))  # detect the language: the tag must come out
     tok = split_asr._core.checkpoint.tokenizer
-    tagged = GenerationResult(tok.encode("language English<asr_text>hello there"), "eos", 0.0, 0.0)
-    fragment = GenerationResult(tok.encode("langu"), "eos", 0.0, 0.0)
+    tagged = GenerationResult(tok.encode("language English<asr_text>hello there"), "stop", 0.0, 0.0)
+    fragment = GenerationResult(tok.encode("langu"), "stop", 0.0, 0.0)
     r = split_asr._core.assemble(auto, [tagged, fragment, tagged])
     assert [s.finish_reason for s in r.segments] == ["stop", "malformed", "stop"]
     assert [s.text for s in r.segments] == ["hello there", "", "hello there"]

@@ -398,7 +398,7 @@ class Engine:
                 continue
             reason = None
             if not req.spec.ignore_eos and token in self.eos:
-                reason = "eos"
+                reason = "stop"
             else:
                 req.output.append(token)
                 if len(req.output) > req.delivered:  # not a recomputed token

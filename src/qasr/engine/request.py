@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qasr.results import FinishReason
+
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 
@@ -30,7 +32,7 @@ class KVLease:
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # EOS excluded
-    finish_reason: str  # "eos" | "length"
+    finish_reason: FinishReason  # "stop" (EOS) or "length" (max_new_tokens)
     ttft_s: float
     latency_s: float
     kv: KVLease | None = None

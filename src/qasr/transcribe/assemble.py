@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from qasr.engine.request import GenerationResult
 from qasr.model.prompt import ASR_TEXT_TAG, merge_languages
 from qasr.model.tokenizer import Tokenizer
-from qasr.results import Segment, Transcription, Word, worst_finish_reason
+from qasr.results import FinishReason, Segment, Transcription, Word, worst_finish_reason
 from qasr.transcribe.pieces import Piece, read_output
 from qasr.transcribe.text import join_segment_texts
 from qasr.transcribe.word_confidence import with_probabilities
@@ -22,7 +22,6 @@ from qasr.transcribe.words import Aligned
 log = logging.getLogger(__name__)
 
 Outcome = GenerationResult | Aligned | BaseException  # what became of one piece's request
-_FINISH = {"eos": "stop", "length": "length"}  # the engine's words -> OpenAI's
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ def read_piece(tokenizer: Tokenizer, piece: Piece, outcome: Outcome, source: str
         return f"{source}: {why}"
     raw = tokenizer.decode(outcome.token_ids, skip_special_tokens=True)
     lang, text, malformed = read_output(raw, piece)
-    reason = _FINISH.get(outcome.finish_reason, outcome.finish_reason)
+    reason: FinishReason = outcome.finish_reason
     if malformed and reason != "length":
         reason = "malformed"
         if warn:
