@@ -152,7 +152,7 @@ def test_usage_errors_come_before_any_work(folder, tmp_path) -> None:
         assert "Traceback" not in out.stderr and time.monotonic() - started < 20
     (tmp_path / "empty").mkdir()
     out = qasr("transcribe", str(tmp_path / "empty"), *DEMO)
-    assert out.returncode == 2 and "no audio or video files" in out.stderr
+    assert out.returncode == 1 and "no audio or video files" in out.stderr  # no input: README's exit 1
     out = qasr("transcribe", str(folder / "a" / "clip.wav"), "--language", "fr", *DEMO)
     assert out.returncode == 2 and "not supported by this model" in out.stderr and "English" in out.stderr
 

@@ -11,7 +11,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from qasr import TranscribeOptions, VadConfig
 from qasr.cli.main import build_parser
-from qasr.transcribe.options import from_flags
+from qasr.transcribe.options import from_flags, model_language
 
 
 @pytest.mark.parametrize(("given", "message"), [
@@ -80,7 +80,28 @@ def test_an_unknown_language_fails_before_the_model_loads(tmp_path, capsys) -> N
 
     (tmp_path / "a.wav").write_bytes(b"")
     assert main(["transcribe", str(tmp_path / "a.wav"), "-m", str(tmp_path / "no-model"), "--language", "xx"]) == 2
-    assert "unsupported language 'xx'" in capsys.readouterr().err
+    assert "language 'xx' is not supported by this model; supported: Chinese, English" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("lang", "supported", "message"), [
+    ("Englsh", ("English",), "language 'Englsh' is not supported by this model (did you mean English?); "
+                             "supported: English"),
+    ("eng", ("English", "German"), "(did you mean English?); supported: English, German"),
+    ("germn", ("English", "German"), "(did you mean German?)"),
+    ("fr", ("English",), "language 'fr' is not supported by this model; supported: English"),
+    ("French", ("English",), "language 'French' is not supported by this model; supported: English"),
+    ("Klingon", ("English",), "language 'Klingon' is not supported by this model; supported: English"),
+])
+def test_a_language_error_lists_the_models_languages_and_the_closest(lang: str, supported: tuple,
+                                                                     message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        model_language(lang, supported)
+    assert message in str(info.value)
+
+
+def test_a_language_the_model_lists_is_its_canonical_name() -> None:
+    assert model_language("EN", ("English",)) == "English" and model_language("yue", ("Cantonese",)) == "Cantonese"
+    assert model_language(None, ("English",)) is None and model_language(" ", ()) is None
 
 
 def test_the_server_form_becomes_options() -> None:

@@ -7,6 +7,8 @@ errors answer at once, and torch loads when there is work to do.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import logging
 import os
 import signal
@@ -23,7 +25,7 @@ from qasr.cli.argtypes import (
     probability,
 )
 from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
-from qasr.transcribe.options import add_flags, from_flags  # no torch
+from qasr.transcribe.options import add_flags, from_flags, model_language  # no torch
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 FORMATS = ("txt", "json", "srt", "vtt", "tsv")  # kept equal to qasr.outputs.writers.FORMATS (a test checks)
@@ -33,14 +35,14 @@ EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qasr", description="Fast, exact Qwen3-ASR speech recognition.")
     parser.add_argument("--version", action="version", version=f"qasr {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     t = sub.add_parser(
         "transcribe", help="transcribe audio and video files or folders of them",
         description="Transcribe audio and video files (wav, flac, mp3, ogg/opus, m4a, webm, mp4, ...) or "
                     "folders of them. With -o, outputs mirror the inputs' relative paths under OUT, each written "
-                    "atomically; inputs whose outputs all exist are skipped, so rerunning the same command after "
-                    "an interruption redoes only the unfinished ones. Failures are listed in OUT/failed.tsv and "
-                    "make the exit status 1.")
+                    "atomically; inputs whose outputs all exist are skipped (--overwrite redoes them), so "
+                    "rerunning the same command after an interruption redoes only the unfinished ones. Failures "
+                    "are listed in OUT/failed.tsv and make the exit status 1.")
     t.add_argument("paths", nargs="+", metavar="INPUT", help="audio/video files or folders")
     t.add_argument("-m", "--model", default=DEFAULT_MODEL,
                    help=f"checkpoint directory or hub id (default {DEFAULT_MODEL})")
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "to stdout: one format, and json becomes JSON Lines")
     t.add_argument("-o", "--output-dir", type=Path, default=None, metavar="OUT",
                    help="write outputs under this folder instead of printing to stdout")
+    t.add_argument("--overwrite", action="store_true",
+                   help="transcribe inputs whose outputs exist in OUT too, replacing them (default: skip them)")
     t.add_argument("-r", "--recursive", action="store_true", help="look for media files in subfolders too")
     t.add_argument("--vad-backend", default="auto", choices=("auto", "silero", "energy"),
                    help="speech detector: silero (needs the vad extra), energy, or auto (silero when installed)")
@@ -84,6 +88,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# other tools' flags (whisper, faster-whisper, whisper-ctranslate2) -> qasr's, for the hint of an unknown flag
+OTHER_SPELLINGS = {
+    "--output_format": "-f/--format", "--output_dir": "-o/--output-dir", "--word_timestamps": "--timestamps word",
+    "--compute_type": "--dtype or --quantize", "--model_size": "-m/--model", "--model_name": "-m/--model",
+    "--model_dir": "-m/--model", "--model_directory": "-m/--model", "--initial_prompt": "--context",
+    "--prompt": "--context", "--hotwords": "--context", "--vad_filter": "--segmentation vad",
+    "--batch_size": "--max-running", "--verbose": "--progress",
+}
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown argument is reported with the subcommand's usage, and an unknown flag
+    with the closest flag of the subcommand (other tools' spellings included)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            hints = [f"{flag}: did you mean {hint}?" for flag in extras if (hint := self._closest(flag))]
+            self.error("; ".join([f"unrecognized arguments: {' '.join(extras)}", *hints]))
+        return namespace, extras
+
+    def _closest(self, flag: str) -> str | None:
+        flag = flag.split("=", 1)[0]
+        known = self._option_string_actions
+        hint = OTHER_SPELLINGS.get(flag) or (flag.replace("_", "-") if flag.startswith("--") else "")
+        if hint.split(" ")[0].split("/")[-1] in known:
+            return hint
+        if not flag.startswith("-"):
+            return None
+        close = difflib.get_close_matches(flag[2:], [k[2:] for k in known if k.startswith("--")], n=1)
+        return "--" + close[0] if close else None
+
+
 def _formats(text: str) -> tuple[str, ...]:
     formats = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",") if f.strip()))
     unknown = [f for f in formats if f not in FORMATS]
@@ -98,13 +135,23 @@ def _usage_problem(args: argparse.Namespace, inputs: list[str]) -> str | None:
     out = args.output_dir
     if out is not None and out.exists() and not out.is_dir():
         return f"-o {out}: exists and is not a folder"
-    if not inputs:
-        return "no audio or video files found in " + ", ".join(args.paths)
     if out is None and len(args.format) > 1:
         return "several formats need -o OUT (stdout takes one)"
     if out is None and len(inputs) > 1 and args.format[0] in ("srt", "vtt", "tsv"):
         return f"{args.format[0]} for several inputs needs -o OUT (one file per input)"
     return None
+
+
+def _model_languages(model: str) -> tuple[str, ...]:
+    """The languages a local checkpoint's config.json lists (Qwen3-ASR's for a hub id or a config without)."""
+    from qasr.model.prompt import SUPPORTED_LANGUAGES
+
+    try:
+        with open(os.path.join(os.path.expanduser(model), "config.json"), encoding="utf-8") as f:
+            listed = json.load(f).get("support_languages")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    return tuple(listed or SUPPORTED_LANGUAGES)
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
@@ -116,18 +163,26 @@ def transcribe_command(args: argparse.Namespace) -> int:
 
     inputs = find_inputs(args.paths, args.recursive)
     problem = _usage_problem(args, inputs)
-    try:
-        from_flags(args)  # a bad option (a language no Qwen3-ASR model knows) fails before the model loads
+    try:  # a bad option fails before the model loads
+        model_language(args.language, _model_languages(args.model))
+        from_flags(args)
     except ValueError as exc:
         problem = problem or str(exc)
     if problem is not None:
         print(f"qasr: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    if not inputs:
+        print(f"qasr: error: no audio or video files found in {', '.join(args.paths)}", file=sys.stderr)
+        return EXIT_FAILED
+    aligner = args.aligner
+    if aligner is not None and args.timestamps != "word":
+        print("qasr: warning: --aligner is used only with --timestamps word; not loading it", file=sys.stderr)
+        aligner = None
     jobs = plan_jobs(inputs, args.output_dir)
-    todo = [job for job in jobs if not job.done(args.format)]
+    todo = jobs if args.overwrite else [job for job in jobs if not job.done(args.format)]
     if len(todo) < len(jobs):
-        print(f"qasr: {len(jobs) - len(todo)} of {len(jobs)} inputs already have their outputs; skipping them",
-              file=sys.stderr)
+        print(f"qasr: {len(jobs) - len(todo)} of {len(jobs)} inputs already have their outputs; skipping them "
+              "(--overwrite redoes them)", file=sys.stderr)
     if not todo:
         update_failed_list(args.output_dir, [])
         return 0
@@ -148,7 +203,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
     from qasr.transcribe.asr import ASR
 
     try:
-        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
+        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=aligner,
                                   quantize=args.quantize, engine=EngineConfig(max_running=args.max_running,
                                                                 kv_cache_dtype=args.kv_cache_dtype))
         core = asr._core

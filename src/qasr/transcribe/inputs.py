@@ -14,8 +14,7 @@ import numpy as np
 from qasr.audio.cutting import SegmentCutter
 from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, named_audio_error
 from qasr.model.checkpoint import Checkpoint
-from qasr.model.prompt import normalize_language
-from qasr.transcribe.options import TranscribeOptions
+from qasr.transcribe.options import TranscribeOptions, model_language
 from qasr.transcribe.options import cut as cut_input
 from qasr.transcribe.pieces import Piece, make_piece, make_pieces
 
@@ -27,10 +26,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 def canonical_language(lang: str | None, supported: Sequence[str]) -> str | None:
     """A language name or ISO code, canonical (None: detect); ValueError when not ``supported``."""
-    name = normalize_language(lang)
-    if name is not None and name not in supported:
-        raise ValueError(f"language {lang!r} is not supported by this model; supported: {', '.join(supported)}")
-    return name
+    return model_language(lang, supported)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -83,6 +84,23 @@ class TranscribeOptions:
 
 class ModelDefaults(Protocol):
     max_segment_s: float
+
+
+def model_language(lang: str | None, supported: Sequence[str]) -> str | None:
+    """``lang`` (a name or ISO code, any case) as the name ``supported`` lists; None or blank: detect. The
+    ValueError lists ``supported`` and the closest of them, for names and codes alike."""
+    from qasr.model.prompt import LANGUAGE_CODES, normalize_language
+
+    try:
+        name = normalize_language(lang)
+    except ValueError:
+        name = ""
+    if name is None or name in supported:
+        return name
+    spellings = {n.lower(): n for n in supported} | {c: n for c, n in LANGUAGE_CODES.items() if n in supported}
+    close = difflib.get_close_matches(str(lang).strip().lower(), spellings, n=1)
+    hint = f" (did you mean {spellings[close[0]]}?)" if close else ""
+    raise ValueError(f"language {lang!r} is not supported by this model{hint}; supported: {', '.join(supported)}")
 
 
 def cut(item: object, options: TranscribeOptions) -> Cut:
