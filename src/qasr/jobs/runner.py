@@ -29,7 +29,7 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=round(total_s, 1) or None, unit="s", file=sys.stderr, dynamic_ncols=True,
+            self.bar = tqdm(total=total_s or None, unit="s", file=sys.stderr, dynamic_ncols=True,
                             bar_format="{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of audio "
                                        "[{elapsed}<{remaining}{postfix}]")
             self._show()
@@ -52,8 +52,12 @@ class Progress:
         assert self.bar is not None
         self.bar.set_postfix_str(f"{self.files_done}/{self.files} files, RTFx {self.rtfx():.1f}", refresh=True)
 
-    def close(self) -> None:
+    def close(self, complete: bool = False) -> None:
+        """``complete``: every input is done, so the bar ends full (decoded lengths differ from headers')."""
         if self.bar is not None:
+            if complete and self.bar.total:
+                self.bar.n = self.bar.total
+                self._show()
             self.bar.close()
 
 
@@ -96,7 +100,7 @@ def run_jobs(asr: ASR, jobs: list[Job], args: argparse.Namespace, total_inputs: 
         return EXIT_INTERRUPTED
     finally:
         sys.stdout.flush()
-    progress.close()
+    progress.close(complete=True)
     report_failures(args.output_dir, failures, len(jobs))
     return EXIT_FAILED if failures else EXIT_OK
 
