@@ -7,8 +7,11 @@ the engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,3 +280,20 @@ def test_two_engines_on_one_checkpoint_leave_the_model_untouched(ck128) -> None:
     assert b.submit(RequestSpec(prompt_for(ck128, w), 5, waveform=w)).result().token_ids is not None
     a.close()
     b.close()
+
+
+def test_the_kernel_line_names_its_model(caplog) -> None:
+    """A server with an aligner logs two kernel lines: each says whose."""
+    models = Path(__file__).resolve().parents[2] / "models"
+    with caplog.at_level(logging.INFO, logger="qasr.engine"):
+        for folder in ("qasr-demo-en", "qasr-demo-aligner-en"):
+            checkpoint = load_checkpoint(models / folder, device="cpu", dtype="float32")
+            Engine(checkpoint, EngineConfig(kv_cache_bytes=KV)).close()
+    lines = [r.getMessage() for r in caplog.records if ": CPU kernels: " in r.getMessage()]
+    assert [line.split(": CPU kernels: ")[0] for line in lines] == ["qasr: model qasr-demo-en",
+                                                                     "qasr: aligner qasr-demo-aligner-en"]
+
+
+def test_a_cached_snapshot_is_labelled_by_its_hub_id(ck) -> None:
+    snapshot = Path("/cache/hub/models--Qwen--Qwen3-ASR-0.6B/snapshots/0123abcd")
+    assert dataclasses.replace(ck, path=snapshot).label == "model Qwen/Qwen3-ASR-0.6B"

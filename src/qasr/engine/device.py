@@ -25,9 +25,9 @@ def backend_for(model: Qwen3ASRModel, backend: str = "auto") -> str:
 
 
 def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "auto",
-                  quantize: str | None = None) -> PreparedModel:
+                  quantize: str | None = None, label: str = "model") -> PreparedModel:
     """The model prepared for its backend (never modified), shared by every engine on it. ``native=False``
-    keeps to torch ops; ``quantize`` ("int8", "int4") is CPU only."""
+    keeps to torch ops; ``quantize`` ("int8", "int4") is CPU only; ``label`` names the model in the log."""
     chosen = backend_for(model, backend)
     if quantize is not None and (chosen != "cpu" or model.device.type != "cpu"):
         raise ValueError(f"quantize={quantize!r} runs on the CPU backend only (no {chosen} {quantize} kernels yet): "
@@ -35,17 +35,17 @@ def prepare_model(model: Qwen3ASRModel, native: bool = True, backend: str = "aut
     cached = _prepared.setdefault(model, {})
     key = (chosen, native, quantize)
     if key not in cached:
-        cached[key] = _prepare(model, native, chosen, quantize)
+        cached[key] = _prepare(model, native, chosen, quantize, label)
     return cached[key]
 
 
-def _prepare(model: Qwen3ASRModel, native: bool, chosen: str, quantize: str | None) -> PreparedModel:
+def _prepare(model: Qwen3ASRModel, native: bool, chosen: str, quantize: str | None, label: str) -> PreparedModel:
     if chosen == "cuda":
         from qasr.engine.cuda.prepare import prepare_cuda
 
-        return prepare_cuda(model, native)
+        return prepare_cuda(model, native, label)
     if model.device.type == "cpu":
         from qasr.engine.cpu.prepare import prepare_cpu
 
-        return prepare_cpu(model, native, quantize)
+        return prepare_cpu(model, native, quantize, label=label)
     return PreparedModel(model, TORCH_KERNELS, backend="torch")

@@ -55,7 +55,8 @@ class Engine:
         self.checkpoint = checkpoint
         self.config = config
         self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
-                                                 backend=config.backend, quantize=config.quantize)
+                                                 backend=config.backend, quantize=config.quantize,
+                                                 label=checkpoint.label)
         model = prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype, config.kv_cache_dtype)
         budget = config.kv_cache_bytes or default_kv_bytes(model.device)

@@ -33,6 +33,14 @@ class Checkpoint:
         return self.model.device
 
     @property
+    def label(self) -> str:
+        """"model NAME" or "aligner NAME" for messages: the folder's name, a cached snapshot's hub id."""
+        path = self.path
+        name = path.parent.parent.name.removeprefix("models--").replace("--", "/") \
+            if path.parent.name == "snapshots" else path.name
+        return f"{'aligner' if self.config.is_aligner else 'model'} {name}"
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 

@@ -29,7 +29,8 @@ Conv = Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]
 
 
 def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = None,
-                int8_kernel: ModuleType | None = None, int4_kernel: ModuleType | None = None) -> PreparedModel:
+                int8_kernel: ModuleType | None = None, int4_kernel: ModuleType | None = None,
+                label: str = "model") -> PreparedModel:
     """The model's kernels for this CPU. ``quantize="int8"``: linears and the 480-channel convolutions in int8
     (int8.py) on ``int8_kernel``, else the native module, else the torch reference (same bits); ``"int4"``: the
     same, with the decoder's linears and LM head in int4 (int4.py)."""
@@ -94,7 +95,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
                              chunk_invariant_prefill=prefill is not None and rows_invariant,
                              # the per-row fused norms are the bf16 ones (float32's compose torch ops)
                              row_invariant_decode=decode is not None and bf16 and rows_invariant)
-    log.info("qasr: CPU kernels: %s", prepared.description)
+    log.info("qasr: %s: CPU kernels: %s", label, prepared.description)
     return prepared
 
 

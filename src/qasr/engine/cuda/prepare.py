@@ -37,7 +37,7 @@ def make_runner(prepared: PreparedModel, pool: TokenKVPool, features: FeatureCon
     return CudaRunner(prepared, pool, features, config.conv_batch, graphs=mode, max_rows=config.max_running)
 
 
-def prepare_cuda(model: Qwen3ASRModel, native: bool = True) -> PreparedModel:
+def prepare_cuda(model: Qwen3ASRModel, native: bool = True, label: str = "model") -> PreparedModel:
     """``native=False`` keeps to the portable attention (no flash, no graphs)."""
     dec = model.cfg.decoder
     if native:
@@ -51,5 +51,5 @@ def prepare_cuda(model: Qwen3ASRModel, native: bool = True) -> PreparedModel:
     prepared = PreparedModel(model, TORCH_KERNELS, description=f"torch GEMM, {what}",
                              make_pool=functools.partial(TokenKVPool, attention=attention),
                              make_runner=functools.partial(make_runner, flash=flash), backend="cuda")
-    log.info("qasr: CUDA backend on %s: %s", model.device, prepared.description)
+    log.info("qasr: %s: CUDA backend on %s: %s", label, model.device, prepared.description)
     return prepared
