@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import tracemalloc
 from pathlib import Path
@@ -9,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from conftest import noise
 
+from qasr.audio import vad
+from qasr.audio.cutting import cut_input, iter_segments
 from qasr.audio.io import SAMPLE_RATE, AudioError, load_audio
-from qasr.audio.cutting import iter_segments
 from qasr.audio.vad import VadConfig
 from qasr.testing.speech import convert, speak
 
@@ -112,3 +115,21 @@ def test_long_file_streams_in_bounded_memory(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert stream.duration == 1800.0 and count > 50
     assert peak < waveform_bytes / 10, f"peak {peak / 1e6:.1f} MB"
+
+
+def test_the_fallback_vad_warns_only_when_the_vad_runs(speech_wav: Path, tmp_path: Path, monkeypatch,
+                                                       caplog) -> None:
+    """No silero-vad: an input "auto" keeps whole says nothing; the first that needs the VAD warns, once."""
+    monkeypatch.setattr(vad, "silero_available", lambda: False)
+    monkeypatch.setattr(vad, "_warned_fallback", False)
+    short = tmp_path / "short.wav"
+    sf.write(short, noise(2.4), SR)
+    with caplog.at_level(logging.WARNING, logger="qasr"):
+        for source in (str(short), (noise(2.4), SR)):
+            assert cut_input(source, segmentation="auto", max_segment_s=5.0).segments is None
+        assert not caplog.records
+        for _ in range(2):
+            cut = cut_input(speech_wav, segmentation="auto", max_segment_s=5.0)
+            assert cut.segments is not None and cut.segments.vad_backend == "energy" and list(cut.segments)
+    assert [r.getMessage() for r in caplog.records] == [
+        "silero-vad is not installed: speech detection uses the energy-based fallback VAD"]

@@ -56,19 +56,25 @@ class VadConfig:
         return self.neg_threshold if self.neg_threshold is not None else max(self.threshold - 0.15, 0.01)
 
 
-def resolve_backend(backend: VadBackend) -> str:
-    """The scorer a backend name runs on: "silero-onnx", "silero-jit" or "energy"."""
-    global _warned_fallback
+def resolve_backend(backend: VadBackend, warn: bool = True) -> str:
+    """The scorer a backend name runs on: "silero-onnx", "silero-jit" or "energy". ``warn``: say so (once per
+    process) when "auto" falls back to energy."""
     if backend == "energy":
         return "energy"
     if silero_available():
         return "silero-onnx" if onnxruntime_available() else "silero-jit"
     if backend == "silero":
         raise RuntimeError("VAD backend 'silero' needs the silero-vad package: pip install 'qasr[vad]'")
+    if warn:
+        _warn_fallback()
+    return "energy"
+
+
+def _warn_fallback() -> None:
+    global _warned_fallback
     if not _warned_fallback:  # once per process, not per file
         _warned_fallback = True
         log.warning("silero-vad is not installed: speech detection uses the energy-based fallback VAD")
-    return "energy"
 
 
 def make_scorer(name: str) -> FrameScorer:
@@ -85,8 +91,8 @@ class SpeechDetector:
 
     def __init__(self, config: VadConfig | None = None) -> None:
         self.config = config or VadConfig()
-        self.backend = resolve_backend(self.config.backend)
-        self._scorer = make_scorer(self.backend)
+        self.backend = resolve_backend(self.config.backend, warn=False)
+        self._scorer: FrameScorer | None = None  # made by the first audio scored: many detectors never score
         cfg = self.config
         self._min_speech = cfg.min_speech_s * SAMPLE_RATE
         self._min_silence = cfg.min_silence_s * SAMPLE_RATE
@@ -162,6 +168,10 @@ class SpeechDetector:
         return out
 
     def _score(self, frames: np.ndarray, out: list[tuple[int, int]]) -> None:
+        if self._scorer is None:
+            if self.backend == "energy" and self.config.backend == "auto":
+                _warn_fallback()
+            self._scorer = make_scorer(self.backend)
         for p in self._scorer.score(frames):
             self._step(float(p), out)
 
