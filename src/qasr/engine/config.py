@@ -28,12 +28,15 @@ class EngineConfig:
     live_batch_share: float = 0.25  # of engine time, for steps with batch encode/prefill while live work runs
     drafts: bool = True  # check guessed tokens (Continuation.draft) where that is exact
     kv_cache_dtype: str = "auto"  # "int8": about half the bytes (CPU only)
+    threads: int | None = None  # torch/OpenMP threads; None: torch's count, at most the usable CPUs (cpu/openmp.py)
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress."""
         for name in ("kv_block_tokens", "max_running", "prefill_tokens", "prefill_chunk", "encoder_tokens",
-                     "conv_batch"):
+                     "conv_batch", "threads"):
             value = getattr(self, name)
+            if name == "threads" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE_MODES:

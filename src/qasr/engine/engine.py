@@ -21,6 +21,7 @@ import torch
 
 from qasr.audio.features import LogMel
 from qasr.engine.config import EngineConfig, EngineStats
+from qasr.engine.cpu.openmp import usable_cpus
 from qasr.engine.device import prepare_model
 from qasr.engine.errors import EngineBroken, EngineClosed
 from qasr.engine.kv_blocks import BlockManager
@@ -54,6 +55,9 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
         self.checkpoint = checkpoint
         self.config = config
+        self.threads = config.threads or min(torch.get_num_threads(), usable_cpus())
+        torch.set_num_threads(self.threads)  # this thread's, and the default of threads torch starts later
+        log.info("qasr: %s: %d CPU threads", checkpoint.label, self.threads)
         self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
                                                  backend=config.backend, quantize=config.quantize,
                                                  label=checkpoint.label)
@@ -239,6 +243,7 @@ class Engine:
             raise EngineClosed("the engine is closed")
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP's count is per thread; the native kernels read it too
         try:
             while not self._abort:
                 if self.scheduler.idle:
