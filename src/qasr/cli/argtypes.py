@@ -16,6 +16,10 @@ KV_CACHE_HELP = ("int8: keys and values stored as int8 with a scale per token an
                  "(twice the tokens held at once) and half the cache reads of a decode step, for a small accuracy "
                  "cost (CPU only; docs/engine.md); auto (default): the model's dtype")
 
+# --threads of transcribe and serve
+THREADS_HELP = ("CPU threads of the engine (default: torch's count, at most the CPUs this process may use: its "
+                "affinity and cgroup CPU quota); on a shared host, fewer threads keep each call's time steady")
+
 
 def positive_int(text: str) -> int:
     value = int(text)

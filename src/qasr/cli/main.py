@@ -20,6 +20,7 @@ from qasr.cli.argtypes import (
     KV_CACHE_HELP,
     QUANTIZE_CHOICES,
     QUANTIZE_HELP,
+    THREADS_HELP,
     positive_float,
     positive_int,
     probability,
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     t.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
+    t.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
     from qasr.cli.ray_options import add_transcribe_options  # argparse only: nothing heavy loads
 
     add_transcribe_options(t)
@@ -155,6 +157,10 @@ def _model_languages(model: str) -> tuple[str, ...]:
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
+    if args.ray is not None and args.threads is not None:
+        print("qasr: error: --threads sets this machine's engine; with --ray, --ray-actor-cpus sets each actor's "
+              "threads", file=sys.stderr)
+        return EXIT_USAGE
     if args.ray is not None:  # inputs may also be URIs of any pyarrow filesystem
         from qasr.distributed.inputs import find_inputs, plan_jobs
     else:
@@ -204,8 +210,9 @@ def transcribe_command(args: argparse.Namespace) -> int:
 
     try:
         asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=aligner,
-                                  quantize=args.quantize, engine=EngineConfig(max_running=args.max_running,
-                                                                kv_cache_dtype=args.kv_cache_dtype))
+                                  quantize=args.quantize, threads=args.threads,
+                                  engine=EngineConfig(max_running=args.max_running,
+                                                      kv_cache_dtype=args.kv_cache_dtype))
         core = asr._core
         core.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:

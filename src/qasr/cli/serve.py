@@ -12,7 +12,14 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from qasr.cli.argtypes import KV_CACHE_HELP, QUANTIZE_CHOICES, QUANTIZE_HELP, positive_float, positive_int
+from qasr.cli.argtypes import (
+    KV_CACHE_HELP,
+    QUANTIZE_CHOICES,
+    QUANTIZE_HELP,
+    THREADS_HELP,
+    positive_float,
+    positive_int,
+)
 from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
 
 if TYPE_CHECKING:
@@ -54,6 +61,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     s.add_argument("--max-running", type=positive_int, default=64,
                    help="sequences decoded together by the engine (default 64)")
+    s.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
     s.add_argument("--decode-workers", type=positive_int, default=4, metavar="N",
                    help="threads that probe and decode uploads (default 4); more uploads wait their turn, and "
                         "live sessions run on threads of their own")
@@ -119,6 +127,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def serve_command(args: argparse.Namespace) -> int:
     problem = resolve_model(args)
+    if problem is None and args.threads is not None and args.ray is not None:
+        problem = "--threads sets this machine's engine; with --ray, --ray-replica-cpus sets each replica's threads"
     if problem is not None:
         print(f"qasr serve: error: {problem}", file=sys.stderr)
         return 2
@@ -141,8 +151,9 @@ def serve_command(args: argparse.Namespace) -> int:
         from qasr.transcribe.asr import ASR
 
         return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
-                                   quantize=args.quantize, engine=EngineConfig(max_running=args.max_running,
-                                                                kv_cache_dtype=args.kv_cache_dtype))
+                                   quantize=args.quantize, threads=args.threads,
+                                   engine=EngineConfig(max_running=args.max_running,
+                                                       kv_cache_dtype=args.kv_cache_dtype))
 
     app = create_app(config, load)
     # qasr's access log, not uvicorn's (which prints query strings). No pong timeout: a throttled live

@@ -40,16 +40,22 @@ class ASR:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "Qwen/Qwen3-ASR-0.6B", device: str = "auto",
                         dtype: str | torch.dtype = "auto", aligner: str | os.PathLike | Aligner | None = None,
-                        quantize: str | None = None, **kwargs: object) -> ASR:
+                        quantize: str | None = None, threads: int | None = None, **kwargs: object) -> ASR:
         """Load from a directory or hub id; ``aligner`` (path, hub id or ``qasr.Aligner``) times words;
-        ``quantize``: "int8", "int4" (CPU only) or None."""
+        ``quantize``: "int8", "int4" (CPU only) or None; ``threads``: the engines' CPU threads (default:
+        torch's count, at most the CPUs this process may use)."""
         mode = quantize_option(quantize)  # a bad value fails before anything loads
+        engine = kwargs.get("engine") or EngineConfig()
         if mode is not None:
-            kwargs["engine"] = replace(kwargs.get("engine") or EngineConfig(), quantize=mode)
+            engine = replace(engine, quantize=mode)
+        if threads is not None:
+            engine = replace(engine, threads=threads)
+        kwargs["engine"] = engine
         if aligner is not None and not hasattr(aligner, "submit_pieces"):
             from qasr.align.aligner import Aligner
 
-            aligner = Aligner.from_pretrained(aligner, device=device, dtype=dtype)
+            aligner = Aligner.from_pretrained(aligner, device=device, dtype=dtype,
+                                              engine_config=EngineConfig(threads=engine.threads))
         return cls(load_checkpoint(model, device=device, dtype=dtype), aligner=aligner,
                    **kwargs)
 
