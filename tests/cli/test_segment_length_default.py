@@ -112,10 +112,22 @@ def test_the_ray_driver_reads_the_same_default(preferring, tiny_original) -> Non
 
     pool = PoolConfig(min_actors=1, max_actors=1, actor_cpus=1.0, actor_gpus=0.0)
     declared = RayTranscriber(EngineSpec(str(preferring)), pool)
-    assert declared.max_segment_s == PREFERRED
     assert declared._options(TranscribeOptions()).max_segment_s == PREFERRED
     assert declared._options(TranscribeOptions(max_segment_s=9.0)).max_segment_s == 9.0
-    assert RayTranscriber(EngineSpec(str(tiny_original)), pool).max_segment_s == 30.0
+    assert RayTranscriber(EngineSpec(str(tiny_original)), pool)._options(TranscribeOptions()).max_segment_s == 30.0
+    unreadable = RayTranscriber(EngineSpec(str(tiny_original / "missing")), pool)
+    assert unreadable._options(TranscribeOptions()).max_segment_s == 30.0  # the actors will refuse the model
+
+
+def test_the_ray_driver_checks_the_language_against_the_models_own(tiny_original) -> None:
+    from qasr.distributed.config import EngineSpec, PoolConfig
+    from qasr.distributed.ray_data import RayTranscriber
+
+    pool = PoolConfig(min_actors=1, max_actors=1, actor_cpus=1.0, actor_gpus=0.0)
+    demo = RayTranscriber(EngineSpec(str(DEMO)), pool)
+    assert demo.check_language("en") == "English"
+    with pytest.raises(ValueError, match="supported: English"):
+        demo.check_language("fr")
 
 
 @pytest.mark.parametrize("value", [{"max_segment_s": "eight"}, {"max_segment_s": 0}, {"max_segment_s": -5},

@@ -22,10 +22,10 @@ from qasr.distributed.actor import Transcriber
 from qasr.distributed.assemble import Collector
 from qasr.distributed.config import EngineSpec, PoolConfig
 from qasr.distributed.segment import display_name, location, segment_batch
-from qasr.model.config import DEFAULT_MAX_SEGMENT_S, declared_max_segment_s
-from qasr.model.prompt import SUPPORTED_LANGUAGES, normalize_language
+from qasr.model.config import DEFAULT_MAX_SEGMENT_S, ModelConfig
+from qasr.model.prompt import SUPPORTED_LANGUAGES
 from qasr.results import Segment, Transcription
-from qasr.transcribe.options import TranscribeOptions
+from qasr.transcribe.options import TranscribeOptions, model_language
 
 log = logging.getLogger("qasr.distributed")
 ACTOR_PREFIX = "qasr-asr"  # actors are named qasr-asr-<run>-p<pass>-<n> (`ray list actors`)
@@ -44,29 +44,21 @@ class RayTranscriber:
         self.passes = 0
         self.redone = 0  # segments a later pass transcribed again
         self.repeats = 0  # result rows that arrived twice (ignored)
-        self._max_segment_s: float | None = None  # the checkpoint's, read once when a call needs it
+        self._config: ModelConfig | bool | None = None  # read once when a call needs it; False: unreadable
 
     def check_language(self, language: str | None) -> str | None:
-        """The canonical language name, refused as ``ASR`` would when a local checkpoint does not list it
-        (the actors check a hub id)."""
-        name = normalize_language(language)
-        config = Path(self.spec.model).expanduser() / "config.json"
-        if name is not None and config.is_file():
-            listed = json.loads(config.read_text()).get("support_languages") or SUPPORTED_LANGUAGES
-            if name not in listed:
-                raise ValueError(f"language {language!r} is not supported by this model; supported: "
-                                 f"{', '.join(listed)}")
-        return name
+        """The canonical language name, refused as ``ASR`` would when the checkpoint's config lists others."""
+        config = self._model_config()
+        return model_language(language, config.support_languages if config else SUPPORTED_LANGUAGES)
 
-    @property
-    def max_segment_s(self) -> float:
-        """``ASR.max_segment_s`` for this checkpoint, read on the driver (the decode tasks cut before any
-        actor loads the model): its config.json's ``"qasr": {"max_segment_s": S}``, else 30 s."""
-        if self._max_segment_s is None:
-            self._max_segment_s = self._declared_max_segment_s() or DEFAULT_MAX_SEGMENT_S
-        return self._max_segment_s
+    def _model_config(self) -> ModelConfig | None:
+        """The checkpoint's config.json, read once on the driver (the decode tasks cut before any actor loads
+        the model); None when the driver cannot read it (the actors will say so if it matters)."""
+        if self._config is None:
+            self._config = self._read_model_config()
+        return self._config or None
 
-    def _declared_max_segment_s(self) -> float | None:
+    def _read_model_config(self) -> ModelConfig | bool:
         config = Path(self.spec.model).expanduser() / "config.json"
         if not config.is_file():
             try:
@@ -79,11 +71,8 @@ class RayTranscriber:
             except Exception as exc:  # noqa: BLE001 - the actors will say so if it matters
                 log.warning("%s: could not read its config.json on the driver (%s); segments of at most %g s",
                             self.spec.model, type(exc).__name__, DEFAULT_MAX_SEGMENT_S)
-                return None
-        try:
-            return declared_max_segment_s(json.loads(config.read_text()))
-        except ValueError as exc:
-            raise ValueError(f"{config}: {exc}") from exc
+                return False
+        return ModelConfig.from_file(config)
 
     def transcribe_iter(self, audio: str | Sequence[str], options: TranscribeOptions | None = None, *,
                         language: str | None = None, context: str | None = None, max_new_tokens: int | None = None,
@@ -136,7 +125,8 @@ class RayTranscriber:
         if options.words and self.spec.aligner is None:
             log.warning("word timestamps need a forced aligner (--aligner PATH): giving segment times instead")
             options = options.given(timestamps="segment")
-        return options.for_model(self)
+        config = self._model_config()
+        return options.for_model(config)
 
     def _dataset(self, sources: list[str], todo: dict[int, set[int]], options: TranscribeOptions):  # noqa: ANN202
         import ray.data

@@ -77,9 +77,13 @@ class TranscribeOptions:
         changed = {name: value for name, value in shortcuts.items() if value is not None}
         return replace(self, **changed) if changed else self
 
-    def for_model(self, model: ModelDefaults) -> TranscribeOptions:
-        """With what they leave to the model filled in."""
-        return self if self.max_segment_s is not None else replace(self, max_segment_s=float(model.max_segment_s))
+    def for_model(self, model: ModelDefaults | None) -> TranscribeOptions:
+        """With what they leave to the model filled in (the package's defaults for a model not known)."""
+        if self.max_segment_s is not None:
+            return self
+        from qasr.model.config import DEFAULT_MAX_SEGMENT_S
+
+        return replace(self, max_segment_s=float(model.max_segment_s if model else DEFAULT_MAX_SEGMENT_S))
 
 
 class ModelDefaults(Protocol):
