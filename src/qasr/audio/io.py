@@ -231,7 +231,8 @@ def _check_rate(sample_rate: Any) -> int:
 
 
 # decoders' words for a file object: noise after the input's name
-_HANDLE_NOISE = re.compile(r"(Error opening )?<[\w.]+ object at 0x[0-9a-fA-F]+>(: )?|:? ?'<none>'|\[Errno -?\d+\] ")
+_HANDLE_NOISE = re.compile(r"(Error opening )?<[\w.]+ object at 0x[0-9a-fA-F]+>(: )?"
+                           r"|:? ?'(?:<none>|None)'|\[Errno -?\d+\] ")
 
 
 def _short(exc: BaseException) -> str:
