@@ -72,7 +72,7 @@ def _asr(model: str, dtype: str):  # noqa: ANN202
 
     asr = ASR.from_pretrained(model, device="cpu", dtype=dtype, max_tokens_per_second=TOKENS_PER_SECOND)
     warm = np.zeros(SR * 2, np.float32)
-    asr.transcribe((warm, SR), max_new_tokens=4, ignore_eos=True)  # builds kernels, packs weights
+    asr.transcribe((warm, SR), TranscribeOptions(max_new_tokens=4, ignore_eos=True))  # builds kernels, packs weights
     return asr
 
 

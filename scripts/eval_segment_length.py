@@ -120,7 +120,7 @@ def main() -> None:
         asr = ASR.from_pretrained(args.model, device="cpu", dtype=asked, quantize=quantize or None)
         dtype = str(asr._core.checkpoint.dtype).removeprefix("torch.") + (f":{quantize}" if quantize else "")
         warm, sr = sf.read(str(files[0]), frames=60 * 16000, dtype="float32")
-        asr.transcribe((warm, sr), max_segment_s=8.0)  # warm-up: kernels, VAD, pools
+        asr.transcribe((warm, sr), TranscribeOptions(max_segment_s=8.0))  # warm-up: kernels, VAD, pools
         for s in lengths:
             row = {"dtype": dtype, "dtype_asked": name.strip(), **run(asr, files, refs, audio_s, s)}
             report["runs"].append(row)

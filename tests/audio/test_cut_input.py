@@ -39,7 +39,7 @@ def _assert_matches(segments, ref: np.ndarray) -> None:
 def test_stream_equals_load_audio(speech_wav: Path, ext: str, mode: str) -> None:
     path = speech_wav if ext == ".wav" else convert(speech_wav, speech_wav.with_suffix(ext))
     ref = load_audio(path)
-    stream = iter_segments(path, mode=mode, max_segment_s=4.0, block_s=0.7)
+    stream = iter_segments(path, mode=mode, max_s=4.0, block_s=0.7)
     assert stream.duration is not None and abs(stream.duration - ref.size / SR) < 0.1  # probed
     segments = list(stream)
     _assert_matches(segments, ref)
@@ -54,16 +54,16 @@ def test_loud_resampled_float_input_is_normalised(speech_wav: Path) -> None:
     subprocess.run(["ffmpeg", "-y", "-loglevel", "error", "-i", str(speech_wav), "-af", "volume=12dB",
                     "-ar", "44100", "-ac", "2", "-c:a", "pcm_f32le", str(loud)], check=True)
     ref = load_audio(loud)
-    _assert_matches(list(iter_segments(loud, mode="fixed", max_segment_s=3.0, block_s=0.5)), ref)
+    _assert_matches(list(iter_segments(loud, mode="fixed", max_s=3.0, block_s=0.5)), ref)
     assert np.abs(ref).max() == 1.0
 
 
 def test_bytes_arrays_and_tuples(speech_wav: Path) -> None:
     mp3 = convert(speech_wav, speech_wav.with_name("b.mp3")).read_bytes()
-    _assert_matches(list(iter_segments(mp3, mode="fixed", max_segment_s=3.0)), load_audio(mp3))
+    _assert_matches(list(iter_segments(mp3, mode="fixed", max_s=3.0)), load_audio(mp3))
     wave, sr = sf.read(speech_wav, dtype="int16")
     ref = load_audio(wave, sr)
-    _assert_matches(list(iter_segments(wave, sample_rate=sr, mode="fixed", max_segment_s=3.0)), ref)
+    _assert_matches(list(iter_segments(wave, sample_rate=sr, mode="fixed", max_s=3.0)), ref)
     stream = iter_segments((wave, sr), mode="vad", block_s=0.3)
     assert stream.duration == ref.size / SR
     _assert_matches(list(stream), ref)
@@ -126,10 +126,10 @@ def test_the_fallback_vad_warns_only_when_the_vad_runs(speech_wav: Path, tmp_pat
     sf.write(short, noise(2.4), SR)
     with caplog.at_level(logging.WARNING, logger="qasr"):
         for source in (str(short), (noise(2.4), SR)):
-            assert cut_input(source, segmentation="auto", max_segment_s=5.0).segments is None
+            assert cut_input(source, segmentation="auto", max_s=5.0).segments is None
         assert not caplog.records
         for _ in range(2):
-            cut = cut_input(speech_wav, segmentation="auto", max_segment_s=5.0)
+            cut = cut_input(speech_wav, segmentation="auto", max_s=5.0)
             assert cut.segments is not None and cut.segments.vad_backend == "energy" and list(cut.segments)
     assert [r.getMessage() for r in caplog.records] == [
         "silero-vad is not installed: speech detection uses the energy-based fallback VAD"]

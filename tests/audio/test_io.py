@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, audio_duration, load_audio
 from qasr.audio.cutting import iter_segments
+from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, audio_duration, load_audio
 from qasr.testing.speech import convert, speak
 
 pytestmark = pytest.mark.skipif(

@@ -77,7 +77,7 @@ def test_online_equals_at_once(long_mix, mode: str) -> None:
     got, held = _feed_randomly(Segmenter(mode, 30.0, vad), wave, seed=3)
     assert _same(got, whole)
     if mode != "none":
-        assert held < 40 * SR  # O(max_segment_s), not the 10 minutes
+        assert held < 40 * SR  # O(max_s), not the 10 minutes
 
 
 def test_short_max_segment_and_energy_online(long_mix) -> None:
@@ -119,4 +119,4 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
         Segmenter("words")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        Segmenter("vad", max_segment_s=0.2)
+        Segmenter("vad", max_s=0.2)

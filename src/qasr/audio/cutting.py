@@ -68,13 +68,13 @@ def iter_segments(
     *,
     sample_rate: int | None = None,
     mode: SegmentMode = "vad",
-    max_segment_s: float = 30.0,
+    max_s: float = 30.0,
     vad: VadConfig | None = None,
     block_s: float = DEFAULT_BLOCK_S,
 ) -> SegmentCutter:
     """Segments of ``source`` (as for ``load_audio``), decoded as consumed; ``block_s`` changes memory and
     latency, never the result."""
-    segmenter = Segmenter(mode, max_segment_s, vad or VadConfig())
+    segmenter = Segmenter(mode, max_s, vad or VadConfig())
     if block_s <= 0:
         raise ValueError(f"block_s must be positive, got {block_s}")
     if isinstance(source, (tuple, np.ndarray)):
@@ -97,27 +97,27 @@ class Cut:
     segments: SegmentCutter | None
 
 
-def cut_input(source: AudioSource, *, segmentation: str, max_segment_s: float, vad: VadConfig | None = None,
+def cut_input(source: AudioSource, *, segmentation: str, max_s: float, vad: VadConfig | None = None,
               sample_rate: int | None = None) -> Cut:
     """Cut ``source`` by ``segmentation``: "none" whole, "vad" / "fixed" into segments, "auto" whole up to
-    ``max_segment_s`` (a file's container duration when stated), else by the VAD."""
+    ``max_s`` (a file's container duration when stated), else by the VAD."""
     mode, wave, segments = segmentation, None, None
     if isinstance(source, (str, os.PathLike, EncodedAudio)):
         if mode == "auto":
-            segments = iter_segments(source, mode="vad", max_segment_s=max_segment_s, vad=vad)
+            segments = iter_segments(source, mode="vad", max_s=max_s, vad=vad)
             known = segments.duration
-            mode = "none" if known is not None and known <= max_segment_s else "vad"
+            mode = "none" if known is not None and known <= max_s else "vad"
         if mode == "none":
             return Cut(load_audio(source), None)
     else:
         wave = load_audio(source, sample_rate)
         if mode == "auto":
-            mode = "none" if len(wave) / SAMPLE_RATE <= max_segment_s else "vad"
+            mode = "none" if len(wave) / SAMPLE_RATE <= max_s else "vad"
         if mode == "none":
             return Cut(wave, None)
     if segments is None or mode != "vad":
         segments = iter_segments(source if wave is None else (wave, SAMPLE_RATE), mode=mode,  # type: ignore[arg-type]
-                               max_segment_s=max_segment_s, vad=vad)
+                               max_s=max_s, vad=vad)
     return Cut(None, segments)
 
 

@@ -1,7 +1,7 @@
 """The online segmenter: 16 kHz blocks of any size -> segments, the same whatever the blocks.
 
-"vad": speech regions joined up to ``max_segment_s``, cut at the longest gap (a longer region at its
-quietest point); "fixed": windows of ``max_segment_s``; "none": whole, cut past ``NONE_MAX_S``.
+"vad": speech regions joined up to ``max_s``, cut at the longest gap (a longer region at its
+quietest point); "fixed": windows of ``max_s``; "none": whole, cut past ``NONE_MAX_S``.
 """
 
 from __future__ import annotations
@@ -79,19 +79,19 @@ class _Buffer:
 
 class Segmenter:
     """``feed(block)`` returns the segments each block finished, ``flush()`` the rest; in order, never
-    overlapping, their samples copies. ``max_segment_s`` must exceed the VAD's shortest padded region."""
+    overlapping, their samples copies. ``max_s`` must exceed the VAD's shortest padded region."""
 
-    def __init__(self, mode: SegmentMode = "vad", max_segment_s: float = 30.0, vad: VadConfig | None = None) -> None:
+    def __init__(self, mode: SegmentMode = "vad", max_s: float = 30.0, vad: VadConfig | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"segmentation mode must be one of {MODES}, got {mode!r}")
         vad = vad or VadConfig()
-        if mode == "vad" and max_segment_s <= vad.min_speech_s + 2 * vad.speech_pad_s:
-            raise ValueError(f"max_segment_s={max_segment_s} is too short for the VAD's shortest region")
-        if max_segment_s <= 0:
-            raise ValueError(f"max_segment_s must be positive, got {max_segment_s}")
+        if mode == "vad" and max_s <= vad.min_speech_s + 2 * vad.speech_pad_s:
+            raise ValueError(f"segments of at most {max_s} s are too short for the VAD's shortest region")
+        if max_s <= 0:
+            raise ValueError(f"the segment length must be positive, got {max_s}")
         self.mode = mode
-        self.max_segment_s = max_segment_s
-        self._max = int(round(max_segment_s * SAMPLE_RATE))
+        self.max_s = max_s
+        self._max = int(round(max_s * SAMPLE_RATE))
         self._buf = _Buffer()
         self._detector = SpeechDetector(vad) if mode == "vad" else None
         self._regions: list[list[int]] = []  # finished regions of the segment under construction
@@ -237,7 +237,7 @@ class Segmenter:
 
     def _quiet_cut(self, start: int) -> int:
         limit = start + self._max
-        lo = max(start + 1, limit - int(min(QUIET_SEARCH_S, self.max_segment_s / 2) * SAMPLE_RATE))
+        lo = max(start + 1, limit - int(min(QUIET_SEARCH_S, self.max_s / 2) * SAMPLE_RATE))
         view = self._buf.view(start, limit)
         boundary = start + _quiet_boundary(view, limit - start, lo - start, limit - start, _QUIET_WINDOW)
         return min(max(boundary, start + 1), limit)
@@ -263,8 +263,8 @@ class Segmenter:
 
 
 def segment_audio(
-    wave: np.ndarray, mode: SegmentMode = "vad", max_segment_s: float = 30.0, vad: VadConfig | None = None
+    wave: np.ndarray, mode: SegmentMode = "vad", max_s: float = 30.0, vad: VadConfig | None = None
 ) -> list[AudioSegment]:
     """The segments of a whole 16 kHz waveform."""
-    segmenter = Segmenter(mode, max_segment_s, vad)
+    segmenter = Segmenter(mode, max_s, vad)
     return segmenter.feed(wave) + segmenter.flush()

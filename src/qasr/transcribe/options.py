@@ -110,7 +110,7 @@ def model_language(lang: str | None, supported: Sequence[str]) -> str | None:
 def cut(item: object, options: TranscribeOptions) -> Cut:
     from qasr.audio.cutting import cut_input
 
-    return cut_input(item, segmentation=options.segmentation, max_segment_s=options.max_segment_s,
+    return cut_input(item, segmentation=options.segmentation, max_s=options.max_segment_s,
                      vad=options.vad, sample_rate=options.sample_rate)
 
 
