@@ -105,7 +105,7 @@ def _build_all() -> int:
             {READY: ready, FAILED: failed}.get(status, []).append(entry.label)
         print(f"{entry.label}: {reason}")
     print(f"{len(ready)} kernels ready, {len(failed)} failed, in {time.monotonic() - start:.0f} s "
-          f"({build.usable_cpus()} compiles at a time)")
+          f"({build.build_workers()} compiles at a time)")
     print(f"builds in {build.kernel_root()}")
     if failed:
         print(f"qasr: error: {len(failed)} kernel(s) for this CPU failed: {', '.join(failed)}; the engine uses "

@@ -378,7 +378,7 @@ def test_build_all_runs_as_many_builds_at_once_as_it_has_workers() -> None:
     assert most[0] == 1
 
 
-def test_usable_cpus_follows_the_affinity_and_the_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiles_at_once_follow_the_affinity_the_cgroup_quota_and_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     files: dict[str, str] = {}
     monkeypatch.setattr(build, "_read", files.get)
@@ -392,6 +392,12 @@ def test_usable_cpus_follows_the_affinity_and_the_cgroup_quota(monkeypatch: pyte
     assert build.usable_cpus() == 1
     files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1"
     assert build.usable_cpus() == 4
+    files["/proc/meminfo"] = f"MemTotal: 8000000 kB\nMemAvailable: {build.COMPILE_BYTES * 3 // 1024 + 1} kB\n"
+    assert build.build_workers() == 3  # as many compiles as the memory holds
+    files["/proc/meminfo"] = "MemAvailable: 1000 kB\n"
+    assert build.build_workers() == 1
+    del files["/proc/meminfo"]
+    assert build.build_workers() == 4
 
 
 # `python -m qasr ARGS` with Ctrl-C at its default first: where this test runs with SIGINT ignored (a background

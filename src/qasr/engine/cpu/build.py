@@ -35,6 +35,7 @@ FAILED_FILE = "failed"  # a failed build's output: later loads fall back without
 # /proc/cpuinfo flags naming instruction sets -march=native may use (flags like "ht" do not change the code)
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "popcnt", "abm", "movbe", "adx", "gfni",
                 "vaes", "vpclmulqdq", "sha_ni", "aes", "pclmulqdq")
+COMPILE_BYTES = 3 << 29  # a kernel compile's peak memory (torch's headers), with room
 WAIT_NOTICE_S = 2.0  # longer than a cached load holds the lock
 REBUILD_HINT = "`qasr kernels build` tries again"
 
@@ -175,16 +176,33 @@ def build(spec: KernelSpec, retry: bool = False) -> ModuleType | None:
 
 
 def build_all(jobs: Iterable[Callable[[], object]], workers: int | None = None) -> None:
-    """Run ``jobs`` (builds) on ``workers`` threads, default usable_cpus(); an interrupt fails none of them."""
-    pool = ThreadPoolExecutor(max(1, workers or usable_cpus()), thread_name_prefix="qasr-build")
+    """Run ``jobs`` (builds) on ``workers`` threads, default build_workers(); an interrupt fails none of them."""
+    _stopping.clear()
+
+    def run(job: Callable[[], object]) -> None:
+        if not _stopping.is_set():  # no new compile once one saw the interrupt
+            job()
+
+    pool = ThreadPoolExecutor(max(1, workers or build_workers()), thread_name_prefix="qasr-build")
     try:
-        for done in as_completed([pool.submit(job) for job in jobs]):
+        for done in as_completed([pool.submit(run, job) for job in jobs]):
             done.result()
     except BaseException:
         _stopping.set()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
+
+
+def build_workers() -> int:
+    """Compiles to run at once: usable_cpus(), fewer where the available memory holds fewer compiles (one
+    killed for memory would be recorded as failed)."""
+    try:
+        available = int(next(line.split()[1] for line in (_read("/proc/meminfo") or "").splitlines()
+                             if line.startswith("MemAvailable:"))) * 1024
+    except (StopIteration, ValueError, IndexError):
+        return usable_cpus()
+    return max(1, min(usable_cpus(), available // COMPILE_BYTES))
 
 
 def usable_cpus() -> int:
@@ -218,7 +236,7 @@ def _read(path: str) -> str | None:
         return None
 
 
-_stopping = threading.Event()  # set by build_all on an interrupt
+_stopping = threading.Event()  # an interrupt during build_all
 _warned: set[str] = set()  # folders whose earlier failure this process has reported
 _warned_lock = threading.Lock()
 
@@ -226,7 +244,9 @@ _warned_lock = threading.Lock()
 def _record_failure(spec: KernelSpec, folder: Path, exc: Exception) -> None:
     """Keep the build's output in its folder and warn once with its first errors (not for an interrupt)."""
     text = str(exc)
-    if _stopping.is_set() or "interrupted by user" in text:
+    if "interrupted by user" in text:  # ninja's word for a Ctrl-C
+        _stopping.set()
+    if _stopping.is_set():
         return
     marker = folder / FAILED_FILE
     try:
