@@ -199,17 +199,17 @@ def test_streamed_tokens_equal_submitted_ones(ck) -> None:
     waves = [noise(s, seed=20 + k) for k, s in enumerate((2.5, 8.0))]
     want = alone_tokens(ck, waves, max_new_tokens=24)
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
-    assert [list(engine.stream(RequestSpec(prompt_for(ck, w), 24, waveform=w))) for w in waves] == want
+    assert [list(engine.tokens(RequestSpec(prompt_for(ck, w), 24, waveform=w))) for w in waves] == want
 
     async def collect(w: np.ndarray) -> list[int]:
-        return [t async for t in engine.stream_async(RequestSpec(prompt_for(ck, w), 24, waveform=w))]
+        return [t async for t in engine.tokens_async(RequestSpec(prompt_for(ck, w), 24, waveform=w))]
 
     async def both() -> list[list[int]]:
         return list(await asyncio.gather(*(collect(w) for w in waves)))
 
     assert asyncio.run(both()) == want
     # leaving a stream early cancels its request
-    stream = engine.stream(RequestSpec(prompt_for(ck, waves[1]), 3000, waveform=waves[1], ignore_eos=True))
+    stream = engine.tokens(RequestSpec(prompt_for(ck, waves[1]), 3000, waveform=waves[1], ignore_eos=True))
     assert next(stream) == want[1][0]
     stream.close()
     deadline = time.time() + 10

@@ -92,7 +92,7 @@ def test_a_consumer_whose_event_loop_closed_mid_stream_costs_only_its_request(ck
     got: list[int] = []
 
     async def consume() -> None:
-        stream = engine.stream_async(RequestSpec(prompt_for(ck, wave), 2000, waveform=wave, ignore_eos=True))
+        stream = engine.tokens_async(RequestSpec(prompt_for(ck, wave), 2000, waveform=wave, ignore_eos=True))
         async for token in stream:
             got.append(token)
             if len(got) == 3:
@@ -124,7 +124,7 @@ def test_close_settles_every_future_behind_a_dead_consumers_stream(ck) -> None:
     wave = noise(1.5, seed=3)
 
     async def start_and_leave() -> None:
-        stream = engine.stream_async(RequestSpec(prompt_for(ck, wave), 50, waveform=wave))
+        stream = engine.tokens_async(RequestSpec(prompt_for(ck, wave), 50, waveform=wave))
         asyncio.ensure_future(anext(stream))  # submits; asyncio.run cancels it and closes the loop
         await asyncio.sleep(0.1)
 

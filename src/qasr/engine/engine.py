@@ -185,13 +185,13 @@ class Engine:
         """``submit`` for asyncio; cancelling the awaiting task cancels the request."""
         return await asyncio.wrap_future(self.submit(spec))
 
-    def stream(self, spec: RequestSpec) -> Iterator[int]:
+    def tokens(self, spec: RequestSpec) -> Iterator[int]:
         """Each token id as it is sampled, then the request's error if any; closing it cancels the request."""
         tokens: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         return _drain(tokens, self.submit(spec, on_token=tokens.put))
 
-    async def stream_async(self, spec: RequestSpec) -> AsyncIterator[int]:
-        """``stream`` for asyncio: an async iterator of token ids."""
+    async def tokens_async(self, spec: RequestSpec) -> AsyncIterator[int]:
+        """``tokens`` for asyncio: an async iterator of token ids."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[int | None] = asyncio.Queue()
         future = self.submit(spec, on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t))
