@@ -57,7 +57,7 @@ class Engine:
         self.config = config
         self.threads = config.threads or min(torch.get_num_threads(), usable_cpus())
         torch.set_num_threads(self.threads)  # this thread's, and the default of threads torch starts later
-        log.info("qasr: %s: %d CPU threads", checkpoint.label, self.threads)
+        log.info("qasr: %s: CPU threads: %d", checkpoint.label, self.threads)
         self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
                                                  backend=config.backend, quantize=config.quantize,
                                                  label=checkpoint.label)

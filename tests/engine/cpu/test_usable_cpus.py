@@ -79,7 +79,8 @@ def torch_threads():  # noqa: ANN201 - the test's changes to torch's count are u
     torch.set_num_threads(before)
 
 
-def test_engine_threads_default_and_setting(ck, monkeypatch: pytest.MonkeyPatch, torch_threads: None) -> None:
+def test_engine_threads_default_and_setting(ck, monkeypatch: pytest.MonkeyPatch, torch_threads: None,
+                                            caplog: pytest.LogCaptureFixture) -> None:
     torch.set_num_threads(4)
     monkeypatch.setattr(engine_module, "usable_cpus", lambda: 2)
     engine = Engine(ck)
@@ -100,8 +101,9 @@ def test_engine_threads_default_and_setting(ck, monkeypatch: pytest.MonkeyPatch,
         step(self)
 
     monkeypatch.setattr(Engine, "step", spy)
+    caplog.set_level("INFO", logger="qasr")
     with Engine(ck, EngineConfig(threads=1)) as engine:
-        assert engine.threads == 1
+        assert engine.threads == 1 and f"qasr: {ck.label}: CPU threads: 1" in caplog.text
         wave = noise(1.0)
         engine.submit(RequestSpec(prompt_for(ck, wave), 2, waveform=wave)).result(timeout=60)
     assert seen and set(seen) == {(1, 1)}  # on the engine thread, torch's and OpenMP's counts
