@@ -171,7 +171,7 @@ def build(spec: KernelSpec, retry: bool = False) -> ModuleType | None:
                 _record_failure(spec, folder, exc)
                 return None
     except Exception as exc:  # a read-only cache, no torch headers: the torch path is correct, only slower
-        log.warning("qasr: native kernel %s unavailable (%s); using the torch fallback", spec.name, exc)
+        log.warning("native kernel %s unavailable (%s); using the torch fallback", spec.name, exc)
         return None
 
 
@@ -256,7 +256,7 @@ def _record_failure(spec: KernelSpec, folder: Path, exc: Exception) -> None:
         where = "not recorded: the kernel folder is read-only"
     with _warned_lock:
         _warned.add(folder.name)
-    log.warning("qasr: the %s kernel failed to build (%s; %s); using the torch fallback for it",
+    log.warning("the %s kernel failed to build (%s; %s); using the torch fallback for it",
                 spec.name, _errors(text), where)
 
 
@@ -265,7 +265,7 @@ def _failed_before(spec: KernelSpec, folder: Path) -> None:
         if folder.name in _warned:
             return None
         _warned.add(folder.name)
-    log.warning("qasr: the %s kernel failed to build here before (see %s); using the torch fallback for it; %s",
+    log.warning("the %s kernel failed to build here before (see %s); using the torch fallback for it; %s",
                 spec.name, folder / FAILED_FILE, REBUILD_HINT)
     return None
 
