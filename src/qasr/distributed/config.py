@@ -1,9 +1,4 @@
-"""What each Ray worker loads and how many of them run: frozen, picklable settings (no Ray import).
-
-``EngineSpec`` travels to every ASR actor and Serve replica, which load their own engine from it; the
-sizes are worked out once on the driver from the cluster's resources (``ray.cluster_resources()`` and the
-per-node view of ``ray.nodes()``), so the defaults fit a laptop as well as a GPU cluster.
-"""
+"""What each Ray worker loads and how many run: frozen, picklable settings, sized on the driver (no Ray import)."""
 
 from __future__ import annotations
 
@@ -16,23 +11,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from qasr.transcribe.asr import ASR
 
-# an engine on CPUs gains little from more than 4 threads at these model sizes (docs/benchmarks.md);
-# more cores are better spent on more engines
+# more cores go to more engines, not more threads per engine (docs/benchmarks.md)
 DEFAULT_CPU_ENGINE_THREADS = 4
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything a worker needs to load the same engine as ``qasr transcribe``/``qasr serve`` would."""
+    """What a worker needs to load the engine ``qasr transcribe``/``qasr serve`` would."""
 
     model: str
     device: str = "auto"
     dtype: str = "auto"
     aligner: str | None = None
     max_running: int = 64
-    threads: int | None = None  # torch threads of a CPU engine; None: leave torch's default
-    quantize: str | None = None  # None/"none", "int8" or "int4" (ASR.from_pretrained's quantize)
-    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: "auto" or "int8"
+    threads: int | None = None  # None: torch's default
+    quantize: str | None = None  # None/"none", "int8" or "int4"
+    kv_cache_dtype: str = "auto"  # "auto" or "int8"
 
     def load(self) -> ASR:
         import torch
@@ -57,12 +51,12 @@ class PoolConfig:
     actor_gpus: float
     decode_cpus: float = 1.0
     batch_size: int = 16  # segments per actor call
-    calls_per_actor: int = 4  # actor calls running at once, so the engine batches across calls
+    calls_per_actor: int = 4  # concurrent calls, so the engine batches across them
 
 
 @dataclass(frozen=True)
 class ServeScaling:
-    """The Serve deployment's replicas and how many requests each one takes."""
+    """The Serve deployment's replicas and their request limits."""
 
     min_replicas: int = 1
     max_replicas: int = 1
@@ -72,7 +66,7 @@ class ServeScaling:
     target_ongoing_requests: float = 32.0
 
     def deployment_options(self) -> dict:
-        """Keyword arguments of ``serve.deployment``: a fixed count, or autoscaling on ongoing requests."""
+        """``serve.deployment`` keyword arguments: a fixed count, or autoscaling."""
         options: dict = {"ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus},
                          "max_ongoing_requests": self.max_ongoing_requests}
         if self.min_replicas == self.max_replicas:
@@ -85,7 +79,7 @@ class ServeScaling:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The resources that size the defaults: the whole cluster's and its largest node's."""
+    """The cluster's resources and its largest node's CPUs."""
 
     cpus: float
     gpus: float
@@ -99,7 +93,7 @@ class Cluster:
 
 
 def worker_shape(cluster: Cluster, cpus: float | None, gpus: float | None) -> tuple[float, float]:
-    """``(cpus, gpus)`` of one engine: a whole GPU where there are GPUs, else up to 4 cores of one node."""
+    """``(cpus, gpus)`` of one engine: a whole GPU if any, else up to 4 cores of one node."""
     if gpus is None:
         gpus = 1.0 if cluster.gpus > 0 else 0.0
     if cpus is None:
@@ -108,15 +102,14 @@ def worker_shape(cluster: Cluster, cpus: float | None, gpus: float | None) -> tu
 
 
 def engine_threads(cpus: float, gpus: float) -> int | None:
-    """Torch threads for an engine on ``cpus`` cores: as many as it reserved (at least 1); GPU engines keep
-    torch's default (the GPU does the work)."""
+    """Torch threads for a CPU engine on ``cpus`` cores (at least 1); None for a GPU engine."""
     return None if gpus > 0 else max(1, math.floor(cpus))
 
 
 def pool_config(cluster: Cluster, *, actors: tuple[int, int] | None, cpus: float | None, gpus: float | None,
                 decode_cpus: float, batch_size: int) -> PoolConfig:
-    """The pool the cluster holds: by default one actor per GPU, or one per ``cpus`` cores with room left
-    for one decode task, from 1 actor up (the pool grows while segments wait)."""
+    """The pool the cluster holds: by default 1 up to one actor per GPU, or per ``cpus`` cores beside one
+    decode task."""
     cpus, gpus = worker_shape(cluster, cpus, gpus)
     if actors is None:
         if gpus > 0:
@@ -129,15 +122,14 @@ def pool_config(cluster: Cluster, *, actors: tuple[int, int] | None, cpus: float
 
 
 def portable(path: str | None) -> str | None:
-    """A local checkpoint as an absolute path (workers run in other folders); a hub id as it is."""
+    """A local checkpoint as an absolute path; a hub id as it is."""
     if path is not None and Path(path).expanduser().exists():
         return str(Path(path).expanduser().resolve())
     return path
 
 
 def model_problem(model: str) -> str | None:
-    """A local checkpoint that is not there fails here, before the cluster is asked for anything (a hub
-    id is fetched by the workers themselves)."""
+    """Why a local checkpoint cannot load, or None; checked before the cluster is asked for anything."""
     from qasr.model.weights import resolve_model_dir
 
     if Path(model).expanduser().exists() or model.count("/") != 1:

@@ -1,8 +1,5 @@
-"""``RayTranscriber``: ``ASR.transcribe_iter`` on a Ray cluster, as a Ray Data pipeline:
-inputs -> decode tasks (``segment.py``) -> ASR actors (``actor.py``) -> the driver (``assemble.py``).
-
-Rows are segments, so a long recording spreads over every actor. Segments lost with an actor are redone
-by a further pass, up to ``max_passes``; an input still incomplete then fails.
+"""``RayTranscriber``: ``ASR.transcribe_iter`` as a Ray Data pipeline of segments:
+decode tasks (``segment.py``) -> ASR actors (``actor.py``) -> the driver (``assemble.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +25,14 @@ from qasr.results import Segment, Transcription
 from qasr.transcribe.options import TranscribeOptions, model_language
 
 log = logging.getLogger("qasr.distributed")
-ACTOR_PREFIX = "qasr-asr"  # actors are named qasr-asr-<run>-p<pass>-<n> (`ray list actors`)
-TASK_RETRIES = 2  # retries of an actor call after its actor died
+ACTOR_PREFIX = "qasr-asr"  # actors are named qasr-asr-<run>-p<pass>-<n>
+TASK_RETRIES = 2
 
 
 class RayTranscriber:
-    """Transcribe inputs (local paths or pyarrow URIs) on the connected Ray cluster: ``transcribe_iter``
-    yields ``(input index, Transcription)`` in completion order, the results a single ``ASR`` gives."""
+    """Transcribes inputs (paths or pyarrow URIs) on the connected Ray cluster, as a single ``ASR`` would.
+
+    Segments lost with an actor are redone by a further pass, up to ``max_passes``; then the input fails."""
 
     def __init__(self, spec: EngineSpec, pool: PoolConfig, max_passes: int = 3) -> None:
         self.spec = spec
@@ -42,18 +40,16 @@ class RayTranscriber:
         self.max_passes = max_passes
         self.run_id = secrets.token_hex(3)
         self.passes = 0
-        self.redone = 0  # segments a later pass transcribed again
-        self.repeats = 0  # result rows that arrived twice (ignored)
-        self._config: ModelConfig | bool | None = None  # read once when a call needs it; False: unreadable
+        self.redone = 0
+        self.repeats = 0
+        self._config: ModelConfig | bool | None = None  # False: unreadable
 
     def check_language(self, language: str | None) -> str | None:
-        """The canonical language name, refused as ``ASR`` would when the checkpoint's config lists others."""
+        """The canonical language name; ValueError as ``ASR`` would give."""
         config = self._model_config()
         return model_language(language, config.support_languages if config else SUPPORTED_LANGUAGES)
 
     def _model_config(self) -> ModelConfig | None:
-        """The checkpoint's config.json, read once on the driver (the decode tasks cut before any actor loads
-        the model); None when the driver cannot read it (the actors will say so if it matters)."""
         if self._config is None:
             self._config = self._read_model_config()
         return self._config or None
@@ -66,9 +62,9 @@ class RayTranscriber:
 
                 try:
                     config = Path(hf_hub_download(self.spec.model, "config.json", local_files_only=True))
-                except Exception:  # noqa: BLE001 - not cached
+                except Exception:  # noqa: BLE001
                     config = Path(hf_hub_download(self.spec.model, "config.json"))
-            except Exception as exc:  # noqa: BLE001 - the actors will say so if it matters
+            except Exception as exc:  # noqa: BLE001 - the actors report it if it matters
                 log.warning("%s: could not read its config.json on the driver (%s); segments of at most %g s",
                             self.spec.model, type(exc).__name__, DEFAULT_MAX_SEGMENT_S)
                 return False
@@ -78,8 +74,8 @@ class RayTranscriber:
                         language: str | None = None, context: str | None = None, max_new_tokens: int | None = None,
                         timestamps: str | None = None, progress: Callable[[float], None] | None = None,
                         segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
-        """See ``ASR.transcribe_iter``; inputs are paths every node can read, or URIs. ``segments``: an
-        input's segments come in time order just before its Transcription."""
+        """``(input index, result)`` in completion order, as ``ASR.transcribe_iter``; ``segments``: an input's
+        segments come in time order before its Transcription."""
         sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
         options = self._options((options or TranscribeOptions()).given(
             language=language, context=context, max_new_tokens=max_new_tokens, timestamps=timestamps))
@@ -104,7 +100,7 @@ class RayTranscriber:
                                 if segments:
                                     yield from ((done[0], s) for s in done[1].segments)
                                 yield done
-                finally:  # closed early (Ctrl-C): stop the pass's tasks and actors now
+                finally:  # closed early: stop the pass's tasks and actors now
                     close = getattr(blocks, "close", None)
                     if close is not None:
                         close()
@@ -120,7 +116,6 @@ class RayTranscriber:
                                          f"({len(held)} segments done); its workers kept dying, see the Ray logs")
 
     def _options(self, options: TranscribeOptions) -> TranscribeOptions:
-        """The options as the workers take them: language checked, segment length set, words only with an aligner."""
         self.check_language(options.language)  # type: ignore[arg-type]
         if options.words and self.spec.aligner is None:
             log.warning("word timestamps need a forced aligner (--aligner PATH): giving segment times instead")
@@ -138,11 +133,9 @@ class RayTranscriber:
         label = f"{ACTOR_PREFIX}-{self.run_id}-p{self.passes}"
         remote_args: dict = {"max_restarts": -1, "max_task_retries": TASK_RETRIES}
         strategy = _actor_pool(pool, remote_args)
-        # deprecated in Ray 2.60 with nothing else yet to bound retries or name actors; naming the actors
-        # (ray_remote_args_fn) also keeps Ray Data from fusing the decode tasks into them
+        # deprecated, but nothing else bounds retries or names actors (naming also stops task fusion)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            # one block per input, so a long file never holds up short ones
             ds = ray.data.from_items(items, override_num_blocks=len(items))
             ds = ds.map_batches(segment_batch, fn_kwargs={"options": options}, batch_size=1,
                                 num_cpus=pool.decode_cpus, max_retries=TASK_RETRIES)
@@ -153,26 +146,23 @@ class RayTranscriber:
 
 
 def _actor_pool(pool: PoolConfig, remote_args: dict):  # noqa: ANN202 - a ray.data.ActorPoolStrategy
-    """An autoscaling pool whose actors each run ``calls_per_actor`` calls at once, on threads."""
     from ray.data import ActorPoolStrategy
 
     kwargs: dict = {"min_size": pool.min_actors, "max_size": pool.max_actors}
     if "enable_true_multi_threading" in inspect.signature(ActorPoolStrategy).parameters:
         kwargs.update(max_concurrent_calls_per_actor=pool.calls_per_actor, enable_true_multi_threading=True,
                       max_tasks_in_flight_per_actor=pool.calls_per_actor)
-    else:  # older Ray: a threaded actor runs its calls concurrently by itself
+    else:  # older Ray
         remote_args["max_concurrency"] = pool.calls_per_actor
     return ActorPoolStrategy(**kwargs)
 
 
-# no progress bars (the job shows its own); a failed block leaves its segments to the next pass; an actor
-# that dies loading its model is replaced, unless it fails every time
+# a failed block leaves its segments to the next pass
 _DATA_SETTINGS = {"enable_progress_bars": False, "max_errored_blocks": -1, "max_consecutive_actor_init_deaths": 3}
 
 
 @contextmanager
 def _quiet_data_context() -> Iterator[None]:
-    """``_DATA_SETTINGS`` and quieter Ray Data logs while we run, restored afterwards."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
@@ -180,7 +170,6 @@ def _quiet_data_context() -> Iterator[None]:
     saved = {k: getattr(ctx, k) for k in settings}
     for key, value in settings.items():
         setattr(ctx, key, value)
-    # its INFO lines would bury the job's own output
     loggers = {logging.getLogger("ray.data"): logging.WARNING,
                logging.getLogger("ray.data._internal.progress"): logging.ERROR}
     levels = {logger: logger.level for logger in loggers}

@@ -1,8 +1,6 @@
-"""The Qwen3 text decoder: RMSNorm, q/k-norm, GQA, rotary positions, SwiGLU; packed forwards.
+"""The Qwen3 text decoder: RMSNorm, q/k-norm, GQA, rotary positions, SwiGLU.
 
-A forward takes a packed batch (several sequences' new tokens concatenated, each with its own
-positions) plus a KV cache object that stores keys/values and runs attention. The decoder owns no
-loop and no scheduling: the engine decides which tokens go into each forward.
+A forward takes a packed batch (sequences' new tokens concatenated, each with its positions) and a KV cache.
 """
 
 from __future__ import annotations
@@ -21,11 +19,8 @@ _MetaIn = TypeVar("_MetaIn", contravariant=True)
 
 
 class KVStore(Protocol[_MetaIn]):
-    """What the decoder needs from a cache: store this layer's new k/v, attend, return (N, heads*hd).
-
-    ``meta`` says where each packed sequence lives in the cache; its type belongs to the cache's layout,
-    which the engine owns (engine/kv_cache.AttentionMeta, engine/cuda/plan.VarlenMeta). The decoder never
-    reads it: a forward takes a cache and that cache's metadata, typed together."""
+    """Stores this layer's new k/v, attends, returns (N, heads*hd). ``meta`` (where each sequence lives) belongs
+    to the cache's layout; the decoder passes it through unread."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: _MetaIn) -> torch.Tensor: ...
@@ -85,7 +80,7 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer; ``BoundDecoderLayers`` below runs the same ops on prepared kernels (change both)."""
+    """One decoder layer; ``BoundDecoderLayers`` mirrors it (change both)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
@@ -112,15 +107,14 @@ class SwiGLU(nn.Module):
         return kernels.linear(self.down_proj, kernels.silu_mul(gate, up))
 
 
-# BoundDecoderLayers: DecoderLayer's ops again, as one flat loop over prepared tuples (no per-call module or
-# dictionary lookups; docs/log/*-cpu-decoder-layers-bound.md). Same kernels, same order, same bits: change both.
+# BoundDecoderLayers mirrors DecoderLayer op for op, bit for bit: change both.
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # (rows, in) -> (rows, out)
 Products = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # (rows, in) -> each module's (rows, out)
 
 
 def bind_linear(kernels: Kernels, module: nn.Linear) -> Product:
-    """``x -> kernels.linear(module, x)`` for 2-D x, as directly as the linears object allows."""
+    """``x -> kernels.linear(module, x)`` for 2-D x."""
     direct = getattr(kernels.linear, "bind", None)
     if direct is not None:
         return direct(module)
@@ -129,7 +123,7 @@ def bind_linear(kernels: Kernels, module: nn.Linear) -> Product:
 
 
 def bind_linears(kernels: Kernels, modules: tuple[nn.Linear, ...]) -> Products:
-    """``x -> kernels.linears(modules, x)`` for 2-D x, as directly as the linears object allows."""
+    """``x -> kernels.linears(modules, x)`` for 2-D x."""
     direct = getattr(kernels.linear, "bind_group", None)
     if direct is not None:
         return direct(modules)
@@ -137,8 +131,7 @@ def bind_linears(kernels: Kernels, modules: tuple[nn.Linear, ...]) -> Products:
 
 
 class BoundDecoderLayers:
-    """``(x, cos, sin, cache, meta) -> x`` through every layer of ``text``, on ``kernels`` (which must have the
-    fused norms: ``bind_decoder_layers`` checks). One tuple per layer holds what the layer reads."""
+    """``(x, cos, sin, cache, meta) -> x`` through every layer of ``text``; ``kernels`` must have the fused norms."""
 
     def __init__(self, text: TextModel, kernels: Kernels) -> None:
         cfg = text.cfg
@@ -177,7 +170,7 @@ class BoundDecoderLayers:
 
 
 def bind_decoder_layers(text: TextModel, kernels: Kernels) -> BoundDecoderLayers | None:
-    """``text``'s layers bound to ``kernels``, or None where the fused norms do not apply (the module tree runs)."""
+    """``text``'s layers bound to ``kernels``, or None where the fused norms do not apply."""
     if kernels.rms_norm is None or kernels.norm_rope is None or kernels.fused_dtype != text.embed_tokens.weight.dtype:
         return None
     return BoundDecoderLayers(text, kernels)
@@ -209,7 +202,7 @@ class TextModel(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVStore[Meta],
                 meta: Meta, kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
-        if kernels.decoder_layers is not None:  # the same ops, prepared for this model (model/kernels.py)
+        if kernels.decoder_layers is not None:
             x = kernels.decoder_layers(x, cos, sin, cache, meta)
         else:
             for layer in self.layers:

@@ -1,8 +1,6 @@
-"""The audio encoder: conv front end over conv chunks, windowed bidirectional transformer, projector.
+"""The audio encoder: conv front end over chunks, windowed bidirectional transformer, projector.
 
-Forwards are packed (several utterances, no padding to the longest); attention stays inside windows
-aligned at each utterance's start, so an utterance's output never depends on its neighbours. A caller
-may pass the conv output of an utterance's first whole chunks (its conv head) and only the frames after.
+Forwards are packed; attention windows start at each utterance, so its output never depends on its neighbours.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ def sinusoid_table(length: int, channels: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EncoderPack:
-    """The indices of one packed encoder call, built on the host, used by every layer."""
+    """The indices of one packed encoder call, used by every layer."""
 
     chunks: torch.Tensor  # (C, 1, mel, conv_chunk_frames) zero-padded chunks of all utterances
     valid_index: torch.Tensor  # (T,) rows of the (C * tokens_per_conv_chunk) conv output that are real
@@ -38,8 +36,7 @@ class EncoderPack:
     window_mask: torch.Tensor  # (W, 1, 1, Lw) True where a key is real
     token_counts: tuple[int, ...]  # output tokens per utterance
     token_slots: torch.Tensor  # (T,) the (W * Lw) window slot of each packed token
-    # per utterance: its chunks in ``chunks`` (after its conv head)
-    fresh_chunks: tuple[int, ...] = ()
+    fresh_chunks: tuple[int, ...] = ()  # per utterance: its chunks in ``chunks``
     windows: torch.Tensor | None = None  # (W, 2) int64: each window's (first packed token, length)
 
 
@@ -72,7 +69,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
         counts.append(total)
         chunk_base += n_chunks
         token_base += total
-    # every window padded to the full length: the same shape, so the same bits, whatever shares the pack
+    # full-length windows: the same shape, so the same bits, whatever shares the pack
     lw = win
     pad_row = token_base
     index = torch.full((len(windows), lw), pad_row, dtype=torch.long)
@@ -80,7 +77,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
     for i, (start, length) in enumerate(windows):
         index[i, :length] = torch.arange(start, start + length)
         mask[i, :length] = True
-    # each token's slot in the window grid, so no layer needs a mask index (a host/device sync)
+    # slots precomputed: a mask index in a layer would sync host and device
     slots = torch.cat([i * lw + torch.arange(length) for i, (_, length) in enumerate(windows)])
     mel = features[0].shape[0]
     return EncoderPack(
@@ -97,8 +94,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
 
 @dataclass(frozen=True)
 class EncoderRun:
-    """Per utterance: the embeddings, and the conv output of the chunks this call computed (a later
-    call's conv head)."""
+    """Per utterance: the embeddings, and the conv output this call computed (a later call's conv head)."""
 
     rows: list[torch.Tensor]
     conv: list[torch.Tensor]
@@ -125,7 +121,6 @@ class EncoderAttention(nn.Module):
         n, d = x.shape
         linear = kernels.linear
         if kernels.encoder_attention is not None and x.dtype == torch.bfloat16 and pack.windows is not None:
-            # qasr's kernel: each window on its own rows, unpadded
             q, k, v = (linear(m, x).view(n, self.heads, self.head_dim) for m in (self.q_proj, self.k_proj, self.v_proj))
             out = kernels.encoder_attention(q, k, v, pack.windows, self.head_dim ** -0.5)
             return linear(self.out_proj, out.view(n, d))
@@ -207,8 +202,8 @@ class AudioEncoder(nn.Module):
 
     def encode(self, features: list[torch.Tensor], conv_heads: Sequence[torch.Tensor | None] | None = None,
                conv_batch: int | None = None, kernels: Kernels = TORCH_KERNELS) -> EncoderRun:
-        """``forward``, where ``conv_heads[i]`` (an earlier run's ``conv``) stands for utterance i's first
-        whole chunks and ``features[i]`` holds the frames after them."""
+        """``forward``; ``conv_heads[i]`` (an earlier run's ``conv``) stands for utterance i's first whole chunks,
+        ``features[i]`` holds the frames after them."""
         p = self.parameters().__next__()
         feats = [f.to(p.device, p.dtype) for f in features]
         heads = list(conv_heads) if conv_heads is not None else [None] * len(feats)
@@ -217,8 +212,7 @@ class AudioEncoder(nn.Module):
         rows = sum(audio_token_count(f.shape[-1], cf) + (h.shape[0] * tpc if h is not None else 0)
                    for f, h in zip(feats, heads, strict=True))
         if rows < MIN_ENCODER_ROWS:
-            # BLAS takes other kernels (other low bits) for a few rows: a zero utterance of whole chunks
-            # keeps every call above that; windows never attend across utterances
+            # a zero utterance pads the call: BLAS picks other kernels (other low bits) for a few rows
             feats.append(feats[0].new_zeros(feats[0].shape[0], -(-(MIN_ENCODER_ROWS - rows) // tpc) * cf))
             heads.append(None)
         pack = plan_pack(feats, self.cfg, p.device, [h.shape[0] if h is not None else 0 for h in heads])
