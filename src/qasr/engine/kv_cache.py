@@ -1,8 +1,5 @@
-"""The CPU KV cache: per layer one ``(kv_heads, tokens, head_dim)`` tensor for keys and one for values,
-handed out in blocks (engine/kv_blocks.py), in the model's dtype or int8 with one float32 scale per (token,
-kv head) row: ``q = round_half_even(x * (127 / amax))`` clamped to +-127, ``scale = amax * (1 / 127)`` (0 for a
-zero row), read as ``q * scale``; the native kernels give the bits of the torch functions below.
-"""
+"""The CPU KV cache: per layer a ``(kv_heads, tokens, head_dim)`` key and value tensor, handed out in blocks,
+in the model's dtype or int8 with a float32 scale per (token, kv head) row (the torch definition below)."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ def quantize_kv_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) -> (q (..., D) int8, scale (...) float32)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    # a true division: ``127.0 / amax`` would be a reciprocal, then a product (two roundings)
+    # a true division, not a reciprocal then a product (two roundings)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = (xf * inv).round().clamp(-127, 127).to(torch.int8)
     return q, (amax * _INV127).squeeze(-1)
@@ -40,14 +37,12 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def quantizer(kernel: ModuleType | None) -> Callable[[torch.Tensor], Sequence[torch.Tensor]]:
-    """The native ``quantize_kv`` if the decode kernel has it, else the reference."""
     if kernel is not None and hasattr(kernel, "quantize_kv"):
         return kernel.quantize_kv
     return quantize_kv_reference
 
 
 def row_dequantizer(kernel: ModuleType | None, dtype: torch.dtype) -> Callable[..., None] | None:
-    """The native ``dequantize_kv_rows`` where the decode kernel has it for ``dtype``, else None."""
     if kernel is not None and hasattr(kernel, "dequantize_kv_rows") and dtype in (torch.bfloat16, torch.float32):
         return kernel.dequantize_kv_rows
     return None
@@ -55,8 +50,7 @@ def row_dequantizer(kernel: ModuleType | None, dtype: torch.dtype) -> Callable[.
 
 @dataclass(frozen=True)
 class AttentionMeta:
-    """What ``KVPool.attend`` reads for one forward, built once so no layer does host work. Decode
-    sequences (one new token each) come first."""
+    """What ``KVPool.attend`` reads for one forward, built once for every layer; decode sequences come first."""
 
     tables: tuple[tuple[int, ...], ...]
     block_size: int
@@ -72,8 +66,7 @@ class AttentionMeta:
     @classmethod
     def build(cls, tables: Sequence[Sequence[int]], block_size: int, query_lens: Sequence[int],
               context_lens: Sequence[int], device: torch.device, num_decode: int = 0) -> AttentionMeta:
-        """``num_decode`` leading sequences are decode rows; a one-token prefill chunk is not one (it takes
-        the prefill path in every batch)."""
+        """``num_decode`` leading sequences are decode rows (a one-token prefill chunk is not one)."""
         nd = num_decode
         assert all(n == 1 for n in query_lens[:nd]), "decode rows bring exactly one token"
         tabs = tuple(tuple(t) for t in tables)
@@ -123,8 +116,8 @@ class KVPool:
     def __init__(self, cfg: DecoderConfig, num_blocks: int, device: torch.device, dtype: torch.dtype, *,
                  block_size: int = DEFAULT_BLOCK_TOKENS, decode_kernel: ModuleType | None = None,
                  prefill_kernel: ModuleType | None = None, kv_dtype: str = "auto") -> None:
-        """``decode_kernel`` / ``prefill_kernel``: native attention modules, None for torch's SDPA.
-        ``kv_dtype``: "auto" stores keys and values in ``dtype``, "int8" as int8 with scales."""
+        """``decode_kernel`` / ``prefill_kernel``: native attention modules, or None for torch's SDPA;
+        ``kv_dtype``: "auto" (``dtype``) or "int8"."""
         if kv_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         self.allocator = BlockAllocator(num_blocks, block_size)
@@ -133,7 +126,6 @@ class KVPool:
         self.dtype = dtype
         self.int8 = kv_dtype == "int8"
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, tokens, cfg.head_dim)
-        # empty: every slot is written before it is read
         store = torch.int8 if self.int8 else dtype
         self.k = torch.empty(shape, device=device, dtype=store)
         self.v = torch.empty(shape, device=device, dtype=store)
@@ -195,7 +187,6 @@ class KVPool:
 
     def _attend_int8(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMeta) -> torch.Tensor:
-        """``attend`` over the int8 pool; new rows are read as stored."""
         kq, vq, ks, vs = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
         nd = meta.num_decode
         outs = []
@@ -215,7 +206,7 @@ class KVPool:
             n, ctx = meta.query_lens[nd + i], meta.context_lens[nd + i]
             self._store_int8(layer, meta.prefill_write_index[i], k[row:row + n], v[row:row + n])
             rows = meta.prefill_key_rows[i]
-            if self.prefill_kernel is not None:  # over the dequantized rows as consecutive whole blocks
+            if self.prefill_kernel is not None:
                 blocks = -(-(ctx + n) // meta.block_size)
                 keys, values = self._dequantized(layer, rows, blocks * meta.block_size)
                 o = self.prefill_kernel.prefill_attention(q[row:row + n], keys, values, torch.arange(blocks),
@@ -228,8 +219,7 @@ class KVPool:
         return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
 
     def _dequantized(self, layer: int, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (kv_heads, length, hd): pool rows ``rows`` dequantized, then zeros (natively where
-        the kernel is there: docs/log/, engine-int8-kv-passes)."""
+        """Keys and values (kv_heads, length, hd): pool rows ``rows`` dequantized, then zeros."""
         kq, vq, ks, vs = self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
         if self.dequantize_rows is not None:
             shape = (kq.shape[0], length, kq.shape[2])
@@ -256,8 +246,7 @@ class KVPool:
 
     def _gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
                   ctx: int) -> torch.Tensor:
-        """n new tokens (already stored) over the sequence's ctx + n keys, gathered. Always a gather, even over
-        consecutive blocks: a strided view might take another SDPA path and round differently."""
+        """Always a gather: a strided view of consecutive blocks might take another SDPA path and round differently."""
         return self._sdpa(q, kc[:, rows], vc[:, rows], ctx)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int) -> torch.Tensor:

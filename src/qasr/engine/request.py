@@ -20,13 +20,12 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class KVLease:
-    """A finished ``keep_kv`` request's prompt KV, positions [0, valid); the engine may evict it (a request
-    continuing it then prefills all)."""
+    """A finished ``keep_kv`` request's prompt KV, positions [0, valid); the engine may evict it."""
 
     blocks: list[int]  # the engine thread's
     valid: int
     prompt: tuple[int, ...]
-    taken: bool = False  # used once
+    taken: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,12 @@ class GenerationResult:
     ttft_s: float
     latency_s: float
     kv: KVLease | None = None
-    preempted: tuple[str, ...] = ()  # "prefill" / "decode", once a preemption
-    logprobs: tuple[float, ...] = ()  # of each of token_ids
+    preempted: tuple[str, ...] = ()  # "prefill" / "decode", one per preemption
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class EncodeResult:
-    """An encoder-only request's rows, and the conv output of the chunks it computed."""
 
     rows: torch.Tensor  # (rows, hidden)
     conv: torch.Tensor  # (chunks, tokens_per_conv_chunk, d_model)
@@ -50,18 +48,18 @@ class EncodeResult:
 
 @dataclass(frozen=True)
 class Continuation:
-    """How a request continues an earlier one, as a live session's step does the step before."""
+    """How a request continues an earlier one (a live session's steps)."""
 
     keep_kv: bool = False  # keep the KV blocks: result.kv
-    # (lease, n): reuse its first n positions (a multiple of Engine.prefix_grid; the audio rows the same)
+    # (lease, n): reuse its first n positions (a multiple of Engine.prefix_grid)
     kv_prefix: tuple[KVLease, int] | None = None
-    draft: Sequence[int] = ()  # ids the output likely begins with: never changes it
+    draft: Sequence[int] = ()  # ids the output likely begins with; never changes it
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One generation request. The audio is one of ``waveform`` (1-D, 16 kHz), ``features`` (mel, frames) or
-    ``audio_embeds`` (encoder rows); ``interactive`` and ``group`` change the place in line, not the tokens."""
+    """One generation request; audio: ``waveform`` (1-D, 16 kHz), ``features`` (mel, frames) or ``audio_embeds``.
+    ``interactive`` and ``group`` change the place in line, not the tokens."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -69,15 +67,15 @@ class RequestSpec:
     features: torch.Tensor | None = None
     audio_embeds: torch.Tensor | None = None
     ignore_eos: bool = False
-    interactive: bool = False  # someone waits for it: before batch work
-    group: Hashable | None = None  # whose work: the group with the fewest running goes first
+    interactive: bool = False  # goes before batch work
+    group: Hashable | None = None  # the group with the fewest running goes first
     continuation: Continuation = Continuation()
 
 
 @dataclass(eq=False)
 class Request:
-    """``spec`` is what was asked (its audio moved below, let go of once used); the fields after
-    ``submitted`` are progress, the engine thread's."""
+    """``spec`` is what was asked (its audio moved below); the fields after ``submitted`` are the engine
+    thread's."""
 
     spec: RequestSpec
     classify: np.ndarray | None = None  # alignment: sorted prompt positions
@@ -103,7 +101,7 @@ class Request:
     classes: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     replay: list[int] = field(default_factory=list)  # what a recomputation must reproduce
-    delivered: int = 0  # tokens handed to on_token
+    delivered: int = 0
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -154,14 +152,13 @@ class Request:
 
     def resolve(self, result: GenerationResult | list[int] | torch.Tensor | None = None,
                 error: BaseException | None = None) -> None:
-        """Settle the future, end the token stream, let go of the audio. Never raises (user code's errors
-        are logged)."""
+        """Settle the future, end the token stream, drop the audio. Never raises (callback errors are logged)."""
         try:
             if error is not None:
                 self.future.set_exception(error)
             else:
                 self.future.set_result(result)
-        except InvalidStateError:  # cancelled or already settled
+        except InvalidStateError:
             pass
         except BaseException as exc:  # noqa: BLE001
             log.warning("qasr: a done-callback of request %d raised %r", self.id, exc)

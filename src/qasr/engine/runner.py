@@ -1,5 +1,4 @@
-"""One engine step on the device: a packed encoder call, then one packed decoder forward and a greedy
-argmax with log-probabilities, read back in one host sync."""
+"""One engine step on the device: a packed encoder call, a packed decoder forward, a greedy argmax."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ class Runner:
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
-        """Encode ``n`` more audio tokens of each request in one call; no request changes unless it all
-        succeeds. Returns the seconds spent on features."""
+        """Encode ``n`` more audio tokens of each request in one call, all or none; returns the seconds spent on
+        features."""
         enc = self.model.cfg.encoder
         window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         feats = []
@@ -60,16 +59,16 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
-        """Run the plan; return (request, token) for each token made, in order. Log-probabilities go to
-        ``req.logprobs``, an alignment request's classes to ``req.classes``."""
+        """Run the plan; (request, token) for each token made, in order. Fills ``req.logprobs`` and an alignment
+        request's ``req.classes``."""
         batch = self.collect(plan)
-        tokens, logprobs = self.run(batch)  # also when nothing is sampled: it stores the chunks' keys and values
+        tokens, logprobs = self.run(batch)  # also when nothing is sampled: it stores the keys and values
         for req, n in plan.prefill:
             req.prefilled += n
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
         made: list[tuple[Request, int]] = []
-        last: dict[int, int | None] = {}  # by request: its last kept token, None once a guess failed
+        last: dict[int, int | None] = {}  # None once a guess failed
         kept: dict[int, int] = {}
         for req, i, guess in zip(batch.sampled, batch.sampled_at, batch.guesses, strict=True):
             if guess is not None and last[id(req)] != guess:
@@ -86,7 +85,6 @@ class Runner:
     def collect(self, plan: StepPlan) -> StepBatch:
         b = StepBatch()
         for req in plan.decode:
-            # the newest token, then each guess as a decode row of its own
             ctx = len(req.prompt) + len(req.output) - 1
             guesses = plan.drafts.get(id(req), ())
             for j, token in enumerate((req.output[-1], *guesses)):
@@ -101,7 +99,7 @@ class Runner:
                 b.guesses.append(token if j else None)
         b.num_decode = len(b.ids)
         audio_id = self.model.cfg.audio_token_id
-        reached: dict[int, int] = {}  # a request's next chunk in this step starts here
+        reached: dict[int, int] = {}
         for req, n in plan.prefill:
             a = reached.get(id(req), req.prefilled)
             e = reached[id(req)] = a + n
@@ -116,7 +114,7 @@ class Runner:
             if hi > lo:
                 b.audio.append(req.audio[lo:hi])
                 b.audio_rows.extend(int(i) + base for i in np.flatnonzero(np.asarray(chunk) == audio_id))
-            if req.classify is not None:  # alignment: logits only at its classifier positions
+            if req.classify is not None:
                 c0, c1 = np.searchsorted(req.classify, [a, e])
                 b.classified.append((req, len(b.rows), int(c1 - c0)))
                 b.rows.extend((req.classify[c0:c1] + (len(b.ids) - e)).tolist())
@@ -128,7 +126,7 @@ class Runner:
         return b
 
     def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
-        """One packed decoder forward; each of ``batch.rows``' argmax and log-probability (one host sync)."""
+        """One packed decoder forward; each of ``batch.rows``' argmax and log-probability."""
         dev = self.model.device
         meta = self.pool.build_meta(batch.tables, batch.qlens, batch.ctxs, batch.num_decode)
         rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
@@ -141,24 +139,21 @@ class Runner:
 
 
 def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's argmax and its float32 log-softmax at that id; a row's values do not depend on its neighbours."""
-    scores = logits.float()  # exact: bf16 and float16 are subsets of float32
-    # the same index as the logits' argmax, and cheaper than torch's bf16 one (docs/log/, engine-argmax-float32)
+    """Each row's argmax and its float32 log-softmax there; a row does not depend on its neighbours."""
+    scores = logits.float()  # exact; cheaper than a bf16 argmax (docs/log/, engine-argmax-float32)
     tokens = scores.argmax(-1, keepdim=True)
     logprobs = torch.log_softmax(scores, -1).gather(-1, tokens)
     return tokens.squeeze(-1), logprobs.squeeze(-1)
 
 
 def read_back(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Both to the host in one sync (float64 holds any id and float32 exactly)."""
+    """Both to the host in one sync (float64 holds any id and any float32)."""
     ids, lps = torch.stack([tokens.double(), logprobs.double()]).tolist()
     return [int(t) for t in ids], lps
 
 
 @dataclass
 class StepBatch:
-    """One step's packed decoder rows, built on the host."""
-
     num_decode: int = 0  # leading one-token rows
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -167,8 +162,8 @@ class StepBatch:
     ctxs: list[int] = field(default_factory=list)
     audio: list[torch.Tensor] = field(default_factory=list)
     audio_rows: list[int] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)  # packed rows whose logits are computed
-    sampled: list[Request] = field(default_factory=list)  # per sampled row: its request, index in rows, guess
+    rows: list[int] = field(default_factory=list)  # rows whose logits are computed
+    sampled: list[Request] = field(default_factory=list)  # per sampled row: request, index in rows, guess
     sampled_at: list[int] = field(default_factory=list)
     guesses: list[int | None] = field(default_factory=list)
     classified: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first row, count)

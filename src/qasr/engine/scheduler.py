@@ -1,5 +1,5 @@
 """What each engine step does: admissions, encoder slices, prefill chunks, decode rows, preemptions.
-Bookkeeping on Request objects, on the engine thread; the policies are in docs/engine.md."""
+Engine thread only; the policies are in docs/engine.md."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.request import Request
 
-DRAFT_ROWS = 8  # guesses checked per request and step (a live step rolls back about 5 tokens)
+DRAFT_ROWS = 8  # guesses checked per request and step
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64
-    prefill_tokens: int = 512  # prompt tokens per step, in whole chunks (one at least)
-    prefill_chunk: int = 256  # prompts are prefilled on the grid [0, C), [C, 2C), ...
-    encoder_tokens: int = 512  # encoder output tokens per step, in whole windows (one at least)
-    window_tokens: int = 104  # encoder slices start on this grid
+    prefill_tokens: int = 512  # per step, in whole chunks (one at least)
+    prefill_chunk: int = 256  # prefill grid
+    encoder_tokens: int = 512  # per step, in whole windows (one at least)
+    window_tokens: int = 104  # encoder slice grid
 
 
 @dataclass
@@ -26,7 +26,7 @@ class StepPlan:
     encode: list[tuple[Request, int]]  # (request, audio tokens)
     decode: list[Request]
     prefill: list[tuple[Request, int]]  # (request, chunk length), a request's chunks in order
-    live_batch_work: bool = False  # batch encoder or prefill work beside interactive work
+    live_batch_work: bool = False
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # by id(request)
 
     @property
@@ -37,13 +37,11 @@ class StepPlan:
         return list(seen.values())
 
     def only(self, req: Request) -> StepPlan:
-        """This plan's part for one request."""
         own = {id(req): self.drafts[id(req)]} if id(req) in self.drafts else {}
         return StepPlan([(r, n) for r, n in self.encode if r is req], [r for r in self.decode if r is req],
                         [(r, n) for r, n in self.prefill if r is req], drafts=own)
 
     def drop(self, req: Request) -> None:
-        """Take a preempted request out of the plan."""
         self.encode[:] = [(r, n) for r, n in self.encode if r is not req]
         self.decode[:] = [r for r in self.decode if r is not req]
         self.prefill[:] = [(r, n) for r, n in self.prefill if r is not req]
@@ -58,8 +56,8 @@ class Scheduler:
         self.active: list[Request] = []  # in admission order
         self.encoding: list[Request] = []  # encoder-only requests
         self.preemptions = 0
-        self.batch_heavy_ok = True  # set by the engine: batch encoder/prefill work may ride beside live work
-        self._turn = False  # whether the express lane goes before the oldest request
+        self.batch_heavy_ok = True  # set by the engine: batch work may ride beside live work
+        self._turn = False
 
     def add(self, req: Request) -> None:
         (self.encoding if req.encode_only else self.waiting).append(req)
@@ -69,8 +67,8 @@ class Scheduler:
         return not self.waiting and not self.active and not self.encoding
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into the running set (interactive ones, then held continuations, then by
-        group while ``_room`` allows); return those that can never fit."""
+        """Move waiting requests into the running set (interactive, then continuations, then by group);
+        return those that can never fit."""
         impossible = []
         for req in [r for r in self.waiting if r.interactive and not r.cancelled]:
             self.waiting.remove(req)
@@ -98,12 +96,12 @@ class Scheduler:
             if req.cancelled:
                 taken.add(id(queues[key].popleft()))
                 self._drop_lease(req)
-                req.resolve()  # closes a token stream, if any
+                req.resolve()
             elif req.needs_tokens > self.blocks.allocator.capacity:
                 taken.add(id(queues[key].popleft()))
                 self._drop_lease(req)
                 impossible.append(req)
-            # a preempted request waits for room to get back where it was, or it would be preempted again at once
+            # wait for room to get back where it was, or it is preempted again at once
             elif self.active and self._room() < self.blocks.allocator.blocks_for(len(req.prompt) + len(req.replay)):
                 break
             else:
@@ -126,7 +124,7 @@ class Scheduler:
         return alloc.free_blocks + self.blocks.lease_blocks - promised - decoding
 
     def drop_cancelled(self) -> list[Request]:
-        """Take cancelled requests out of the queue and return them; the caller resolves them."""
+        """Take cancelled requests out of the queue; the caller resolves them."""
         gone_encodes = [r for r in self.encoding if r.cancelled]
         self.encoding = [r for r in self.encoding if not r.cancelled]
         dropped = [r for r in self.waiting if r.cancelled]
@@ -165,7 +163,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Free a running request's blocks and queue it first, to recompute from its encoder output."""
+        """Free a running request's blocks and queue it first, to recompute."""
         self.active.remove(req)
         self.blocks.free(req)
         plan.drop(req)
@@ -179,8 +177,8 @@ class Scheduler:
         self.preemptions += 1
 
     def plan(self) -> StepPlan:
-        """The next step: every decode row plus a bounded slice of encoder and prefill work, on fixed
-        per-request grids. KV blocks are taken here; a request that cannot get them sits the step out."""
+        """The next step: every decode row plus bounded encoder and prefill work; KV blocks are taken here
+        (a request that cannot get them sits the step out)."""
         live = self._live()
         plan = StepPlan(self._plan_encode(live), [], [])
         after = {id(r): r.encoded_tokens + n for r, n in plan.encode}
@@ -195,7 +193,6 @@ class Scheduler:
         return plan
 
     def _plan_drafts(self, plan: StepPlan) -> None:
-        """Up to ``DRAFT_ROWS`` guessed rows per decode request, from free blocks only."""
         for req in plan.decode:
             ahead = req.draft_ahead(min(DRAFT_ROWS, req.max_new_tokens - len(req.output) - 1))
             if ahead and self.blocks.grow(req, len(req.prompt) + len(req.output) + len(ahead)):
@@ -206,7 +203,7 @@ class Scheduler:
 
     def _plan_encode(self, live: bool) -> list[tuple[Request, int]]:
         cfg = self.config
-        lookahead = 2 * cfg.prefill_tokens  # encode just in time for prefill
+        lookahead = 2 * cfg.prefill_tokens
         wanted = [r for r in self.active if not r.encoded
                   and r.encoded_tokens - _audio_prefilled(r) < lookahead]
         plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
@@ -217,7 +214,7 @@ class Scheduler:
             if not self.batch_heavy_ok:
                 wanted = [r for r in wanted if r.interactive]
         for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
-            cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane: half at most
+            cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane
             n = self._slice(req, max(cap, cfg.window_tokens))
             if len(plan) > jobs and n > budget:
                 break
@@ -250,12 +247,12 @@ class Scheduler:
         order = self._prefill_order(wanted, express)
         for req in [r for r in order if r.interactive] + [r for r in order if not r.interactive]:
             if req not in self.active:
-                continue  # preempted by an earlier chunk
+                continue  # preempted
             done, limit = req.prefilled, ready[id(req)]
             while done < limit:
                 end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, len(req.prompt))
-                if end > limit:
-                    break  # its audio is not encoded yet
+                if end > limit:  # its audio is not encoded yet
+                    break
                 n = end - done
                 if live and not req.interactive and (batch_chunks or rationed):
                     return
@@ -268,10 +265,9 @@ class Scheduler:
                 batch_chunks += not req.interactive
                 done = end
                 if req is express and len(wanted) > 1:
-                    break  # the express lane: one chunk per step
+                    break  # the express lane
 
     def _prefill_order(self, wanted: list[Request], express: Request | None) -> list[Request]:
-        """The oldest request and the express lane, taking turns, then the rest."""
         if express is None or len(wanted) < 2:
             return wanted
         head = wanted[0]

@@ -1,7 +1,5 @@
-"""int4 decoder weights on the CPU (``quantize="int4"``): the decoder's linears and LM head in W4A8 (decode is bound
-by the weights' bytes: docs/log/*-cpu-int4-decoder.md), the encoder as in the int8 mode. The arithmetic is the
-torch reference below, which the native kernel gives bit for bit.
-"""
+"""int4 decoder weights on the CPU: W4A8 with a float32 scale per group of input features. The native
+kernel matches the torch reference below bit for bit."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from qasr.engine.cpu.int8 import KERNEL_DTYPES, quantize_rows_reference
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """One layer's int4 weight: the native module's packed tensor (scales inside), or (w_q, scale)."""
+    """The native module's packed tensor (scales inside), or (w_q, scale) for the reference."""
 
     packed: torch.Tensor | None
     w_q: torch.Tensor | None
@@ -29,12 +27,12 @@ class Int4Weight:
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: ModuleType | None) -> Int4Weight:
         w_q, scale = quantize_weight_groups(weight)
         b = None if bias is None else bias.detach().float()
-        if kernel is not None:  # the packed tensor holds both
+        if kernel is not None:
             return cls(kernel.pack(w_q, scale), None, None, b, weight.shape[0])
         return cls(None, w_q, scale, b, weight.shape[0])
 
     def bound(self, kernel: ModuleType | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self.product(x, kernel)``, the native call's arguments bound now."""
+        """``x -> self.product(x, kernel)``."""
         if self.packed is None or kernel is None:
             return lambda x: self.product(x, kernel)
         linear, packed, n, bias = kernel.linear, self.packed, self.n, self.bias
@@ -52,8 +50,6 @@ class Int4Weight:
         return int4_linear_reference(x, self.w_q, self.scale, self.bias)
 
 
-# The torch reference of the arithmetic.
-
 GROUP = 128  # input features per weight scale
 QMAX4 = 7  # symmetric: -8 is never used
 
@@ -63,12 +59,12 @@ def groups_of(k: int) -> int:
 
 
 def quantize_weight_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (w_q int8 [N, K] in [-7, 7], w_scale float32 [N, ceil(K / GROUP)]); a last group may be short."""
+    """W [N, K] -> (w_q int8 [N, K] in [-7, 7], w_scale float32 [N, ceil(K / GROUP)])."""
     n, k = weight.shape
     groups = groups_of(k)
     w_q = torch.empty(n, k, dtype=torch.int8)
     scale = torch.empty(n, groups, dtype=torch.float32)
-    step = max(1, (1 << 22) // max(k, 1))  # rows per block: small float32 temporaries
+    step = max(1, (1 << 22) // max(k, 1))
     for start in range(0, n, step):
         wf = F.pad(weight[start:start + step].detach().float(), (0, groups * GROUP - k))
         wf = wf.view(wf.shape[0], groups, GROUP)
@@ -82,16 +78,16 @@ def quantize_weight_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def int4_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K], w_q int8 [N, K], w_scale float32 [N, groups], bias float32 [N] or None -> [M, N] in x's dtype."""
+    """x [M, K], w_q int8 [N, K], w_scale float32 [N, groups], bias float32 [N] -> [M, N] in x's dtype."""
     q, a_scale = quantize_rows_reference(x)
     k = q.shape[1]
     y = torch.zeros(q.shape[0], w_q.shape[0], dtype=torch.float32)
     for g in range(w_scale.shape[1]):
         lo, hi = g * GROUP, min((g + 1) * GROUP, k)
         qa, qw = q[:, lo:hi], w_q[:, lo:hi]
-        if hi - lo == 1:  # torch._int_mm is wrong for K == 1 (see int8.py): a zero column adds nothing
+        if hi - lo == 1:  # torch._int_mm is wrong for K == 1
             qa, qw = F.pad(qa, (0, 1)), F.pad(qw, (0, 1))
-        t = torch._int_mm(qa.contiguous(), qw.t()).float()  # exact int32, then float32(acc_g)
+        t = torch._int_mm(qa.contiguous(), qw.t()).float()
         y.add_(t.mul_(w_scale[:, g].float()))
     y.mul_(a_scale[:, None])
     if bias is not None:

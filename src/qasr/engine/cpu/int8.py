@@ -1,6 +1,5 @@
-"""int8 linears and convolutions on the CPU (``quantize="int8"``): W8A8, dynamic per-row activations. The
-arithmetic is the torch reference below, which every native kernel gives bit for bit; a row depends on no other.
-"""
+"""int8 linears and convolutions on the CPU: W8A8, per-row dynamic activations. Native kernels match the torch
+reference below bit for bit; a row depends on no other."""
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ from torch import nn
 from qasr.engine.cpu.conv import OtherConvs, padded_nhwc
 
 QMAX = 127  # symmetric: -128 is never used
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes a native int8 module takes
-WEIGHT_BLOCK = 1 << 22  # weight values quantized per block
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHT_BLOCK = 1 << 22
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (w_q int8 [N, K], w_scale float32 [N]), per output channel, in blocks of rows."""
+    """W [N, K] -> (w_q int8 [N, K], w_scale float32 [N]), per output channel."""
     n, k = weight.shape
     w_q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
@@ -28,7 +27,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, n, step):
         wf = weight[start:start + step].detach().float()
         amax = wf.abs().amax(dim=1)
-        # an all-zero row: 1.0 keeps the division finite
         s = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX)
         w_q[start:start + step] = torch.round(wf / s[:, None]).clamp_(-QMAX, QMAX)
         scale[start:start + step] = s
@@ -37,8 +35,6 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """One layer's quantized weight, ready for the products."""
-
     packed: torch.Tensor  # the native module's layout, or w_q [N, K] for the torch reference
     scale: torch.Tensor  # float32 [N]
     bias: torch.Tensor | None  # float32 [N]
@@ -51,7 +47,7 @@ class Int8Weight:
         return cls(packed, scale, None if bias is None else bias.detach().float(), weight.shape[0])
 
     def bound(self, kernel: ModuleType | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self.product(x, kernel)``, the native call's arguments bound now."""
+        """``x -> self.product(x, kernel)``."""
         if kernel is None:
             return lambda x: self.product(x, None)
         linear, packed, n, scale, bias = kernel.linear, self.packed, self.n, self.scale, self.bias
@@ -60,9 +56,8 @@ class Int8Weight:
     def product(self, x: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if kernel is not None and x.dtype in KERNEL_DTYPES:
-            # straight to the module: a decode step makes ~200 of these calls
             return kernel.linear(x, self.packed, self.n, self.scale, self.bias)
-        if kernel is not None:  # the packed layout is the kernel's own
+        if kernel is not None:
             raise ValueError(f"the native int8 kernel takes float32 or bfloat16 activations, not {x.dtype}")
         if x.shape[0] == 0:
             return x.new_empty(0, self.n)
@@ -70,8 +65,8 @@ class Int8Weight:
 
 
 class Int8Convs:
-    """``conv(module, x)`` for every nn.Conv2d: the 480-channel convolutions as int8 GEMMs, a row per output
-    position; the first one (nine mel values a row) and those the GEMM form does not cover in float."""
+    """``conv(module, x)`` for every nn.Conv2d: int8 GEMMs (a row per output position) where supported, and
+    float for the rest (the single-channel first one)."""
 
     def __init__(self, model: nn.Module, kernel: ModuleType | None = None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel
@@ -82,7 +77,6 @@ class Int8Convs:
             if not isinstance(module, nn.Conv2d):
                 continue
             if int8_conv_supported(module):
-                # (cout, kh*kw*cin)
                 w = module.weight.detach().permute(0, 2, 3, 1).reshape(module.out_channels, -1)
                 self.weights[module] = Int8Weight.of(w, module.bias, kernel)
             else:
@@ -95,10 +89,9 @@ class Int8Convs:
             return self.others(module, F.gelu(x) if gelu else x)
         n = x.shape[0]
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
-        xh = padded_nhwc(x, ph, pw, gelu, self.ops)  # (n, h+2ph, w+2pw, cin), zero-padded
+        xh = padded_nhwc(x, ph, pw, gelu, self.ops)  # (n, h+2ph, w+2pw, cin)
         ho, wo = (xh.shape[1] - kh) // sh + 1, (xh.shape[2] - kw) // sw + 1
         if self.kernel is not None and x.dtype in KERNEL_DTYPES:
-            # patches read in place: the bits of the explicit rows below
             out = self.kernel.conv(xh, weight.packed, weight.n, weight.scale, weight.bias, kh, kw, sh, sw)
         else:
             out = weight.product(patch_rows(xh, kh, kw, sh, sw), self.kernel)
@@ -114,15 +107,14 @@ def int8_conv_supported(conv: nn.Conv2d) -> bool:
             and isinstance(conv.padding, tuple) and conv.padding_mode == "zeros")
 
 
-# The torch reference of the arithmetic. It avoids ``127 / t`` (computed as ``127 * (1 / t)``, two roundings) and
-# ``torch._int_mm`` with K == 1 (wrong sums; a zero column is added instead).
+# The reference avoids ``127 / t`` as ``127 * (1 / t)`` (two roundings) and ``torch._int_mm`` with K == 1 (wrong).
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (bf16 or float32) -> (x_q int8 [M, K], a_scale float32 [M]), each row on its own scale."""
+    """x [M, K] (bf16 or float32) -> (x_q int8 [M, K], a_scale float32 [M])."""
     xf = x.float()
     amax = xf.abs().amax(dim=1)
     zero = amax == 0
-    safe = torch.where(zero, torch.ones_like(amax), amax)  # no division by zero; those rows are zeroed below
+    safe = torch.where(zero, torch.ones_like(amax), amax)
     a_scale = torch.where(zero, torch.zeros_like(amax), safe / torch.full_like(amax, 127.0))
     inv = torch.where(zero, torch.zeros_like(amax), torch.full_like(amax, 127.0) / safe)
     q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -131,19 +123,18 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def int8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16/float32, w_q int8 [N, K], w_scale float32 [N], bias float32 [N] or None -> [M, N] in
-    x's dtype."""
+    """x [M, K], w_q int8 [N, K], w_scale/bias float32 [N] -> [M, N] in x's dtype."""
     q, a_scale = quantize_rows_reference(x)
     if q.shape[1] == 1:
         q, w_q = F.pad(q, (0, 1)), F.pad(w_q, (0, 1))
-    y = torch._int_mm(q, w_q.t()).float()  # int32 [M, N], exact, then float32(acc)
-    y.mul_(torch.outer(a_scale, w_scale.float()))  # s = a_scale[m] * w_scale[n], then float32(acc) * s
+    y = torch._int_mm(q, w_q.t()).float()  # exact int32, then float32
+    y.mul_(torch.outer(a_scale, w_scale.float()))  # float32(acc) * (a_scale[m] * w_scale[n])
     if bias is not None:
         y.add_(bias.float())
     return y.to(x.dtype)
 
 
 def patch_rows(xp: torch.Tensor, kh: int, kw: int, sh: int, sw: int) -> torch.Tensor:
-    """A padded NHWC input -> its kh x kw patches at stride (sh, sw) as rows, features in (kh, kw, cin) order."""
+    """A padded NHWC input -> its kh x kw patches as rows, features in (kh, kw, cin) order."""
     patches = xp.unfold(1, kh, sh).unfold(2, kw, sw)  # (n, ho, wo, cin, kh, kw)
     return patches.permute(0, 1, 2, 4, 5, 3).reshape(-1, kh * kw * xp.shape[3])

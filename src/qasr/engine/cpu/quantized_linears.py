@@ -1,6 +1,5 @@
-"""The quantized modes' ``linear``: a product per nn.Linear, and linears of one input (q/k/v, gate/up) as one
-product split by columns (docs/log/*-cpu-quantized-groups.md), which changes no bit.
-"""
+"""The quantized modes' ``linear``: a product per nn.Linear; linears of one input (q/k/v, gate/up) as one
+product split by columns, which changes no bit."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from qasr.engine.cpu.int8 import Int8Weight
 
 @dataclass(frozen=True)
 class Product:
-    """One quantized weight (a module's or a group's) and its kernel."""
 
     weight: Int8Weight | Int4Weight
     kernel: ModuleType | None
@@ -26,11 +24,10 @@ class Product:
         return self.weight.product(x, self.kernel)
 
     def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The same product, straight to the native module where there is one."""
         return self.weight.bound(self.kernel)
 
 
-# (weight, bias, the module or a group's first) -> its product
+# (weight, bias, the module or a group's first) -> product
 MakeProduct = Callable[[torch.Tensor, "torch.Tensor | None", nn.Linear], Product]
 
 
@@ -48,8 +45,7 @@ def same_input_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
 
 
 class QuantizedLinears:
-    """``linear(module, x)`` for every nn.Linear of a model, and ``group(modules, x)`` for the groups given;
-    ``kind`` is "int8" or "int4"."""
+    """``linear(module, x)`` for every nn.Linear of a model, ``group(modules, x)`` for the given groups."""
 
     def __init__(self, model: nn.Module, make: MakeProduct, kind: str,
                  groups: Sequence[tuple[nn.Linear, ...]] = ()) -> None:
@@ -71,7 +67,7 @@ class QuantizedLinears:
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         product = self.products.get(module)
         if product is None:
-            if module in self._member:  # computed with its group, which holds its weight
+            if module in self._member:
                 group, i = self._member[module]
                 return self.group(group, x)[i]
             raise KeyError(f"{module!r} is not a linear layer of the model these {self.kind} weights were made from")
@@ -79,19 +75,19 @@ class QuantizedLinears:
         return product(x.reshape(-1, shape[-1])).view(*shape[:-1], product.weight.n)
 
     def bind(self, module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``x -> self(module, x)`` for 2-D x, the lookups done now."""
+        """``x -> self(module, x)`` for 2-D x."""
         product = self.products.get(module)
         if product is None:
             return lambda x: self(module, x)
         return product.bound()
 
     def bind_group(self, modules: tuple[nn.Linear, ...]) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """``x -> self.group(modules, x)`` for 2-D x, the lookups done now."""
+        """``x -> self.group(modules, x)`` for 2-D x."""
         entry = self.groups.get(modules)
         if entry is None:
             return lambda x: self.group(modules, x)
         product, sizes = entry[0].bound(), list(entry[1])
-        # split_with_sizes: the C++ method, not Tensor.split's Python wrapper (docs/log/*-cpu-group-split.md)
+        # not Tensor.split's Python wrapper (docs/log/*-cpu-group-split.md)
         return lambda x: product(x).split_with_sizes(sizes, -1)
 
     def group(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -107,7 +103,7 @@ class QuantizedLinears:
 
 def int8_linears(model: nn.Module, kernel: ModuleType | None = None,
                  groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
-    """``quantize="int8"``: every linear W8A8 on ``kernel``, or on the torch reference."""
+    """``quantize="int8"``: every linear W8A8 on ``kernel`` (None: the torch reference)."""
     return QuantizedLinears(model, lambda w, b, _: Product(Int8Weight.of(w, b, kernel), kernel), "int8", groups)
 
 

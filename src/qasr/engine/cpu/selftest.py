@@ -1,8 +1,6 @@
-"""Self-tests a native kernel passes at its first load, on the CPU it runs on, before native.py hands it out.
+"""Self-tests a native kernel passes at its first load, against torch references, before native.py hands it out.
 
-Kernels are built with -march=native on CPUs, OSes and compilers nobody here tested: each is checked in a few
-small calls against torch references (the GEMMs also row-invariant, bit for bit). A kernel that fails is
-disabled with one warning, and the engine uses the next kernel or plain torch.
+A kernel that fails is disabled with one warning; the engine uses the next kernel or plain torch.
 """
 
 from __future__ import annotations
@@ -22,23 +20,22 @@ from qasr.model.decoder import RMSNorm, rotate_half
 
 log = logging.getLogger(__name__)
 
-# seconds each passing self-test took in this process, by kernel name
 timings: dict[str, float] = {}
 
 
 class SelfTestFailure(AssertionError):
-    """A kernel's result disagreed with the reference."""
+    pass
 
 
 def verified(name: str, module: ModuleType | None, check: Callable[[ModuleType], None]) -> ModuleType | None:
-    """``module`` if ``check(module)`` passes, else None with one warning naming the kernel and the failure."""
+    """``module`` if ``check(module)`` passes, else None with one warning."""
     if module is None:
         return None
     start = time.perf_counter()
     try:
         with torch.inference_mode():
             check(module)
-    except Exception as exc:  # a wrong number, a crash-free exception, a missing function: all disqualify
+    except Exception as exc:  # any failure disqualifies
         log.warning("qasr: native kernel %r failed its self-test on this CPU and is disabled: %s: %s",
                     name, type(exc).__name__, exc)
         return None
@@ -48,9 +45,9 @@ def verified(name: str, module: ModuleType | None, check: Callable[[ModuleType],
 
 
 def check_gemm(kernel: ModuleType) -> None:
-    """pack / linear / conv against float32 products; rows independent of their call."""
+    """pack / linear / conv near float32 products; rows independent of their call."""
     gen = torch.Generator().manual_seed(20261130)
-    # (K, N, bias): K tiles with a column tail, a K tail, the smallest K; the 37 rows give every M remainder
+    # K and N tails, the smallest K; 37 rows give every M remainder
     for k, n, has_bias in ((96, 130, True), (70, 67, False), (2, 17, True)):
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         bias = torch.randn(n, generator=gen) if has_bias else None
@@ -71,12 +68,11 @@ def _linear_rows(kernel: ModuleType, x: torch.Tensor, packed: torch.Tensor, n: i
 
 
 def _check_conv(kernel: ModuleType, gen: torch.Generator) -> None:
-    # 3x3 kernel, stride (2, 1), 6 channels: K = 54 (a K tail), 3 x 3 x 7 = 63 output positions
     n, hp, wp, cin, cout = 3, 7, 9, 6, 70
     xp = torch.randn(n, hp, wp, cin, generator=gen).to(torch.bfloat16)
     w = torch.randn(cout, cin, 3, 3, generator=gen).to(torch.bfloat16)
     bias = torch.randn(cout, generator=gen)
-    packed = kernel.pack(w.permute(0, 2, 3, 1).reshape(cout, -1).contiguous())  # (kh, kw, cin) order
+    packed = kernel.pack(w.permute(0, 2, 3, 1).reshape(cout, -1).contiguous())
     got = kernel.conv(xp, packed, cout, bias, 3, 3, 2, 1)
     nchw = xp.float().permute(0, 3, 1, 2)
     ref = F.conv2d(nchw, w.float(), bias, stride=(2, 1)).permute(0, 2, 3, 1).reshape(-1, cout)
@@ -88,7 +84,7 @@ def _check_conv(kernel: ModuleType, gen: torch.Generator) -> None:
 
 
 def _expect_close(what: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
-    """Within 2^-8 of the value (one bf16 rounding) plus 2^-12 of the sum of |products| (summation order)."""
+    """Within one bf16 rounding plus 2^-12 of the sum of |products| (summation order)."""
     if got.shape != ref.shape or got.dtype != torch.bfloat16:
         raise SelfTestFailure(f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(ref.shape)} bfloat16")
     err = (got.float() - ref).abs()
@@ -100,22 +96,19 @@ def _expect_close(what: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.
 
 
 def _expect_row_invariant(what: str, full: torch.Tensor, call: Callable[[slice], torch.Tensor]) -> None:
-    """Rows of a 37-row call equal the same rows in 1- and 5-row calls, bit for bit."""
     for rows in (slice(0, 1), slice(17, 18), slice(36, 37), slice(0, 5), slice(14, 19), slice(32, 37)):
         if not torch.equal(call(rows), full[rows]):
             raise SelfTestFailure(f"{what}: rows {rows.start}..{rows.stop - 1} alone differ from a 37-row call")
 
 
 def check_int8_gemm(kernel: ModuleType) -> None:
-    """pack / quantize_rows / linear / conv against the int8 torch reference, bit for bit, over K and N tails,
-    both input dtypes, with and without bias, a zero row; few-row calls equal the rows of a big one."""
+    """pack / quantize_rows / linear / conv give the int8 torch reference's bits."""
     gen = torch.Generator().manual_seed(20261202)
     for i, (k, n) in enumerate((k, n) for k in (1, 3, 65, 1000) for n in (1, 17, 300)):
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
         w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         w_scale = torch.rand(n, generator=gen) * 0.02 + 1e-4
         bias = torch.randn(n, generator=gen) if i % 3 != 2 else None
-        # rows of very different magnitudes, and one zero row (a_scale 0)
         x = torch.randn(300, k, generator=gen) * torch.exp(6 * torch.rand(300, 1, generator=gen) - 3)
         x[7] = 0
         x = x.to(dtype)
@@ -131,8 +124,7 @@ def check_int8_gemm(kernel: ModuleType) -> None:
 
 
 def check_int4_gemm(kernel: ModuleType) -> None:
-    """pack / linear of the W4A8 kernel against the int4 torch reference, bit for bit, over short groups and
-    column tails, both input dtypes, with and without bias, a zero row and group; few-row calls as above."""
+    """pack / linear give the int4 torch reference's bits."""
     gen = torch.Generator().manual_seed(20261203)
     for i, (k, n) in enumerate((k, n) for k in (1, 3, 129, 1000) for n in (1, 17, 300)):
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
@@ -152,7 +144,6 @@ def check_int4_gemm(kernel: ModuleType) -> None:
 
 def _expect_exact_rows(what: str, linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                        ref: torch.Tensor) -> None:
-    """``linear(x)`` equals ``ref`` bit for bit, and so do rows computed in 1-, 2- and 17-row calls."""
     full = linear(x)
     if full.dtype != x.dtype or full.shape != ref.shape:
         raise SelfTestFailure(f"{what}: got {tuple(full.shape)} {full.dtype}, want {tuple(ref.shape)} {x.dtype}")
@@ -167,7 +158,6 @@ def _expect_exact_rows(what: str, linear: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
-    """conv against the reference on the explicit im2col rows, bit for bit, in float32 and bf16."""
     cin, cout = 37, 70
     w_q = torch.randint(-127, 128, (cout, 3 * 3 * cin), generator=gen, dtype=torch.int8)
     w_scale = torch.rand(cout, generator=gen) * 0.02 + 1e-4
@@ -184,28 +174,26 @@ def _check_int8_conv(kernel: ModuleType, gen: torch.Generator) -> None:
 
 def scattered_pool(kv_heads: int, blocks: int, block_size: int, d: int,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value pools full of NaN, so a read of a row no sequence owns shows."""
+    """Key and value pools full of NaN, so a read of an unowned row shows."""
     shape = (kv_heads, blocks * block_size, d)
     return torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
 
 
 def positions(table: list[int], block_size: int, n: int) -> torch.Tensor:
-    """Pool rows of positions [0, n) of a sequence with this block table."""
+    """Pool rows of positions [0, n) under this block table."""
     pos = torch.arange(n)
     return torch.tensor(table)[pos // block_size] * block_size + pos % block_size
 
 
 def fill(pool: torch.Tensor, rows: torch.Tensor, gen: torch.Generator) -> None:
-    """Random keys (or values) at these pool rows, for every head."""
     pool[:, rows] = torch.randn(pool.shape[0], len(rows), pool.shape[2], generator=gen).to(pool.dtype)
 
 
 def check_prefill_attention(kernel: ModuleType) -> None:
-    """A 9-token chunk after 70 cached tokens in scattered blocks against float32 attention; rows the sequence
-    does not own are never read; a chunk's rows are independent."""
+    """A chunk after cached tokens in scattered blocks, near float32 attention; its rows independent."""
     gen = torch.Generator().manual_seed(7)
     kv_heads, heads, d, bs, ctx, n = 2, 4, 128, 16, 70, 9
-    table = [7, 2, 9, 0, 5]  # 80 positions: 79 used, the tail of block 5 unwritten
+    table = [7, 2, 9, 0, 5]
     kpool, vpool = scattered_pool(kv_heads, 11, bs, d, torch.bfloat16)
     rows = positions(table, bs, ctx + n)
     fill(kpool, rows, gen)
@@ -222,7 +210,7 @@ def check_prefill_attention(kernel: ModuleType) -> None:
     tail = kernel.prefill_attention(q[6:].contiguous(), kpool, vpool, tab, bs, ctx + 6, scale)
     if not torch.equal(tail, got[6:]):
         raise SelfTestFailure("prefill attention: the last 3 queries alone differ from the whole chunk")
-    # the same keys in consecutive blocks: the same bits (the table changes where, never what, is read)
+    # the table changes where, never what, is read
     kc, vc = scattered_pool(kv_heads, 11, bs, d, torch.bfloat16)
     kc[:, 16:16 + ctx + n], vc[:, 16:16 + ctx + n] = kpool[:, rows], vpool[:, rows]
     if not torch.equal(kernel.prefill_attention(q, kc, vc, torch.arange(1, 6), bs, ctx, scale), got):
@@ -230,18 +218,17 @@ def check_prefill_attention(kernel: ModuleType) -> None:
 
 
 def check_decode_attention(kernel: ModuleType) -> None:
-    """One query per sequence in scattered blocks (the AVX-512 path and the portable loop) against float32
-    attention; the new key/value stored; a sequence alone equals it in a batch."""
+    """One query per sequence near float32 attention; new key/value stored; a sequence alone as in a batch."""
     gen = torch.Generator().manual_seed(11)
     bs = 16
-    tables = [[3], [12, 1, 7, 4, 10], [6, 0, 9]]  # one block, five out of order, three (the last partly used)
+    tables = [[3], [12, 1, 7, 4, 10], [6, 0, 9]]
     lens = torch.tensor([1, 70, 33])
-    tabs = torch.tensor([t + [0] * (5 - len(t)) for t in tables])  # padded with block 0, which row 0 does not own
+    tabs = torch.tensor([t + [0] * (5 - len(t)) for t in tables])
     for dtype, d, tol in ((torch.bfloat16, 128, 1e-2), (torch.float32, 64, 1e-4)):
         kv_heads, heads = 2, 4
         kpool, vpool = scattered_pool(kv_heads, 14, bs, d, dtype)
         rows = [positions(t, bs, int(m)) for t, m in zip(tables, lens, strict=True)]
-        for r in rows:  # all but each sequence's last position, which the call itself stores
+        for r in rows:  # the call stores the last position
             fill(kpool, r[:-1], gen)
             fill(vpool, r[:-1], gen)
         q = torch.randn(3, heads, d, generator=gen).to(dtype)
@@ -267,9 +254,7 @@ def check_decode_attention(kernel: ModuleType) -> None:
 
 def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tabs: torch.Tensor, lens: torch.Tensor,
                                 bs: int) -> None:
-    """The int8 pool (engine/kv_cache.py): quantize_kv and store_kv_int8 give the torch definition's bits;
-    decode_attention_int8 stores the new rows and matches float32 attention, alone as in a batch;
-    dequantize_kv_rows gives dequantize_kv's bits, padded."""
+    """The int8 pool's ops (engine/kv_cache.py) against the torch definitions."""
     from qasr.engine.kv_cache import dequantize_kv, quantize_kv_reference
 
     gen = torch.Generator().manual_seed(12)
@@ -281,7 +266,6 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
         want_q, want_s = quantize_kv_reference(x)
         if not (torch.equal(q8, want_q) and torch.equal(s8, want_s)):
             raise SelfTestFailure(f"quantize_kv {dtype}: differs from the torch definition")
-        # a prefill chunk's store: those rows at pool rows out of order, nothing else written
         pool, scales = torch.zeros(kv_heads, 20, d, dtype=torch.int8), torch.full((kv_heads, 20), -1.0)
         at = torch.tensor([17, 3, 4, 11, 0, 19])
         kernel.store_kv_int8(x, pool, scales, at)
@@ -304,7 +288,7 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
             nq, ns = quantize_kv_reference(new)
             if not (torch.equal(pool[:, last], nq.transpose(0, 1)) and torch.equal(scales[:, last], ns.T)):
                 raise SelfTestFailure(f"decode attention int8 {dtype}: new rows not stored quantized")
-        # the values each path reads: float(q) * scale on the AVX-512 path, rounded to the dtype on the portable one
+        # the AVX-512 path reads float(q) * scale; the portable one rounds it to the dtype
         read_as = torch.float32 if d == 128 else dtype
         kf, vf = dequantize_kv(kq, ks, read_as).float(), dequantize_kv(vq, vs, read_as).float()
         ref = torch.stack([
@@ -315,7 +299,6 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
         one = kernel.decode_attention_int8(q[1:2].contiguous(), kq, vq, ks, vs, tabs[1:2], lens[1:2], bs, scale)
         if not torch.equal(one[0], got[1]):
             raise SelfTestFailure(f"decode attention int8 {dtype}: a sequence alone differs from it in a batch")
-        # a prefill chunk's read of a sequence's rows (one pass, padded with zeros): dequantize_kv's bits
         seq = rows[1]
         length = -(-len(seq) // bs) * bs + bs
         out_k, out_v = torch.empty(kv_heads, length, d, dtype=dtype), torch.empty(kv_heads, length, d, dtype=dtype)
@@ -326,7 +309,7 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
                 raise SelfTestFailure(f"dequantize_kv_rows {dtype} d={d}: differs from dequantize_kv")
 
 def check_encoder_attention(kernel: ModuleType) -> None:
-    """Windows of 104, 13 and 1 rows against float32 SDPA; a window alone equals it among others."""
+    """Windows near float32 SDPA; a window alone as among others."""
     gen = torch.Generator().manual_seed(17)
     windows = torch.tensor([[0, 104], [104, 13], [117, 1]])
     for dtype, d, tol in ((torch.bfloat16, 64, 1e-2), (torch.float32, 64, 1e-4), (torch.bfloat16, 48, 1e-2)):
@@ -341,11 +324,10 @@ def check_encoder_attention(kernel: ModuleType) -> None:
 
 
 def check_decoder_ops(kernel: ModuleType) -> None:
-    """rms_norm and norm_rope against the torch steps, silu_mul against torch's bits."""
     gen = torch.Generator().manual_seed(5)
     eps = 1e-6
 
-    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the model's own RMSNorm, with weight w
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         norm = RMSNorm(w.shape[0], eps).to(torch.bfloat16)
         with torch.no_grad():
             norm.weight.copy_(w)
@@ -367,7 +349,6 @@ def check_decoder_ops(kernel: ModuleType) -> None:
 
 
 def check_silu_mul(kernel: ModuleType) -> None:
-    """silu_mul against F.silu(gate) * up bit for bit, on column views as the engine passes them."""
     from qasr.engine.cpu.activation_tables import silu_table
 
     gen = torch.Generator().manual_seed(7)
@@ -383,22 +364,19 @@ def check_silu_mul(kernel: ModuleType) -> None:
 
 
 def check_encoder_ops(kernel: ModuleType) -> None:
-    """pad_gelu against F.pad(F.gelu(x)) of the contiguous tensor bit for bit, from either memory layout;
-    conv_one_channel within a bf16 step of float32 convolutions."""
     from qasr.engine.cpu.activation_tables import gelu_table
 
     gen = torch.Generator().manual_seed(6)
-    x = (torch.randn(2, 6, 5, 34, generator=gen) * 4).to(torch.bfloat16)  # (n, h, w, c)
+    x = (torch.randn(2, 6, 5, 34, generator=gen) * 4).to(torch.bfloat16)
     x[0, 1, 2, :3] = torch.tensor([0.0, -0.0, float("nan")])
     x[1, 0, 0, :2] = torch.tensor([300.0, -300.0])
-    for src in (x, x.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)):  # NHWC memory, then NCHW memory
+    for src in (x, x.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)):
         for ph, pw in ((1, 1), (2, 0), (0, 0)):
             got = kernel.pad_gelu(src, gelu_table(), ph, pw)
             want = F.pad(F.gelu(src.contiguous()), (0, 0, pw, pw, ph, ph))
             same = got.view(torch.int16) == want.view(torch.int16)
             if not (got.is_contiguous() and bool((same | (got.isnan() & want.isnan())).all())):
                 raise SelfTestFailure(f"pad_gelu (padding {ph}, {pw}): differs from F.pad(F.gelu(x))")
-    # conv_one_channel: float32 sums rounded once to bf16; an image alone gets the bits it gets in a batch
     for (kh, kw, sh, sw, ph, pw), has_bias in (((3, 3, 2, 2, 1, 1), True), ((2, 3, 1, 2, 0, 1), False)):
         img = (torch.randn(3, 1, 11, 8, generator=gen) * 3).to(torch.bfloat16)
         w = (torch.randn(40, 1, kh, kw, generator=gen) / 3).to(torch.bfloat16)
@@ -406,7 +384,7 @@ def check_encoder_ops(kernel: ModuleType) -> None:
         taps = w.float().reshape(40, -1).t().contiguous()
         got = kernel.conv_one_channel(img, taps, None if b is None else b.float(), kh, kw, sh, sw, ph, pw)
         ref = F.conv2d(img.float(), w.float(), None if b is None else b.float(), (sh, sw), (ph, pw)).permute(0, 2, 3, 1)
-        step = ref.abs().clamp_min(2.0 ** -120) * 2.0 ** -7  # one bf16 step at each value (at most)
+        step = ref.abs().clamp_min(2.0 ** -120) * 2.0 ** -7
         if got.shape != ref.shape or not bool(((got.float() - ref).abs() <= step).all()):
             raise SelfTestFailure(f"conv_one_channel {kh}x{kw}: off the float32 convolution by more than a bf16 step")
         alone = kernel.conv_one_channel(img[1:2], taps, None if b is None else b.float(), kh, kw, sh, sw, ph, pw)
@@ -415,7 +393,6 @@ def check_encoder_ops(kernel: ModuleType) -> None:
 
 
 def check_float_decoder_ops(kernel: ModuleType) -> None:
-    """The float forms give model/decoder.py's bits exactly."""
     gen = torch.Generator().manual_seed(6)
     for dtype in (torch.float32, torch.float16):
         norm = RMSNorm(64, 1e-6).to(dtype)
@@ -443,7 +420,7 @@ def _expect_near(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) ->
 
 
 def _expect_bf16_steps(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-    """The sum of squares may be added in another order: allow one bf16 rounding step."""
+    # the sum of squares may be added in another order
     if got.shape != ref.shape or got.dtype != torch.bfloat16:
         raise SelfTestFailure(f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(ref.shape)} bfloat16")
     tol = 2 ** -7
