@@ -1,6 +1,4 @@
-"""What the benchmark modes share: seeded clips, peak memory, the random checkpoint, transformers'
-generate as the reference, a closed-loop driver, fresh processes, ``qasr serve`` in a subprocess.
-"""
+"""What the benchmark modes share: seeded clips, peak memory, the reference generate, a closed-loop driver."""
 
 from __future__ import annotations
 
@@ -26,12 +24,11 @@ from qasr.bench.perf.report import machine_line
 
 TOKENS_PER_SECOND = 4
 SR = 16000
-CONTENDED = 0.1  # other processes' share of the CPUs above which a side's figures get a warning
+CONTENDED = 0.1  # other processes' CPU share above which figures get a warning
 
 
 def clip_lengths(n: int, seed: int, lo: float = 2.0, hi: float = 120.0) -> list[float]:
-    """n lengths spread log-uniformly over lo-hi s (stratified, shuffled, to the centisecond): many short
-    utterances and a few long ones, as real archives hold."""
+    """n lengths in seconds, log-uniform over [lo, hi] (stratified, shuffled, to the centisecond)."""
     rng = np.random.default_rng(seed)
     edges = np.geomspace(lo, hi, n + 1)
     lengths = [round(float(np.exp(rng.uniform(np.log(edges[i]), np.log(edges[i + 1])))), 2) for i in range(n)]
@@ -45,7 +42,7 @@ def make_clip(seconds: float, seed: int) -> np.ndarray:
 
 
 class PeakRss:
-    """Peak resident memory over a phase, from the kernel's high-water mark (docs/log: bench-peak-rss)."""
+    """Peak resident memory over a phase (docs/log: bench-peak-rss)."""
 
     def __init__(self) -> None:
         self.peak = 0
@@ -78,7 +75,7 @@ def _ru_maxrss() -> int:
     import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def build_checkpoint(cache_dir: Path) -> Path:
@@ -92,8 +89,8 @@ def build_checkpoint(cache_dir: Path) -> Path:
 
 
 class ReferenceGenerate:
-    """transformers' qwen3_asr generate, batched as its users batch, every row of a batch forced to the
-    batch's mean of TOKENS_PER_SECOND tokens per audio second. A call returns the tokens generated."""
+    """transformers' generate on a batch, each row forced to the batch's mean of TOKENS_PER_SECOND tokens per
+    audio second; a call returns the tokens generated."""
 
     def __init__(self, ckpt_dir: Path, device: str = "cpu") -> None:
         import transformers
@@ -124,7 +121,6 @@ class ReferenceGenerate:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        # equal total work: every row of a forced batch gets the batch's mean of 4 tokens per second
         n_new = max(1, round(statistics.mean(TOKENS_PER_SECOND * len(w) / SR for w in waves)))
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev),
@@ -136,11 +132,11 @@ class ReferenceGenerate:
 
 def closed_loop(submit: Callable[[int], Future], lengths: Sequence[float], concurrency: int,
                 budget_s: float | None = None) -> dict:
-    """c clients, each submitting its next request when its previous one is done, until all are done or
-    the budget is spent (the rest cancelled, the level partial); throughput over completed requests."""
+    """``concurrency`` clients, each submitting when its previous request is done, until all are done or the
+    budget is spent (the rest cancelled); figures over completed requests."""
     lock = threading.Lock()
     t0 = time.perf_counter()
-    deadline = math.inf if budget_s is None else t0 + budget_s  # None: no budget, every request runs
+    deadline = math.inf if budget_s is None else t0 + budget_s
     state = dict(next=0)
     done: list[tuple[int, object, float]] = []
     running: dict[int, Future] = {}
@@ -155,7 +151,7 @@ def closed_loop(submit: Callable[[int], Future], lengths: Sequence[float], concu
                 state["next"] = k + 1
             try:
                 future = submit(k)
-            except Exception as exc:  # noqa: BLE001 - report, keep the other clients going
+            except Exception as exc:  # noqa: BLE001
                 with lock:
                     errors.append(repr(exc))
                 continue
@@ -202,24 +198,23 @@ def _set_threads(threads: int) -> None:
 
 
 def in_subprocess(fn: Callable, threads: int, *args: object) -> dict:
-    """Run ``fn(*args)`` in a fresh spawned process with ``threads`` torch threads; return its result."""
+    """``fn(*args)`` in a fresh spawned process with ``threads`` torch threads."""
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_set_threads,
                              initargs=(threads,)) as pool:
         try:
             return pool.submit(fn, *args).result()
-        except BrokenProcessPool as exc:  # a child that dies without answering (a crash, the OOM killer)
+        except BrokenProcessPool as exc:
             raise RuntimeError(f"{fn.__name__} failed: its process ended without an answer") from exc
-        except Exception as exc:  # noqa: BLE001 - report any failure of the child as the parent's
+        except Exception as exc:  # noqa: BLE001
             raise RuntimeError(f"{fn.__name__} failed: {exc!r}") from exc
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]) of a non-empty list; NaN for an empty one."""
+    """Nearest-rank percentile (q in [0, 1]); NaN for an empty list."""
     return float(np.quantile(values, q, method="inverted_cdf")) if len(values) else math.nan
 
 
 def save_report(report: dict, out: Path, stem: str, plot: Callable[[dict, Path], None], machine: dict) -> None:
-    """Write ``stem.json`` and ``stem.png`` under ``out``, then print the machine's line."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     plot(report, out / f"{stem}.png")
@@ -235,8 +230,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, device: str, dtype: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``qasr serve`` in a subprocess on a free port; returns the process and its URL once /health
-    answers 200."""
+    """``qasr serve`` on a free port; the process and its URL once /health answers."""
     import httpx
 
     port = free_port()

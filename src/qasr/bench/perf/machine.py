@@ -1,7 +1,5 @@
-"""What this machine can do right now: CPU model, best bf16 and int8 GEMM rates, read bandwidth. A
-benchmark measures them at its start, with its own threads, and reports against them (the machines'
-speed drifts; docs/log: bench-machine-drift). Sizes are parameters, for tests.
-"""
+"""What this machine can do right now: CPU model, best bf16 and int8 GEMM rates, read bandwidth.
+A benchmark measures them at its start and reports against them (docs/log: bench-machine-drift)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import torch.nn.functional as F
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict:
-    """CPU model name and the bf16 matrix features that decide which kernels can run."""
+    """CPU model name and the bf16 matrix features."""
     model, flags = "unknown", set()
     try:
         with open(path) as f:
@@ -31,8 +29,7 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
 
 
 class ForeignCpu:
-    """CPU seconds other processes used while the block ran, and their share of the CPUs: a busy
-    neighbour makes a figure unrepresentative (docs/log: bench-foreign-cpu). Linux only (/proc/stat)."""
+    """CPU seconds other processes used while the block ran, and their share of the CPUs (Linux only)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -50,7 +47,6 @@ class ForeignCpu:
 
 
 def _cpu_snapshot() -> tuple[float, float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process, wall time)."""
     busy = 0.0
     try:
         with open("/proc/stat") as f:
@@ -64,7 +60,7 @@ def _cpu_snapshot() -> tuple[float, float, float]:
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     """The fastest of ``repeats`` calls of ``fn``, after one untimed call."""
-    fn()  # warm-up: first-touch pages, kernel dispatch, OpenMP pool start
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -74,8 +70,7 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def gemm_rates(m: int, k: int, n: int, kernels: dict[str, object], repeats: int) -> dict[str, float]:
-    """FLOP/s of one seeded (m x k) @ (k x n) bf16 product by torch's F.linear ("torch") and by each
-    GEMM module in ``kernels``, each its best of ``repeats``."""
+    """FLOP/s of a seeded (m x k) @ (k x n) bf16 product by F.linear ("torch") and each module in ``kernels``."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
@@ -88,7 +83,7 @@ def gemm_rates(m: int, k: int, n: int, kernels: dict[str, object], repeats: int)
 
 
 def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict:
-    """Best bf16 GEMM FLOP/s by torch and by qasr's invariant kernel; ``best``, the larger, is the peak."""
+    """Best bf16 GEMM FLOP/s by torch and by qasr's kernel; the larger is the peak."""
     from qasr.engine.cpu.native import linear_kernel
 
     kernel = linear_kernel() if k % 2 == 0 else None
@@ -98,8 +93,7 @@ def gemm_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) ->
 
 
 def int8_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) -> dict | None:
-    """Best ops/s of an (m x k) bf16 activation @ (k x n) int8 weight product by qasr's fastest int8
-    module here, the whole W8A8 path of quantize="int8"; None where no int8 module passed its self-test."""
+    """Best ops/s of the W8A8 product (m x k) @ (k x n) by qasr's int8 module; None where there is none."""
     from qasr.engine.cpu.native import int8_kernel
 
     mod = int8_kernel()
@@ -115,20 +109,19 @@ def int8_peak(m: int = 1024, k: int = 1024, n: int = 3072, repeats: int = 10) ->
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second of a float32 sum over a buffer far larger than the caches (best of ``repeats``)."""
+    """Bytes per second of a float32 sum over a buffer far larger than the caches."""
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # ones, not empty: every page is touched
     seconds = best_seconds(lambda: buf.sum(), repeats)
     return buf.numel() * 4 / seconds
 
 
 def probe(gemm_shape: tuple[int, int, int] = (1024, 1024, 3072), bandwidth_bytes: int = 1 << 30) -> dict:
-    """Everything a benchmark header needs, with the current torch thread count."""
+    """Everything a benchmark header needs."""
     m, k, n = gemm_shape
     with torch.inference_mode():
         gemm = gemm_peak(m, k, n)
         int8 = int8_peak(m, k, n)
         bw = read_bandwidth(bandwidth_bytes)
-    # whether other tenants were busy (it counts this probe too)
     return dict(cpu=cpu_info(), threads=torch.get_num_threads(), gemm=gemm, peak_flops=gemm["best_flops"],
                 int8_gemm=int8, int8_peak_ops=int8["ops"] if int8 else None, bandwidth_Bps=bw,
                 load_avg_1min=os.getloadavg()[0])

@@ -1,6 +1,4 @@
-"""Achieved FLOP/s and bytes/s of the engine's phases against the machine's measured peaks. A mixed
-forward's seconds and weight traffic are split between its prefill chunks and decode rows by FLOP.
-"""
+"""Achieved FLOP/s and bytes/s of the engine's phases against the machine's measured peaks."""
 
 from __future__ import annotations
 
@@ -24,20 +22,18 @@ PHASES = ("encoder", "prefill", "decode")
 
 @dataclass(frozen=True)
 class Storage:
-    """Bytes a side moves per weight and per cached key or value element, as its mode stores them, so a
-    quantized side is measured against the bytes it really streams."""
+    """Bytes per weight and per cached key or value element, as the mode stores them."""
 
-    encoder_weight: float = 2.0  # per encoder parameter
-    decoder_weight: float = 2.0  # per parameter of the decoder's linears and the LM head
-    kv_value: float = 2.0  # per cached key or value element, its scale's share included
-    quantized: bool = False  # the side's products are int8 (its GEMM roof is the int8 peak)
-    activation: float = 2.0  # per element of the encoder's output embeddings (the model's dtype)
+    encoder_weight: float = 2.0
+    decoder_weight: float = 2.0  # the decoder's linears and the LM head
+    kv_value: float = 2.0  # its scale's share included
+    quantized: bool = False  # int8 products: the roof is the int8 peak
+    activation: float = 2.0  # per element of the encoder's output
 
     @classmethod
     def of(cls, itemsize: int, quantize: str | None = None, kv_cache_dtype: str = "auto",
            head_dim: int = 128) -> Storage:
-        """``quantize``: None, "int8" (int8 weights, per-channel scales left out) or "int4" (the decoder's
-        linears and LM head int4 with a scale per 128, the encoder int8); ``kv_cache_dtype`` "int8"."""
+        """``quantize``: None, "int8" or "int4"; ``kv_cache_dtype``: "auto" or "int8"."""
         kv = 1.0 + 4.0 / head_dim if kv_cache_dtype == "int8" else float(itemsize)
         if quantize is None:
             return cls(float(itemsize), float(itemsize), kv, activation=float(itemsize))
@@ -47,23 +43,23 @@ class Storage:
 
 @dataclass
 class ForwardLog:
-    """Counts of what the engine's encoder calls and decoder forwards carried (no timing of its own)."""
+    """Counts of what the engine's encoder calls and decoder forwards carried."""
 
     encoder_calls: int = 0
     mixed_forwards: int = 0  # forwards carrying prefill chunks
-    decode_forwards: int = 0  # decode-only forwards
+    decode_forwards: int = 0
     prefill_tokens: int = 0
-    prefill_kv_read: int = 0  # cached positions read by prompt chunks: a chunk [a, b) reads b positions
+    prefill_kv_read: int = 0  # a chunk [a, b) reads b positions
     ride_rows: int = 0  # decode rows inside mixed forwards
-    ride_attended: int = 0  # positions those rows attend (context + themselves)
-    decode_rows: int = 0  # rows of decode-only forwards
+    ride_attended: int = 0
+    decode_rows: int = 0
     decode_attended: int = 0
 
     def attach(self, runner: Any) -> None:
-        """Count every later ``runner.encode`` / ``runner.forward`` call. Only reads the plans."""
+        """Count every later ``runner.encode`` / ``runner.forward`` call."""
         encode, forward = runner.encode, runner.forward
 
-        def counted_encode(*args: Any, **kwargs: Any) -> Any:  # each call streams the encoder weights once
+        def counted_encode(*args: Any, **kwargs: Any) -> Any:
             self.encoder_calls += 1
             return encode(*args, **kwargs)
 
@@ -83,7 +79,7 @@ class ForwardLog:
         self.mixed_forwards += 1
         self.ride_rows += len(plan.decode)
         self.ride_attended += attended
-        reached: dict[int, int] = {}  # a request's later chunks in one step start where its earlier end
+        reached: dict[int, int] = {}
         for req, n in plan.prefill:
             end = reached[id(req)] = reached.get(id(req), req.prefilled) + n
             self.prefill_tokens += n
@@ -98,15 +94,14 @@ def _phase(flop: float, seconds: float, nbytes: float, peak: float, bandwidth: f
 
 def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, timings: dict,
                  log: ForwardLog, peak_flops: float, bandwidth_Bps: float, storage: Storage | None = None) -> dict:
-    """Per phase: seconds, model FLOP, minimum bytes moved, achieved FLOP/s and bytes/s, and their
-    fractions of the machine's peaks. ``timings`` as in engine.timings."""
+    """Per phase: seconds, FLOP, minimum bytes moved, FLOP/s and bytes/s, and their fractions of the peaks."""
     st = storage or Storage()
     enc, dec = cfg.encoder, cfg.decoder
     ride = decode_row_flops(dec, log.ride_rows, log.ride_attended)
     share = flops.prefill / (flops.prefill + ride) if flops.prefill + ride > 0 else 1.0
     weights = decoder_weight_bytes(dec, st.decoder_weight)
     kv = kv_bytes_per_position(dec, st.kv_value)
-    # encoder: its weights once per packed call, features in (float32), embeddings out (the model's dtype)
+    # its weights once per call, float32 features in, embeddings out
     enc_bytes = (encoder_weight_bytes(enc, st.encoder_weight) * log.encoder_calls
                  + sum(u.frames for u in utterances) * enc.num_mel_bins * 4
                  + sum(audio_token_count(u.frames, enc.conv_chunk_frames) for u in utterances)
@@ -127,8 +122,7 @@ def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: Phase
 def efficiency_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, audio_s: float,
                       wall_s: float, timings: dict, log: ForwardLog, machine: dict,
                       reference_wall_s: float | None = None, storage: Storage | None = None) -> dict:
-    """Overall efficiency = model FLOP / wall seconds / peak bf16 GEMM rate, plus the per-phase report; a
-    quantized side also against the int8 GEMM peak where one was measured."""
+    """Model FLOP / wall seconds / peak GEMM rate, overall and per phase (also against the int8 peak)."""
     peak, bw = machine["peak_flops"], machine["bandwidth_Bps"]
     out: dict[str, Any] = dict(
         peak_flops=peak, bandwidth_Bps=bw, flop_per_audio_s={p: getattr(flops, p) / audio_s for p in PHASES},
