@@ -379,20 +379,11 @@ def test_build_all_runs_as_many_builds_at_once_as_it_has_workers() -> None:
     assert most[0] == 1
 
 
-def test_compiles_at_once_follow_the_affinity_the_cgroup_quota_and_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+def test_compiles_at_once_follow_the_usable_cpus_and_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPUs are openmp.usable_cpus' (affinity and cgroup quota, tested in test_usable_cpus.py)."""
+    monkeypatch.setattr(build, "usable_cpus", lambda: 4)
     files: dict[str, str] = {}
     monkeypatch.setattr(build, "_read", files.get)
-    assert build.usable_cpus() == 4
-    files["/sys/fs/cgroup/cpu.max"] = "150000 100000"  # 1.5 CPUs' time
-    assert build.usable_cpus() == 2
-    files["/sys/fs/cgroup/cpu.max"] = "max 100000"
-    assert build.usable_cpus() == 4
-    del files["/sys/fs/cgroup/cpu.max"]
-    files.update({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "100000", "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"})
-    assert build.usable_cpus() == 1
-    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1"
-    assert build.usable_cpus() == 4
     files["/proc/meminfo"] = f"MemTotal: 8000000 kB\nMemAvailable: {build.COMPILE_BYTES * 3 // 1024 + 1} kB\n"
     assert build.build_workers() == 3  # as many compiles as the memory holds
     files["/proc/meminfo"] = "MemAvailable: 1000 kB\n"

@@ -9,7 +9,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import shlex
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+
+from qasr.engine.cpu.openmp import usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -203,30 +204,6 @@ def build_workers() -> int:
     except (StopIteration, ValueError, IndexError):
         return usable_cpus()
     return max(1, min(usable_cpus(), available // COMPILE_BYTES))
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity, capped by a cgroup CPU quota."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    quota = _cgroup_quota()
-    return max(1, min(cpus, math.ceil(quota)) if quota else cpus)
-
-
-def _cgroup_quota() -> float | None:
-    """CPUs' worth of time the cgroup allows (v2 cpu.max, else v1's CFS quota), None where unlimited."""
-    v2 = _read("/sys/fs/cgroup/cpu.max")
-    if v2 is not None:
-        quota, _, period = v2.partition(" ")
-    else:
-        quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-    try:
-        q, p = int(quota), int(period)
-    except (TypeError, ValueError):  # "max", or no such file
-        return None
-    return q / p if q > 0 and p > 0 else None
 
 
 def _read(path: str) -> str | None:
