@@ -1,7 +1,5 @@
-"""A live session that runs for hours: speech detection cuts the stream into turns, each one ``Session`` on
-that turn's audio alone, so memory and a step's cost stay bounded. The rules (pre-roll, thresholds, pauses,
-``end_on_chunk``) are in docs/streaming.md, "Live sessions".
-"""
+"""A live session: speech detection cuts the stream into turns, each a ``Session`` on its own audio, so memory
+stays bounded however long it runs. The rules are in docs/streaming.md, "Live sessions"."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.session import Session, Update
 
 EndReason = Literal["pause", "long", "max", "commit", "finish"]
-VAD_HYSTERESIS = 0.15  # the exit threshold lies this far below the start threshold (silero's default)
+VAD_HYSTERESIS = 0.15  # exit threshold below the start threshold
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class SpeechStarted:
 @dataclass(frozen=True)
 class SpeechStopped:
     turn: int
-    at: float  # where the silence that ended the turn began
+    at: float  # seconds, where the ending silence began
 
 
 @dataclass(frozen=True)
@@ -76,15 +74,15 @@ class LiveSession:
         self._exit = max(cfg.vad_threshold - VAD_HYSTERESIS, 0.01)
         self._silence_limit = cfg.silence_ms * SAMPLE_RATE // 1000
         self._preroll: deque[np.ndarray] = deque(maxlen=math.ceil(cfg.prefix_padding_ms * SAMPLE_RATE / 1000 / FRAME))
-        self._pending = np.zeros(0, dtype=np.float32)  # short of a frame
+        self._pending = np.zeros(0, dtype=np.float32)
         self.position = 0
         self.turns = 0
         self._turn: Session | None = None
         self._turn_start = 0
-        self._stable = ""  # the open turn's stable text, as reported
+        self._stable = ""
         self._in_speech = False
-        self._silence = 0  # samples of silence since the turn's last speech frame
-        # why silence ended the open turn, while it takes frames up to its chunk boundary
+        self._silence = 0  # samples
+        # set while a turn silence ended takes frames up to its chunk boundary
         self._closing: EndReason | None = None
         self._carried = ""
         self.closed = False
@@ -111,7 +109,7 @@ class LiveSession:
         for frame in frames:
             if self._scorer is None:
                 self._frame_undetected(frame, out)
-            else:  # a frame a call: the turns do not depend on how pushes were sized
+            else:  # a frame a call: turns do not depend on how pushes were sized
                 self._frame_detected(frame, float(self._scorer.score(frame[None])[0]), out)
         return out
 
@@ -119,7 +117,7 @@ class LiveSession:
         """End the current turn now, the samples short of a frame included."""
         self._check_open()
         out: list[LiveEvent] = []
-        if self._closing is not None:  # silence had ended it
+        if self._closing is not None:
             self._close_padded(out)
         self._flush_pending(out)
         if self._turn is not None:
@@ -138,7 +136,7 @@ class LiveSession:
         self._in_speech, self._silence, self._closing = False, 0, None
 
     def finish(self) -> list[LiveEvent]:
-        """The end of the stream: the open turn gets what is pending, and its final."""
+        """End of stream: the open turn gets what is pending, and its final."""
         out: list[LiveEvent] = []
         if self.closed:
             return out
@@ -153,7 +151,7 @@ class LiveSession:
         return out
 
     def close(self) -> None:
-        """Abandon the session, freeing what the open turn holds in the engine."""
+        """Abandon the session, freeing the open turn's engine state."""
         self._drop_turn()
         self.closed = True
 
@@ -169,7 +167,7 @@ class LiveSession:
         if self._closing is not None:
             if p < self._exit and self._pad(frame, out):
                 return
-            self._close_padded(out)  # not silent: the turn ends before this frame
+            self._close_padded(out)
         if not self._in_speech:
             if p < cfg.vad_threshold:
                 self._preroll.append(frame)
@@ -195,23 +193,22 @@ class LiveSession:
             self._in_speech = False
             out.append(SpeechStopped(self.turns - 1, (self.position - self._silence) / SAMPLE_RATE))
             if cfg.end_on_chunk and self._chunk_room() > 0:
-                self._closing = reason  # the final comes at the chunk boundary
+                self._closing = reason
                 return
             self._end_turn(reason, out)
-        elif self._turn_full():  # still speaking at the hard limit
+        elif self._turn_full():
             out.append(SpeechStopped(self.turns - 1, self.position / SAMPLE_RATE))
             self._end_turn("max", out)
             self._silence = 0
             self._start_turn(self.position, out, announce=True)
 
     def _chunk_room(self) -> int:
-        """Samples the open turn needs to fill whole chunks."""
         assert self._turn is not None
         chunk = self.config.stream.chunk_size_samples
         return -self._turn.audio.size % chunk
 
     def _pad(self, frame: np.ndarray, out: list[LiveEvent]) -> bool:
-        """Give a silent frame to a turn silence ended, up to its chunk boundary; False past ``max_turn_s``."""
+        """Give a silent frame to a closing turn up to its chunk boundary; False past ``max_turn_s``."""
         room = self._chunk_room()
         if (self._turn.audio.size + min(room, frame.size)) / SAMPLE_RATE > self.config.max_turn_s:
             return False
@@ -228,7 +225,6 @@ class LiveSession:
         self._end_turn(reason, out)
 
     def _flush_pending(self, out: list[LiveEvent]) -> None:
-        """Hand the samples short of a frame to the open turn (a new one without turn detection)."""
         if self._pending.size == 0:
             return
         rest, self._pending = self._pending, np.zeros(0, dtype=np.float32)
@@ -244,7 +240,7 @@ class LiveSession:
 
     @property
     def next_context(self) -> str:
-        """The configured context, plus (``carry_context``) the end of the text committed so far."""
+        """The configured context, plus (``carry_context``) the end of the text so far."""
         base = self.config.stream.context
         if not (self.config.carry_context and self._carried):
             return base

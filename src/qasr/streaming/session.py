@@ -1,6 +1,5 @@
-"""One turn of the official streaming algorithm, token for token, a step costing what the open 8 s window
-does. Driven from one thread at a time; its work is requests of the shared engine.
-"""
+"""One turn of the official streaming algorithm, token for token; a step costs what the open window does.
+One thread at a time; its work is requests of the shared engine."""
 
 from __future__ import annotations
 
@@ -20,13 +19,12 @@ from qasr.streaming.steps import StepResult, StreamText
 from qasr.streaming.text import PromptBuilder
 from qasr.streaming.windows import KeptWindow, WindowEncoder
 
-UPDATE_QUEUE = 1024  # untaken updates held for updates()
+UPDATE_QUEUE = 1024
 
 
 @dataclass(frozen=True)
 class Update:
-    """The transcript after a step: ``stable_text`` never changes once reported, later steps may revise
-    ``unstable_text``."""
+    """The transcript after a step: ``stable_text`` never changes once reported; ``unstable_text`` may."""
 
     stable_text: str
     unstable_text: str
@@ -41,7 +39,7 @@ class Update:
 
 @dataclass
 class SessionStats:
-    """What each step computed rather than kept, and the steps that contradicted the committed text."""
+    """What each step computed rather than kept, and how often a step contradicted the committed text."""
 
     frames: list[int] = field(default_factory=list)
     encoder_tokens: list[int] = field(default_factory=list)
@@ -68,11 +66,10 @@ class Session:
         self.stats = SessionStats()
         self.stable = ""
         self.finished = False
-        # the last step's KV, and the kept windows its prompt held
         self._lease: KVLease | None = None
         self._lease_windows: tuple[KeptWindow, ...] = ()
         self._window_tokens = checkpoint.config.encoder.window_tokens
-        # bounded: a caller reading push()'s return values never drains it
+        # bounded: a caller using push()'s return values never drains it
         self._undelivered: deque[Update] = deque(maxlen=UPDATE_QUEUE)
 
     @property
@@ -81,7 +78,7 @@ class Session:
         return self.state.results
 
     def push(self, pcm: np.ndarray) -> list[Update]:
-        """Add 16 kHz float32 or int16 samples; the updates of the steps (one a full chunk) they completed."""
+        """Add 16 kHz float32 or int16 samples; the updates of the steps (one per full chunk) they completed."""
         if self.finished:
             raise RuntimeError("the session is finished")
         self.audio.append(as_float_pcm(pcm))
@@ -133,7 +130,7 @@ class Session:
                                                     interactive=True, continuation=carry))
         except Exception:
             if lease is not None:
-                self.engine.release(lease)  # refused at submit: not handed over
+                self.engine.release(lease)
             raise
         result = future.result()
         self._lease, self._lease_windows = result.kv, self.encoder.used
@@ -141,8 +138,7 @@ class Session:
         return self._publish(step.text, final, step.index)
 
     def _reusable(self, prompt: list[int]) -> int:
-        """Prompt positions whose KV the last step's blocks hold (the head and the shared kept windows),
-        rounded down to the engine's ``prefix_grid``."""
+        """Prompt positions whose KV the last step holds, rounded down to the engine's ``prefix_grid``."""
         if self._lease is None:
             return 0
         shared = 0
@@ -163,7 +159,7 @@ class Session:
     def _publish(self, text: str, final: bool, step: int) -> Update:
         if final:
             committed = text
-        else:  # what the next step feeds back, if it extends what was committed
+        else:
             committed = self.state.prompts.parse(self.state.prefix())[1]
         if not text.startswith(self.stable):
             self.stats.stable_conflicts += 1
@@ -171,7 +167,7 @@ class Session:
             self.stable = committed
         if text.startswith(self.stable):
             update = Update(self.stable, text[len(self.stable):], self.state.language, final, step)
-        else:  # the algorithm revised committed text: keep it, show nothing beyond
+        else:  # committed text was revised: keep it, show nothing beyond
             update = Update(self.stable, "", self.state.language, final, step)
         self._undelivered.append(update)
         return update
