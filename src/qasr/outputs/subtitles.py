@@ -1,9 +1,4 @@
-"""Segments -> subtitle cues, for the srt, vtt and tsv writers.
-
-Cues and lines break only between units (words; one character in scripts without spaces). With word
-times a cue runs from its first word to its last, never spans a pause of more than ``max_pause_s`` and
-ends at a sentence or clause end where it can; without them a segment's span is shared by characters.
-"""
+"""Segments -> subtitle cues, for the srt, vtt and tsv writers; the rules are in docs/output-formats.md."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ class CueRules:
     max_line_chars: int = 42
     max_lines: int = 2
     max_cue_s: float = 7.0
-    # with word times, a longer gap between two words ends the cue; None: pauses never do (the default:
-    # docs/log's outputs-cue-pause-gaps entry)
+    # with word times, a longer gap between words ends the cue; None: pauses never do
     max_pause_s: float | None = 0.5
 
     def __post_init__(self) -> None:
@@ -35,10 +29,9 @@ DEFAULT_RULES = CueRules()
 class Cue:
     start: float
     end: float
-    text: str  # one line, original spacing: what tsv writes
-    lines: tuple[str, ...]  # the same text wrapped for display: what srt and vtt write
-    # its least sure word's Word.probability, None without word confidence
-    probability: float | None = None
+    text: str  # one line: what tsv writes
+    lines: tuple[str, ...]  # wrapped: what srt and vtt write
+    probability: float | None = None  # its least sure word's
 
 
 @dataclass(frozen=True)
@@ -47,16 +40,14 @@ class _Unit:
     space_before: bool
     start: float
     end: float
-    probability: float | None = None  # the word's (timed units only)
+    probability: float | None = None
 
 
 def _wide(ch: str) -> bool:
-    # wide and full-width characters: scripts written without spaces
     return unicodedata.east_asian_width(ch) in ("W", "F")
 
 
 def _closing(ch: str) -> bool:
-    # punctuation that must not start a line (、。！」)
     return unicodedata.category(ch) in ("Po", "Pe", "Pf")
 
 
@@ -66,9 +57,9 @@ _BREAK_COST = {"sentence": 0, "clause": 1, "word": 3}
 
 
 def _break_cost(text: str) -> int:
-    """The cost of ending a cue after ``text``: by its last mark, past closing quotes."""
+    """The cost of ending a cue after ``text``, by its last mark past closing quotes."""
     end = text
-    while end and (end[-1] in "\"'" or unicodedata.category(end[-1]) in ("Pe", "Pf")):  # ?" ?) 。」
+    while end and (end[-1] in "\"'" or unicodedata.category(end[-1]) in ("Pe", "Pf")):
         end = end[:-1]
     if end and end[-1] in _SENTENCE_ENDS:
         return _BREAK_COST["sentence"]
@@ -151,12 +142,11 @@ def _wrap(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
 
 
 def _pause_runs(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
-    """Timed units cut at every gap longer than ``max_pause_s``."""
     if rules.max_pause_s is None:
         return [units]
     runs = [[units[0]]]
     for prev, u in zip(units, units[1:], strict=False):
-        if u.start - prev.end > rules.max_pause_s + 1e-9:  # a gap of exactly max_pause_s is allowed
+        if u.start - prev.end > rules.max_pause_s + 1e-9:
             runs.append([u])
         else:
             runs[-1].append(u)
@@ -164,8 +154,7 @@ def _pause_runs(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
 
 
 def _partition(units: list[_Unit], rules: CueRules, punctuation: bool = False) -> list[list[_Unit]]:
-    """Fewest cues; then, with ``punctuation``, the cheapest ends; then the most even (least sum of squared
-    lengths). Dynamic programming from the end."""
+    """Fewest cues; then, with ``punctuation``, the cheapest ends; then the least sum of squared lengths."""
     n = len(units)
     cost = [_break_cost(u.text) if punctuation else 0 for u in units[:-1]] + [0]
     # (cues, cost of the ends, sum of squares, end of first cue)
