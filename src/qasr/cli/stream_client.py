@@ -1,7 +1,5 @@
 """A live-transcription client for ``qasr serve``: plays audio into a WebSocket in real time and yields the
-server's transcript events, over qasr's native protocol (``/v1/stream``) or OpenAI's Realtime one
-(``/v1/realtime``). ``qasr stream`` prints them; tests drive servers with it.
-"""
+transcript events, over ``/v1/stream`` (native) or ``/v1/realtime`` (OpenAI's protocol)."""
 
 from __future__ import annotations
 
@@ -20,10 +18,10 @@ import numpy as np
 from qasr.audio.io import SAMPLE_RATE, load_audio
 
 Protocol = Literal["native", "openai"]
-BYTES_PER_SAMPLE = 2  # the client always sends 16 kHz pcm16
-KEEPALIVE_S = 20.0  # a ping this often; a server that has not answered one within as long is gone
+BYTES_PER_SAMPLE = 2  # 16 kHz pcm16
+KEEPALIVE_S = 20.0
 CONNECT_TIMEOUT_S = 10.0
-WINDOW_SHARE = 0.5  # of the server's backlog that may be in flight: it never fills, so it never holds reads
+WINDOW_SHARE = 0.5  # of the server's backlog that may be in flight, so it never fills
 
 
 @dataclass(frozen=True)
@@ -51,8 +49,7 @@ StreamEvent = Partial | Final | ServerError
 
 
 def file_chunks(path: str, chunk_ms: int) -> Iterator[bytes]:
-    """A file decoded at once to 16 kHz pcm16, in chunks of ``chunk_ms``: one that is not audio fails
-    before anything is sent."""
+    """A file decoded at once to 16 kHz pcm16, in chunks of ``chunk_ms`` (not audio: fails before sending)."""
     pcm = (np.clip(load_audio(path), -1.0, 1.0) * 32767).astype("<i2").tobytes()
     step = SAMPLE_RATE * chunk_ms // 1000 * BYTES_PER_SAMPLE
     return (pcm[i:i + step] for i in range(0, len(pcm), step))
@@ -60,8 +57,7 @@ def file_chunks(path: str, chunk_ms: int) -> Iterator[bytes]:
 
 class Capture:
     """Audio captured by ffmpeg (``-f input_format -i device``), as 16 kHz pcm16 chunks until ``stop()``.
-    ffmpeg runs in its own session, so a Ctrl-C reaches only qasr, which ends the capture and still reads
-    the final transcript."""
+    ffmpeg runs in its own session: a Ctrl-C reaches only qasr, which still reads the final transcript."""
 
     def __init__(self, input_format: str, device: str, chunk_ms: int) -> None:
         self.source = f"{input_format}:{device}"
@@ -76,7 +72,7 @@ class Capture:
         self.stopped = False
 
     def stop(self) -> None:
-        """End the capture: the iteration ends after what ffmpeg already gave (safe in a signal handler)."""
+        """End the capture after what ffmpeg already gave (safe in a signal handler)."""
         self.stopped = True
         if self._proc.poll() is None:
             self._proc.terminate()
@@ -108,12 +104,11 @@ def websocket_url(server: str, protocol: Protocol) -> str:
 def stream(chunks: Iterable[bytes], server: str, protocol: Protocol = "native", language: str | None = None,
            turn_detection: bool = True, speed: float = 1.0, api_key: str | None = None,
            keepalive_s: float = KEEPALIVE_S, stop: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Send ``chunks`` (16 kHz pcm16) at ``speed`` x real time (0: as fast as the server takes them) and
-    yield the transcript events until the server has answered the end of the stream.
+    """Send ``chunks`` (16 kHz pcm16) at ``speed`` x real time (0: as fast as taken) and yield the transcript
+    events until the server has answered the end of the stream.
 
-    No overall timeout: only a server that misses a ping within ``keepalive_s`` is gone. Unprocessed audio
-    stays under half the server's backlog, so pings never wait behind audio. ``stop`` set: the input ends
-    there and the transcript of what was sent still comes."""
+    No overall timeout: a server that misses a ping within ``keepalive_s`` is gone. ``stop`` set: the input
+    ends there and the transcript of what was sent still comes."""
     from websockets.sync.client import connect
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -146,22 +141,22 @@ def _send_all(wire: _Wire, chunks: Iterable[bytes], speed: float, stop: threadin
         for chunk in chunks:
             if stop.is_set() or wire.stopped:
                 break
-            if speed > 0:  # real time: a chunk goes out once its audio would have been spoken
+            if speed > 0:
                 ahead = started + wire.sent_s / speed - time.monotonic()
                 if ahead > 0 and stop.wait(ahead):
                     break
             if not wire.wait_for_room(len(chunk) / (SAMPLE_RATE * BYTES_PER_SAMPLE)):
-                return  # the session ended while the audio waited
+                return
             wire.audio(chunk)
         if not wire.stopped:
             wire.end()
-    except BaseException as exc:  # noqa: BLE001 - re-raised by stream() on the caller's thread
+    except BaseException as exc:  # noqa: BLE001 - re-raised by stream()
         error.append(exc)
 
 
 class _Wire:
-    """What both protocols' clients share, the flow control: audio waits until the session is open and
-    while the audio in flight (``sent_s - processed_s``) would pass ``window_s`` (None: not waited for)."""
+    """Flow control: audio waits until the session is open and while the audio in flight would pass
+    ``window_s``."""
 
     def __init__(self) -> None:
         self.done = False
@@ -177,8 +172,7 @@ class _Wire:
         return self.window_s is None or in_flight <= 0 or in_flight + seconds <= self.window_s
 
     def wait_for_room(self, seconds: float) -> bool:
-        """Block until the session is open and ``seconds`` more audio fits in the window; False when the
-        session stopped meanwhile."""
+        """Block until ``seconds`` more audio fits; False when the session stopped meanwhile."""
         with self._room:
             self._room.wait_for(lambda: self.stopped or self._open and self._fits(seconds))
             if self.stopped:
@@ -242,8 +236,7 @@ class _NativeWire(_Wire):
 
 
 class _OpenAIWire(_Wire):
-    """OpenAI's event names. The stream ends with a commit and a clear, which the server handles after all
-    the audio, so its ``cleared`` comes last. A settings error ends the stream."""
+    """The stream ends with a commit and a clear: the server's ``cleared`` comes after all the audio."""
 
     FATAL = frozenset({"session_idle", "shutting_down", "server_error", "model_loading", "too_many_sessions",
                        "invalid_api_key", "model_not_loaded", "unsupported_intent", "unsupported_language",
@@ -284,13 +277,13 @@ class _OpenAIWire(_Wire):
         elif kind == "input_audio_buffer.progress":
             self.processed(m["audio_processed_ms"] / 1000, m.get("max_backlog_ms", 0) / 1000)
         elif kind in ("session.updated", "transcription_session.updated"):
-            self.opened()  # a qasr server announced its backlog (a progress event) before this
+            self.opened()
         elif kind == "input_audio_buffer.cleared":
             self.done = self._ended
         elif kind == "error":
             err = m.get("error") or {}
             code = err.get("code") or ""
             if code == "input_audio_buffer_commit_empty" and self._ended:
-                return  # the closing commit found the last turn already ended by the VAD
+                return  # the VAD already ended the last turn
             yield ServerError(code, err.get("message", ""))
             self.done = code in self.FATAL
