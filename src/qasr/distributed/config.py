@@ -43,7 +43,7 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The Ray Data pipeline's sizes: the ASR actor pool and the CPU decode tasks."""
+    """The ASR actor pool and the CPU decode tasks."""
 
     min_actors: int
     max_actors: int
@@ -108,8 +108,7 @@ def engine_threads(cpus: float, gpus: float) -> int | None:
 
 def pool_config(cluster: Cluster, *, actors: tuple[int, int] | None, cpus: float | None, gpus: float | None,
                 decode_cpus: float, batch_size: int) -> PoolConfig:
-    """The pool the cluster holds: by default 1 up to one actor per GPU, or per ``cpus`` cores beside one
-    decode task."""
+    """The pool the cluster holds: by default 1 up to one actor per GPU, or per ``cpus`` cores."""
     cpus, gpus = worker_shape(cluster, cpus, gpus)
     if actors is None:
         if gpus > 0:
@@ -129,7 +128,7 @@ def portable(path: str | None) -> str | None:
 
 
 def model_problem(model: str) -> str | None:
-    """Why a local checkpoint cannot load, or None; checked before the cluster is asked for anything."""
+    """Why a local checkpoint cannot load, or None (checked before asking the cluster)."""
     from qasr.model.weights import resolve_model_dir
 
     if Path(model).expanduser().exists() or model.count("/") != 1:

@@ -30,9 +30,8 @@ TASK_RETRIES = 2
 
 
 class RayTranscriber:
-    """Transcribes inputs (paths or pyarrow URIs) on the connected Ray cluster, as a single ``ASR`` would.
-
-    Segments lost with an actor are redone by a further pass, up to ``max_passes``; then the input fails."""
+    """Transcribes inputs (paths or pyarrow URIs) on the connected Ray cluster, as one ``ASR`` would. Segments
+    lost with an actor are redone by a further pass, up to ``max_passes``; then the input fails."""
 
     def __init__(self, spec: EngineSpec, pool: PoolConfig, max_passes: int = 3) -> None:
         self.spec = spec
@@ -74,8 +73,8 @@ class RayTranscriber:
                         language: str | None = None, context: str | None = None, max_new_tokens: int | None = None,
                         timestamps: str | None = None, progress: Callable[[float], None] | None = None,
                         segments: bool = False) -> Iterator[tuple[int, Transcription | Segment]]:
-        """``(input index, result)`` in completion order, as ``ASR.transcribe_iter``; ``segments``: an input's
-        segments come in time order before its Transcription."""
+        """``(input index, result)`` in completion order, as ``ASR.transcribe_iter``; ``segments``: also each
+        segment, before its Transcription."""
         sources = [audio] if isinstance(audio, str) else [str(a) for a in audio]
         options = self._options((options or TranscribeOptions()).given(
             language=language, context=context, max_new_tokens=max_new_tokens, timestamps=timestamps))
@@ -133,7 +132,7 @@ class RayTranscriber:
         label = f"{ACTOR_PREFIX}-{self.run_id}-p{self.passes}"
         remote_args: dict = {"max_restarts": -1, "max_task_retries": TASK_RETRIES}
         strategy = _actor_pool(pool, remote_args)
-        # deprecated, but nothing else bounds retries or names actors (naming also stops task fusion)
+        # deprecated, but nothing else bounds retries or names actors
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             ds = ray.data.from_items(items, override_num_blocks=len(items))

@@ -14,13 +14,12 @@ from torch import nn
 from qasr.model.config import DecoderConfig
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
-Meta = TypeVar("Meta")  # a cache's own per-forward metadata, which the decoder passes through unread
+Meta = TypeVar("Meta")  # a cache's per-forward metadata
 _MetaIn = TypeVar("_MetaIn", contravariant=True)
 
 
 class KVStore(Protocol[_MetaIn]):
-    """Stores this layer's new k/v, attends, returns (N, heads*hd). ``meta`` (where each sequence lives) belongs
-    to the cache's layout; the decoder passes it through unread."""
+    """Stores this layer's new k/v, attends, returns (N, heads*hd); ``meta`` passes through the decoder unread."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: _MetaIn) -> torch.Tensor: ...
@@ -80,7 +79,7 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer; ``BoundDecoderLayers`` mirrors it (change both)."""
+    """One decoder layer; ``BoundDecoderLayers`` mirrors it op for op, bit for bit (change both)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
@@ -106,8 +105,6 @@ class SwiGLU(nn.Module):
         gate, up = kernels.linears((self.gate_proj, self.up_proj), x)
         return kernels.linear(self.down_proj, kernels.silu_mul(gate, up))
 
-
-# BoundDecoderLayers mirrors DecoderLayer op for op, bit for bit: change both.
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # (rows, in) -> (rows, out)
 Products = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # (rows, in) -> each module's (rows, out)

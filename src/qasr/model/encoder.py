@@ -16,7 +16,7 @@ from torch import nn
 from qasr.model.config import EncoderConfig, audio_token_count, post_conv_length
 from qasr.model.kernels import TORCH_KERNELS, Kernels
 
-MIN_ENCODER_ROWS = 16  # token rows every encoder call computes at least (see encode)
+MIN_ENCODER_ROWS = 16  # see encode
 
 
 def sinusoid_table(length: int, channels: int) -> torch.Tensor:
@@ -28,8 +28,6 @@ def sinusoid_table(length: int, channels: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EncoderPack:
-    """The indices of one packed encoder call, used by every layer."""
-
     chunks: torch.Tensor  # (C, 1, mel, conv_chunk_frames) zero-padded chunks of all utterances
     valid_index: torch.Tensor  # (T,) rows of the (C * tokens_per_conv_chunk) conv output that are real
     window_index: torch.Tensor  # (W, Lw) packed-token index per window slot; T = pad row
@@ -56,7 +54,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
             padded = F.pad(feat, (0, n_chunks * cf - frames))
             chunks.append(padded.reshape(feat.shape[0], n_chunks, cf).permute(1, 0, 2))
         fresh.append(n_chunks)
-        valid.append(torch.arange(chunk_base * tpc, (chunk_base + head) * tpc))  # given chunks are whole
+        valid.append(torch.arange(chunk_base * tpc, (chunk_base + head) * tpc))
         chunk_base += head
         total = head * tpc
         for c in range(n_chunks):
@@ -94,7 +92,7 @@ def plan_pack(features: list[torch.Tensor], cfg: EncoderConfig, device: torch.de
 
 @dataclass(frozen=True)
 class EncoderRun:
-    """Per utterance: the embeddings, and the conv output this call computed (a later call's conv head)."""
+    """Per utterance: the embeddings, and the conv output computed (a later call's conv head)."""
 
     rows: list[torch.Tensor]
     conv: list[torch.Tensor]
@@ -155,7 +153,7 @@ class EncoderLayer(nn.Module):
 
 
 class AudioEncoder(nn.Module):
-    """Mel features -> LM-sized embeddings (conv stack, transformer, ln_post, proj1/GELU/proj2)."""
+    """Mel features -> LM-sized embeddings."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
@@ -170,7 +168,7 @@ class AudioEncoder(nn.Module):
         self.ln_post = nn.LayerNorm(cfg.d_model)
         self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
-        self.positions: torch.Tensor | None = None  # computed, never stored in checkpoints
+        self.positions: torch.Tensor | None = None  # not in checkpoints
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.positions = sinusoid_table(self.cfg.tokens_per_conv_chunk, self.cfg.d_model).to(device)
@@ -203,7 +201,7 @@ class AudioEncoder(nn.Module):
     def encode(self, features: list[torch.Tensor], conv_heads: Sequence[torch.Tensor | None] | None = None,
                conv_batch: int | None = None, kernels: Kernels = TORCH_KERNELS) -> EncoderRun:
         """``forward``; ``conv_heads[i]`` (an earlier run's ``conv``) stands for utterance i's first whole chunks,
-        ``features[i]`` holds the frames after them."""
+        ``features[i]`` for the frames after."""
         p = self.parameters().__next__()
         feats = [f.to(p.device, p.dtype) for f in features]
         heads = list(conv_heads) if conv_heads is not None else [None] * len(feats)

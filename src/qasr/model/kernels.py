@@ -28,9 +28,7 @@ def torch_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Kernels:
     """Each field computes what its torch counterpart would; a ``None`` field falls back to torch.
-
-    ``rms_norm(x, weight, eps)`` and ``norm_rope(x, weight, cos, sin, eps)`` apply only to ``fused_dtype``;
-    ``linear_group`` computes several linears of one input at once; ``encoder_attention`` serves bf16 only."""
+    ``rms_norm(x, weight, eps)`` and ``norm_rope(x, weight, cos, sin, eps)`` apply to ``fused_dtype`` only."""
 
     linear: Callable[[nn.Linear, torch.Tensor], torch.Tensor] = torch_linear
     conv: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] = torch_conv
@@ -43,7 +41,7 @@ class Kernels:
     # (x, cos, sin, cache, meta) -> x: all decoder layers (model/decoder.py's BoundDecoderLayers); one model only
     decoder_layers: Callable[..., torch.Tensor] | None = None
     conv_gelu: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor] | None = None
-    # a native form must match torch bit for bit on every non-NaN result
+    # a native form must give torch's bits (NaN aside)
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch_silu_mul
 
     def conv_of_gelu(self, module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
