@@ -50,7 +50,7 @@ def row_dequantizer(kernel: ModuleType | None, dtype: torch.dtype) -> Callable[.
 
 @dataclass(frozen=True)
 class AttentionMeta:
-    """What ``KVPool.attend`` reads for one forward, built once for every layer; decode sequences come first."""
+    """What ``KVPool.attend`` reads for one forward, for every layer; decode sequences first."""
 
     tables: tuple[tuple[int, ...], ...]
     block_size: int
@@ -93,7 +93,7 @@ class AttentionMeta:
 
     @cached_property
     def compact_decode(self) -> tuple[torch.Tensor, PaddedPlan]:
-        """The distinct pool rows the decode rows read, and ``padded`` indexing a compact copy of them."""
+        """The distinct pool rows decode reads, and ``padded`` indexing a compact copy of them."""
         plan = self.padded
         rows, inverse = torch.unique(plan.k_index, sorted=True, return_inverse=True)
         return rows, replace(plan, k_index=inverse)
@@ -246,7 +246,7 @@ class KVPool:
 
     def _gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
                   ctx: int) -> torch.Tensor:
-        """Always a gather: a strided view of consecutive blocks might take another SDPA path and round differently."""
+        """A gather even over consecutive blocks: a strided view may take another SDPA path (other bits)."""
         return self._sdpa(q, kc[:, rows], vc[:, rows], ctx)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -268,7 +268,7 @@ class KVPool:
 
 def single_prefill(cfg: DecoderConfig, tokens: int, device: torch.device, dtype: torch.dtype,
                    kv_dtype: str = "auto") -> tuple[KVPool, AttentionMeta]:
-    """A pool for one sequence of ``tokens`` positions and the metadata to prefill it in one forward."""
+    """A pool for one sequence of ``tokens`` positions, and the metadata to prefill it at once."""
     pool = KVPool(cfg, -(-tokens // DEFAULT_BLOCK_TOKENS), device, dtype, kv_dtype=kv_dtype)
     table = pool.allocator.alloc(pool.allocator.num_blocks)
     assert table is not None

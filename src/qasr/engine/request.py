@@ -1,4 +1,4 @@
-"""A request: what it asks (RequestSpec), what it gets back, its progress inside the engine (Request)."""
+"""A request: what it asks (RequestSpec), its result, its progress in the engine (Request)."""
 
 from __future__ import annotations
 
@@ -74,14 +74,13 @@ class RequestSpec:
 
 @dataclass(eq=False)
 class Request:
-    """``spec`` is what was asked (its audio moved below); the fields after ``submitted`` are the engine
-    thread's."""
+    """``spec`` is what was asked (its audio moved below); fields after ``submitted``: the engine thread's."""
 
     spec: RequestSpec
     classify: np.ndarray | None = None  # alignment: sorted prompt positions
     encode_only: bool = False
     on_token: Callable[[int | None], None] | None = None
-    audio_tokens: int = 0  # placeholders in the prompt
+    audio_tokens: int = 0
     audio_before: np.ndarray | None = None  # [i]: in prompt[:i]
     kv_prefix: KVLease | None = None  # taken over at admission
     prefix_len: int = 0
@@ -137,7 +136,7 @@ class Request:
         return self.future.cancelled()
 
     def draft_ahead(self, limit: int) -> tuple[int, ...]:
-        """Up to ``limit`` guessed ids after the output, while the output agrees with the draft."""
+        """Up to ``limit`` draft ids after the output, while the output agrees with the draft."""
         n, draft = len(self.output), self.spec.continuation.draft
         if limit <= 0 or n >= len(draft) or tuple(self.output) != draft[:n]:
             return ()

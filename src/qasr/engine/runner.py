@@ -25,8 +25,7 @@ class Runner:
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
-        """Encode ``n`` more audio tokens of each request in one call, all or none; returns the seconds spent on
-        features."""
+        """Encode ``n`` more audio tokens of each request in one call, all or none; returns features' seconds."""
         enc = self.model.cfg.encoder
         window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
         feats = []

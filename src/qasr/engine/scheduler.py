@@ -25,7 +25,7 @@ class SchedulerConfig:
 class StepPlan:
     encode: list[tuple[Request, int]]  # (request, audio tokens)
     decode: list[Request]
-    prefill: list[tuple[Request, int]]  # (request, chunk length), a request's chunks in order
+    prefill: list[tuple[Request, int]]  # (request, chunk length), in order
     live_batch_work: bool = False
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # by id(request)
 
@@ -56,7 +56,7 @@ class Scheduler:
         self.active: list[Request] = []  # in admission order
         self.encoding: list[Request] = []  # encoder-only requests
         self.preemptions = 0
-        self.batch_heavy_ok = True  # set by the engine: batch work may ride beside live work
+        self.batch_heavy_ok = True  # batch work may ride beside live work
         self._turn = False
 
     def add(self, req: Request) -> None:
@@ -67,8 +67,7 @@ class Scheduler:
         return not self.waiting and not self.active and not self.encoding
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into the running set (interactive, then continuations, then by group);
-        return those that can never fit."""
+        """Admit waiting requests (interactive, continuations, then by group); return those that never fit."""
         impossible = []
         for req in [r for r in self.waiting if r.interactive and not r.cancelled]:
             self.waiting.remove(req)
@@ -177,8 +176,7 @@ class Scheduler:
         self.preemptions += 1
 
     def plan(self) -> StepPlan:
-        """The next step: every decode row plus bounded encoder and prefill work; KV blocks are taken here
-        (a request that cannot get them sits the step out)."""
+        """The next step: every decode row plus bounded encoder and prefill work; KV blocks are taken here."""
         live = self._live()
         plan = StepPlan(self._plan_encode(live), [], [])
         after = {id(r): r.encoded_tokens + n for r, n in plan.encode}

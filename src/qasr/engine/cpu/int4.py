@@ -1,5 +1,5 @@
-"""int4 decoder weights on the CPU: W4A8 with a float32 scale per group of input features. The native
-kernel matches the torch reference below bit for bit."""
+"""int4 decoder weights on the CPU: W4A8, a float32 scale per GROUP input features; the native kernel gives
+the torch reference's bits."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Int8Weight:
-    packed: torch.Tensor  # the native module's layout, or w_q [N, K] for the torch reference
+    packed: torch.Tensor  # the native module's layout, or w_q [N, K]
     scale: torch.Tensor  # float32 [N]
     bias: torch.Tensor | None  # float32 [N]
     n: int
@@ -65,8 +65,7 @@ class Int8Weight:
 
 
 class Int8Convs:
-    """``conv(module, x)`` for every nn.Conv2d: int8 GEMMs (a row per output position) where supported, and
-    float for the rest (the single-channel first one)."""
+    """``conv(module, x)`` for every nn.Conv2d: int8 GEMMs where supported, float for the rest."""
 
     def __init__(self, model: nn.Module, kernel: ModuleType | None = None, ops: ModuleType | None = None) -> None:
         self.kernel = kernel

@@ -91,7 +91,7 @@ class QuantizedLinears:
         return lambda x: product(x).split_with_sizes(sizes, -1)
 
     def group(self, modules: tuple[nn.Linear, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each module's product of ``x`` (column views of one product for a prepared group)."""
+        """Each module's product of ``x`` (column views for a prepared group)."""
         entry = self.groups.get(modules)
         if entry is None:
             return tuple(self(m, x) for m in modules)
@@ -110,7 +110,7 @@ def int8_linears(model: nn.Module, kernel: ModuleType | None = None,
 def int4_decoder_linears(model: nn.Module, int8_kernel: ModuleType | None = None,
                          int4_kernel: ModuleType | None = None,
                          groups: Sequence[tuple[nn.Linear, ...]] = ()) -> QuantizedLinears:
-    """``quantize="int4"``: the decoder's linears and LM head W4A8 on ``int4_kernel``, the encoder's W8A8."""
+    """``quantize="int4"``: the decoder's linears and LM head W4A8, the encoder's W8A8."""
     decoder = {m for m in model.model.modules() if isinstance(m, nn.Linear)} | {model.lm_head}
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Linear) -> Product:

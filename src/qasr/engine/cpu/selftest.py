@@ -1,7 +1,5 @@
-"""Self-tests a native kernel passes at its first load, against torch references, before native.py hands it out.
-
-A kernel that fails is disabled with one warning; the engine uses the next kernel or plain torch.
-"""
+"""Self-tests of a native kernel at its first load, against torch references; a kernel that fails is disabled
+with one warning, and the engine uses the next kernel or plain torch."""
 
 from __future__ import annotations
 
@@ -47,7 +45,6 @@ def verified(name: str, module: ModuleType | None, check: Callable[[ModuleType],
 def check_gemm(kernel: ModuleType) -> None:
     """pack / linear / conv near float32 products; rows independent of their call."""
     gen = torch.Generator().manual_seed(20261130)
-    # K and N tails, the smallest K; 37 rows give every M remainder
     for k, n, has_bias in ((96, 130, True), (70, 67, False), (2, 17, True)):
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         bias = torch.randn(n, generator=gen) if has_bias else None
@@ -190,7 +187,7 @@ def fill(pool: torch.Tensor, rows: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def check_prefill_attention(kernel: ModuleType) -> None:
-    """A chunk after cached tokens in scattered blocks, near float32 attention; its rows independent."""
+    """A chunk after cached tokens in scattered blocks, near float32 attention."""
     gen = torch.Generator().manual_seed(7)
     kv_heads, heads, d, bs, ctx, n = 2, 4, 128, 16, 70, 9
     table = [7, 2, 9, 0, 5]
@@ -218,7 +215,7 @@ def check_prefill_attention(kernel: ModuleType) -> None:
 
 
 def check_decode_attention(kernel: ModuleType) -> None:
-    """One query per sequence near float32 attention; new key/value stored; a sequence alone as in a batch."""
+    """One query per sequence near float32 attention; new key/value stored."""
     gen = torch.Generator().manual_seed(11)
     bs = 16
     tables = [[3], [12, 1, 7, 4, 10], [6, 0, 9]]
@@ -228,7 +225,7 @@ def check_decode_attention(kernel: ModuleType) -> None:
         kv_heads, heads = 2, 4
         kpool, vpool = scattered_pool(kv_heads, 14, bs, d, dtype)
         rows = [positions(t, bs, int(m)) for t, m in zip(tables, lens, strict=True)]
-        for r in rows:  # the call stores the last position
+        for r in rows:
             fill(kpool, r[:-1], gen)
             fill(vpool, r[:-1], gen)
         q = torch.randn(3, heads, d, generator=gen).to(dtype)
@@ -288,7 +285,7 @@ def check_decode_attention_int8(kernel: ModuleType, tables: list[list[int]], tab
             nq, ns = quantize_kv_reference(new)
             if not (torch.equal(pool[:, last], nq.transpose(0, 1)) and torch.equal(scales[:, last], ns.T)):
                 raise SelfTestFailure(f"decode attention int8 {dtype}: new rows not stored quantized")
-        # the AVX-512 path reads float(q) * scale; the portable one rounds it to the dtype
+        # the portable path rounds float(q) * scale to the dtype
         read_as = torch.float32 if d == 128 else dtype
         kf, vf = dequantize_kv(kq, ks, read_as).float(), dequantize_kv(vq, vs, read_as).float()
         ref = torch.stack([
