@@ -1,4 +1,4 @@
-"""What the benchmark modes share: seeded clips, peak memory, the reference generate, a closed-loop driver."""
+"""What the benchmark modes share: seeded clips, peak memory, the reference, a closed-loop driver."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from qasr.bench.perf.report import machine_line
 
 TOKENS_PER_SECOND = 4
 SR = 16000
-CONTENDED = 0.1  # other processes' CPU share above which figures get a warning
+CONTENDED = 0.1  # others' CPU share above which figures get a warning
 
 
 def clip_lengths(n: int, seed: int, lo: float = 2.0, hi: float = 120.0) -> list[float]:
@@ -89,8 +89,8 @@ def build_checkpoint(cache_dir: Path) -> Path:
 
 
 class ReferenceGenerate:
-    """transformers' generate on a batch, each row forced to the batch's mean of TOKENS_PER_SECOND tokens per
-    audio second; a call returns the tokens generated."""
+    """transformers' generate, each row forced to the batch's mean of TOKENS_PER_SECOND tokens per audio
+    second; returns the tokens generated."""
 
     def __init__(self, ckpt_dir: Path, device: str = "cpu") -> None:
         import transformers
@@ -133,7 +133,7 @@ class ReferenceGenerate:
 def closed_loop(submit: Callable[[int], Future], lengths: Sequence[float], concurrency: int,
                 budget_s: float | None = None) -> dict:
     """``concurrency`` clients, each submitting when its previous request is done, until all are done or the
-    budget is spent (the rest cancelled); figures over completed requests."""
+    budget is spent; figures over completed requests."""
     lock = threading.Lock()
     t0 = time.perf_counter()
     deadline = math.inf if budget_s is None else t0 + budget_s

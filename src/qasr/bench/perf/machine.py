@@ -29,7 +29,7 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
 
 
 class ForeignCpu:
-    """CPU seconds other processes used while the block ran, and their share of the CPUs (Linux only)."""
+    """CPU seconds other processes used while the block ran, and their CPU share (Linux only)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -70,7 +70,7 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def gemm_rates(m: int, k: int, n: int, kernels: dict[str, object], repeats: int) -> dict[str, float]:
-    """FLOP/s of a seeded (m x k) @ (k x n) bf16 product by F.linear ("torch") and each module in ``kernels``."""
+    """FLOP/s of an (m x k) @ (k x n) bf16 product by F.linear ("torch") and each module in ``kernels``."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)

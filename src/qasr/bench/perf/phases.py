@@ -70,7 +70,7 @@ class ForwardLog:
         runner.encode, runner.forward = counted_encode, counted_forward
 
     def note(self, plan: Any) -> None:
-        attended = sum(len(r.prompt) + len(r.output) for r in plan.decode)  # a row at ctx sees ctx + 1
+        attended = sum(len(r.prompt) + len(r.output) for r in plan.decode)
         if not plan.prefill:
             self.decode_forwards += 1
             self.decode_rows += len(plan.decode)
@@ -122,7 +122,7 @@ def phase_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: Phase
 def efficiency_report(cfg: ModelConfig, utterances: Sequence[Utterance], flops: PhaseFlops, audio_s: float,
                       wall_s: float, timings: dict, log: ForwardLog, machine: dict,
                       reference_wall_s: float | None = None, storage: Storage | None = None) -> dict:
-    """Model FLOP / wall seconds / peak GEMM rate, overall and per phase (also against the int8 peak)."""
+    """Model FLOP / wall seconds / peak GEMM rate, overall and per phase."""
     peak, bw = machine["peak_flops"], machine["bandwidth_Bps"]
     out: dict[str, Any] = dict(
         peak_flops=peak, bandwidth_Bps=bw, flop_per_audio_s={p: getattr(flops, p) / audio_s for p in PHASES},
