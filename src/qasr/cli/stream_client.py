@@ -1,5 +1,4 @@
-"""A live-transcription client for ``qasr serve``: plays audio into a WebSocket in real time and yields the
-transcript events, over ``/v1/stream`` (native) or ``/v1/realtime`` (OpenAI's protocol)."""
+"""A live-transcription client for ``qasr serve`` over ``/v1/stream`` (native) or ``/v1/realtime`` (OpenAI's)."""
 
 from __future__ import annotations
 
@@ -49,15 +48,15 @@ StreamEvent = Partial | Final | ServerError
 
 
 def file_chunks(path: str, chunk_ms: int) -> Iterator[bytes]:
-    """A file decoded at once to 16 kHz pcm16, in chunks of ``chunk_ms`` (not audio: fails before sending)."""
+    """A file as 16 kHz pcm16 chunks of ``chunk_ms``; not audio: fails before anything is sent."""
     pcm = (np.clip(load_audio(path), -1.0, 1.0) * 32767).astype("<i2").tobytes()
     step = SAMPLE_RATE * chunk_ms // 1000 * BYTES_PER_SAMPLE
     return (pcm[i:i + step] for i in range(0, len(pcm), step))
 
 
 class Capture:
-    """Audio captured by ffmpeg (``-f input_format -i device``), as 16 kHz pcm16 chunks until ``stop()``.
-    ffmpeg runs in its own session: a Ctrl-C reaches only qasr, which still reads the final transcript."""
+    """16 kHz pcm16 chunks captured by ffmpeg (``-f input_format -i device``) until ``stop()``; a Ctrl-C
+    reaches only qasr."""
 
     def __init__(self, input_format: str, device: str, chunk_ms: int) -> None:
         self.source = f"{input_format}:{device}"
@@ -104,11 +103,8 @@ def websocket_url(server: str, protocol: Protocol) -> str:
 def stream(chunks: Iterable[bytes], server: str, protocol: Protocol = "native", language: str | None = None,
            turn_detection: bool = True, speed: float = 1.0, api_key: str | None = None,
            keepalive_s: float = KEEPALIVE_S, stop: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Send ``chunks`` (16 kHz pcm16) at ``speed`` x real time (0: as fast as taken) and yield the transcript
-    events until the server has answered the end of the stream.
-
-    No overall timeout: a server that misses a ping within ``keepalive_s`` is gone. ``stop`` set: the input
-    ends there and the transcript of what was sent still comes."""
+    """Send ``chunks`` (16 kHz pcm16) at ``speed`` x real time (0: as fast as taken); yield the transcript events
+    until the server answers the end. No overall timeout, only pings; ``stop`` ends the input early."""
     from websockets.sync.client import connect
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -155,8 +151,7 @@ def _send_all(wire: _Wire, chunks: Iterable[bytes], speed: float, stop: threadin
 
 
 class _Wire:
-    """Flow control: audio waits until the session is open and while the audio in flight would pass
-    ``window_s``."""
+    """Flow control: audio waits for the session to open and for room in ``window_s``."""
 
     def __init__(self) -> None:
         self.done = False
@@ -172,7 +167,7 @@ class _Wire:
         return self.window_s is None or in_flight <= 0 or in_flight + seconds <= self.window_s
 
     def wait_for_room(self, seconds: float) -> bool:
-        """Block until ``seconds`` more audio fits; False when the session stopped meanwhile."""
+        """Block until ``seconds`` more audio fits; False if the session stopped."""
         with self._room:
             self._room.wait_for(lambda: self.stopped or self._open and self._fits(seconds))
             if self.stopped:
@@ -284,6 +279,6 @@ class _OpenAIWire(_Wire):
             err = m.get("error") or {}
             code = err.get("code") or ""
             if code == "input_audio_buffer_commit_empty" and self._ended:
-                return  # the VAD already ended the last turn
+                return
             yield ServerError(code, err.get("message", ""))
             self.done = code in self.FATAL

@@ -129,7 +129,7 @@ def _greedy_lines(units: list[_Unit], width: int) -> list[list[_Unit]]:
 
 
 def _wrap(units: list[_Unit], rules: CueRules) -> list[list[_Unit]]:
-    """Balanced lines: the narrowest width that needs no more lines than the full width does."""
+    """Balanced lines: the narrowest width needing no more lines than the full width."""
     need = len(_greedy_lines(units, rules.max_line_chars))
     lo, hi = 1, rules.max_line_chars
     while lo < hi:

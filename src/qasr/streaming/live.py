@@ -1,5 +1,5 @@
-"""A live session: speech detection cuts the stream into turns, each a ``Session`` on its own audio, so memory
-stays bounded however long it runs. The rules are in docs/streaming.md, "Live sessions"."""
+"""A live session: speech detection cuts the stream into turns, each a ``Session`` on its own audio (bounded
+memory). The rules are in docs/streaming.md, "Live sessions"."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class SpeechStopped:
 
 @dataclass(frozen=True)
 class TurnUpdate:
-    """A step's result in a turn; ``delta``: the text that became stable with it."""
+    """``delta``: the text that became stable with this step."""
 
     turn: int
     update: Update
@@ -81,8 +81,8 @@ class LiveSession:
         self._turn_start = 0
         self._stable = ""
         self._in_speech = False
-        self._silence = 0  # samples
-        # set while a turn silence ended takes frames up to its chunk boundary
+        self._silence = 0
+        # a turn silence ended, padded to its chunk boundary
         self._closing: EndReason | None = None
         self._carried = ""
         self.closed = False
@@ -257,7 +257,7 @@ class LiveSession:
 
     def _feed(self, samples: np.ndarray, out: list[LiveEvent], advance: bool = True) -> None:
         assert self._turn is not None
-        if advance:  # pre-roll was counted when it arrived
+        if advance:
             self.position += samples.size
         for update in self._turn.push(samples):
             delta = update.stable_text[len(self._stable):]

@@ -39,7 +39,7 @@ class Update:
 
 @dataclass
 class SessionStats:
-    """What each step computed rather than kept, and how often a step contradicted the committed text."""
+    """What each step computed rather than kept."""
 
     frames: list[int] = field(default_factory=list)
     encoder_tokens: list[int] = field(default_factory=list)
@@ -69,7 +69,7 @@ class Session:
         self._lease: KVLease | None = None
         self._lease_windows: tuple[KeptWindow, ...] = ()
         self._window_tokens = checkpoint.config.encoder.window_tokens
-        # bounded: a caller using push()'s return values never drains it
+        # bounded: a caller of push() may never drain it
         self._undelivered: deque[Update] = deque(maxlen=UPDATE_QUEUE)
 
     @property
@@ -78,7 +78,7 @@ class Session:
         return self.state.results
 
     def push(self, pcm: np.ndarray) -> list[Update]:
-        """Add 16 kHz float32 or int16 samples; the updates of the steps (one per full chunk) they completed."""
+        """Add 16 kHz float32 or int16 samples; the updates of the steps (one per chunk) they completed."""
         if self.finished:
             raise RuntimeError("the session is finished")
         self.audio.append(as_float_pcm(pcm))
