@@ -263,7 +263,7 @@ def test_the_option_through_asr_from_pretrained(tiny_original) -> None:
         asr.close()
     off = ASR.from_pretrained(tiny_original, device="cpu", dtype="float32", quantize="none")
     try:
-        assert "int8" not in off.engine.prepared.description
+        assert "int8" not in off._core.engine.prepared.description
     finally:
         off.close()
 
