@@ -28,8 +28,7 @@ def test_an_interactive_request_does_not_wait_for_the_queue(ck) -> None:  # noqa
 def test_the_scheduler_takes_batch_blocks_for_an_interactive_request_never_the_reverse() -> None:
     """The memory rule alone, on a pool of 4 blocks: an older batch request short of a block takes none
     from a younger interactive one (it waits), and an interactive request takes a batch request's."""
-    from qasr.engine.block_manager import BlockManager
-    from qasr.engine.kv_blocks import BlockAllocator
+    from qasr.engine.kv_blocks import BlockAllocator, BlockManager
     from qasr.engine.request import Request
     from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
@@ -53,8 +52,7 @@ def test_while_live_work_runs_batch_work_gets_one_chunk_and_one_window_per_step(
     """Short steps while someone waits: batch prefill is one chunk per step and batch audio one encoder
     window, however much is ready; without interactive work the full budgets apply."""
 
-    from qasr.engine.block_manager import BlockManager
-    from qasr.engine.kv_blocks import BlockAllocator
+    from qasr.engine.kv_blocks import BlockAllocator, BlockManager
     from qasr.engine.request import Request
     from qasr.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -83,8 +81,7 @@ def test_steps_the_engine_keeps_short_give_batch_work_no_chunk_and_no_window() -
     """batch_heavy_ok False (the engine's ration of batch steps beside live work): the plan holds the live
     request's prefill and the batch requests' decode rows only, and says it carried no batch work; without
     live work the flag changes nothing."""
-    from qasr.engine.block_manager import BlockManager
-    from qasr.engine.kv_blocks import BlockAllocator
+    from qasr.engine.kv_blocks import BlockAllocator, BlockManager
     from qasr.engine.request import Request
     from qasr.engine.scheduler import Scheduler, SchedulerConfig
 

@@ -84,7 +84,7 @@ def check_request(prompt: list[int], waveform: np.ndarray | None, features: torc
     expected = audio_token_count(frames, limits.conv_chunk_frames)
     if placeholders != expected:
         raise ValueError(f"prompt has {placeholders} audio placeholders but the audio gives {expected} encoder "
-                         f"tokens ({frames} frames); build the prompt for this audio (ASR.prepare does)")
+                         f"tokens ({frames} frames); build the prompt for this audio (Core.prepare does)")
     need = len(prompt) + int(max_new_tokens)
     if need > limits.kv_tokens:
         raise ValueError(f"request needs {need} KV-cache tokens (prompt {len(prompt)} + max_new_tokens "
