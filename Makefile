@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.qasr-installed
 KERNELS := $(VENV)/.qasr-kernels-built
 TORCH_CPU := torch==2.13.0
 
-.PHONY: demo test test-ray lint bench setup clean
+.PHONY: demo test test-slow test-ray lint bench setup clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -39,6 +39,10 @@ demo: $(STAMP) $(KERNELS)
 
 test: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q
+
+# the whole-product runs marked `slow` (left out of `make test`, which stays under 8 minutes on 2 cores)
+test-slow: $(STAMP) $(KERNELS)
+	$(PY) -m pytest -q -m slow
 
 # the Ray tests (pytest marker `ray`, left out of `make test`): the ray extra first, keeping the torch installed
 RAY_STAMP := $(VENV)/.qasr-ray-installed

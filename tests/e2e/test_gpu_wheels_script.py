@@ -26,7 +26,8 @@ GPU_RUN_TESTS = [
     "tests/model/test_transformers_parity.py::test_both_layouts_give_identical_output[cpu]",
     "tests/model/test_transformers_parity.py::test_logits_and_greedy_ids_match_transformers[cpu--None-1.0]",
     "tests/engine/cuda/test_cuda_backend.py::test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens",
-    "tests/engine/cuda/test_cuda_backend.py::test_cuda_float32_engine_gives_the_cpu_engines_tokens",  # collected, skipped here
+    # collected, skipped here:
+    "tests/engine/cuda/test_cuda_backend.py::test_cuda_float32_engine_gives_the_cpu_engines_tokens",
     "tests/bench/test_bench_gpu.py::test_both_sides_run_on_a_tiny_checkpoint_and_the_report_renders",
     "tests/bench/test_bench_gpu.py::test_device_cuda_without_a_gpu_says_so",
 ]
@@ -107,6 +108,7 @@ def test_the_wheel_folder_is_ignored_by_git() -> None:
                           cwd=ROOT).returncode == 0
 
 
+@pytest.mark.slow
 def test_the_gpu_run_imports_nothing_the_device_lacks(tmp_path) -> None:
     """The GPU run's code, run here in a Python that sees only the standard library, qasr's source and the
     packages on the device image or in the wheel list: it passes."""

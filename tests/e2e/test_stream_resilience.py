@@ -32,6 +32,8 @@ BACKLOG_S = 4  # small, so that a file sent at --speed 0 meets the flow control 
 IDLE_S = 3  # the server closes a session that sends nothing this long: a silent *sending* client is not idle
 SR = 16000
 
+pytestmark = pytest.mark.slow  # whole-product runs of qasr stream against a real server (make test-slow)
+
 
 def silence(seconds: float) -> np.ndarray:
     return np.zeros(int(SR * seconds), np.float32)

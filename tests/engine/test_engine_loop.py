@@ -83,6 +83,7 @@ def test_request_larger_than_cache_is_refused_at_submit(ck) -> None:
     engine.close()
 
 
+@pytest.mark.slow
 def test_hundreds_of_queued_long_clips_stay_within_memory_budget(ck) -> None:
     """400 queued 60 s clips: features exist only for admitted requests, so memory stays bounded. (It was
     1,000 clips, 113 s of the suite on an AVX2 EPYC; 400 take 31 s and prove the same: holding every clip's

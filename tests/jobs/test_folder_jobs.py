@@ -67,6 +67,7 @@ def _one_input_complete(out: Path) -> bool:
     return any(p.with_suffix(".srt").exists() for p in out.rglob("*.json"))
 
 
+@pytest.mark.slow
 def test_folder_job_interrupted_then_resumed(folder, tmp_path) -> None:
     full = tmp_path / "full"
     done = qasr("transcribe", str(folder), "-r", "-o", str(full), "-f", "json,srt", *DEMO)

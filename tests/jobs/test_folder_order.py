@@ -121,6 +121,7 @@ def _run(cmd: list[str], out: Path, interrupt_at_first: bool) -> tuple[subproces
     return proc, seen
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts the bytes read in /proc/PID/io (Linux)")
 def test_an_interrupted_folder_job_had_read_only_the_inputs_in_flight(tmp_path, sentences) -> None:
     """A folder of 40 inputs (10-25 s each: about 140 pieces) on the demo model with its defaults (a batch of

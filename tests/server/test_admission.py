@@ -91,6 +91,7 @@ def wait_queue_empty(server: ServerProcess, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_parallel_hour_long_uploads_are_refused_before_decoding(server, audio) -> None:
     """8 hour-long uploads at once against a 60 s queue: one is admitted into the empty queue, the others get
     429 within moments (the old server decoded each first: 9-12 s, and gigabytes), the server's peak memory

@@ -107,6 +107,7 @@ def test_the_prefill_attention_releases_the_gil(one_thread) -> None:
     check(sized(make, 256, 1 << 14))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(decode_kernel() is None, reason="no native decode attention")
 def test_the_decode_attention_releases_the_gil(one_thread) -> None:
     kernel = decode_kernel()
