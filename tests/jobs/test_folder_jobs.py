@@ -126,6 +126,7 @@ def test_same_stems_never_overwrite_each_other(folder, tmp_path) -> None:
     assert (tmp_path / "b" / "clip.txt").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+@pytest.mark.slow
 def test_stdout_json_lines_and_prefixed_text(folder) -> None:
     inputs = [str(folder / "a" / "clip.wav"), str(folder / "a" / "corrupt.mp3"), str(folder / "b" / "clip.wav")]
     out = qasr("transcribe", *inputs, "-f", "json", *DEMO)
@@ -158,6 +159,7 @@ def test_usage_errors_come_before_any_work(folder, tmp_path) -> None:
     assert out.returncode == 2 and "not supported by this model" in out.stderr and "English" in out.stderr
 
 
+@pytest.mark.slow
 def test_urls_and_pipes_closed_early(folder) -> None:
     out = qasr("transcribe", "https://example.com/talk.mp3", *DEMO)
     assert out.returncode == 1 and "URLs are not fetched" in out.stderr and "not found" not in out.stderr

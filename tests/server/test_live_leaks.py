@@ -22,6 +22,8 @@ from server_proc import ServerProcess, metric
 
 from qasr.testing.speech import speak
 
+pytestmark = pytest.mark.slow  # real servers and misbehaving clients, each exit path (make test-slow)
+
 BACKLOG_S = 4
 IDLE_S = 2
 MAX_SESSIONS = 12

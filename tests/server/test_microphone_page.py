@@ -19,6 +19,8 @@ from test_page import By, WebDriverWait, open_chromium, open_page, srv, transcri
 
 from qasr.testing.speech import speak
 
+pytestmark = pytest.mark.slow  # a real browser against a real server (make test-slow)
+
 SENTENCE = "set an alarm for six forty five"  # one the demo model was trained on
 LEAD_S = 0.5  # silence before the speech: the recorder starts a moment after the capture device opens
 TAIL_S = 0.5  # and after it, so stopping a little late or early cuts no word

@@ -168,6 +168,7 @@ def test_finish_without_tail_and_push_after_finish(tiny_asr) -> None:  # noqa: A
 
 
 # ----------------------------------------------------------------------------- work per step
+@pytest.mark.slow
 def test_work_per_step_stays_flat_over_a_long_stream(tiny_asr) -> None:  # noqa: ANN001
     """10 minutes in 4 s chunks: the features, encoder rows and prefilled prompt tokens of a step depend
     on the open window only (the rest is kept), so the steps of minute 10 cost what those of minute 1 do."""
