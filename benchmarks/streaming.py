@@ -108,7 +108,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qasr.cli.argtypes import QUANTIZE_CHOICES  # plain data, no torch
+from qasr.engine.config import QUANTIZE_CHOICES  # plain data, no torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SR = 16000

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from qasr.engine.config import QUANTIZE_CHOICES  # noqa: F401 - plain data, no torch; re-exported
+from qasr.engine.config import KV_CACHE_DTYPES, QUANTIZE_CHOICES  # plain data, no torch
+
+if TYPE_CHECKING:
+    from qasr.transcribe.asr import ASR
 
 QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions; "
                  "int4: the same with int4 weights (groups of 128) in the decoder's linears and LM head "
@@ -40,3 +44,24 @@ def probability(text: str) -> float:
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how the model runs, shared by qasr transcribe and qasr serve."""
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    parser.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
+    parser.add_argument("--max-running", type=positive_int, default=64,
+                        help="sequences decoded together by the engine (default 64)")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def load_asr(args: argparse.Namespace, aligner: str | None) -> ASR:
+    """``ASR.from_pretrained`` with the model and the engine flags of ``add_engine_flags``."""
+    from qasr.engine.engine import EngineConfig
+    from qasr.transcribe.asr import ASR
+
+    return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=aligner,
+                               quantize=args.quantize, threads=args.threads,
+                               engine=EngineConfig(max_running=args.max_running, kv_cache_dtype=args.kv_cache_dtype))

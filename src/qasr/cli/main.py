@@ -16,16 +16,7 @@ import sys
 from pathlib import Path
 
 from qasr import __version__
-from qasr.cli.argtypes import (
-    KV_CACHE_HELP,
-    QUANTIZE_CHOICES,
-    QUANTIZE_HELP,
-    THREADS_HELP,
-    positive_float,
-    positive_int,
-    probability,
-)
-from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
+from qasr.cli.argtypes import add_engine_flags, load_asr, positive_float, positive_int, probability
 from qasr.transcribe.options import add_flags, from_flags, model_language  # no torch
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
@@ -64,14 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Qwen3-ForcedAligner checkpoint (directory or hub id) for word timestamps")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
-    t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    t.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    t.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
-                   help=QUANTIZE_HELP)
-    t.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
-    t.add_argument("--max-running", type=positive_int, default=64,
-                   help="sequences decoded together by the engine (default 64)")
-    t.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+    add_engine_flags(t)
     from qasr.cli.ray_options import add_transcribe_options  # argparse only: nothing heavy loads
 
     add_transcribe_options(t)
@@ -205,14 +189,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
         report_failures(args.output_dir, failures, len(jobs))
         return EXIT_FAILED
 
-    from qasr.engine.engine import EngineConfig
-    from qasr.transcribe.asr import ASR
-
     try:
-        asr = ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=aligner,
-                                  quantize=args.quantize, threads=args.threads,
-                                  engine=EngineConfig(max_running=args.max_running,
-                                                      kv_cache_dtype=args.kv_cache_dtype))
+        asr = load_asr(args, aligner)
         core = asr._core
         core.canonical_language(args.language)
     except (ValueError, FileNotFoundError) as exc:

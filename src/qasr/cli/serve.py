@@ -12,15 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from qasr.cli.argtypes import (
-    KV_CACHE_HELP,
-    QUANTIZE_CHOICES,
-    QUANTIZE_HELP,
-    THREADS_HELP,
-    positive_float,
-    positive_int,
-)
-from qasr.engine.config import KV_CACHE_DTYPES  # plain data, no torch
+from qasr.cli.argtypes import add_engine_flags, load_asr, positive_float, positive_int
 
 if TYPE_CHECKING:
     from qasr.server.config import ServerConfig
@@ -55,13 +47,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--aligner", default=None, metavar="PATH",
                    help="a Qwen3-ForcedAligner directory or hub id, loaded beside the model: enables "
                         "timestamp_granularities[]=word (default: none; word timestamps are refused)")
-    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
-    s.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
-    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
-    s.add_argument("--max-running", type=positive_int, default=64,
-                   help="sequences decoded together by the engine (default 64)")
-    s.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+    add_engine_flags(s)
     s.add_argument("--decode-workers", type=positive_int, default=4, metavar="N",
                    help="threads that probe and decode uploads (default 4); more uploads wait their turn, and "
                         "live sessions run on threads of their own")
@@ -146,16 +132,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
         return serve_on_ray(args, config)
 
-    def load():  # noqa: ANN202 - runs in a worker thread once the server listens
-        from qasr.engine.engine import EngineConfig
-        from qasr.transcribe.asr import ASR
-
-        return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=args.aligner,
-                                   quantize=args.quantize, threads=args.threads,
-                                   engine=EngineConfig(max_running=args.max_running,
-                                                       kv_cache_dtype=args.kv_cache_dtype))
-
-    app = create_app(config, load)
+    app = create_app(config, lambda: load_asr(args, args.aligner))  # in a worker thread once the server listens
     # qasr's access log, not uvicorn's (which prints query strings). No pong timeout: a throttled live
     # client's pong waits in TCP behind its audio; a client that left is closed by --live-idle-timeout-s.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
