@@ -1,4 +1,5 @@
-"""Running ``qasr serve`` on the demo model in a subprocess, for the server tests (not a test module)."""
+"""Running ``qasr`` in a subprocess for the tests: its commands, and ``qasr serve`` on the demo model (not a test
+module)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ QASR_WITH_SIGINT = ("import runpy, signal, sys; signal.signal(signal.SIGINT, sig
 
 def qasr_command(*args: str) -> list[str]:
     return [sys.executable, "-c", QASR_WITH_SIGINT, *args]
+
+
+# qasr transcribe on the demo model, in float32 (the same text on every CPU), with no progress bar
+DEMO_ARGS = ("-m", "models/qasr-demo-en", "--device", "cpu", "--dtype", "float32", "--no-progress")
+ALARM = "examples/alarm.flac"
+
+
+def run_qasr(*args: str) -> subprocess.CompletedProcess:
+    """``qasr ARGS`` run to its end from the repository root, its output captured as text."""
+    return subprocess.run(qasr_command(*args), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def free_port() -> int:

@@ -7,20 +7,11 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from server_proc import ALARM, DEMO_ARGS, ROOT, run_qasr
 
 from qasr.cli import main as cli
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ("-m", "models/qasr-demo-en", "--device", "cpu", "--dtype", "float32", "--no-progress")
-ALARM = "examples/alarm.flac"
-
-
-def qasr(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qasr", *args], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +30,12 @@ def test_the_readme_documents_these_codes() -> None:
 
 
 def test_0_when_every_input_succeeded() -> None:
-    out = qasr("transcribe", ALARM, *DEMO)
+    out = run_qasr("transcribe", ALARM, *DEMO_ARGS)
     assert out.returncode == 0 and out.stdout == "set an alarm for seven thirty tomorrow\n", out.stderr
 
 
 def test_1_when_an_input_failed(tmp_path) -> None:
-    out = qasr("transcribe", ALARM, str(tmp_path / "gone.wav"), *DEMO)
+    out = run_qasr("transcribe", ALARM, str(tmp_path / "gone.wav"), *DEMO_ARGS)
     assert out.returncode == 1, out.stderr
     assert [line for line in out.stderr.splitlines() if line.startswith("qasr: error:")] == [
         f"qasr: error: {tmp_path / 'gone.wav'}: file not found"]
@@ -58,7 +49,7 @@ def test_1_when_no_input_exists_before_the_model_loads(tmp_path, kind: str) -> N
         given, message = tmp_path / "empty", f"no audio or video files found in {tmp_path / 'empty'}"
         given.mkdir()
         (given / "notes.txt").write_text("not media\n")
-    out = qasr("transcribe", str(given), "-m", "/no/such/model")  # loading the model would exit 2
+    out = run_qasr("transcribe", str(given), "-m", "/no/such/model")  # loading the model would exit 2
     assert out.returncode == 1, out.stderr
     assert out.stderr.splitlines()[0] == f"qasr: error: {message}"
 
@@ -71,13 +62,13 @@ def test_1_when_no_input_exists_before_the_model_loads(tmp_path, kind: str) -> N
     (["--output_format", "srt"], "unrecognized arguments: --output_format"),
 ])
 def test_2_for_a_usage_error(args: list[str], message: str) -> None:
-    out = qasr("transcribe", ALARM, *DEMO, *args)
+    out = run_qasr("transcribe", ALARM, *DEMO_ARGS, *args)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
 
 def test_130_when_terminated(long_inputs) -> None:
-    cmd = [sys.executable, "-m", "qasr", "transcribe", *long_inputs, *DEMO, "--max-running", "1"]
+    cmd = [sys.executable, "-m", "qasr", "transcribe", *long_inputs, *DEMO_ARGS, "--max-running", "1"]
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         assert proc.stdout.readline().startswith(f"{long_inputs[0]}: set an alarm")
         proc.send_signal(signal.SIGTERM)
@@ -87,7 +78,7 @@ def test_130_when_terminated(long_inputs) -> None:
 
 
 def test_141_when_stdout_closed_early(long_inputs) -> None:
-    cmd = [sys.executable, "-m", "qasr", "transcribe", *long_inputs, *DEMO]
+    cmd = [sys.executable, "-m", "qasr", "transcribe", *long_inputs, *DEMO_ARGS]
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         proc.stdout.readline()
         proc.stdout.close()  # `| head -1`

@@ -3,22 +3,10 @@ usage and the flag meant, the model's own languages in a language error, an unus
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from server_proc import ALARM, DEMO_ARGS, run_qasr
 
 from qasr.cli.main import build_parser
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ("-m", "models/qasr-demo-en", "--device", "cpu", "--dtype", "float32", "--no-progress")
-ALARM = "examples/alarm.flac"
-
-
-def qasr(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qasr", *args], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
 
 
 def error_of(argv: list[str], capsys) -> tuple[str, str]:
@@ -31,7 +19,7 @@ def error_of(argv: list[str], capsys) -> tuple[str, str]:
 
 
 def test_an_unknown_flag_prints_the_subcommands_usage_and_the_flag_meant() -> None:
-    out = qasr("transcribe", ALARM, "--output_format", "srt")
+    out = run_qasr("transcribe", ALARM, "--output_format", "srt")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("usage: qasr transcribe ")
     assert out.stderr.splitlines()[-1] == ("qasr transcribe: error: unrecognized arguments: --output_format srt; "
@@ -69,12 +57,12 @@ def test_an_unknown_flag_without_a_close_one_gets_no_hint(capsys) -> None:
     ("French", "language 'French' is not supported by this model; supported: English"),
 ])
 def test_a_language_error_lists_the_models_own_languages(language: str, message: str) -> None:
-    out = qasr("transcribe", ALARM, *DEMO, "--language", language)
+    out = run_qasr("transcribe", ALARM, *DEMO_ARGS, "--language", language)
     assert out.returncode == 2 and out.stderr == f"qasr: error: {message}\n"
 
 
 def test_an_aligner_without_word_timestamps_is_not_loaded() -> None:
-    out = qasr("transcribe", ALARM, *DEMO, "--aligner", "/no/such/aligner")  # loading it would exit 2
+    out = run_qasr("transcribe", ALARM, *DEMO_ARGS, "--aligner", "/no/such/aligner")  # loading it would exit 2
     assert out.returncode == 0, out.stderr
     assert out.stderr == "qasr: warning: --aligner is used only with --timestamps word; not loading it\n"
     assert out.stdout == "set an alarm for seven thirty tomorrow\n"

@@ -3,34 +3,25 @@ redoes them. The progress bar ends full."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from server_proc import ALARM, DEMO_ARGS, run_qasr
 
 from qasr.jobs.runner import Progress
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ("-m", "models/qasr-demo-en", "--device", "cpu", "--dtype", "float32", "--no-progress")
-ALARM = "examples/alarm.flac"
 WHOLE = "set an alarm for seven thirty tomorrow\n"
 
 
-def qasr(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qasr", *args], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-
 
 def test_a_rerun_keeps_outputs_unless_overwrite(tmp_path) -> None:
-    cut = qasr("transcribe", ALARM, *DEMO, "-o", str(tmp_path), "--max-new-tokens", "2")
+    cut = run_qasr("transcribe", ALARM, *DEMO_ARGS, "-o", str(tmp_path), "--max-new-tokens", "2")
     assert cut.returncode == 0, cut.stderr
     first = (tmp_path / "alarm.txt").read_text()
     assert first != WHOLE
-    again = qasr("transcribe", ALARM, *DEMO, "-o", str(tmp_path))  # other options: the outputs exist
+    again = run_qasr("transcribe", ALARM, *DEMO_ARGS, "-o", str(tmp_path))  # other options: the outputs exist
     assert again.returncode == 0, again.stderr
     assert again.stderr == ("qasr: 1 of 1 inputs already have their outputs; skipping them "
                             "(--overwrite redoes them)\n")
     assert (tmp_path / "alarm.txt").read_text() == first
-    redone = qasr("transcribe", ALARM, *DEMO, "-o", str(tmp_path), "--overwrite")
+    redone = run_qasr("transcribe", ALARM, *DEMO_ARGS, "-o", str(tmp_path), "--overwrite")
     assert redone.returncode == 0 and redone.stderr == "", redone.stderr
     assert (tmp_path / "alarm.txt").read_text() == WHOLE
 
@@ -56,7 +47,7 @@ def test_an_interrupted_bar_stays_where_it_was(capsys) -> None:
 
 
 def test_the_commands_bar_ends_full(tmp_path) -> None:
-    out = qasr("transcribe", ALARM, *DEMO[:-1], "--progress", "-o", str(tmp_path))
+    out = run_qasr("transcribe", ALARM, *DEMO_ARGS[:-1], "--progress", "-o", str(tmp_path))
     assert out.returncode == 0, out.stderr
     last = _bars(out.stderr)[-1]
     assert last.startswith("100%|") and set(last.split("|")[1]) == {"█"} and "1/1 files" in last, last
