@@ -24,21 +24,18 @@ class EngineSpec:
     dtype: str = "auto"
     aligner: str | None = None
     max_running: int = 64
-    threads: int | None = None  # None: torch's default
+    threads: int | None = None  # None: the engine's default (EngineConfig.threads)
     quantize: str | None = None  # None/"none", "int8" or "int4"
     kv_cache_dtype: str = "auto"  # "auto" or "int8"
 
     def load(self) -> ASR:
-        import torch
-
         from qasr.engine.engine import EngineConfig
         from qasr.transcribe.asr import ASR
 
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
         return ASR.from_pretrained(self.model, device=self.device, dtype=self.dtype, aligner=self.aligner,
-                                   quantize=self.quantize, engine=EngineConfig(max_running=self.max_running,
-                                                                               kv_cache_dtype=self.kv_cache_dtype))
+                                   quantize=self.quantize, threads=self.threads,
+                                   engine=EngineConfig(max_running=self.max_running,
+                                                       kv_cache_dtype=self.kv_cache_dtype))
 
 
 @dataclass(frozen=True)
