@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import logging
 import os
 import signal
@@ -130,14 +129,14 @@ def _usage_problem(args: argparse.Namespace, inputs: list[str]) -> str | None:
 
 def _model_languages(model: str) -> tuple[str, ...]:
     """The languages a local checkpoint's config.json lists (Qwen3-ASR's for a hub id or a config without)."""
+    from qasr.model.config import ModelConfig
     from qasr.model.prompt import SUPPORTED_LANGUAGES
 
     try:
-        with open(os.path.join(os.path.expanduser(model), "config.json"), encoding="utf-8") as f:
-            listed = json.load(f).get("support_languages")
-    except (OSError, ValueError, AttributeError):
-        listed = None
-    return tuple(listed or SUPPORTED_LANGUAGES)
+        listed = ModelConfig.from_file(Path(model).expanduser() / "config.json").support_languages
+    except (OSError, ValueError):  # a hub id, or a config the load will refuse with its own message
+        listed = ()
+    return listed or SUPPORTED_LANGUAGES
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
