@@ -112,9 +112,9 @@ def one_behind_a_queue(ck, config, queued: int, queued_seconds: float, queued_to
         while engine.steps < 2:  # the queue is under way
             pass
         late = noise(1.0, seed=2)
+        spec = RequestSpec(prompt_for(ck, late), 6, waveform=late, ignore_eos=True, **(late_kwargs or {}))
         at = engine.steps
-        result = engine.submit(RequestSpec(prompt_for(ck, late), 6, waveform=late, ignore_eos=True,
-                                           **(late_kwargs or {}))).result(timeout=120)
+        result = engine.submit(spec).result(timeout=120)
         took = engine.steps - at
         for f in ahead:
             f.result(timeout=300)
