@@ -8,11 +8,11 @@ from qasr.transcribe.text import join_segment_texts
 
 
 def _stream(pieces: list[str], forced: bool = False) -> tuple[list[str], str]:
-    """Feed each piece's text one character per 'token' (the decoder is the identity on char lists)."""
+    """Feed each piece's text one character per 'token' (token k decodes to the piece's k-th character)."""
     joiner, deltas = Joiner(), []
     for raw in pieces:
         chars = list(raw)
-        text = PieceText(lambda ids, c=chars: "".join(c[: len(ids)]), forced)
+        text = PieceText(lambda ids, c=chars: "".join(c[i] for i in ids), forced)
         for k in range(len(chars)):
             first = not text.text
             if d := joiner.add(text.push(k), first_of_piece=first):
@@ -44,8 +44,8 @@ def test_tokens_in_bursts_give_the_same_text() -> None:
     """Tokens taken several at a time (the stream drains what has arrived) settle the same text as one by one."""
     raw = "language English<asr_text>set an  alarm for six\ufffd forty five "
     chars = list(raw)
-    one = PieceText(lambda ids: "".join(chars[: len(ids)]), False)
-    burst = PieceText(lambda ids: "".join(chars[: len(ids)]), False)
+    one = PieceText(lambda ids: "".join(chars[i] for i in ids), False)
+    burst = PieceText(lambda ids: "".join(chars[i] for i in ids), False)
     singles = "".join(one.push(k) for k in range(len(chars)))
     sizes, k, bursts = [1, 5, 2, 9, 3], 0, []
     while k < len(chars):

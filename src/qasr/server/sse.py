@@ -79,16 +79,22 @@ class TokenHandoff:
 
 
 _REPLACEMENT = "\ufffd"
+_FALLBACK_IDS = 16  # a tail this long that still ends in U+FFFD is split at its last _FALLBACK_IDS ids
 
 
 class PieceText:
     """One piece's transcript, grown token by token: nothing before the ``<asr_text>`` tag; trailing
-    whitespace and a half UTF-8 character wait for later text (the final text is stripped)."""
+    whitespace and a half UTF-8 character wait for later text (the final text is stripped). The deltas are
+    those of decoding the whole piece at every step, but only the ids after the last clean boundary are
+    decoded again: work per token is bounded, not linear in the piece."""
 
     def __init__(self, decode: Callable[[list[int]], str], forced_language: bool) -> None:
         self._decode = decode
-        self._forced = forced_language
-        self._ids: list[int] = []
+        self._body = forced_language  # past the tag (a forced language has no preamble)
+        # the text seen is ``lead + decode(tail)[skip:]`` after what was consumed (emitted, or preamble)
+        self._tail: list[int] = []  # ids since the last clean boundary
+        self._lead = ""  # text before that boundary not consumed yet
+        self._skip = 0  # chars of decode(tail) consumed
         self.text = ""  # emitted so far
 
     def push(self, token: int) -> str:
@@ -99,20 +105,55 @@ class PieceText:
         """Add generated tokens; return the text they settle (often "")."""
         if not tokens:
             return ""
-        self._ids.extend(tokens)
-        raw = self._decode(self._ids)
-        if not self._forced:
-            if ASR_TEXT_TAG not in raw:
-                return ""  # still the `language X` preamble
-            raw = raw.split(ASR_TEXT_TAG, 1)[1]
-        settled = raw.strip()
-        while settled.endswith(_REPLACEMENT):
-            settled = settled[:-1].rstrip()
-        if not settled.startswith(self.text):
-            # revised text already sent: the done event carries the final text
-            return ""
-        new, self.text = settled[len(self.text):], settled
+        self._tail.extend(tokens)
+        decoded = self._decode(self._tail)
+        window = self._lead + decoded[self._skip:]
+        new = ""
+        if not self._body:
+            at = window.find(ASR_TEXT_TAG)
+            if at < 0:  # still the `language X` preamble: keep what a tag split across tokens needs
+                self._consume(max(0, len(window) - len(ASR_TEXT_TAG)))
+            else:
+                self._body = True
+                self._consume(at + len(ASR_TEXT_TAG))
+                window = window[at + len(ASR_TEXT_TAG):]
+        if self._body:
+            head = window if self.text else window.lstrip()  # the body's leading whitespace never shows
+            settled = head.rstrip()
+            while settled.endswith(_REPLACEMENT):
+                settled = settled[:-1].rstrip()
+            if settled:
+                new = settled
+                self._consume(len(window) - len(head) + len(settled))
+                self.text += new
+        self._advance(decoded)
         return new
+
+    def _consume(self, n: int) -> None:
+        """Drop the first ``n`` chars of the window."""
+        if n <= len(self._lead):
+            self._lead = self._lead[n:]
+        else:
+            self._skip += n - len(self._lead)
+            self._lead = ""
+
+    def _advance(self, decoded: str) -> None:
+        """Move the boundary past every id whose text is final: a decoded text that does not end in U+FFFD
+        ends on a whole character, so later bytes cannot change it."""
+        cut = len(self._tail)
+        if decoded.endswith(_REPLACEMENT):
+            if cut < 2 * _FALLBACK_IDS:
+                return  # a half character, most likely: wait for its other bytes
+            # a run of undecodable bytes: split where decoding the halves apart changes nothing, so the
+            # first half's last byte is already settled by the next one
+            cut -= _FALLBACK_IDS
+            head, rest = self._decode(self._tail[:cut]), self._decode(self._tail[cut:])
+            if not rest or head + rest != decoded:
+                return
+            decoded = head
+        self._lead += decoded[self._skip:]
+        self._skip = max(0, self._skip - len(decoded))
+        del self._tail[:cut]
 
 
 class Joiner:
