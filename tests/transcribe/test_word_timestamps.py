@@ -118,3 +118,68 @@ def test_cli_word_timestamps_make_word_cues(asr, speech, tmp_path) -> None:
     for cue in cues:  # every cue begins at a word's start and ends at a word's end
         assert round(cue.start.total_seconds(), 3) in starts and round(cue.end.total_seconds(), 3) in ends
     assert " ".join(" ".join(c.content.split()) for c in cues) == data["text"]
+
+
+def test_word_chaining_never_holds_up_the_engine(asr, speech, monkeypatch) -> None:
+    """A slow word split (nagisa's first import takes seconds) runs off the engine's thread: the engine keeps
+    stepping another request meanwhile."""
+    import threading
+    import time
+
+    from qasr.align import aligner as aligner_module
+    from qasr.engine.request import RequestSpec
+    from qasr.transcribe.options import TranscribeOptions
+
+    core = asr._core
+    split = aligner_module.split_units
+    seen: list[tuple[str, int, int]] = []
+
+    def slow_split(text: str, language: str | None = None) -> list[str]:
+        before = core.engine.steps
+        time.sleep(0.5)
+        seen.append((threading.current_thread().name, before, core.engine.steps))
+        return split(text, language)
+
+    monkeypatch.setattr(aligner_module, "split_units", slow_split)
+    [short, long] = core.prepare([(speech[: SR * 3], SR), (speech[: SR * 20], SR)],
+                                 TranscribeOptions(language="English", segmentation="none"))
+    other = core.engine.submit(RequestSpec(long.prompt, 2000, waveform=long.samples, ignore_eos=True))
+    worded = core.submit(short, words=True)
+    result = worded.result(timeout=120)
+    assert result.words and not other.done()  # the other request ran all along
+    [(thread, before, after)] = seen
+    assert thread.startswith("qasr-words")
+    assert after > before, "the engine stood still while the words were split"
+    other.cancel()
+
+
+def test_a_piece_cancelled_while_waiting_for_the_word_chain_is_never_aligned(asr, speech, monkeypatch) -> None:
+    import threading
+
+    from qasr.align import aligner as aligner_module
+    from qasr.transcribe.options import TranscribeOptions
+
+    core = asr._core
+    split, release, busy = aligner_module.split_units, threading.Event(), threading.Event()
+    aligned: list[str] = []
+
+    def held_split(text: str, language: str | None = None) -> list[str]:
+        aligned.append(text)
+        busy.set()
+        assert release.wait(60)
+        return split(text, language)
+
+    monkeypatch.setattr(aligner_module, "split_units", held_split)
+    engine_submit, transcribed = core.engine.submit, []
+    monkeypatch.setattr(core.engine, "submit", lambda *a, **k: transcribed.append(engine_submit(*a, **k))
+                        or transcribed[-1])
+    [first, second] = core.prepare([(speech[: SR * 3], SR), (speech[: SR * 3], SR)],
+                                   TranscribeOptions(language="English", segmentation="none"))
+    a = core.submit(first, words=True)
+    assert busy.wait(60)  # the chain's thread is held in the first piece's split
+    b = core.submit(second, words=True)
+    transcribed[1].result(timeout=60)  # its words wait for the chain's thread
+    assert b.cancel()
+    release.set()
+    assert a.result(timeout=60).words
+    assert len(aligned) == 1  # the cancelled piece was dropped, not split and aligned

@@ -16,7 +16,7 @@ from qasr.transcribe.feed import run_inputs
 from qasr.transcribe.inputs import AudioInput, Call, canonical_language, plan_call
 from qasr.transcribe.options import TranscribeOptions
 from qasr.transcribe.pieces import Piece
-from qasr.transcribe.words import Aligned
+from qasr.transcribe.words import Aligned, WordChain
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
@@ -32,6 +32,7 @@ class Core:
         self.checkpoint = checkpoint
         self.engine = Engine(checkpoint, engine or EngineConfig())
         self.aligner = aligner
+        self.words = None if aligner is None else WordChain(aligner, checkpoint.tokenizer)
         self.max_chunk_sec = max_chunk_sec
         self.max_tokens_per_second = max_tokens_per_second
         self.max_in_flight_s = max_in_flight_s
@@ -48,7 +49,9 @@ class Core:
         self.engine.prepared.release_caller_threads()
 
     def close(self) -> None:
-        self.engine.close()
+        self.engine.close()  # its last pieces are handed to the word chain,
+        if self.words is not None:
+            self.words.close()  # which submits their alignments before the aligner drains
         if self.aligner is not None:
             self.aligner.close()
 
@@ -75,10 +78,8 @@ class Core:
         """Queue a piece (``words``: and its alignment) as ``Engine.submit`` does; ``assemble`` takes the outcome."""
         fut = self.engine.submit(RequestSpec(piece.prompt, piece.max_new_tokens, waveform=piece.samples,
                                              ignore_eos=ignore_eos, group=group), on_token=on_token)
-        if words and self.aligner is not None:
-            from qasr.transcribe.words import with_words
-
-            return with_words(piece, fut, self.aligner, self.checkpoint.tokenizer)
+        if words and self.words is not None:
+            return self.words.with_words(piece, fut)
         return fut
 
     def submit_or_refuse(self, piece: Piece, ignore_eos: bool = False, words: bool = False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,74 +45,98 @@ class Aligned:
     note: str | None = None
 
 
-def with_words(piece: Piece, asr: Future, aligner: Aligner, tokenizer: Tokenizer) -> Future:
-    """A future of the piece's ``Aligned``; cancelling it cancels whichever request runs."""
-    out: Future = Future()
-    lock = threading.Lock()
-    inner: list[Future] = [asr]
+class WordChain:
+    """Chains each transcribed piece's alignment onto it on a thread of its own: the ASR future's callback,
+    on the engine's thread, only hands the piece over. ``close`` waits for what was handed over."""
 
-    def settle(value: Aligned | None = None, error: BaseException | None = None) -> None:
-        try:
-            if error is not None:
-                out.set_exception(error)
-            else:
-                out.set_result(value)
-        except InvalidStateError:  # cancelled meanwhile
-            pass
+    def __init__(self, aligner: Aligner, tokenizer: Tokenizer) -> None:
+        self.aligner = aligner
+        self.tokenizer = tokenizer
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="qasr-words")
 
-    def aligned(result: GenerationResult, text: str) -> Callable:
-        def done(fut: Future) -> None:
+    def close(self) -> None:
+        """Run what was handed over (its alignments submitted); later pieces are chained on their own thread."""
+        self._worker.shutdown(wait=True)
+
+    def with_words(self, piece: Piece, asr: Future) -> Future:
+        """A future of the piece's ``Aligned``; cancelling it cancels whichever request runs."""
+        out: Future = Future()
+        lock = threading.Lock()
+        inner: list[Future] = [asr]
+
+        def settle(value: Aligned | None = None, error: BaseException | None = None) -> None:
             try:
-                settle(Aligned(result, _inside(display_words(text, fut.result()), piece)))
-            except CancelledError:
-                settle(error=CancelledError())
-            except (EngineClosed, EngineBroken) as exc:  # the aligner is gone
+                if error is not None:
+                    out.set_exception(error)
+                else:
+                    out.set_result(value)
+            except InvalidStateError:  # cancelled meanwhile
+                pass
+
+        def aligned(result: GenerationResult, text: str) -> Callable:
+            def done(fut: Future) -> None:  # on the aligner engine's thread: the spelling only
+                try:
+                    settle(Aligned(result, _inside(display_words(text, fut.result()), piece)))
+                except CancelledError:
+                    settle(error=CancelledError())
+                except (EngineClosed, EngineBroken) as exc:  # the aligner is gone
+                    settle(error=_aligner_gone(exc))
+                except Exception as exc:  # noqa: BLE001 - only the word times are lost
+                    settle(Aligned(result, (), f"alignment failed: {exc}"))
+            return done
+
+        def transcribed(fut: Future) -> None:
+            # on the worker's thread: ``out`` settles whatever happens
+            if out.done():  # cancelled while it waited
+                return
+            try:
+                result = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - the piece's own failure
+                settle(error=exc)
+                return
+            try:
+                detected, text, _ = read_output(self.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+                                                piece)
+                language = piece.language or detected or None
+                if not text.strip():
+                    settle(Aligned(result))
+                    return
+                try:
+                    aligner = self.aligner
+                    normalize_aligner_language(language, aligner.supported_languages)
+                    samples, lead = with_lead_in(piece.samples, aligner)
+                    with lock:
+                        if out.cancelled():
+                            return
+                        [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
+                        inner.append(job)
+                except (ValueError, ImportError) as exc:  # a language not covered, a piece too long
+                    settle(Aligned(result, (), str(exc)))
+                    return
+            except (EngineClosed, EngineBroken) as exc:
                 settle(error=_aligner_gone(exc))
-            except Exception as exc:  # noqa: BLE001 - only the word times are lost
-                settle(Aligned(result, (), f"alignment failed: {exc}"))
-        return done
-
-    def transcribed(fut: Future) -> None:
-        # on the engine's thread: ``out`` settles whatever happens
-        try:
-            result = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - the piece's own failure
-            settle(error=exc)
-            return
-        try:
-            detected, text, _ = read_output(tokenizer.decode(result.token_ids, skip_special_tokens=True), piece)
-            language = piece.language or detected or None
-            if not text.strip():
-                settle(Aligned(result))
                 return
+            except BaseException as exc:  # noqa: BLE001 - this piece's error, never a hang
+                settle(error=exc)
+                return
+            job.add_done_callback(aligned(result, text))
+
+        def hand_over(fut: Future) -> None:
+            # on the engine's thread: nothing else
             try:
-                normalize_aligner_language(language, aligner.supported_languages)
-                samples, lead = with_lead_in(piece.samples, aligner)
+                self._worker.submit(transcribed, fut)
+            except RuntimeError:  # closed: chained here, still settled
+                transcribed(fut)
+
+        def cancelled(_: Future) -> None:
+            if out.cancelled():
                 with lock:
-                    if out.cancelled():
-                        return
-                    [job] = aligner.submit_pieces([samples], [text], language, offsets=[piece.offset - lead])
-                    inner.append(job)
-            except (ValueError, ImportError) as exc:  # a language not covered, a piece too long
-                settle(Aligned(result, (), str(exc)))
-                return
-        except (EngineClosed, EngineBroken) as exc:
-            settle(error=_aligner_gone(exc))
-            return
-        except BaseException as exc:  # noqa: BLE001 - this piece's error, never a hang
-            settle(error=exc)
-            return
-        job.add_done_callback(aligned(result, text))
+                    for f in inner:
+                        f.cancel()
 
-    def cancelled(_: Future) -> None:
-        if out.cancelled():
-            with lock:
-                for f in inner:
-                    f.cancel()
-
-    out.add_done_callback(cancelled)
-    asr.add_done_callback(transcribed)
-    return out
+        out.add_done_callback(cancelled)
+        asr.add_done_callback(hand_over)
+        return out
 
 
 def _aligner_gone(exc: EngineClosed | EngineBroken) -> BaseException:
