@@ -102,6 +102,7 @@ class Request:
     replay: list[int] = field(default_factory=list)  # what a recomputation must reproduce
     delivered: int = 0
     preempted: list[str] = field(default_factory=list)
+    resumed: int = 0  # tokens of the output made before its last preemption: prefill inputs now
 
     @property
     def prompt(self) -> list[int]:
@@ -116,6 +117,11 @@ class Request:
         return self.spec.interactive
 
     @property
+    def live(self) -> bool:
+        """Someone waits for it: an interactive request or an encoder-only one (a live session's window)."""
+        return self.spec.interactive or self.encode_only
+
+    @property
     def group_key(self) -> object:
         return ("request", self.id) if self.spec.group is None else self.spec.group
 
@@ -128,8 +134,22 @@ class Request:
         return self.encoded_tokens == self.audio_tokens
 
     @property
+    def prefill_len(self) -> int:
+        return len(self.spec.prompt) + self.resumed
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What prefill runs over: the prompt, then the tokens made before the last preemption."""
+        return [*self.prompt, *self.output[:self.resumed]] if self.resumed else self.prompt
+
+    @property
     def prefill_done(self) -> bool:
-        return self.prefilled == len(self.prompt)
+        return self.prefilled == self.prefill_len
+
+    @property
+    def context(self) -> int:
+        """Positions a decode step needs: the prompt and every token made (the last one is its input)."""
+        return len(self.spec.prompt) + len(self.output)
 
     @property
     def cancelled(self) -> bool:
@@ -146,8 +166,13 @@ class Request:
         """The n of prompt[:n] that can be prefilled once ``encoded`` audio rows exist."""
         assert self.audio_before is not None, "set by the engine at submit"
         if encoded >= self.audio_tokens:
-            return len(self.prompt)
+            return self.prefill_len
         return int(np.searchsorted(self.audio_before, encoded + 1)) - 1
+
+    def audio_before_position(self, i: int) -> int:
+        """Audio rows among prefill_ids[:i] (the tokens after the prompt hold none)."""
+        assert self.audio_before is not None, "set by the engine at submit"
+        return int(self.audio_before[min(i, len(self.audio_before) - 1)])
 
     def resolve(self, result: GenerationResult | list[int] | torch.Tensor | None = None,
                 error: BaseException | None = None) -> None:

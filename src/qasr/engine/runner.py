@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ from qasr.engine.kv_cache import KVPool
 from qasr.engine.request import Request
 from qasr.engine.scheduler import StepPlan
 
+log = logging.getLogger(__name__)
+
 
 class Runner:
     def __init__(self, prepared: PreparedModel, pool: KVPool, features: LogMel, conv_batch: int = 64) -> None:
@@ -22,6 +25,8 @@ class Runner:
         self.pool = pool
         self.features = features
         self.conv_batch = conv_batch
+        # where a decode row's bits do not depend on its batch, a recomputed token must come out the same
+        self.checks_recompute = prepared.row_invariant_decode
 
     @torch.inference_mode()
     def encode(self, slices: list[tuple[Request, int]]) -> float:
@@ -66,6 +71,12 @@ class Runner:
             req.prefilled += n
         for req, first, m in batch.classified:
             req.classes.extend(tokens[first:first + m])
+        for req, first, j, m in batch.recomputed:
+            again, before = tokens[first:first + m], req.output[j:j + m]
+            if again != before:
+                k = next(i for i, (x, y) in enumerate(zip(again, before, strict=True)) if x != y)
+                log.warning("qasr: request %d: token %d recomputed after preemption is %d, not %d as made before; "
+                            "it keeps the tokens already made", req.id, j + k, again[k], before[k])
         made: list[tuple[Request, int]] = []
         last: dict[int, int | None] = {}  # None once a guess failed
         kept: dict[int, int] = {}
@@ -73,8 +84,6 @@ class Runner:
             if guess is not None and last[id(req)] != guess:
                 last[id(req)] = None
                 continue
-            k = len(req.output) + kept.get(id(req), 0)
-            del req.logprobs[k:]  # a recomputation overwrites
             req.logprobs.append(logprobs[i])
             made.append((req, tokens[i]))
             last[id(req)] = tokens[i]
@@ -82,32 +91,39 @@ class Runner:
         return made
 
     def collect(self, plan: StepPlan) -> StepBatch:
+        """The step's rows: decode rows first (a preempted request's made tokens among them: a decode row
+        each, as when they were made), then prefill chunks."""
         b = StepBatch()
         for req in plan.decode:
-            ctx = len(req.prompt) + len(req.output) - 1
+            ctx = req.context - 1
             guesses = plan.drafts.get(id(req), ())
             for j, token in enumerate((req.output[-1], *guesses)):
-                b.ids.append(token)
-                b.positions.append(ctx + j)
-                b.tables.append(req.blocks)
-                b.qlens.append(1)
-                b.ctxs.append(ctx + j)
-                b.sampled_at.append(len(b.rows))
-                b.rows.append(len(b.ids) - 1)
-                b.sampled.append(req)
-                b.guesses.append(token if j else None)
-        b.num_decode = len(b.ids)
-        audio_id = self.model.cfg.audio_token_id
-        reached: dict[int, int] = {}
+                b.add_decode_row(req, token, ctx + j, sampled=True, guess=token if j else None)
+        spans, reached = [], {}
         for req, n in plan.prefill:
             a = reached.get(id(req), req.prefilled)
             e = reached[id(req)] = a + n
+            spans.append((req, a, e))
+        prompt_spans = []
+        for req, a, e in spans:
+            if a < len(req.prompt):  # the scheduler never lets a chunk pass the prompt's end
+                prompt_spans.append((req, a, e))
+                continue
+            ids, first = req.prefill_ids, len(b.rows)
+            for p in range(a, e):  # the row at p made the token at p + 1
+                b.add_decode_row(req, ids[p], p, sampled=p == req.prefill_len - 1, logits=self.checks_recompute)
+            checked = min(e, req.prefill_len - 1) - a
+            if self.checks_recompute and checked > 0:
+                b.recomputed.append((req, first, a + 1 - len(req.prompt), checked))
+        b.num_decode = len(b.ids)
+        audio_id = self.model.cfg.audio_token_id
+        for req, a, e in prompt_spans:
             base = len(b.ids)
             chunk = req.prompt[a:e]
             b.ids.extend(chunk)
             b.positions.extend(range(a, e))
             b.tables.append(req.blocks)
-            b.qlens.append(n)
+            b.qlens.append(e - a)
             b.ctxs.append(a)
             lo, hi = int(req.audio_before[a]), int(req.audio_before[e])
             if hi > lo:
@@ -117,11 +133,14 @@ class Runner:
                 c0, c1 = np.searchsorted(req.classify, [a, e])
                 b.classified.append((req, len(b.rows), int(c1 - c0)))
                 b.rows.extend((req.classify[c0:c1] + (len(b.ids) - e)).tolist())
-            elif e == len(req.prompt):
+            elif e == req.prefill_len:
                 b.sampled_at.append(len(b.rows))
                 b.rows.append(len(b.ids) - 1)
                 b.sampled.append(req)
                 b.guesses.append(None)
+            elif e == len(req.prompt) and self.checks_recompute:  # it made the first of the kept tokens
+                b.recomputed.append((req, len(b.rows), 0, 1))
+                b.rows.append(len(b.ids) - 1)
         return b
 
     def run(self, batch: StepBatch) -> tuple[list[int], list[float]]:
@@ -166,6 +185,22 @@ class StepBatch:
     sampled_at: list[int] = field(default_factory=list)
     guesses: list[int | None] = field(default_factory=list)
     classified: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first row, count)
+    recomputed: list[tuple[Request, int, int, int]] = field(default_factory=list)  # (request, first row, token, count)
+
+    def add_decode_row(self, req: Request, token: int, position: int, sampled: bool, logits: bool = False,
+                       guess: int | None = None) -> None:
+        """One decode row of ``req``; its logits computed if ``logits`` or ``sampled`` (then its token is made)."""
+        self.ids.append(token)
+        self.positions.append(position)
+        self.tables.append(req.blocks)
+        self.qlens.append(1)
+        self.ctxs.append(position)
+        if sampled:
+            self.sampled_at.append(len(self.rows))
+            self.sampled.append(req)
+            self.guesses.append(guess)
+        if sampled or logits:
+            self.rows.append(len(self.ids) - 1)
 
     @property
     def pure_decode(self) -> bool:

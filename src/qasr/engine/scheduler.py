@@ -1,5 +1,17 @@
 """What each engine step does: admissions, encoder slices, prefill chunks, decode rows, preemptions.
-Engine thread only; the policies are in docs/engine.md."""
+Engine thread only; the reasoning is in docs/engine.md.
+
+The policy: every request has a rank, live work (interactive requests and encoder-only requests) before
+batch work, then age (submission order), so within one input the earlier pieces go first. Admission takes
+waiting requests by rank (batch ones by group first: the group with the fewest running, preempted requests
+ahead) while ``max_running`` allows and the KV blocks and audio memory they need are there for the taking;
+nothing overtakes a request that waits for room. Each step carries every decode row plus encoder slices and
+prefill chunks by rank within two budgets (``encoder_tokens``, ``prefill_tokens``); while batch work is
+ready, live work leaves it ``BATCH_SHARE`` of each budget (one window, one chunk at least), so neither class
+starves the other. When blocks run out, kept leases are evicted, then the lowest-ranked running request
+below the one in need is preempted; one preempted ``PREEMPT_CAP`` times is spared by all but the
+top-ranked request, which can always go on.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +22,8 @@ from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.request import Request
 
 DRAFT_ROWS = 8  # guesses checked per request and step
+BATCH_SHARE = 0.25  # of each step's encoder and prefill budgets, for batch work while both classes have work
+PREEMPT_CAP = 2  # preemptions after which a request is no longer a victim (but of the top-ranked request)
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,8 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # prefill grid
     encoder_tokens: int = 512  # per step, in whole windows (one at least)
     window_tokens: int = 104  # encoder slice grid
+    audio_memory_bytes: int = 1 << 62  # features and encoder rows of admitted requests
+    audio_token_bytes: int = 0  # one audio token's encoder row and share of the features
 
 
 @dataclass
@@ -48,6 +64,11 @@ class StepPlan:
         self.drafts.pop(id(req), None)
 
 
+def rank(req: Request) -> tuple[bool, int]:
+    """Lower goes first: live work, then age."""
+    return not req.live, req.id
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
@@ -56,8 +77,6 @@ class Scheduler:
         self.active: list[Request] = []  # in admission order
         self.encoding: list[Request] = []  # encoder-only requests
         self.preemptions = 0
-        self.batch_heavy_ok = True  # batch work may ride beside live work
-        self._turn = False
 
     def add(self, req: Request) -> None:
         (self.encoding if req.encode_only else self.waiting).append(req)
@@ -66,61 +85,71 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.active and not self.encoding
 
+    @property
+    def audio_bytes(self) -> int:
+        """Features and encoder rows held by admitted requests, and by preempted ones that kept their rows."""
+        held = [*self.active, *(r for r in self.waiting if r.audio is not None)]
+        return sum(r.audio_tokens for r in held) * self.config.audio_token_bytes
+
     def admit(self) -> list[Request]:
-        """Admit waiting requests (interactive, continuations, then by group); return those that never fit."""
+        """Admit waiting requests by rank while they fit; return those that never can."""
         impossible = []
-        for req in [r for r in self.waiting if r.interactive and not r.cancelled]:
-            self.waiting.remove(req)
+        admitted: set[int] = set()
+        audio = self.audio_bytes
+        for req in self._admission_order():
+            if len(self.active) >= self.config.max_running:
+                break
+            if req.cancelled:
+                admitted.add(id(req))
+                self._drop_lease(req)
+                req.resolve()
+                continue
             if req.needs_tokens > self.blocks.allocator.capacity:
+                admitted.add(id(req))
                 self._drop_lease(req)
                 impossible.append(req)
                 continue
+            cost = 0 if req.audio is not None else req.audio_tokens * self.config.audio_token_bytes
+            held = req.kv_prefix is not None and bool(req.kv_prefix.blocks)  # its memory is taken already
+            if self.active and not held and (audio + cost > self.config.audio_memory_bytes
+                                             or self._room(req) < self._needs(req)):
+                break  # nothing overtakes it, so a large request is never starved
+            admitted.add(id(req))
+            audio += cost
             if req.kv_prefix is not None:
                 self.blocks.take_over(req)
             self.active.append(req)
-        for req in [r for r in self.waiting if r.kv_prefix is not None and r.kv_prefix.blocks and not r.cancelled]:
-            if len(self.active) >= self.config.max_running:
-                break
-            self.waiting.remove(req)
-            self.blocks.take_over(req)
-            self.active.append(req)
-        if not self.waiting or len(self.active) >= self.config.max_running:
-            return impossible
-        queues = _by_group(self.waiting)
-        running = Counter(r.group_key for r in self.active if not r.interactive)
-        taken: set[int] = set()
-        while queues and len(self.active) < self.config.max_running:
-            key = _next_group(queues, running)
-            req = queues[key][0]
-            if req.cancelled:
-                taken.add(id(queues[key].popleft()))
-                self._drop_lease(req)
-                req.resolve()
-            elif req.needs_tokens > self.blocks.allocator.capacity:
-                taken.add(id(queues[key].popleft()))
-                self._drop_lease(req)
-                impossible.append(req)
-            # wait for room to get back where it was, or it is preempted again at once
-            elif self.active and self._room() < self.blocks.allocator.blocks_for(len(req.prompt) + len(req.replay)):
-                break
-            else:
-                taken.add(id(queues[key].popleft()))
-                if req.kv_prefix is not None:
-                    self.blocks.take_over(req)
-                self.active.append(req)
-                running[key] += 1
-            if not queues[key]:
-                del queues[key]
-        if taken:
-            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return impossible
 
-    def _room(self) -> int:
-        """Free and evictable blocks, less what admitted prompts need and one per decode row."""
+    def _admission_order(self) -> list[Request]:
+        """Live requests by age; then batch: a preempted one first, else the group with the fewest running
+        (queue order within a group and between equals)."""
+        live = sorted((r for r in self.waiting if r.live), key=rank)
+        queues = _by_group(r for r in self.waiting if not r.live)
+        running = Counter(r.group_key for r in self.active if not r.live)
+        order = []
+        while queues:
+            key = _next_group(queues, running)
+            order.append(queues[key].popleft())
+            running[key] += 1
+            if not queues[key]:
+                del queues[key]
+        return [*live, *order]
+
+    def _needs(self, req: Request) -> int:
+        """Blocks to get back where it was: its prompt, and the tokens it had made if it was preempted."""
+        return self.blocks.allocator.blocks_for(req.prefill_len)
+
+    def _room(self, req: Request) -> int:
+        """Blocks ``req`` may count on: free ones, kept leases (evictable) and those of the requests it may
+        preempt, less what admitted prompts still need and one per decode row."""
         alloc = self.blocks.allocator
-        promised = sum(self.blocks.missing(r, len(r.prompt)) for r in self.active if not r.prefill_done)
+        promised = sum(self.blocks.missing(r, r.prefill_len) for r in self.active if not r.prefill_done)
         decoding = sum(r.prefill_done for r in self.active)
-        return alloc.free_blocks + self.blocks.lease_blocks - promised - decoding
+        victims = sum(len(r.blocks) for r in self.active if rank(r) > rank(req) and len(r.preempted) < PREEMPT_CAP)
+        return alloc.free_blocks + self.blocks.lease_blocks + victims - promised - decoding
 
     def drop_cancelled(self) -> list[Request]:
         """Take cancelled requests out of the queue; the caller resolves them."""
@@ -155,152 +184,132 @@ class Scheduler:
         while not self.blocks.grow(req, tokens):
             if self.blocks.evict_oldest():
                 continue
-            victims = [r for r in self.active if r.blocks and r is not req and _may_preempt(req, r)]
-            if not victims:
+            victim = self._victim(req)
+            if victim is None:
                 return False
-            self._preempt(max(victims, key=lambda r: (not r.interactive, r.id)), plan)  # youngest batch first
+            self._preempt(victim, plan)
         return True
 
+    def _victim(self, req: Request) -> Request | None:
+        """The lowest-ranked running request below ``req`` that holds blocks; one preempted PREEMPT_CAP times
+        only for the top-ranked request (so the head of the line always goes on and nothing deadlocks)."""
+        below = [r for r in self.active if r.blocks and rank(r) > rank(req)]
+        if req is not min(self.active, key=rank):
+            below = [r for r in below if len(r.preempted) < PREEMPT_CAP]
+        return max(below, key=rank, default=None)
+
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Free a running request's blocks and queue it first, to recompute."""
+        """Free a running request's blocks and queue it first; its tokens so far become prefill inputs."""
         self.active.remove(req)
         self.blocks.free(req)
         plan.drop(req)
         req.preempted.append("decode" if req.prefill_done else "prefill")
-        if len(req.output) > len(req.replay):
-            req.replay = req.output
-        req.output = []
+        req.resumed = len(req.output)
         req.prefilled = 0
         req.classes = []
         self.waiting.appendleft(req)
         self.preemptions += 1
 
     def plan(self) -> StepPlan:
-        """The next step: every decode row plus bounded encoder and prefill work; KV blocks are taken here."""
-        live = self._live()
-        plan = StepPlan(self._plan_encode(live), [], [])
+        """The next step: every decode row plus encoder and prefill work by rank; KV blocks are taken here."""
+        plan = StepPlan(self._plan_encode(), [], [])
         after = {id(r): r.encoded_tokens + n for r, n in plan.encode}
-        for req in sorted(self.active, key=lambda r: not r.interactive):
-            if req in self.active and req.prefill_done and self._reserve(req, len(req.prompt) + len(req.output), plan):
+        for req in sorted(self.active, key=rank):
+            if req in self.active and req.prefill_done and self._reserve(req, req.context, plan):
                 plan.decode.append(req)
-        self._plan_prefill(after, plan, live)
+        self._plan_prefill(after, plan)
         self._plan_drafts(plan)
-        if live:
-            plan.live_batch_work = (any(not r.interactive and not r.encode_only for r, _ in plan.encode)
-                                    or any(not r.interactive for r, _ in plan.prefill))
         return plan
 
     def _plan_drafts(self, plan: StepPlan) -> None:
         for req in plan.decode:
             ahead = req.draft_ahead(min(DRAFT_ROWS, req.max_new_tokens - len(req.output) - 1))
-            if ahead and self.blocks.grow(req, len(req.prompt) + len(req.output) + len(ahead)):
+            if ahead and self.blocks.grow(req, req.context + len(ahead)):
                 plan.drafts[id(req)] = ahead
 
-    def _live(self) -> bool:
-        return bool(self.encoding) or any(r.interactive for r in self.active)
-
-    def _plan_encode(self, live: bool) -> list[tuple[Request, int]]:
+    def _plan_encode(self) -> list[tuple[Request, int]]:
+        """Encoder-only requests whole, other requests' next windows while their prefill is less than two steps
+        behind; by rank within ``encoder_tokens`` (one item at least), batch work's share kept."""
         cfg = self.config
         lookahead = 2 * cfg.prefill_tokens
-        wanted = [r for r in self.active if not r.encoded
-                  and r.encoded_tokens - _audio_prefilled(r) < lookahead]
-        plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
-        jobs = len(plan)
-        budget = max(cfg.encoder_tokens - sum(n for _, n in plan), cfg.window_tokens)
-        if live:
-            budget = cfg.window_tokens
-            if not self.batch_heavy_ok:
-                wanted = [r for r in wanted if r.interactive]
-        for k, req in enumerate(_express_first(wanted, key=lambda r: r.audio_tokens - r.encoded_tokens)):
-            cap = budget // 2 if k == 0 and len(wanted) > 1 else budget  # the express lane
-            n = self._slice(req, max(cap, cfg.window_tokens))
-            if len(plan) > jobs and n > budget:
-                break
+        wanted = sorted([*(r for r in self.encoding if not r.cancelled),
+                         *(r for r in self.active if not r.encoded
+                           and r.encoded_tokens - r.audio_before_position(r.prefilled) < lookahead)], key=rank)
+        live_cap = _live_cap(cfg.encoder_tokens, cfg.window_tokens, wanted)
+        plan: list[tuple[Request, int]] = []
+        used, batch_in = 0, False
+        for req in wanted:
+            room = (live_cap if req.live else cfg.encoder_tokens) - used
+            if not req.live and not batch_in:
+                room = max(room, cfg.window_tokens)  # batch work's floor: a window a step
+            n = req.audio_tokens if req.encode_only else self._slice(req, room)
+            if n == 0 or (plan and n > room):
+                continue
             plan.append((req, n))
-            budget -= n
-            if budget < cfg.window_tokens:
-                break
+            used += n
+            batch_in = batch_in or not req.live
         return plan
 
-    def _slice(self, req: Request, budget: int) -> int:
-        w = self.config.window_tokens
+    def _slice(self, req: Request, room: int) -> int:
+        """Whole windows of ``req``'s audio within ``room`` (its last window may be short); 0 if none fits."""
         left = req.audio_tokens - req.encoded_tokens
-        return min(left, max(1, budget // w) * w)
+        n = min(left, room // self.config.window_tokens * self.config.window_tokens)
+        return left if n == 0 and left <= room else n
 
-    def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan, live: bool) -> None:
+    def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan) -> None:
+        """Prefill chunks on each request's grid, by rank within ``prefill_tokens`` (one chunk at least), a
+        chunk once its audio is encoded; batch work's share kept."""
         cfg = self.config
         ready = {}
         for req in self.active:
-            if req.prefill_done:
-                continue
-            limit = req.ready_until(encoded_after.get(id(req), req.encoded_tokens))
-            if limit > req.prefilled:
-                ready[id(req)] = limit
-        wanted = [r for r in self.active if id(r) in ready]
-        prefill = plan.prefill
-        budget = cfg.prefill_tokens
-        rationed = live and not self.batch_heavy_ok
-        batch_chunks = 0
-        express = _least(wanted, key=lambda r: len(r.prompt) - r.prefilled)
-        order = self._prefill_order(wanted, express)
-        for req in [r for r in order if r.interactive] + [r for r in order if not r.interactive]:
+            if not req.prefill_done:
+                limit = req.ready_until(encoded_after.get(id(req), req.encoded_tokens))
+                if limit > req.prefilled:
+                    ready[id(req)] = limit
+        wanted = sorted((r for r in self.active if id(r) in ready), key=rank)
+        live_cap = _live_cap(cfg.prefill_tokens, cfg.prefill_chunk, wanted)
+        used, batch_in = 0, False
+        for req in wanted:
             if req not in self.active:
-                continue  # preempted
+                continue  # preempted by an earlier reservation
             done, limit = req.prefilled, ready[id(req)]
+            prompt_chunk = False
             while done < limit:
-                end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, len(req.prompt))
+                end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, req.prefill_len)
+                if done < len(req.prompt):
+                    end = min(end, len(req.prompt))  # the prompt's chunks as when it was first prefilled
+                elif prompt_chunk:
+                    break  # made tokens run as decode rows, which attend before the step's chunks are stored
                 if end > limit:  # its audio is not encoded yet
                     break
                 n = end - done
-                if live and not req.interactive and (batch_chunks or rationed):
-                    return
-                if prefill and n > budget:
-                    return
+                if req.live:
+                    fits = not plan.prefill or used + n <= live_cap
+                else:
+                    fits = not batch_in or used + n <= cfg.prefill_tokens  # batch work's floor: a chunk a step
+                if not fits:
+                    break
                 if not self._reserve(req, end, plan):
                     return
-                prefill.append((req, n))
-                budget -= n
-                batch_chunks += not req.interactive
+                plan.prefill.append((req, n))
+                used += n
+                batch_in = batch_in or not req.live
+                prompt_chunk = prompt_chunk or done < len(req.prompt)
                 done = end
-                if req is express and len(wanted) > 1:
-                    break  # the express lane
-
-    def _prefill_order(self, wanted: list[Request], express: Request | None) -> list[Request]:
-        if express is None or len(wanted) < 2:
-            return wanted
-        head = wanted[0]
-        rest = [r for r in wanted if r is not head and r is not express]
-        if express is head:
-            return [head, *rest]
-        self._turn = not self._turn
-        return [express, head, *rest] if self._turn else [head, express, *rest]
 
 
-def _may_preempt(req: Request, victim: Request) -> bool:
-    """Interactive may preempt batch, not the reverse; within a kind only younger requests."""
-    if victim.interactive != req.interactive:
-        return req.interactive
-    return victim.id > req.id
+def _live_cap(budget: int, unit: int, wanted: list[Request]) -> int:
+    """What live work may take of a budget: all of it, or while batch work waits, all but BATCH_SHARE of it
+    (in whole units, one at least)."""
+    if all(r.live for r in wanted):
+        return budget
+    share = max(int(budget * BATCH_SHARE) // unit, 1) * unit
+    return max(budget - share, unit)
 
 
-def _least(reqs: list[Request], key) -> Request | None:  # noqa: ANN001
-    return min(reqs, key=key) if reqs else None
-
-
-def _express_first(reqs: list[Request], key) -> list[Request]:  # noqa: ANN001
-    if len(reqs) < 2:
-        return reqs
-    best = _least(reqs, key)
-    return [best, *(r for r in reqs if r is not best)]
-
-
-def _audio_prefilled(req: Request) -> int:
-    return int(req.audio_before[req.prefilled])
-
-
-def _by_group(waiting: deque[Request]) -> dict[object, deque[Request]]:
+def _by_group(reqs) -> dict[object, deque[Request]]:  # noqa: ANN001 - an iterable of requests
     queues: dict[object, deque[Request]] = {}
-    for req in waiting:
+    for req in reqs:
         queues.setdefault(req.group_key, deque()).append(req)
     return queues
 
