@@ -321,7 +321,7 @@ def test_transcribe_async_bounds_the_audio_in_flight_in_seconds(tiny_asr, monkey
     real_submit = tiny_asr._core.engine.submit
 
     def submit(spec, *args, **kwargs):
-        seconds = len(spec.waveform) / 16000
+        seconds = spec.features.shape[-1] / 100  # the pieces bring their log-mel (10 ms frames)
         with lock:
             in_flight[0] += seconds
             peak[0] = max(peak[0], in_flight[0])
@@ -396,3 +396,41 @@ def test_a_request_too_big_for_the_kv_cache_fails_alone(tiny_original) -> None:
         asr.close()
     assert results[0].ok and results[2].ok and results[0].token_ids == results[2].token_ids
     assert not results[1].ok and results[1].error.startswith("array input") and "KV" in results[1].error
+
+
+def test_pieces_bring_their_log_mel_made_on_the_feeding_thread(tiny_asr, monkeypatch) -> None:
+    """transcribe's pieces reach the engine as features, made by the thread that cuts the input (never the
+    engine's), bit-identical to the engine's own log-mel of the samples, with the same tokens."""
+    import torch
+
+    from qasr.audio.features import LogMel
+
+    core = tiny_asr._core
+    made_on: list[str] = []
+
+    class Recording(LogMel):
+        def __call__(self, samples):  # noqa: ANN001, ANN204
+            made_on.append(threading.current_thread().name)
+            return super().__call__(samples)
+
+    specs: list[RequestSpec] = []
+    real_submit = core.engine.submit
+
+    def submit(spec, *args, **kwargs):  # noqa: ANN001, ANN202
+        specs.append(spec)
+        return real_submit(spec, *args, **kwargs)
+
+    monkeypatch.setattr(core, "log_mel", Recording(core.checkpoint.features))
+    monkeypatch.setattr(core.engine, "submit", submit)
+    x = noise(7.0, seed=11)
+    fixed = TranscribeOptions(segmentation="fixed", max_segment_s=3.0)
+    [r] = tiny_asr.transcribe((x, 16000), fixed, max_new_tokens=3)
+    assert r.ok and len(specs) == 3 and made_on == ["qasr-decode"] * 3
+    assert all(s.waveform is None and s.features is not None for s in specs)
+    monkeypatch.undo()
+    pieces = core.prepare((x, 16000), fixed)
+    reference = LogMel(core.checkpoint.features)
+    for spec, piece in zip(specs, pieces, strict=True):
+        assert torch.equal(spec.features, reference(piece.samples))
+    by_waveform = [core.engine.submit(RequestSpec(p.prompt, 3, waveform=p.samples)).result() for p in pieces]
+    assert tuple(t for g in by_waveform for t in g.token_ids) == r.token_ids

@@ -141,7 +141,7 @@ def test_word_chaining_never_holds_up_the_engine(asr, speech, monkeypatch) -> No
         return split(text, language)
 
     monkeypatch.setattr(aligner_module, "split_units", slow_split)
-    [short, long] = core.prepare([(speech[: SR * 3], SR), (speech[: SR * 20], SR)],
+    [short, long] = core.prepare([(speech[: SR * 3], SR), (speech[: SR * 8], SR)],
                                  TranscribeOptions(language="English", segmentation="none"))
     other = core.engine.submit(RequestSpec(long.prompt, 2000, waveform=long.samples, ignore_eos=True))
     worded = core.submit(short, words=True)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
+
+import torch
 
 from qasr.audio.io import EncodedAudio
 from qasr.engine.errors import EngineBroken, EngineClosed
@@ -17,6 +19,7 @@ from qasr.results import Segment, Transcription
 from qasr.server.errors import ApiError
 from qasr.server.sse import Joiner, PieceText, TokenHandoff
 from qasr.transcribe.assemble import outcome_of, read_piece
+from qasr.transcribe.pieces import NO_SAMPLES
 from qasr.transcribe.words import Aligned
 
 if TYPE_CHECKING:
@@ -27,11 +30,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Upload:
-    """A decoded upload cut into pieces (offset order)."""
+    """A decoded upload cut into pieces (offset order), and their log-mel until ``take_features``."""
 
     name: str
     duration: float  # seconds of the whole input, silence included
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Piece, ...]  # without features; with samples for word timestamps only
+    features: list[torch.Tensor | None] = field(default_factory=list)  # per piece, made while decoding
+
+    def take_features(self) -> list[torch.Tensor | None]:
+        """Each piece's features (None: the engine makes them), once: the engine then holds the only copy and
+        drops it when the piece is encoded."""
+        taken = self.features[:] or [None] * len(self.pieces)
+        self.features.clear()
+        return taken
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,8 @@ class Finished:
 
 
 def prepare_upload(core: Core, source: EncodedAudio, options: TranscribeOptions) -> Upload:
-    """Decode and segment an upload (blocking). Raises AudioError naming it, or what its ``watch`` raises."""
+    """Decode and segment an upload and make its pieces' log-mel (blocking, off the event loop). Raises
+    AudioError naming it, or what its ``watch`` raises."""
     decoded = 0.0  # seconds; the last pass reports them all
     outer = source.watch
 
@@ -55,8 +67,11 @@ def prepare_upload(core: Core, source: EncodedAudio, options: TranscribeOptions)
         if outer is not None:
             outer(seconds)
 
-    pieces = core.prepare(replace(source, watch=watch), options)
-    return Upload(source.name, decoded, tuple(sorted(pieces, key=lambda p: p.offset)))
+    pieces = sorted(core.prepare(replace(source, watch=watch), options), key=lambda p: p.offset)
+    words = options.words and core.aligner is not None  # the aligner reads the samples
+    kept = tuple(replace(p, features=None, samples=p.samples if words or p.features is None else NO_SAMPLES)
+                 for p in pieces)
+    return Upload(source.name, decoded, kept, [p.features for p in pieces])
 
 
 class EngineRun:
@@ -73,13 +88,16 @@ class EngineRun:
         if stream:
             handoff = handoff or TokenHandoff(asyncio.get_running_loop())
         group = object()  # the pieces share one place in the engine's admission
+        features = upload.take_features()
         try:
-            for piece in upload.pieces:
+            for piece, feats in zip(upload.pieces, features, strict=True):
                 on_token = None
                 if stream:
                     queue: asyncio.Queue[int | None] = asyncio.Queue()
                     self._tokens.append(queue)
                     on_token = handoff.sender(queue)  # called on the engine thread: never blocks it
+                if feats is not None:
+                    piece = replace(piece, features=feats)
                 self.futures.append(core.submit(piece, words=words, on_token=on_token, group=group))
         except BaseException as exc:
             self.cancel()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from qasr.audio.features import LogMel
 from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.model.checkpoint import Checkpoint
 from qasr.model.prompt import SUPPORTED_LANGUAGES
@@ -31,6 +33,10 @@ class Core:
                  max_in_flight_s: float = 1800.0, max_in_flight_pieces: int | None = None) -> None:
         self.checkpoint = checkpoint
         self.engine = Engine(checkpoint, engine or EngineConfig())
+        # pieces bring their log-mel, made where they are prepared: never on the engine's or the event loop's
+        # thread (other devices make it on the device, inside the step)
+        on_cpu = self.engine.prepared.model.device.type == "cpu"
+        self.log_mel = LogMel(checkpoint.features, "cpu") if on_cpu else None
         self.aligner = aligner
         self.words = None if aligner is None else WordChain(aligner, checkpoint.tokenizer)
         self.max_chunk_sec = max_chunk_sec
@@ -62,11 +68,13 @@ class Core:
     def plan(self, audio: AudioInput | Sequence[AudioInput], options: TranscribeOptions) -> Call:
         return plan_call(self.checkpoint, audio, options.for_model(self.checkpoint.config),
                          supported=self.supported_languages, aligner=self.aligner is not None,
-                         tokens_per_second=self.max_tokens_per_second, max_chunk_sec=self.max_chunk_sec)
+                         tokens_per_second=self.max_tokens_per_second, max_chunk_sec=self.max_chunk_sec,
+                         log_mel=self.log_mel)
 
     def prepare(self, audio: AudioInput | Sequence[AudioInput],
                 options: TranscribeOptions | None = None) -> list[Piece]:
-        """The inputs' pieces, in order, as ``transcribe`` submits them; AudioError names a bad input."""
+        """The inputs' pieces, in order, as ``transcribe`` submits them (their log-mel made on this thread);
+        AudioError names a bad input."""
         call = self.plan(audio, options or TranscribeOptions())
         try:
             return [piece for i in range(len(call.items)) for piece in call.pieces_of(i)]
@@ -76,10 +84,11 @@ class Core:
     def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
                on_token: Callable[[int | None], None] | None = None, group: Hashable | None = None) -> Future:
         """Queue a piece (``words``: and its alignment) as ``Engine.submit`` does; ``assemble`` takes the outcome."""
-        fut = self.engine.submit(RequestSpec(piece.prompt, piece.max_new_tokens, waveform=piece.samples,
-                                             ignore_eos=ignore_eos, group=group), on_token=on_token)
+        audio = {"waveform": piece.samples} if piece.features is None else {"features": piece.features}
+        fut = self.engine.submit(RequestSpec(piece.prompt, piece.max_new_tokens, ignore_eos=ignore_eos, group=group,
+                                             **audio), on_token=on_token)
         if words and self.words is not None:
-            return self.words.with_words(piece, fut)
+            return self.words.with_words(replace(piece, features=None), fut)  # the engine drops them once encoded
         return fut
 
     def submit_or_refuse(self, piece: Piece, ignore_eos: bool = False, words: bool = False,

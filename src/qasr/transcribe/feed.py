@@ -9,12 +9,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-import numpy as np
-
 from qasr.audio.io import AudioError
-from qasr.transcribe.pieces import Piece
+from qasr.transcribe.pieces import NO_SAMPLES, Piece
 
-_NO_SAMPLES = np.zeros(0, dtype=np.float32)
 _POLL_S = 0.25  # the consumer wakes this often, so Ctrl-C is seen
 _JOIN_S = 30.0  # how long an early exit waits for the decode thread
 
@@ -27,7 +24,7 @@ class PieceSource(Protocol):
 
 @dataclass
 class _Input:
-    pieces: list[Piece] = field(default_factory=list)  # without their samples
+    pieces: list[Piece] = field(default_factory=list)  # without their samples and features
     futures: list[Future] = field(default_factory=list)
     settled: int = 0
     shown: int = 0  # pieces handed to ``piece_done``
@@ -110,7 +107,7 @@ def run_inputs(count: int, *, pieces_of: Callable[[int], PieceSource], submit: C
                             if halt.is_set():
                                 fut.cancel()
                                 return
-                            events.put(("submitted", i, replace(piece, samples=_NO_SAMPLES), fut))
+                            events.put(("submitted", i, replace(piece, samples=NO_SAMPLES, features=None), fut))
                         fut.add_done_callback(settled(i, piece.duration))
                         n += 1
                     events.put(("end", i, n, source.duration))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from qasr.audio.cutting import SegmentCutter
+from qasr.audio.features import LogMel
 from qasr.audio.io import SAMPLE_RATE, AudioError, EncodedAudio, checked_segments, named_audio_error
 from qasr.model.checkpoint import Checkpoint
 from qasr.transcribe.options import TranscribeOptions, model_language
@@ -40,12 +41,14 @@ class Call:
     tokens_per_second: float
     max_chunk_sec: float
     words: bool  # asked for, and an aligner is loaded
+    log_mel: LogMel | None = None  # each piece's features made with it (None: the engine makes them)
 
     def pieces_of(self, i: int) -> InputPieces:
         """Input ``i``'s pieces, cut lazily; AudioError names the input."""
         item, name, o = self.items[i], self.names[i], self.options
         make = {"source": name, "item": i, "context": self.contexts[i], "language": self.languages[i],
-                "max_new_tokens": o.max_new_tokens, "tokens_per_second": self.tokens_per_second}
+                "max_new_tokens": o.max_new_tokens, "tokens_per_second": self.tokens_per_second,
+                "log_mel": self.log_mel}
         try:
             if isinstance(item, str) and _URL.match(item):
                 raise AudioError(f"{item}: URLs are not fetched; download the file and pass its path")
@@ -64,7 +67,8 @@ class Call:
 
 
 def plan_call(checkpoint: Checkpoint, audio: AudioInput | Sequence[AudioInput], options: TranscribeOptions, *,
-              supported: Sequence[str], aligner: bool, tokens_per_second: float, max_chunk_sec: float) -> Call:
+              supported: Sequence[str], aligner: bool, tokens_per_second: float, max_chunk_sec: float,
+              log_mel: LogMel | None = None) -> Call:
     items = as_inputs(audio)
     languages = [canonical_language(lang, supported) for lang in _broadcast(options.language, len(items), "language")]
     contexts = [c or "" for c in _broadcast(options.context, len(items), "context")]
@@ -74,7 +78,7 @@ def plan_call(checkpoint: Checkpoint, audio: AudioInput | Sequence[AudioInput], 
                     "--aligner PATH): giving segment times instead")
         words = False
     return Call(checkpoint, items, input_names(items), languages, contexts, options, tokens_per_second,
-                max_chunk_sec, words)
+                max_chunk_sec, words, log_mel)
 
 
 def _broadcast(value: object, n: int, what: str) -> list:

@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from qasr.audio.features import LogMel
 from qasr.audio.io import SAMPLE_RATE, AudioError
 from qasr.audio.split import split_long_audio
 from qasr.model.checkpoint import Checkpoint
@@ -14,20 +16,23 @@ from qasr.model.config import audio_token_count
 from qasr.model.prompt import ASR_TEXT_TAG, build_prompt, parse_asr_output
 
 CAP_HEADROOM = 24  # the `language X<asr_text>` preamble, EOS, a short clip's words
+NO_SAMPLES = np.zeros(0, dtype=np.float32)  # a piece's samples once nothing needs them
 
 
 @dataclass(frozen=True, eq=False)  # no element-wise comparison of samples
 class Piece:
-    """One engine request: ``engine.submit(RequestSpec(p.prompt, p.max_new_tokens, waveform=p.samples))``."""
+    """One engine request: ``RequestSpec(p.prompt, p.max_new_tokens, features=p.features)``, or
+    ``waveform=p.samples`` where the piece was made without its log-mel (the engine then makes it)."""
 
     source: str
     item: int  # the input's index in its call
     offset: float  # seconds into the input
     duration: float  # seconds of real audio (padding not counted)
-    samples: np.ndarray  # (n,) float32 mono at 16 kHz
+    samples: np.ndarray  # (n,) float32 mono at 16 kHz; NO_SAMPLES once only the features are needed
     prompt: tuple[int, ...]
     language: str | None  # forced (canonical name); None: detected
     max_new_tokens: int
+    features: torch.Tensor | None = None  # (mel, n // hop) float32 log-mel of the samples, made with the piece
 
 
 def default_token_cap(duration: float, tokens_per_second: float) -> int:
@@ -38,8 +43,9 @@ def default_token_cap(duration: float, tokens_per_second: float) -> int:
 
 def make_piece(checkpoint: Checkpoint, samples: np.ndarray, *, source: str, item: int, offset: float,
                duration: float, context: str, language: str | None, max_new_tokens: int | None,
-               tokens_per_second: float) -> Piece:
-    """One piece from its 16 kHz samples; AudioError when they are too short for one encoder frame."""
+               tokens_per_second: float, log_mel: LogMel | None = None) -> Piece:
+    """One piece from its 16 kHz samples (``log_mel``: with their features, made on this thread); AudioError
+    when they are too short for one encoder frame."""
     hop = checkpoint.features.hop_length
     frames = len(samples) // hop
     if frames == 0:
@@ -47,19 +53,21 @@ def make_piece(checkpoint: Checkpoint, samples: np.ndarray, *, source: str, item
     prompt = build_prompt(checkpoint.tokenizer, checkpoint.special,
                           audio_token_count(frames, checkpoint.config.encoder.conv_chunk_frames), context, language)
     cap = max_new_tokens if max_new_tokens is not None else default_token_cap(duration, tokens_per_second)
-    return Piece(source, item, offset, duration, samples, tuple(prompt), language, cap)
+    features = None if log_mel is None else log_mel(samples)
+    return Piece(source, item, offset, duration, samples, tuple(prompt), language, cap, features)
 
 
 def make_pieces(checkpoint: Checkpoint, wave: np.ndarray, *, source: str, item: int, context: str,
                 language: str | None, max_new_tokens: int | None, max_chunk_sec: float,
-                tokens_per_second: float) -> list[Piece]:
+                tokens_per_second: float, log_mel: LogMel | None = None) -> list[Piece]:
     """A decoded 16 kHz waveform's pieces, cut at the quietest spot near each ``max_chunk_sec``."""
     pieces = []
     for part in split_long_audio(wave, max_chunk_sec):
         real = min(len(part.samples), len(wave) - round(part.offset_sec * SAMPLE_RATE))
         pieces.append(make_piece(checkpoint, part.samples, source=source, item=item, offset=part.offset_sec,
                                  duration=real / SAMPLE_RATE, context=context, language=language,
-                                 max_new_tokens=max_new_tokens, tokens_per_second=tokens_per_second))
+                                 max_new_tokens=max_new_tokens, tokens_per_second=tokens_per_second,
+                                 log_mel=log_mel))
     return pieces
 
 
