@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import mmap
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -81,8 +85,70 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return found
 
 
+_PAGE = mmap.PAGESIZE
+_PRESENT, _FILE_OR_SHARED = 1 << 63, 1 << 61  # /proc/self/pagemap entry bits
+
+
+def _whole_pages(t: torch.Tensor) -> tuple[int, int]:
+    """The page-aligned address range inside a contiguous CPU tensor's bytes (empty if none)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return 0, 0
+    first = t.data_ptr()
+    start, end = -(-first // _PAGE) * _PAGE, (first + t.numel() * t.element_size()) // _PAGE * _PAGE
+    return (start, end) if end > start else (0, 0)
+
+
+def _page_flags(start: int, end: int) -> np.ndarray | None:
+    """The pagemap entries of the pages in [start, end), or None where the kernel does not say (not Linux)."""
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, (end - start) // _PAGE * 8, start // _PAGE * 8)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return np.frombuffer(raw, dtype=np.uint64)
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the whole pages of ``t`` that this process holds in memory now (0 where unknown)."""
+    start, end = _whole_pages(t)
+    flags = _page_flags(start, end) if end > start else None
+    return 0 if flags is None else int(np.count_nonzero(flags & np.uint64(_PRESENT))) * _PAGE
+
+
+def release_file_pages(t: torch.Tensor) -> int:
+    """Drop the whole pages of ``t`` that map a file unchanged from this process's resident memory (Linux):
+    they read back from the file when next touched, so no value changes. Private pages (anonymous memory, or a
+    mapped weight written in place) are never dropped. Returns the bytes dropped."""
+    start, end = _whole_pages(t)
+    flags = _page_flags(start, end) if end > start else None
+    if flags is None:
+        return 0
+    mask = np.uint64(_PRESENT | _FILE_OR_SHARED)
+    clean = (flags & mask) == mask
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], clean.astype(np.int8), [0]))))
+    madvise = _madvise()
+    dropped = 0
+    for lo, hi in zip(edges[::2], edges[1::2], strict=True):
+        if madvise(start + int(lo) * _PAGE, int(hi - lo) * _PAGE, mmap.MADV_DONTNEED) == 0:
+            dropped += int(hi - lo) * _PAGE
+    return dropped
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3ASRModel:
-    """The module built on the meta device, every parameter from the files."""
+    """The module built on the meta device, every parameter from the files: on the CPU in the files' own dtype,
+    a view of the mapped file (nothing copied; the files must stay unchanged while the model is loaded)."""
     with torch.device("meta"):
         model = Qwen3ASRModel(cfg)
     expected = dict(model.named_parameters())
@@ -93,7 +159,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: t
                 name = map_key(key, cfg.layout)
                 if name is None or name not in expected:
                     continue
-                state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                mapped = f.get_tensor(key)  # safetensors maps the file: a view of its pages
+                state[name] = mapped.to(device=device, dtype=dtype)
+                if state[name] is not mapped:  # converted or moved: the file's pages are not needed now
+                    release_file_pages(mapped)
     tie = cfg.decoder.tie_word_embeddings or "lm_head.weight" not in state
     if tie and not cfg.is_aligner and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

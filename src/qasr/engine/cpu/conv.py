@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.engine.cpu.activation_tables import gelu_table
+from qasr.model.weights import release_file_pages
 
 
 class CpuConvs:
@@ -30,6 +31,7 @@ class CpuConvs:
                 w = module.weight.detach().permute(0, 2, 3, 1).reshape(module.out_channels, -1)  # (cout, kh*kw*cin)
                 bias = None if module.bias is None else module.bias.detach().float()
                 self.gemm[module] = (kernel.pack(w.contiguous()), bias)
+                release_file_pages(module.weight)  # the packed copy is the one read from now on
             else:
                 others.append(module)
         self.others = OtherConvs(model, others, ops)

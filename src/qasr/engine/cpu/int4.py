@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qasr.engine.cpu.int8 import KERNEL_DTYPES, quantize_rows_reference
+from qasr.model.weights import release_file_pages
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def groups_of(k: int) -> int:
 
 
 def quantize_weight_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (w_q int8 [N, K] in [-7, 7], w_scale float32 [N, ceil(K / GROUP)])."""
+    """W [N, K] -> (w_q int8 [N, K] in [-7, 7], w_scale float32 [N, ceil(K / GROUP)]); W read once, by blocks
+    of rows, as in int8.quantize_weight."""
     n, k = weight.shape
     groups = groups_of(k)
     w_q = torch.empty(n, k, dtype=torch.int8)
@@ -73,6 +75,7 @@ def quantize_weight_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         q = torch.round(wf / s[:, :, None]).clamp_(-QMAX4, QMAX4).to(torch.int8)
         w_q[start:start + step] = q.view(q.shape[0], -1)[:, :k]
         scale[start:start + step] = s
+        release_file_pages(weight[start:start + step])
     return w_q, scale
 
 

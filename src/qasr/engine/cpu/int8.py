@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qasr.engine.cpu.conv import OtherConvs, padded_nhwc
+from qasr.model.weights import release_file_pages
 
 QMAX = 127  # symmetric: -128 is never used
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -19,7 +20,8 @@ WEIGHT_BLOCK = 1 << 22
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (w_q int8 [N, K], w_scale float32 [N]), per output channel."""
+    """W [N, K] -> (w_q int8 [N, K], w_scale float32 [N]), per output channel; W read once, by blocks of rows, each
+    block's file pages let go once read (model/weights.py: release_file_pages)."""
     n, k = weight.shape
     w_q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
@@ -30,6 +32,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = torch.where(amax == 0, torch.ones_like(amax), amax / QMAX)
         w_q[start:start + step] = torch.round(wf / s[:, None]).clamp_(-QMAX, QMAX)
         scale[start:start + step] = s
+        release_file_pages(weight[start:start + step])
     return w_q, scale
 
 
@@ -78,6 +81,7 @@ class Int8Convs:
             if int8_conv_supported(module):
                 w = module.weight.detach().permute(0, 2, 3, 1).reshape(module.out_channels, -1)
                 self.weights[module] = Int8Weight.of(w, module.bias, kernel)
+                release_file_pages(module.weight)  # the int8 copy is the one read from now on
             else:
                 others.append(module)
         self.others = OtherConvs(model, others, ops)

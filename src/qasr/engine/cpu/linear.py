@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qasr.model.weights import release_file_pages
+
 log = logging.getLogger(__name__)
 
 
@@ -22,10 +24,12 @@ class InvariantLinears:
     def __init__(self, model: nn.Module, kernel: ModuleType) -> None:
         self.kernel = kernel
         self.packed: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and module.in_features % 2 == 0:
-                bias = None if module.bias is None else module.bias.detach().float()
-                self.packed[module] = (kernel.pack(module.weight.detach()), bias)
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.in_features % 2 == 0]
+        # the largest first: its file pages, read while it is packed, then add to the fewest packed copies
+        for module in sorted(linears, key=lambda m: -m.weight.numel()):
+            bias = None if module.bias is None else module.bias.detach().float()
+            self.packed[module] = (kernel.pack(module.weight.detach()), bias)
+            release_file_pages(module.weight)  # the packed copy is the one read from now on
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         entry = self.packed.get(module)
@@ -53,6 +57,7 @@ class OneDnnLinears:
             if isinstance(module, nn.Linear):
                 try:
                     self.packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_hint)
+                    release_file_pages(module.weight)
                 except RuntimeError as exc:  # an unusual build without the op: plain torch for the rest
                     log.warning("qasr: could not prepack linear weights for oneDNN (%s)", exc)
                     break

@@ -12,6 +12,7 @@ from torch import nn
 
 from qasr.engine.cpu.int4 import Int4Weight
 from qasr.engine.cpu.int8 import Int8Weight
+from qasr.model.weights import release_file_pages
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,21 @@ class QuantizedLinears:
             biases = [m.bias for m in group]
             if any(b is None for b in biases) and any(b is not None for b in biases):
                 continue  # a zero bias would turn -0.0 into +0.0 where the module adds nothing
-            weight = torch.cat([m.weight.detach() for m in group])
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
-            self.groups[group] = (make(weight, bias, group[0]), tuple(m.out_features for m in group))
             self._member.update({m: (group, i) for i, m in enumerate(group)})
-        self.products: dict[nn.Linear, Product] = {
-            m: make(m.weight.detach(), None if m.bias is None else m.bias.detach(), m)
-            for m in model.modules() if isinstance(m, nn.Linear) and m not in self._member}
+        self.products: dict[nn.Linear, Product] = {}
+        items = [(group, True) for group in dict.fromkeys(g for g, _ in self._member.values())]
+        items += [((m,), False) for m in model.modules() if isinstance(m, nn.Linear) and m not in self._member]
+        # the largest first: its quantization's scratch is then the peak, not added on top of the others' copies
+        for modules, grouped in sorted(items, key=lambda item: -sum(m.weight.numel() for m in item[0])):
+            weight = torch.cat([m.weight.detach() for m in modules]) if grouped else modules[0].weight.detach()
+            biases = [m.bias for m in modules]
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+            if grouped:
+                self.groups[modules] = (make(weight, bias, modules[0]), tuple(m.out_features for m in modules))
+            else:
+                self.products[modules[0]] = make(weight, bias, modules[0])
+            for m in modules:
+                release_file_pages(m.weight)  # the product's copy is the one read from now on
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         product = self.products.get(module)
