@@ -148,7 +148,7 @@ def test_batched_alignment_equals_one_at_a_time(checkpoints) -> None:
                                  engine_config=config) as aligner:
         pieces = [(noise(s, seed=k), TEXTS[k % 2][1]) for k, s in enumerate([3.0, 11.5, 0.3, 17.0, 6.2])]
         prompts = [aligner._prepare(w, t, None) for w, t in pieces]
-        runner = aligner.engine.runner
+        runner = aligner.engine.core.runner
         forward, shared = runner.forward, []
 
         def recording(plan):  # noqa: ANN001, ANN202 - how many requests each packed forward prefilled

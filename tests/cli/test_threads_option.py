@@ -11,8 +11,8 @@ import torch
 
 from qasr import ASR
 from qasr.cli.main import build_parser, main
+from qasr.engine.core import EngineCore
 from qasr.engine.cpu.openmp import _runtime
-from qasr.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "qasr-demo-en"
@@ -23,16 +23,16 @@ ALARM = ROOT / "examples" / "alarm.flac"
 def engine_threads(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """(torch's, OpenMP's) thread count on the engine thread at each step; torch's count is restored after."""
     seen: list[tuple[int, int]] = []
-    step = Engine.step
+    step = EngineCore.step
 
-    def spy(self: Engine) -> None:
+    def spy(self: EngineCore) -> None:
         lib = _runtime()  # OpenMP's first: torch's count, once asked, sets OpenMP's on this thread
         openmp = lib.omp_get_max_threads() if lib is not None else self.threads
         seen.append((torch.get_num_threads(), openmp))
         step(self)
 
     before, sigterm = torch.get_num_threads(), signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(Engine, "step", spy)
+    monkeypatch.setattr(EngineCore, "step", spy)
     yield seen
     torch.set_num_threads(before)
     signal.signal(signal.SIGTERM, sigterm)

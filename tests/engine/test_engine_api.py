@@ -72,7 +72,7 @@ def test_a_failing_request_fails_alone_and_the_others_keep_their_tokens(ck) -> N
     want = alone_tokens(ck, waves)
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
     culprit = len(prompt_for(ck, waves[2]))  # the prompt length singles out the third request
-    forward = engine.runner.forward
+    forward = engine.core.runner.forward
     failed_steps = []
 
     def faulty_forward(plan):  # noqa: ANN001, ANN202 - an injected fault inside the step
@@ -81,7 +81,7 @@ def test_a_failing_request_fails_alone_and_the_others_keep_their_tokens(ck) -> N
             raise RuntimeError("injected fault")
         return forward(plan)
 
-    engine.runner.forward = faulty_forward
+    engine.core.runner.forward = faulty_forward
     gate = threading.Event()
     hold = noise(1.0, seed=77)  # its first token holds the loop until all five are queued behind it
     engine.submit(RequestSpec(prompt_for(ck, hold), 1, waveform=hold), on_token=lambda t: gate.wait())
@@ -173,7 +173,7 @@ def test_an_error_in_the_loop_breaks_the_engine_loudly(ck) -> None:
     def broken_plan():  # noqa: ANN202
         raise RuntimeError("scheduler bug")
 
-    engine.scheduler.plan = broken_plan
+    engine.core.scheduler.plan = broken_plan
     # the loop may break between two of these submits: a later one is then refused at once, also loudly
     outcomes: list = []
     for _ in range(3):
@@ -223,7 +223,7 @@ def test_stats_report_the_engine_state(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
     s0 = engine.stats()
     assert (s0.waiting, s0.running, s0.kv_tokens_used, s0.steps, s0.generated_tokens) == (0, 0, 0, 0, 0)
-    assert s0.kv_tokens_total == engine.pool.tokens == s0.kv_blocks_total * s0.kv_block_tokens
+    assert s0.kv_tokens_total == engine.core.pool.tokens == s0.kv_blocks_total * s0.kv_block_tokens
     assert (s0.kv_blocks_used, s0.preemptions, s0.broken, s0.closed) == (0, 0, False, False)
     w = noise(2.0)
     out = engine.submit(RequestSpec(prompt_for(ck, w), 10, waveform=w, ignore_eos=True)).result()

@@ -115,8 +115,8 @@ def test_portable_decode_path_matches_native(ck) -> None:
     out = {}
     for native in (True, False):
         engine = Engine(ck, EngineConfig(kv_cache_bytes=16 << 20, native_kernels=native))
-        engine.pool.k.fill_(float("nan"))  # the pool is uninitialised memory: nothing may read unwritten slots
-        engine.pool.v.fill_(float("nan"))
+        engine.core.pool.k.fill_(float("nan"))  # the pool is uninitialised memory: nothing may read unwritten slots
+        engine.core.pool.v.fill_(float("nan"))
         futures = [engine.submit(RequestSpec(p, 20, waveform=w)) for p, w in zip(prompts, waves, strict=True)]
         out[native] = [f.result().token_ids for f in futures]
         engine.close()

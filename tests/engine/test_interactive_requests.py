@@ -122,14 +122,14 @@ def test_live_batch_share_rations_batch_steps_and_everything_finishes(ck) -> Non
         alone = engine.submit(RequestSpec(prompt_for(ck, wave), 8, waveform=wave, ignore_eos=True)).result(60)
     with Engine(ck, EngineConfig(max_running=4, live_batch_share=0.05, prefill_chunk=16, prefill_tokens=16)) as engine:
         seen: list[tuple[bool, bool]] = []  # per step: (batch_heavy_ok, the plan carried batch work beside live)
-        plan = engine.scheduler.plan
+        plan = engine.core.scheduler.plan
 
         def recording_plan():  # noqa: ANN202
             got = plan()
-            seen.append((engine.scheduler.batch_heavy_ok, got.live_batch_work))
+            seen.append((engine.core.scheduler.batch_heavy_ok, got.live_batch_work))
             return got
 
-        engine.scheduler.plan = recording_plan
+        engine.core.scheduler.plan = recording_plan
         batch = engine.submit(RequestSpec(prompt_for(ck, wave), 8, waveform=wave, ignore_eos=True))
         lives = []
         while not batch.done() and len(lives) < 200:

@@ -118,7 +118,7 @@ def test_a_fragmented_pool_still_serves_a_request_larger_than_any_gap(ck) -> Non
         for lease in leases:
             eng.release(lease)
         wait_until(lambda: eng.stats().kv_blocks_used == 0, "the leases to be freed")
-        assert eng.pool.allocator.free_blocks == eng.pool.allocator.num_blocks
+        assert eng.core.pool.allocator.free_blocks == eng.core.pool.allocator.num_blocks
     finally:
         eng.close(drain=False)
 
@@ -170,8 +170,8 @@ def test_a_preempted_continuation_recomputes_its_kept_prefix_exactly(ck) -> None
         model = eng.prepared.model
         long_wave = noise(30.0, seed=11)
         with torch.inference_mode():
-            rows_a, rows_b = (model.audio_tower([LogMel(ck.features)(w)], conv_batch=eng.runner.conv_batch,
-                                                kernels=eng.runner.kernels)[0]
+            rows_a, rows_b = (model.audio_tower([LogMel(ck.features)(w)], conv_batch=eng.core.runner.conv_batch,
+                                                kernels=eng.core.runner.kernels)[0]
                               for w in (long_wave[:16000 * 26], long_wave))
         prompt_a = build_prompt(ck.tokenizer, ck.special, rows_a.shape[0])
         prompt_b = build_prompt(ck.tokenizer, ck.special, rows_b.shape[0])
@@ -253,12 +253,12 @@ def test_recomputed_tokens_are_checked_and_not_delivered_twice(ck) -> None:
     other = Request(RequestSpec([1, 2, 3], 5))
     for req in (same, other):
         req.prefilled, req.replay, req.delivered = 3, [7, 8], 2  # preempted after two delivered tokens
-        eng.scheduler.active.append(req)
-    eng._apply([(same, 7), (other, 9)])  # the engine thread's step, driven by hand (no request was submitted)
-    eng._apply([(same, 8)])
-    eng._apply([(same, 4)])
+        eng.core.scheduler.active.append(req)
+    eng.core._apply([(same, 7), (other, 9)])  # the engine thread's step, driven by hand (no request was submitted)
+    eng.core._apply([(same, 8)])
+    eng.core._apply([(same, 4)])
     assert same.output == [7, 8, 4] and heard == [4] and not same.future.done()
     with pytest.raises(RuntimeError, match="recomputed after preemption is 9, not 7"):
         other.future.result(0)
-    assert eng.scheduler.active == [same] and eng.generated_tokens == 1
+    assert eng.core.scheduler.active == [same] and eng.core.generated_tokens == 1
     eng.close()

@@ -315,7 +315,7 @@ def test_the_command_lines_take_the_option() -> None:
         assert parser.parse_args(command.split()).kv_cache_dtype == "auto"
     asr = EngineSpec(str(DEMO_MODEL), device="cpu", dtype="float32", kv_cache_dtype="int8").load()
     try:
-        assert asr._core.engine.pool.k.dtype == torch.int8
+        assert asr._core.engine.core.pool.k.dtype == torch.int8
     finally:
         asr.close()
     clip = ROOT / "examples" / "alarm.flac"

@@ -40,12 +40,12 @@ class StepGate:
     (``run``); opened, steps run freely. ``blocked`` is true while the loop waits at the gate."""
 
     def __init__(self, engine: Engine, paused: bool = True) -> None:
-        self._step = engine.step
+        self._step = engine.core.step
         self._cond = threading.Condition()
         self.allowed = self.started = self.finished = 0
         self.opened = not paused
         self.blocked = False
-        engine.step = self.step  # the loop calls self.step(): the instance attribute wins
+        engine.core.step = self.step  # the loop calls self.step(): the instance attribute wins
 
     def step(self) -> None:
         with self._cond:
@@ -216,23 +216,22 @@ def test_a_cancelled_request_deep_in_the_queue_is_gone_after_one_step(ck) -> Non
     waves = [noise(1.0, seed=100 + k) for k in range(40)]
     futures = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves[:20]]
     victim_wave = noise(1.0, seed=7)
-    victim_ref = weakref.ref(victim_wave)
     ended: list = []
     victim = engine.submit(RequestSpec(prompt_for(ck, victim_wave), 4, waveform=victim_wave), on_token=ended.append)
-    del victim_wave
     continuing = engine.submit(RequestSpec(kept_prompt, 4, waveform=kept_wave,
                                            continuation=Continuation(kv_prefix=(lease, 128))))
     futures += [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves[20:]]
     gate.run(1)  # the step in flight; then the loop takes the inbox: all 42 wait behind the running one
     gate.wait_blocked()
-    assert len(engine.scheduler.waiting) == 42
+    assert len(engine.core.scheduler.waiting) == 42
+    victim_ref = weakref.ref(next(r for r in engine.core.scheduler.waiting if r.future is victim).features)
     used = engine.stats().kv_tokens_used
     kept = len(lease.blocks) * engine.stats().kv_block_tokens  # the lease's blocks are emptied when freed
     assert victim.cancel() and continuing.cancel()
-    assert victim_ref() is not None  # the engine still holds the cancelled request's audio
+    assert victim_ref() is not None  # the engine still holds the cancelled request's features
     gate.run(1)
-    assert len(engine.scheduler.waiting) == 40
-    assert victim_ref() is None  # its waveform is freed
+    assert len(engine.core.scheduler.waiting) == 40
+    assert victim_ref() is None  # its features are freed
     assert ended == [None]  # its stream was closed
     assert kept and engine.stats().kv_tokens_used == used - kept  # the kept blocks went back to the pool
     blocker.cancel()
@@ -287,7 +286,7 @@ def test_a_step_where_every_request_fails_alone_breaks_the_engine(ck) -> None:
     def failing(plan):  # noqa: ANN001, ANN202 - a sticky device error
         raise RuntimeError("device lost")
 
-    engine.runner.forward = failing
+    engine.core.runner.forward = failing
     gate = StepGate(engine)
     waves = [noise(1.0 + k, seed=20 + k) for k in range(4)]
     first = engine.submit(RequestSpec(prompt_for(ck, waves[0]), 4, waveform=waves[0]))
@@ -314,14 +313,14 @@ def test_a_step_where_one_request_fails_keeps_the_engine(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
     waves = [noise(1.0 + k, seed=30 + k) for k in range(3)]
     culprit = len(prompt_for(ck, waves[1]))
-    forward = engine.runner.forward
+    forward = engine.core.runner.forward
 
     def faulty(plan):  # noqa: ANN001, ANN202
         if any(len(r.prompt) == culprit for r in plan.requests):
             raise RuntimeError("bad request")
         return forward(plan)
 
-    engine.runner.forward = faulty
+    engine.core.runner.forward = faulty
     gate = StepGate(engine)
     engine.submit(RequestSpec(prompt_for(ck, waves[2]), 2, waveform=waves[2]))
     gate.wait_blocked()

@@ -58,7 +58,7 @@ def test_eos_is_left_out_like_the_ids(ck) -> None:
     forced = generate(ck, [wave], new_tokens=24)[0]  # ignore_eos: EOS ids stay in the output
     eos = frozenset(ck.generation.eos_token_ids) | {forced.token_ids[5]}  # the sixth token made an EOS too
     with Engine(ck, EngineConfig(kv_cache_bytes=KV)) as engine:
-        engine.eos = eos
+        engine.core.eos = eos
         result = engine.submit(RequestSpec(prompt_for(ck, wave), 24, waveform=wave)).result(WAIT_S)
     cut = next(i for i, t in enumerate(forced.token_ids) if t in eos)
     assert result.finish_reason == "stop" and result.token_ids == forced.token_ids[:cut]

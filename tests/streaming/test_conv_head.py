@@ -26,7 +26,7 @@ class EveryChunkEncoder(WindowEncoder):
 
 def test_encoder_with_conv_heads_gives_the_same_bits(tiny_asr) -> None:  # noqa: ANN001
     engine = tiny_asr._core.engine
-    tower, kernels, batch = engine.prepared.model.audio_tower, engine.runner.kernels, engine.runner.conv_batch
+    tower, kernels, batch = engine.prepared.model.audio_tower, engine.core.runner.kernels, engine.core.runner.conv_batch
     cf = tower.cfg.conv_chunk_frames
     feats = [LogMel(tiny_asr._core.checkpoint.features)(noise(s, seed=k)) for k, s in enumerate((2.5, 7.9, 1.0, 0.3))]
     with torch.inference_mode():
@@ -108,7 +108,7 @@ def test_a_short_call_gets_the_smallest_zero_dummy_and_the_same_bits(tiny_asr) -
     """A call under 16 rows gets a zero dummy utterance (torch's GEMMs give a handful of rows other bits):
     one chunk when that reaches 16 rows (a lone 1 s chunk, a live turn's first step), two otherwise."""
     engine = tiny_asr._core.engine
-    tower, kernels, batch = engine.prepared.model.audio_tower, engine.runner.kernels, engine.runner.conv_batch
+    tower, kernels, batch = engine.prepared.model.audio_tower, engine.core.runner.kernels, engine.core.runner.conv_batch
     convolved: list[int] = []
     real = tower.conv_front
     tower.conv_front = lambda chunks, *a, **k: (convolved.append(chunks.shape[0]), real(chunks, *a, **k))[1]

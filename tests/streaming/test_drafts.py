@@ -90,7 +90,7 @@ def test_a_request_that_ends_among_kept_guesses_stops_there(engine, monkeypatch)
     t = run(engine, wave)[0].token_ids
     stop = t[6]
     first = t.index(stop)
-    monkeypatch.setattr(engine, "eos", frozenset({stop}))
+    monkeypatch.setattr(engine.core, "eos", frozenset({stop}))
     plain, heard_plain, *_ = run(engine, wave, ignore_eos=False)
     assert plain.finish_reason == "stop" and plain.token_ids == t[:first]
     got, heard, rows, kept, _ = run(engine, wave, draft=t, ignore_eos=False)

@@ -19,8 +19,8 @@ def _rows(asr, wave):  # noqa: ANN001, ANN202
     eng = asr._core.engine
     feats = LogMel(asr._core.checkpoint.features)(wave)
     with torch.inference_mode():
-        return eng.prepared.model.audio_tower([feats], conv_batch=eng.runner.conv_batch,
-                                              kernels=eng.runner.kernels)[0]
+        return eng.prepared.model.audio_tower([feats], conv_batch=eng.core.runner.conv_batch,
+                                              kernels=eng.core.runner.kernels)[0]
 
 
 def _idle_kv(eng, used: int, timeout: float = 10.0) -> None:  # noqa: ANN001

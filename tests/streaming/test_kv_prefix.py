@@ -38,8 +38,8 @@ def rows_of(asr, wave: np.ndarray) -> torch.Tensor:  # noqa: ANN001
     eng = asr._core.engine
     with torch.inference_mode():
         return eng.prepared.model.audio_tower([LogMel(asr._core.checkpoint.features)(wave)],
-                                              conv_batch=eng.runner.conv_batch,
-                                              kernels=eng.runner.kernels)[0]
+                                              conv_batch=eng.core.runner.conv_batch,
+                                              kernels=eng.core.runner.kernels)[0]
 
 
 def test_where_a_prefix_may_be_cut(asr128, tiny_asr) -> None:  # noqa: ANN001

@@ -311,7 +311,7 @@ def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(t
     threads: list[str] = []  # the thread of every encoder call
     real = tower.encode
     tower.encode = lambda *a, **k: (threads.append(threading.current_thread().name), real(*a, **k))[1]
-    submitted, calls = [], engine.encoder_calls
+    submitted, calls = [], engine.core.encoder_calls
     real_submit = engine.submit_encode
     engine.submit_encode = lambda *a, **k: (submitted.append(1), real_submit(*a, **k))[1]
     try:
@@ -320,6 +320,6 @@ def test_concurrent_sessions_batch_their_encoder_calls_and_get_the_same_tokens(t
     finally:
         del tower.encode, engine.submit_encode
     assert together == alone
-    assert len(submitted) > engine.encoder_calls - calls  # some encoder calls packed several sessions' windows
+    assert len(submitted) > engine.core.encoder_calls - calls  # some encoder calls packed several sessions' windows
     assert threads and set(threads) == {"qasr-engine"}, set(threads)  # no session thread touched the model
     assert kv_in_use(tiny_asr._core.engine) == 0

@@ -119,7 +119,8 @@ def test_submit_with_audio_embeds_matches_waveform(tiny_asr) -> None:  # noqa: A
     wave = noise(3.0, seed=4)
     feats = LogMel(ck.features)(wave)
     with torch.inference_mode():
-        rows = eng.prepared.model.audio_tower([feats], conv_batch=eng.runner.conv_batch, kernels=eng.runner.kernels)[0]
+        runner = eng.core.runner
+        rows = eng.prepared.model.audio_tower([feats], conv_batch=runner.conv_batch, kernels=runner.kernels)[0]
     prompt = build_prompt(ck.tokenizer, ck.special, rows.shape[0])
     ref = eng.submit(RequestSpec(prompt, 6, waveform=wave)).result()
     got = eng.submit(RequestSpec(prompt, 6, audio_embeds=rows)).result()

@@ -76,7 +76,7 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     utterances.clear()
     steps0, timings0 = engine.steps, dict(engine.timings)
     forwards = ForwardLog()
-    forwards.attach(engine.runner)  # counts what each forward carries, to split the mixed forwards' time
+    forwards.attach(engine.core.runner)  # counts what each forward carries, to split the mixed forwards' time
     with PeakRss() as rss, ForeignCpu() as others:
         t0 = time.perf_counter()
         # longest first, as ASR.transcribe does
@@ -88,7 +88,7 @@ def run_qasr(ckpt_dir: Path, clips: list[np.ndarray], wl: Workload, kv_gib: floa
     tokens = sum(len(r.token_ids) for r in results)
     audio_s = sum(len(w) for w in clips) / SR
     out = dict(wall_s=wall, audio_s=audio_s, rtfx=audio_s / wall, tokens=tokens, steps=engine.steps - steps0,
-               peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
+               peak_rss_gib=rss.peak / 2**30, kv_cache_gib=engine.core.pool.nbytes / 2**30,
                phases=phases, forwards=asdict(forwards), utterances=[asdict(u) for u in measured],
                foreign_cpu_s=others.seconds, foreign_cpu_share=others.share, kernels=engine.prepared.description,
                kv_cache_dtype=kv_cache_dtype)

@@ -160,8 +160,8 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
     hop = ck.features.hop_length
     pool = clip_pool(DISTINCT_CLIPS, max(plan.clip_range[1], plan.invariance_range[1]), plan.seed + 500)
     report: dict = dict(device=str(dev), backend=engine.prepared.description, dtype=plan.dtype,
-                        weights_gib=weights / 2**30, kv_cache_gib=engine.pool.nbytes / 2**30,
-                        kv_tokens=engine.pool.tokens, config=asdict(engine.config), levels={})
+                        weights_gib=weights / 2**30, kv_cache_gib=engine.core.pool.nbytes / 2**30,
+                        kv_tokens=engine.core.pool.tokens, config=asdict(engine.config), levels={})
 
     def submit_clip(wave: np.ndarray, on_token: Callable[[int | None], None] | None = None) -> Future:
         prompt = build_prompt(ck.tokenizer, ck.special, audio_token_count(len(wave) // hop))
@@ -172,7 +172,7 @@ def run_qasr_gpu(ckpt_dir: Path, plan: GpuPlan, device: str = "cuda", progress: 
         return pool[k % len(pool)][:int(seconds * SR)]
 
     def stats() -> dict:
-        return engine.runner.stats() if hasattr(engine.runner, "stats") else {}
+        return engine.core.runner.stats() if hasattr(engine.core.runner, "stats") else {}
 
     try:
         t0 = time.perf_counter()

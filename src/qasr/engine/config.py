@@ -76,6 +76,7 @@ class EngineStats:
     broken: bool
     closed: bool
     kv_cache_bytes: int = 0
+    stalled_s: float = 0.0  # seconds with work in hand since the last step ended; 0 when idle
 
 
 def quantize_option(value: str | None) -> str | None:

@@ -1,34 +1,25 @@
-"""The engine: owns the model and the KV pool and batches every request on one thread, each step one packed
-encoder call and one decoder forward of decode rows and prefill chunks. No request harms another
+"""The engine's client side: ``Engine`` checks each request, computes its log-mel on the submitting thread
+and hands it to the core (core.py), which batches every request on one thread. No request harms another
 (docs/engine.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import queue
 import threading
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 
 import numpy as np
-import psutil
 import torch
 
 from qasr.audio.features import LogMel
+from qasr.engine.backend import PreparedModel
 from qasr.engine.config import EngineConfig, EngineStats
-from qasr.engine.cpu.openmp import usable_cpus
-from qasr.engine.device import prepare_model
-from qasr.engine.errors import EngineBroken, EngineClosed
-from qasr.engine.kv_blocks import BlockManager
-from qasr.engine.kv_cache import KVPool, kv_bytes_per_token
-from qasr.engine.request import Continuation, EncodeResult, GenerationResult, KVLease, Request, RequestSpec
-from qasr.engine.runner import Runner
-from qasr.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from qasr.engine.core import EngineCore
+from qasr.engine.request import Continuation, GenerationResult, KVLease, Request, RequestSpec
 from qasr.engine.validate import (
     Limits,
     check_conv_head,
@@ -40,72 +31,51 @@ from qasr.engine.validate import (
 from qasr.model.checkpoint import Checkpoint
 
 __all__ = ["Continuation", "Engine", "EngineConfig", "EngineStats", "GenerationResult", "KVLease", "RequestSpec"]
-log = logging.getLogger(__name__)
-RATE_WINDOW_S = 10.0
-
-
-def default_kv_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.6)
-    return int(min(psutil.virtual_memory().available * 0.4, 8 * 2**30))
 
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
         self.checkpoint = checkpoint
         self.config = config
-        self.threads = config.threads or min(torch.get_num_threads(), usable_cpus())
-        torch.set_num_threads(self.threads)  # this thread's, and the default of threads torch starts later
-        log.info("qasr: %s: CPU threads: %d", checkpoint.label, self.threads)
-        self.prepared = prepared = prepare_model(checkpoint.model, native=config.native_kernels,
-                                                 backend=config.backend, quantize=config.quantize,
-                                                 label=checkpoint.label)
-        model = prepared.model
-        per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype, config.kv_cache_dtype)
-        budget = config.kv_cache_bytes or default_kv_bytes(model.device)
-        blocks = -(-max(budget // per_token, 256) // config.kv_block_tokens)
-        if config.kv_cache_dtype != "auto" and (prepared.make_pool is not None or model.device.type != "cpu"):
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the CPU backend only: load the model "
-                             "on the CPU, or leave the KV cache in the model's dtype")
-        if prepared.make_pool is not None:
-            self.pool = prepared.make_pool(checkpoint.config.decoder, blocks, config.kv_block_tokens, model.device,
-                                           model.dtype)
-        else:
-            self.pool = KVPool(checkpoint.config.decoder, blocks, model.device, model.dtype,
-                               block_size=config.kv_block_tokens, decode_kernel=prepared.decode_attention,
-                               prefill_kernel=prepared.prefill_attention, kv_dtype=config.kv_cache_dtype)
-        enc = checkpoint.config.encoder
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
-                            enc.window_tokens), BlockManager(self.pool.allocator))
-        if prepared.make_runner is not None:
-            self.runner = prepared.make_runner(prepared, self.pool, checkpoint.features, config)
-        else:
-            self.runner = Runner(prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
-        self.eos = frozenset(checkpoint.generation.eos_token_ids)
+        self.core = EngineCore(checkpoint, config)
+        # on the CPU the runner's own log-mel, here run by the submitting thread; other devices make it there
+        self._features = LogMel(checkpoint.features, "cpu") if self.device.type == "cpu" else None
         self.audio_token_id = checkpoint.config.audio_token_id
-        # kv_prefix lengths are multiples of this, so later chunks give a fresh prefill's bits
-        self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
-        # drafts only where a decode row's bits do not depend on the rows beside it
-        self.verifies_drafts = config.drafts and prepared.row_invariant_decode
-        self.limits = Limits(checkpoint.config.audio_token_id, checkpoint.config.decoder.vocab_size,
-                             checkpoint.features.hop_length, enc.num_mel_bins, enc.conv_chunk_frames, self.pool.tokens)
-        self._inbox: queue.SimpleQueue[Request | KVLease | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._closing = False  # no new submits; the loop ends once idle
-        self._abort = False  # the loop ends now
-        self._broken: BaseException | None = None
-        self.steps = 0
-        self._last_step_ran = True
-        self._batch_heavy_at = 0.0  # perf_counter time from which a step may carry batch encode/prefill
-        self.encoder_calls = 0
-        self.generated_tokens = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens)
-        # seconds by phase and token counts (docs/engine.md)
-        self.timings = dict(features_s=0.0, encoder_s=0.0, forward_mixed_s=0.0, forward_decode_s=0.0, step_s=0.0,
-                            prefill_tokens=0, decode_tokens=0, draft_rows=0, draft_kept=0)
+        self._lock = threading.Lock()  # lease hand-over
+
+    @property
+    def prepared(self) -> PreparedModel:
+        return self.core.prepared
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.prepared.model.device
+
+    @property
+    def limits(self) -> Limits:
+        return self.core.limits
+
+    @property
+    def threads(self) -> int:
+        return self.core.threads
+
+    @property
+    def prefix_grid(self) -> int:
+        """kv_prefix lengths are multiples of this, so later chunks give a fresh prefill's bits."""
+        return self.core.prefix_grid
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return self.core.verifies_drafts
+
+    @property
+    def steps(self) -> int:
+        return self.core.steps
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds by phase and token counts (docs/engine.md)."""
+        return self.core.timings
 
     def submit(self, spec: RequestSpec, on_token: Callable[[int | None], None] | None = None) -> Future:
         """Queue one request (thread-safe); the future resolves to a GenerationResult. ``on_token``, called
@@ -114,8 +84,10 @@ class Engine:
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
-        spec = check_spec(spec, self.limits, self.checkpoint.config.decoder.hidden_size, self.prepared.model.device,
+        spec = check_spec(spec, self.limits, self.checkpoint.config.decoder.hidden_size, self.device,
                           self.prefix_grid)
+        if spec.waveform is not None and self._features is not None:
+            spec = replace(spec, waveform=None, features=self._features(spec.waveform))
         cont = spec.continuation
         if cont.draft and not self.verifies_drafts:
             cont = replace(cont, draft=())
@@ -140,9 +112,7 @@ class Engine:
             if lease.taken:
                 return
             lease.taken = True
-            if self._closing:  # the pool goes with the loop
-                return
-            self._inbox.put(lease)
+        self.core.put(lease)
 
     def submit_alignment(self, prompt: list[int], *, positions: Sequence[int], waveform: np.ndarray | None = None,
                          features: torch.Tensor | None = None) -> Future:
@@ -152,6 +122,8 @@ class Engine:
             raise ValueError("alignment requests need a forced-aligner checkpoint (a timestamp classifier head)")
         waveform, features, audio_tokens = check_request(prompt, waveform, features, 0, self.limits,
                                                          min_new_tokens=0)
+        if waveform is not None and self._features is not None:
+            waveform, features = None, self._features(waveform)
         prompt = [int(t) for t in prompt]
         req = Request(RequestSpec(prompt, 0), waveform=waveform, features=features, audio_tokens=audio_tokens,
                       classify=check_positions(positions, len(prompt)), audio_before=self._audio_before(prompt))
@@ -163,7 +135,7 @@ class Engine:
         features, rows = check_encoder_features(features, self.limits)
         if conv_head is not None:
             rows = check_conv_head(conv_head, features.shape[-1], self.checkpoint.config.encoder,
-                                   self.prepared.model.device)
+                                   self.device)
         req = Request(RequestSpec([], 0), features=features, audio_tokens=rows, encode_only=True,
                       conv_head=conv_head, audio_before=np.zeros(1, dtype=np.int64))
         return self._enqueue(req)
@@ -172,12 +144,7 @@ class Engine:
         return np.concatenate([[0], np.cumsum(np.asarray(prompt) == self.audio_token_id)])
 
     def _enqueue(self, req: Request) -> Future:
-        with self._lock:  # one step with the check, so close() never strands a request
-            self._raise_if_unusable()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="qasr-engine", daemon=True)
-                self._thread.start()
-            self._inbox.put(req)
+        self.core.put(req)
         self.prepared.release_caller_threads()  # this thread's idle OpenMP pool (cpu/openmp.py)
         return req.future
 
@@ -204,30 +171,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The engine's state, from any thread (counts may be one step stale)."""
-        now = time.perf_counter()
-        recent = [(t, n) for t, n in list(self._recent) if now - t <= RATE_WINDOW_S]
-        rate = sum(n for _, n in recent) / RATE_WINDOW_S if recent else 0.0
-        sched, alloc = self.scheduler, self.pool.allocator
-        return EngineStats(waiting=len(sched.waiting) + len(sched.encoding) + self._inbox.qsize(),
-                           running=len(sched.active),
-                           kv_tokens_used=alloc.used, kv_tokens_total=alloc.capacity,
-                           kv_blocks_used=alloc.used_blocks, kv_blocks_total=alloc.num_blocks,
-                           kv_block_tokens=alloc.block_size, preemptions=sched.preemptions,
-                           steps=self.steps, generated_tokens=self.generated_tokens, tokens_per_s=rate,
-                           broken=self._broken is not None, closed=self._closing, kv_cache_bytes=self.pool.nbytes)
+        return self.core.stats()
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests, finishing what was accepted (``drain``) or failing it with EngineClosed
         after the current step; every future is resolved. ``timeout`` bounds the wait."""
-        with self._lock:
-            self._closing = True
-            self._abort = self._abort or not drain
-            thread = self._thread
-        if thread is None:
-            return
-        self._inbox.put(None)
-        if thread is not threading.current_thread():
-            thread.join(timeout)
+        self.core.close(drain, timeout)
 
     def __enter__(self) -> Engine:
         return self
@@ -235,234 +184,6 @@ class Engine:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         # leaving on an error (Ctrl-C included) must not wait for the queue
         self.close(drain=exc_type is None)
-
-    def _raise_if_unusable(self) -> None:
-        if self._broken is not None:
-            raise EngineBroken(f"the engine failed and serves no more requests: {self._broken!r}") from self._broken
-        if self._closing:
-            raise EngineClosed("the engine is closed")
-
-    def _loop(self) -> None:
-        torch.set_num_threads(self.threads)  # OpenMP's count is per thread; the native kernels read it too
-        try:
-            while not self._abort:
-                if self.scheduler.idle:
-                    if self._closing and self._inbox.empty():
-                        break
-                    # an idle engine's OpenMP pool throttles a busy one's (docs/log, engine-openmp-two-engines)
-                    self.prepared.release_caller_threads()
-                    self._take(self._inbox.get())
-                while True:
-                    try:
-                        self._take(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                if not self.scheduler.idle and not self._abort:
-                    self.step()
-                    self._wait_for_batch_turn()
-        except BaseException as exc:  # noqa: BLE001
-            log.exception("qasr engine loop failed; the engine is now broken")
-            self._broken = exc
-        finally:
-            self._fail_everything()
-
-    def _wait_for_batch_turn(self) -> None:
-        """After an empty step (batch work rationed beside live work), sleep until batch work's turn or the
-        next submission."""
-        if self._last_step_ran or self.scheduler.batch_heavy_ok:
-            return
-        wait = self._batch_heavy_at - time.perf_counter()
-        if wait > 0:
-            try:
-                self._take(self._inbox.get(timeout=wait))
-            except queue.Empty:
-                pass
-
-    def _take(self, item: Request | KVLease | None) -> None:
-        if isinstance(item, KVLease):
-            self.scheduler.blocks.release(item)
-        elif item is not None:
-            self.scheduler.add(item)
-
-    def _fail_everything(self) -> None:
-        with self._lock:
-            self._closing = True
-        if self._broken is not None:
-            error: BaseException = EngineBroken(f"the engine failed: {self._broken!r}")
-            error.__cause__ = self._broken
-        else:
-            error = EngineClosed("the engine was closed before this request finished")
-        pending = [*self.scheduler.encoding, *self.scheduler.active, *self.scheduler.waiting]
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Request):
-                pending.append(item)
-        self.scheduler.encoding.clear()
-        self.scheduler.active.clear()
-        self.scheduler.waiting.clear()
-        for req in pending:
-            req.resolve(error=error)
-
-    def step(self) -> None:
-        """One scheduling step; a failing one is rerun a request at a time so only the culprit fails."""
-        sched = self.scheduler
-        t_step = time.perf_counter()
-        for req in [r for r in sched.active if r.cancelled]:
-            sched.finish(req)
-            req.resolve()
-        for req in sched.drop_cancelled():
-            req.resolve()
-        for req in sched.admit():  # submit refuses these already: nothing waits forever on memory
-            req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
-                                         f"{self.pool.tokens}"))
-        sched.batch_heavy_ok = t_step >= self._batch_heavy_at
-        plan = sched.plan()
-        self._last_step_ran = bool(plan.encode or plan.decode or plan.prefill)
-        encoded = False
-        try:
-            if plan.encode:
-                self._encode(plan.encode)
-            encoded = True
-            sampled = self._forward(plan)
-        except Exception as exc:  # noqa: BLE001
-            sampled = self._rerun_alone(plan, exc, encoded)
-        self.steps += 1
-        self._finish_encodes(plan)
-        self._apply(sampled)
-        self._finish_alignments(plan)
-        now = time.perf_counter()
-        if plan.live_batch_work:  # at most live_batch_share of the time while live work runs
-            share = self.config.live_batch_share
-            self._batch_heavy_at = now + (now - t_step) * (1 - share) / share
-        self.timings["step_s"] += now - t_step
-
-    def _finish_encodes(self, plan: StepPlan) -> None:
-        for req, _ in plan.encode:
-            if req.encode_only and req.encoded and req in self.scheduler.encoding:
-                self.scheduler.finish(req)
-                assert req.audio is not None and req.conv is not None
-                req.resolve(EncodeResult(req.audio, req.conv))
-
-    def _encode(self, slices: list[tuple[Request, int]]) -> None:
-        t0 = time.perf_counter()
-        self.encoder_calls += 1
-        self.timings["features_s"] += self.runner.encode(slices)
-        self.timings["encoder_s"] += time.perf_counter() - t0
-
-    def _forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
-        if not (plan.decode or plan.prefill):
-            return []
-        t0 = time.perf_counter()
-        sampled = self.runner.forward(plan)
-        st = self.timings
-        st["forward_mixed_s" if plan.prefill else "forward_decode_s"] += time.perf_counter() - t0
-        st["prefill_tokens"] += sum(n for _, n in plan.prefill)
-        st["decode_tokens"] += len(plan.decode)
-        guessed = sum(len(g) for g in plan.drafts.values())
-        if guessed:  # each kept token beyond a row's first is a guess that came true
-            st["draft_rows"] += guessed
-            st["draft_kept"] += len(sampled) - len({id(r) for r, _ in sampled})
-        return sampled
-
-    def _rerun_alone(self, plan: StepPlan, exc: Exception, encoded: bool) -> list[tuple[Request, int]]:
-        """Rerun each request's share of a failed step alone; the culprit fails with its own error."""
-        reqs = plan.requests
-        log.warning("qasr: a step of %d requests failed (%r); rerunning them one by one", len(reqs), exc)
-        sampled = []
-        failed: list[Exception] = []
-        for req in reqs:
-            own = plan.only(req)
-            try:
-                if own.encode and not encoded:
-                    self._encode(own.encode)
-                sampled += self._forward(own)
-            except Exception as err:  # noqa: BLE001
-                log.error("qasr: request %d failed: %r", req.id, err)
-                self.scheduler.finish(req)
-                req.resolve(error=err)
-                failed.append(err)
-        if len(reqs) > 1 and len(failed) == len(reqs):
-            # no culprit: the device is failing (a sticky error); break the engine
-            raise RuntimeError(f"every one of the {len(reqs)} requests of a step failed alone as well (the first "
-                               f"with {failed[0]!r}): the device, not a request, is failing") from exc
-        return sampled
-
-    def _apply(self, sampled: list[tuple[Request, int]]) -> None:
-        now = time.perf_counter()
-        generated = 0
-        ended: set[int] = set()
-        for req, token in sampled:
-            if id(req) in ended:
-                continue
-            if req.first_token_at is None:
-                req.first_token_at = now
-            if not self._replays_faithfully(req, token):
-                ended.add(id(req))
-                continue
-            reason = None
-            if not req.spec.ignore_eos and token in self.eos:
-                reason = "stop"
-            else:
-                req.output.append(token)
-                if len(req.output) > req.delivered:  # not a recomputed token
-                    generated += 1
-                    req.delivered += 1
-                    if req.on_token is not None and not self._deliver(req, token):
-                        ended.add(id(req))
-                        continue
-                if len(req.output) >= req.max_new_tokens:
-                    reason = "length"
-            if reason is not None:
-                ended.add(id(req))
-                lease = None
-                if req.spec.continuation.keep_kv:
-                    self.scheduler.retire(req)
-                    lease = self.scheduler.blocks.keep(req)
-                else:
-                    self.scheduler.finish(req)
-                req.resolve(GenerationResult(req.output, reason, req.first_token_at - req.submitted,
-                                             now - req.submitted, kv=lease, preempted=tuple(req.preempted),
-                                             logprobs=tuple(req.logprobs[:len(req.output)])))
-                if lease is not None and req.future.cancelled():
-                    lease.taken = True
-                    self.scheduler.blocks.release(lease)
-        self.generated_tokens += generated
-        self._recent.append((now, generated))
-        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
-            self._recent.popleft()
-
-    def _replays_faithfully(self, req: Request, token: int) -> bool:
-        """A preempted request must recompute the tokens it had delivered; one that differs fails."""
-        i = len(req.output)
-        if i >= len(req.replay) or req.replay[i] == token:
-            return True
-        err = RuntimeError(f"request {req.id}: token {i} recomputed after preemption is {token}, "
-                           f"not {req.replay[i]} as before")
-        log.error("qasr: %s", err)
-        self.scheduler.finish(req)
-        req.resolve(error=err)
-        return False
-
-    def _finish_alignments(self, plan: StepPlan) -> None:
-        for req, _ in plan.prefill:
-            if req.classify is not None and req.prefill_done and req in self.scheduler.active:
-                self.scheduler.finish(req)
-                req.resolve(req.classes)
-
-    def _deliver(self, req: Request, token: int) -> bool:
-        """A listener that raises ends its own request only."""
-        try:
-            req.on_token(token)  # type: ignore[misc]
-            return True
-        except Exception as exc:  # noqa: BLE001
-            log.warning("qasr: token listener of request %d failed (%r); cancelling it", req.id, exc)
-            req.on_token = None
-            self.scheduler.finish(req)
-            req.resolve(error=exc)
-            return False
 
 
 def _drain(tokens: queue.SimpleQueue, future: Future) -> Iterator[int]:

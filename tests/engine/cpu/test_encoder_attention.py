@@ -72,7 +72,7 @@ def encode(eng: Engine, waves: list, attention: bool = True) -> list[torch.Tenso
         kernels = replace(kernels, encoder_attention=None)
     feats = [LogMel(eng.checkpoint.features)(w) for w in waves]
     with torch.inference_mode():
-        return eng.prepared.model.audio_tower(feats, conv_batch=eng.runner.conv_batch, kernels=kernels)
+        return eng.prepared.model.audio_tower(feats, conv_batch=eng.core.runner.conv_batch, kernels=kernels)
 
 
 def test_an_utterance_gets_the_same_rows_alone_and_packed(engine64) -> None:  # noqa: ANN001

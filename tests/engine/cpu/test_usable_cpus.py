@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import noise, prompt_for
 
-from qasr.engine import engine as engine_module
+from qasr.engine import core as engine_module
+from qasr.engine.core import EngineCore
 from qasr.engine.cpu.openmp import _runtime, cpu_quota, usable_cpus
 from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 
@@ -92,15 +93,15 @@ def test_engine_threads_default_and_setting(ck, monkeypatch: pytest.MonkeyPatch,
     engine.close()
 
     seen = []
-    step = Engine.step
+    step = EngineCore.step
 
-    def spy(self: Engine) -> None:
+    def spy(self: EngineCore) -> None:
         lib = _runtime()  # OpenMP's first: torch's count, once asked, sets OpenMP's on this thread
         openmp = lib.omp_get_max_threads() if lib is not None else 1
         seen.append((torch.get_num_threads(), openmp))
         step(self)
 
-    monkeypatch.setattr(Engine, "step", spy)
+    monkeypatch.setattr(EngineCore, "step", spy)
     caplog.set_level("INFO", logger="qasr")
     with Engine(ck, EngineConfig(threads=1)) as engine:
         assert engine.threads == 1 and f"qasr: {ck.label}: CPU threads: 1" in caplog.text

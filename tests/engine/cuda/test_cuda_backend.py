@@ -378,16 +378,16 @@ def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens(ck32) -> 
     got, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128,
                                              backend="cuda", kv_block_tokens=16), waves)
     assert got == want
-    stats = engine.runner.stats()
+    stats = engine.core.runner.stats()
     # requests decoding side by side take their next blocks in turns, so their tables interleave: those
     # decode steps run eagerly, flash's keys staged through a gather (a graph reads the pool in place)
     assert stats["scattered_decode_steps"] > 10 and stats["graph_replays"] == 0 and stats["eager_steps"] > 0
     alone, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128,
                                                backend="cuda"), waves[3:4])
-    stats = engine.runner.stats()  # a request alone holds consecutive blocks: its decode steps are bucketed
+    stats = engine.core.runner.stats()  # a request alone holds consecutive blocks: its decode steps are bucketed
     assert alone == want[3:4] and stats["bucketed_steps"] == 19 and stats["scattered_decode_steps"] == 0
     unbucketed, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, backend="cuda", cuda_graphs=False), waves)
-    assert unbucketed == want and engine.runner.stats()["bucketed_steps"] == 0
+    assert unbucketed == want and engine.core.runner.stats()["bucketed_steps"] == 0
 
 
 class FakeGraph:
@@ -465,12 +465,12 @@ def test_decode_graphs_are_captured_at_engine_start_and_replay_the_eager_tokens(
     want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV), waves, new_tokens=12)
     config = EngineConfig(kv_cache_bytes=KV, backend="cuda", max_running=8)
     with Engine(ck32, config) as engine:
-        graphs = engine.runner.graphs
+        graphs = engine.core.runner.graphs
         assert sorted(fake_capture.captured) == [1, 2, 4, 6, 8]  # every bucket, before any request
         assert all(step.graph is not None for step in graphs._steps.values())
         futures = [engine.submit(RequestSpec(_prompt(ck32, w), 12, waveform=w, ignore_eos=True)) for w in waves]
         got = [f.result().token_ids for f in futures]
-    stats = engine.runner.stats()
+    stats = engine.core.runner.stats()
     assert got == want
     assert stats["graph_failed"] is None and stats["graph_replays"] > 5, stats
     assert any(step.verified for step in graphs._steps.values())  # first replays checked against eager
@@ -487,10 +487,10 @@ def test_a_replay_that_differs_from_the_eager_forward_drops_the_graphs_with_one_
             futures = [engine.submit(RequestSpec(_prompt(ck32, w), 12, waveform=w, ignore_eos=True))
                        for w in waves]
             got = [f.result().token_ids for f in futures]
-    stats = engine.runner.stats()
+    stats = engine.core.runner.stats()
     assert got == want  # the eager forward's tokens, from the mismatching step on
     assert stats["graph_replays"] == 0 and stats["bucketed_steps"] > 5 and "replay gave" in stats["graph_failed"]
-    assert all(step.graph is None for step in engine.runner.graphs._steps.values())
+    assert all(step.graph is None for step in engine.core.runner.graphs._steps.values())
     assert sum("disagreed" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -572,13 +572,13 @@ def test_cuda_decode_graphs_replay_what_the_same_steps_give_eagerly(ck_bf16_cuda
     waves = [noise(s, seed=k) for k, s in enumerate(LENGTHS * 3)]
     config = EngineConfig(kv_cache_bytes=256 << 20, max_running=16)
     got, engine = _tokens(ck, config, waves, new_tokens=40)
-    stats = engine.runner.stats()
+    stats = engine.core.runner.stats()
     assert stats["graph_failed"] is None and stats["graph_replays"] > 20, stats
     with Engine(ck, config) as eager:
-        eager.runner.graphs.disable("eager on purpose")  # the same buckets and buffers, run eagerly
+        eager.core.runner.graphs.disable("eager on purpose")  # the same buckets and buffers, run eagerly
         futures = [eager.submit(RequestSpec(_prompt(ck, w), 40, waveform=w, ignore_eos=True)) for w in waves]
         want = [f.result().token_ids for f in futures]
-        assert eager.runner.stats()["graph_replays"] == 0 and eager.runner.stats()["bucketed_steps"] > 20
+        assert eager.core.runner.stats()["graph_replays"] == 0 and eager.core.runner.stats()["bucketed_steps"] > 20
     assert got == want
 
 
@@ -590,7 +590,7 @@ def test_cuda_decoder_step_makes_one_host_sync(ck_bf16_cuda) -> None:
     with Engine(ck, EngineConfig(kv_cache_bytes=256 << 20, max_running=8)) as engine:
         warm = noise(3.0)
         engine.submit(RequestSpec(_prompt(ck, warm), 8, waveform=warm, ignore_eos=True)).result()  # captures
-        runner = engine.runner
+        runner = engine.core.runner
         forward = runner.forward
         syncs: dict[str, list[int]] = {"mixed": [], "decode": []}
 
@@ -613,4 +613,4 @@ def test_cuda_decoder_step_makes_one_host_sync(ck_bf16_cuda) -> None:
             f.result()
     assert syncs["mixed"] and syncs["decode"], syncs
     assert set(syncs["mixed"]) == {1} and set(syncs["decode"]) == {1}, syncs
-    assert engine.runner.stats()["graph_replays"] > 0
+    assert engine.core.runner.stats()["graph_replays"] > 0
