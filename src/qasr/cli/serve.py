@@ -62,12 +62,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="ping WebSocket clients this often, which keeps idle connections open through proxies "
                         "(default 20); a late answer never closes a connection (see docs/server.md)")
     s.add_argument("--live-chunk-s", type=positive_float, default=1.0, metavar="S",
-                   help="audio per live decoding step (default 1.0; the official default is 2.0)")
+                   help="audio per live decoding step, from 0.25 to 30 (default 1.0; the official default is 2.0)")
     s.add_argument("--live-end-on-chunk", choices=("on", "off"), default="off",
                    help="on: a live turn that a pause ends takes the silence up to its chunk boundary, so no push "
                         "runs two decoding steps (best for one session on a small machine); off (the default): it "
                         "ends at the pause, which did better with many sessions sharing the engine "
                         "(docs/streaming.md); /v1/stream's start message may set end_on_chunk per session")
+    s.add_argument("--engine-timeout-s", type=positive_float, default=60.0, metavar="S",
+                   help="an engine that has work in hand and finishes no step for this long makes /health answer "
+                        "503, and a live session whose engine request goes unanswered this long ends with an "
+                        "error, freeing its place (default 60)")
     s.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long accepted requests and live sessions may take to finish; "
                         "past it they end with a 'shutting_down' error and the server exits 1 (default 30)")
@@ -108,7 +112,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_live_sessions=args.max_live_sessions, live_idle_timeout_s=args.live_idle_timeout_s,
                         live_max_backlog_s=args.live_max_backlog_s, live_chunk_s=args.live_chunk_s,
                         live_end_on_chunk=args.live_end_on_chunk == "on",
-                        drain_timeout_s=args.drain_timeout, decode_workers=args.decode_workers)
+                        drain_timeout_s=args.drain_timeout, decode_workers=args.decode_workers,
+                        engine_timeout_s=args.engine_timeout_s)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -126,7 +131,11 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"qasr: error: the server needs its extra: pip install 'qasr[server]' ({exc})", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    config = server_config(args)
+    try:
+        config = server_config(args)
+    except ValueError as exc:
+        print(f"qasr serve: error: {exc}", file=sys.stderr)
+        return 2
     if args.ray is not None:  # replicas of this same app on a Ray cluster
         from qasr.distributed.commands import serve_on_ray
 

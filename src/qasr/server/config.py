@@ -22,8 +22,16 @@ class ServerConfig:
     # LiveConfig.end_on_chunk, on in the library; off serves many sessions better (docs/streaming.md)
     live_end_on_chunk: bool = False
     decode_workers: int = 4  # threads that probe and decode uploads, apart from live sessions' threads
+    # an engine with work in hand that finishes no step this long makes /health 503; a live session whose
+    # engine request goes unanswered this long ends with an error
+    engine_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        from qasr.streaming.config import check_served  # here: the streaming package loads the engine
+
+        check_served("chunk_size_sec", self.live_chunk_s, "live_chunk_s")
+        if not self.engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s}")
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be at least 1, got {self.decode_workers}")
         if self.max_live_sessions < 1:

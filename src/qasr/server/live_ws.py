@@ -18,6 +18,7 @@ from qasr.server.auth import AUTH_VERDICT, BROWSER_KEY_PREFIX, websocket_authori
 from qasr.server.auth import offered_subprotocols as _offered
 from qasr.server.live_runner import LiveRunner
 from qasr.server.state import ServerState
+from qasr.streaming import EngineTimeout
 
 DRAIN_POLL_S = 0.25
 MAX_UNREAD_BYTES = 16 * 2**20  # read ahead of a session's backlog; then reading pauses (uvicorn's ws_max_size)
@@ -175,6 +176,13 @@ async def hold_session(state: ServerState, channel: Channel, body: Callable[[], 
             state.live_sessions -= 1
             state.in_flight -= 1
             state.metrics.live_sessions.set(state.live_sessions)
+
+
+def failure_message(exc: Exception) -> str:
+    """The ``server_error`` message of a session whose operation raised ``exc`` (the session then closes)."""
+    if isinstance(exc, EngineTimeout):
+        return f"{exc}: the session is closed"
+    return f"transcription failed: {type(exc).__name__}: {exc}"
 
 
 async def unless_gone(sending: Awaitable[None]) -> None:

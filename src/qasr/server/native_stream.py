@@ -23,6 +23,7 @@ from qasr.server.live_ws import (
     Idle,
     drain_session,
     end_session,
+    failure_message,
     hold_session,
     offered_subprotocols,
     refusal,
@@ -78,8 +79,7 @@ async def _serve(channel: Channel, state: ServerState) -> None:
                 state.metrics.live_audio_seconds.inc(e.end - e.start)
 
     async def fail(exc: Exception) -> None:
-        await channel.send({"type": "error", "code": "server_error",
-                            "message": f"transcription failed: {type(exc).__name__}: {exc}"})
+        await channel.send({"type": "error", "code": "server_error", "message": failure_message(exc)})
         await channel.close(1011, "transcription failed")
 
     try:
@@ -183,7 +183,8 @@ def _session_config(s: dict, state: ServerState) -> tuple[LiveConfig, PcmIngest]
     except ValueError as exc:
         raise StartError(str(exc), "unsupported_language") from exc
     # the server's defaults, which the start may change
-    base = LiveConfig(stream=StreamConfig(chunk_size_sec=state.config.live_chunk_s),
+    base = LiveConfig(stream=StreamConfig(chunk_size_sec=state.config.live_chunk_s,
+                                          engine_timeout_s=state.config.engine_timeout_s),
                       end_on_chunk=state.config.live_end_on_chunk)
     settings = {k: v for k, v in s.items() if k in START_SETTINGS}
     live = from_start({**settings, "language": language}, base)

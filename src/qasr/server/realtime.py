@@ -27,6 +27,7 @@ from qasr.server.live_ws import (
     Idle,
     drain_session,
     end_session,
+    failure_message,
     hold_session,
     offered_subprotocols,
     refusal,
@@ -44,6 +45,7 @@ from qasr.streaming import (
     TurnFinal,
     TurnUpdate,
 )
+from qasr.streaming.config import SERVED_RANGES
 from qasr.transcribe.text import is_unspaced
 
 router = APIRouter()
@@ -273,7 +275,8 @@ class RealtimeConnection:
         asr = self.state.asr
         assert asr is not None
         vad = s.turn_detection or {}
-        stream = StreamConfig(chunk_size_sec=cfg.live_chunk_s, language=s.language, context=s.prompt)
+        stream = StreamConfig(chunk_size_sec=cfg.live_chunk_s, language=s.language, context=s.prompt,
+                              engine_timeout_s=cfg.engine_timeout_s)
         live = LiveConfig(stream=stream, turn_detection=s.turn_detection is not None,
                           vad_threshold=float(vad.get("threshold", LiveConfig.vad_threshold)),
                           prefix_padding_ms=int(vad.get("prefix_padding_ms", LiveConfig.prefix_padding_ms)),
@@ -347,7 +350,7 @@ class RealtimeConnection:
         self._previous_item = item
 
     async def _fail(self, exc: Exception) -> None:
-        await self._send_error("server_error", f"transcription failed: {type(exc).__name__}: {exc}")
+        await self._send_error("server_error", failure_message(exc))
         await self.channel.close(1011, "transcription failed")
 
     def _item(self, turn: int) -> str:
@@ -430,8 +433,10 @@ def _turn_detection(value: object) -> dict | None:
     threshold = merged["threshold"]
     if not isinstance(threshold, int | float) or not 0 < threshold < 1:
         raise RequestError("invalid_turn_detection", "turn_detection.threshold must be in (0, 1)", "turn_detection")
-    for key in ("prefix_padding_ms", "silence_duration_ms"):
-        if not isinstance(merged[key], int) or not 0 <= merged[key] <= 10000:
-            raise RequestError("invalid_turn_detection", f"turn_detection.{key} must be 0-10000", "turn_detection")
+    for key, setting in (("prefix_padding_ms", "prefix_padding_ms"), ("silence_duration_ms", "silence_ms")):
+        low, high = SERVED_RANGES[setting]
+        if not isinstance(merged[key], int) or not low <= merged[key] <= high:
+            raise RequestError("invalid_turn_detection", f"turn_detection.{key} must be an integer from {low:g} to "
+                               f"{high:g}", "turn_detection")
     return merged
 

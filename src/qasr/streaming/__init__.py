@@ -13,6 +13,7 @@ from qasr.streaming.live import (
 )
 from qasr.streaming.oracle import OracleStream
 from qasr.streaming.session import Session, SessionStats, Update
+from qasr.streaming.windows import EngineTimeout
 
-__all__ = ["LiveConfig", "LiveEvent", "LiveSession", "OracleStream", "PcmIngest", "Session", "SessionStats",
-           "SpeechStarted", "SpeechStopped", "StreamConfig", "TurnFinal", "TurnUpdate", "Update"]
+__all__ = ["EngineTimeout", "LiveConfig", "LiveEvent", "LiveSession", "OracleStream", "PcmIngest", "Session",
+           "SessionStats", "SpeechStarted", "SpeechStopped", "StreamConfig", "TurnFinal", "TurnUpdate", "Update"]

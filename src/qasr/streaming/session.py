@@ -17,7 +17,7 @@ from qasr.streaming.logmel import StreamingLogMel
 from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.steps import StepResult, StreamText
 from qasr.streaming.text import PromptBuilder
-from qasr.streaming.windows import KeptWindow, WindowEncoder
+from qasr.streaming.windows import KeptWindow, WindowEncoder, answer
 
 UPDATE_QUEUE = 1024
 
@@ -62,7 +62,7 @@ class Session:
         self.audio.reset()
         self.consumed = 0
         self.mel = StreamingLogMel(checkpoint.features)
-        self.encoder = WindowEncoder(engine)
+        self.encoder = WindowEncoder(engine, config.engine_timeout_s)
         self.stats = SessionStats()
         self.stable = ""
         self.finished = False
@@ -132,7 +132,7 @@ class Session:
             if lease is not None:
                 self.engine.release(lease)
             raise
-        result = future.result()
+        result = answer(future, self.config.engine_timeout_s)
         self._lease, self._lease_windows = result.kv, self.encoder.used
         step = self.state.absorb(self.consumed, prefix, prompt, result.token_ids, final)
         return self._publish(step.text, final, step.index)

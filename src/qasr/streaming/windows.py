@@ -1,15 +1,34 @@
 """Encoder output of a growing stream by 8 s window, keeping the rows of final windows and the conv output of
-the open window's final chunks."""
+the open window's final chunks; and how a stream waits for the engine's answers."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from qasr.engine.engine import Engine
 from qasr.engine.request import EncodeResult
 from qasr.streaming.logmel import StreamingLogMel
+
+T = TypeVar("T")
+
+
+class EngineTimeout(TimeoutError):
+    """A stream's engine request went unanswered for its ``engine_timeout_s`` and was cancelled."""
+
+
+def answer(future: Future[T], timeout_s: float | None) -> T:
+    """``future.result()``, waiting at most ``timeout_s`` seconds (None: no limit); past it the request is
+    cancelled and EngineTimeout raised."""
+    try:
+        return future.result(timeout_s)
+    except TimeoutError:
+        if future.done() or not future.cancel():  # its own error, or it came meanwhile
+            return future.result()
+        raise EngineTimeout(f"the engine has not answered for {timeout_s:g} s") from None
 
 
 @dataclass(frozen=True)
@@ -33,8 +52,10 @@ class WindowEncoding:
 
 
 class WindowEncoder:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, timeout_s: float | None = None) -> None:
+        """``timeout_s``: how long an encode may go unanswered (``answer``)."""
         self.engine = engine
+        self.timeout_s = timeout_s
         enc = engine.checkpoint.config.encoder
         self.chunk_frames = enc.conv_chunk_frames
         self.window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
@@ -78,7 +99,7 @@ class WindowEncoder:
         end = min(mel.frames, start + self.window_frames)
         if window != self._chunks_window:
             if window < self._chunks_window:  # a closed window redone: not the chunks held
-                return self.engine.submit_encode(mel.features(start, end)).result()
+                return answer(self.engine.submit_encode(mel.features(start, end)), self.timeout_s)
             self._chunks, self._chunks_window = [], window
         held = 0
         for j, chunk in enumerate(self._chunks):
@@ -87,7 +108,8 @@ class WindowEncoder:
             held += 1
         del self._chunks[held:]
         head = torch.stack([c.conv for c in self._chunks]) if held else None
-        result = self.engine.submit_encode(mel.features(start + held * cf, end), conv_head=head).result()
+        result = answer(self.engine.submit_encode(mel.features(start + held * cf, end), conv_head=head),
+                        self.timeout_s)
         floor = float(mel.floor)
         whole_final = (min(mel.final, end) - start) // cf
         for j in range(held, whole_final):  # a copy: a view would hold the packed call's whole output
