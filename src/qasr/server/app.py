@@ -37,7 +37,7 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
     """``load`` builds the ASR (called once, in a worker thread, after start-up)."""
     metrics = Metrics()
     state = ServerState(config, metrics)
-    metrics.watch_engine(lambda: state.asr._core.engine.stats() if state.asr is not None else None)
+    metrics.watch_engines(lambda: {role: engine.stats() for role, engine in state.engines().items()})
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -42,19 +42,30 @@ class Metrics:
         self.live_audio_seconds = Counter("qasr_live_audio_seconds", "Seconds of audio received by live sessions",
                                           registry=r)
 
-    def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
-        """Export the engine's own counters, read at scrape time."""
+    def watch_engines(self, stats: Callable[[], dict[str, EngineStats]]) -> None:
+        """Export the engines' own counters, read at scrape time: ``stats()`` by role (``asr``, ``aligner``;
+        empty while loading). The ASR engine's unlabelled; broken and stalled labelled with every role."""
         self.registry.register(_EngineCollector(stats))
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, EngineStats]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self._stats()
-        if s is None:  # the model is still loading
+        by_role = self._stats()
+        if not by_role:  # the model is still loading
             return
+        broken = GaugeMetricFamily("qasr_engine_broken", "1 when the engine's loop failed (it serves no more "
+                                   "requests), else 0", labels=["engine"])
+        stalled = GaugeMetricFamily("qasr_engine_stalled_seconds", "Seconds the engine has had work in hand "
+                                    "without finishing a step (0 when idle or stepping)", labels=["engine"])
+        for role, stats in by_role.items():
+            broken.add_metric([role], float(stats.broken))
+            stalled.add_metric([role], stats.stalled_s)
+        yield broken
+        yield stalled
+        s = by_role["asr"]
         yield GaugeMetricFamily("qasr_engine_waiting_requests", "Engine requests queued (or preempted) for KV memory",
                                 value=s.waiting)
         yield GaugeMetricFamily("qasr_engine_running_requests", "Engine requests admitted (taking KV blocks)",

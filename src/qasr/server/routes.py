@@ -228,6 +228,10 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
     if not state.ready:
         return JSONResponse({"status": "loading"}, status_code=503)
+    trouble = state.engine_trouble()
+    if trouble is not None:
+        status, why = trouble
+        return JSONResponse({"status": status, "error": why}, status_code=503)
     return JSONResponse({"status": "ok", "model": state.config.model})
 
 

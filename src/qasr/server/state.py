@@ -15,6 +15,7 @@ from qasr.server.metrics import Metrics
 from qasr.server.sse import TokenHandoff
 
 if TYPE_CHECKING:
+    from qasr.engine.engine import Engine
     from qasr.transcribe.asr import ASR
 
 T = TypeVar("T")
@@ -65,6 +66,25 @@ class ServerState:
         if self._handoff is None or self._handoff.loop is not loop:
             self._handoff = TokenHandoff(loop)
         return self._handoff
+
+    def engines(self) -> dict[str, Engine]:
+        """The loaded engines by role: ``asr``, and ``aligner`` with one (none while loading)."""
+        if self.asr is None:
+            return {}
+        core = self.asr._core
+        return {"asr": core.engine} | ({"aligner": core.aligner.engine} if core.aligner is not None else {})
+
+    def engine_trouble(self) -> tuple[str, str] | None:
+        """``("broken" | "stalled", why)`` for the first engine that cannot serve: its loop failed, or it has
+        had work in hand for more than ``config.engine_timeout_s`` without finishing a step; else None."""
+        for role, engine in self.engines().items():
+            stats = engine.stats()
+            if stats.broken:
+                return "broken", (f"{role} engine broken: its loop failed and it serves no more requests (the "
+                                  "server log has the error)")
+            if stats.stalled_s > self.config.engine_timeout_s:
+                return "stalled", f"{role} engine stalled for {stats.stalled_s:.0f} s with work in hand"
+        return None
 
     def require_asr(self) -> ASR:
         if self.load_error is not None:

@@ -1,0 +1,217 @@
+"""/health tells the truth about the engines, and live sessions survive a wedged one: a real uvicorn server on
+127.0.0.1 in this process, serving a tiny random checkpoint, with a fault injected into its engine core's
+runner. A failing loop makes /health 503 ("broken") and /metrics say so; a step that never returns makes
+/health 503 ("stalled") past ``engine_timeout_s``, and ends the live sessions waiting on it with an error
+within that time, freeing their places. /v1/stream refuses start settings outside the served ranges."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+import websockets
+from server_proc import free_port, metric
+
+from qasr.server.app import create_app
+from qasr.server.config import ServerConfig
+
+TIMEOUT_S = 2.0  # the servers' engine_timeout_s
+SLACK_S = 15.0  # what a loaded 2-core machine may add to it
+MAX_SESSIONS = 2
+
+
+class Fatal(BaseException):
+    """Not an Exception: the engine loop treats it as fatal (a request's own error is an Exception)."""
+
+
+@contextlib.contextmanager
+def serving(model: str) -> Iterator[tuple[str, object]]:
+    """``(url, app)`` of a ready server on the tiny checkpoint ``model``, stopped at the end."""
+    from qasr.transcribe.asr import ASR
+
+    config = ServerConfig(model=model, served_names=("tiny",), warmup=False, engine_timeout_s=TIMEOUT_S,
+                          max_live_sessions=MAX_SESSIONS)
+    app = create_app(config, lambda: ASR.from_pretrained(model, device="cpu", dtype="float32"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: health(url)[0] == 200, 120, "the server never became ready")
+        yield url, app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if condition():
+                return
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def health(url: str) -> tuple[int, dict]:
+    r = httpx.get(f"{url}/health", timeout=10)
+    return r.status_code, r.json()
+
+
+def scrape(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def noise_pcm16(seconds: float) -> bytes:
+    wave = np.random.default_rng(0).standard_normal(int(16000 * seconds)) * 0.1
+    return (np.clip(wave, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_original) -> Iterator[tuple[str, object]]:  # noqa: ANN001 - a path fixture
+    with serving(str(tiny_original)) as server:
+        yield server
+
+
+def test_health_is_503_once_the_engine_breaks(tiny_original, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    with serving(str(tiny_original)) as (url, app):
+        text = scrape(url)
+        assert metric(text, "qasr_engine_broken", engine="asr") == 0
+        assert metric(text, "qasr_engine_stalled_seconds", engine="asr") == 0
+        core = app.state.qasr.asr._core.engine.core
+
+        def fail(plan: object) -> object:
+            raise Fatal("the device went away")
+
+        monkeypatch.setattr(core.runner, "forward", fail)
+        wav = noise_pcm16(1.0)
+        r = httpx.post(f"{url}/v1/audio/transcriptions", timeout=60, data={"model": "tiny"},
+                       files={"file": ("n.raw", wav_file(wav), "audio/wav")})
+        assert r.status_code == 500, r.text
+        status, body = health(url)
+        assert status == 503 and body["status"] == "broken", body
+        assert body["error"].startswith("asr engine broken: its loop failed"), body
+        assert metric(scrape(url), "qasr_engine_broken", engine="asr") == 1
+
+
+def wav_file(pcm: bytes) -> bytes:
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.frombuffer(pcm, "<i2"), 16000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+async def open_stream(url: str) -> websockets.ClientConnection:
+    ws = await websockets.connect(url.replace("http", "ws") + "/v1/stream", max_size=None)
+    await ws.send(json.dumps({"type": "start", "turn_detection": False}))
+    assert json.loads(await ws.recv())["type"] == "ready"
+    return ws
+
+
+async def open_realtime(url: str) -> websockets.ClientConnection:
+    ws = await websockets.connect(url.replace("http", "ws") + "/v1/realtime?intent=transcription", max_size=None)
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None}}}}))
+    while json.loads(await ws.recv())["type"] != "session.updated":
+        pass
+    return ws
+
+
+async def until_closed(ws: websockets.ClientConnection) -> tuple[list[dict], int | None]:
+    """Every event up to the close, and the close code."""
+    events = []
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async for message in ws:
+            events.append(json.loads(message))
+    return events, ws.close_code
+
+
+def test_a_wedged_engine_ends_live_sessions_within_the_timeout_and_frees_them(
+        served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    url, app = served
+    state = app.state.qasr
+    core = state.asr._core.engine.core
+    release = threading.Event()
+    real_forward = core.runner.forward
+    wedged = threading.Event()
+
+    def wedge(plan: object) -> object:
+        wedged.set()
+        release.wait(120)
+        return real_forward(plan)
+
+    async def run() -> list[tuple[list[dict], int | None, float]]:
+        stream, realtime = await open_stream(url), await open_realtime(url)
+        assert state.live_sessions == MAX_SESSIONS
+        monkeypatch.setattr(core.runner, "forward", wedge)
+        sent = time.monotonic()
+        await stream.send(noise_pcm16(2.0))
+        await realtime.send(json.dumps({"type": "input_audio_buffer.append",
+                                        "audio": base64.b64encode(noise_pcm16(2.0)).decode()}))
+
+        async def ended(ws: websockets.ClientConnection) -> tuple[list[dict], int | None, float]:
+            events, code = await asyncio.wait_for(until_closed(ws), TIMEOUT_S + SLACK_S)
+            return events, code, time.monotonic() - sent
+
+        return await asyncio.gather(ended(stream), ended(realtime))
+
+    try:
+        (stream_events, stream_code, stream_s), (realtime_events, realtime_code, realtime_s) = asyncio.run(run())
+        assert wedged.is_set()
+        stream_error = [e for e in stream_events if e["type"] == "error"]
+        assert stream_error and stream_error[-1]["code"] == "server_error", stream_events
+        assert stream_error[-1]["message"] == "the engine has not answered for 2 s: the session is closed"
+        realtime_error = [e["error"] for e in realtime_events if e["type"] == "error"]
+        assert realtime_error and realtime_error[-1]["message"].startswith("the engine has not answered for 2 s")
+        assert stream_code == realtime_code == 1011
+        assert TIMEOUT_S <= min(stream_s, realtime_s) and max(stream_s, realtime_s) <= TIMEOUT_S + SLACK_S
+        wait_until(lambda: state.live_sessions == 0, 10, "the sessions' places were not freed")
+        assert metric(scrape(url), "qasr_live_sessions") == 0
+        # still wedged: /health says so, and a new session gets a place
+        status, body = health(url)
+        assert status == 503 and body["status"] == "stalled", body
+        assert body["error"].startswith("asr engine stalled for ") and body["error"].endswith(" s with work in hand")
+        assert metric(scrape(url), "qasr_engine_stalled_seconds", engine="asr") > TIMEOUT_S
+
+        async def another() -> None:
+            await (await open_stream(url)).close()
+
+        asyncio.run(another())
+    finally:
+        release.set()
+    wait_until(lambda: health(url)[0] == 200, 30, "the engine did not recover once released")
+    assert metric(scrape(url), "qasr_engine_stalled_seconds", engine="asr") == 0
+    # the requests given up on were cancelled: once the engine steps again, they hold no KV
+    wait_until(lambda: metric(scrape(url), "qasr_engine_kv_blocks_used") == 0, 30, "the cancelled requests' KV")
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("chunk_size_sec", 0.01, "chunk_size_sec must be from 0.25 to 30, got 0.01"),
+    ("max_turn_s", 1e6, "max_turn_s must be from 1 to 120, got 1e+06"),
+])
+def test_stream_refuses_start_settings_out_of_range(served, setting: str, value: float, message: str) -> None:  # noqa: ANN001
+    url, _ = served
+
+    async def run() -> tuple[list[dict], int | None]:
+        ws = await websockets.connect(url.replace("http", "ws") + "/v1/stream")
+        await ws.send(json.dumps({"type": "start", setting: value}))
+        return await until_closed(ws)
+
+    events, code = asyncio.run(run())
+    assert events == [{"type": "error", "code": "invalid_start", "message": message}]
+    assert code == 4400
