@@ -1,8 +1,9 @@
 """/health tells the truth about the engines, and live sessions survive a wedged one: a real uvicorn server on
 127.0.0.1 in this process, serving a tiny random checkpoint, with a fault injected into its engine core's
-runner. A failing loop makes /health 503 ("broken") and /metrics say so; a step that never returns makes
-/health 503 ("stalled") past ``engine_timeout_s``, and ends the live sessions waiting on it with an error
-within that time, freeing their places. /v1/stream refuses start settings outside the served ranges."""
+runner (or an aligner's loop). A failing loop makes /health 503 ("broken", naming the engine) and /metrics
+say so; a step that never returns makes /health 503 ("stalled") past ``engine_timeout_s``, and ends the live
+sessions waiting on it with an error within that time, freeing their places. /v1/stream refuses start
+settings outside the served ranges."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import uvicorn
 import websockets
 from server_proc import free_port, metric
 
+from qasr.engine.errors import EngineBroken
 from qasr.server.app import create_app
 from qasr.server.config import ServerConfig
 
@@ -34,13 +36,13 @@ class Fatal(BaseException):
 
 
 @contextlib.contextmanager
-def serving(model: str) -> Iterator[tuple[str, object]]:
-    """``(url, app)`` of a ready server on the tiny checkpoint ``model``, stopped at the end."""
+def serving(model: str, aligner: str | None = None) -> Iterator[tuple[str, object]]:
+    """``(url, app)`` of a ready server on the tiny checkpoint ``model`` (and ``aligner``), stopped at the end."""
     from qasr.transcribe.asr import ASR
 
     config = ServerConfig(model=model, served_names=("tiny",), warmup=False, engine_timeout_s=TIMEOUT_S,
-                          max_live_sessions=MAX_SESSIONS)
-    app = create_app(config, lambda: ASR.from_pretrained(model, device="cpu", dtype="float32"))
+                          max_live_sessions=MAX_SESSIONS, aligner=aligner)
+    app = create_app(config, lambda: ASR.from_pretrained(model, device="cpu", dtype="float32", aligner=aligner))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -103,6 +105,30 @@ def test_health_is_503_once_the_engine_breaks(tiny_original, monkeypatch: pytest
         assert status == 503 and body["status"] == "broken", body
         assert body["error"].startswith("asr engine broken: its loop failed"), body
         assert metric(scrape(url), "qasr_engine_broken", engine="asr") == 1
+
+
+def test_health_names_a_broken_aligner_engine(tiny_original, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from qasr.testing.checkpoint import make_tiny_aligner_checkpoint
+
+    aligner_path = make_tiny_aligner_checkpoint(tmp_path / "aligner", seed=1)
+    with serving(str(tiny_original), str(aligner_path)) as (url, app):
+        text = scrape(url)
+        assert metric(text, "qasr_engine_broken", engine="asr") == metric(text, "qasr_engine_broken", engine="aligner")
+        assert metric(text, "qasr_engine_broken", engine="aligner") == 0 and "engine=\"aligner\"" in text
+        aligner = app.state.qasr.asr._core.aligner
+
+        def fail() -> None:
+            raise Fatal("the loop itself failed")
+
+        monkeypatch.setattr(aligner.engine.core, "step", fail)
+        wave = np.random.default_rng(1).standard_normal(16000).astype(np.float32) * 0.1
+        with pytest.raises(EngineBroken):
+            aligner.align((wave, 16000), "set an alarm", language="English")
+        status, body = health(url)
+        assert status == 503 and body["status"] == "broken" and body["error"].startswith("aligner engine broken")
+        text = scrape(url)
+        assert metric(text, "qasr_engine_broken", engine="aligner") == 1
+        assert metric(text, "qasr_engine_broken", engine="asr") == 0
 
 
 def wav_file(pcm: bytes) -> bytes:
