@@ -31,11 +31,32 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 10.0
 
 
-def default_kv_bytes(device: torch.device) -> int:
+KV_SHARE = 0.6  # of a CUDA device's memory: every KV pool on it together
+ALIGNER_KV_SHARE = 1 / 8  # of that budget, for an aligner's engine (its requests are prompts alone)
+
+
+def default_kv_bytes(device: torch.device, aligner: bool = False) -> int:
+    """The KV cache of an engine left at the default size. On CUDA every pool on the device shares one budget,
+    KV_SHARE of the memory free before the first of them (free now plus what the pools hold): an aligner's
+    engine takes ALIGNER_KV_SHARE of it, another engine the rest, less what the pools already hold
+    (docs/engine.md, GPU specifics). On CPU two fifths of the available memory, at most 8 GiB."""
+    if device.type == "cuda":
+        from qasr.engine.cuda.kv_cache import held_kv_bytes
+
+        free, _ = torch.cuda.mem_get_info(device)
+        held = held_kv_bytes(device)
+        budget = KV_SHARE * (free + held)
+        share = budget * (ALIGNER_KV_SHARE if aligner else 1 - ALIGNER_KV_SHARE)
+        return int(max(0.0, min(share, budget - held)))
+    return int(min(psutil.virtual_memory().available * 0.4, 8 * 2**30))
+
+
+def default_audio_bytes(device: torch.device) -> int:
+    """Features and encoder rows the admitted requests may hold: a tenth of the free memory, at most 2 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.6)
-    return int(min(psutil.virtual_memory().available * 0.4, 8 * 2**30))
+        return int(free * 0.1)
+    return int(min(psutil.virtual_memory().available * 0.1, 2 * 2**30))
 
 
 class EngineCore:
@@ -43,6 +64,10 @@ class EngineCore:
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
         self.checkpoint = checkpoint
+        if checkpoint.model.device.type == "cuda":  # the settings a GPU runs best, where the CPU's were left
+            from qasr.engine.cuda.prepare import cuda_defaults
+
+            config = cuda_defaults(config)
         self.config = config
         self.threads = config.threads or min(torch.get_num_threads(), usable_cpus())
         torch.set_num_threads(self.threads)  # this thread's, and the default of threads torch starts later
@@ -52,7 +77,7 @@ class EngineCore:
                                                  label=checkpoint.label)
         model = prepared.model
         per_token = kv_bytes_per_token(checkpoint.config.decoder, model.dtype, config.kv_cache_dtype)
-        budget = config.kv_cache_bytes or default_kv_bytes(model.device)
+        budget = config.kv_cache_bytes or default_kv_bytes(model.device, checkpoint.config.is_aligner)
         blocks = -(-max(budget // per_token, 256) // config.kv_block_tokens)
         if config.kv_cache_dtype != "auto" and (prepared.make_pool is not None or model.device.type != "cpu"):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} runs on the CPU backend only: load the model "
@@ -65,9 +90,14 @@ class EngineCore:
                                block_size=config.kv_block_tokens, decode_kernel=prepared.decode_attention,
                                prefill_kernel=prepared.prefill_attention, kv_dtype=config.kv_cache_dtype)
         enc = checkpoint.config.encoder
+        # an audio token's encoder row, and its share of the float32 features (a window's frames over its rows)
+        window_frames = enc.window_tokens // enc.tokens_per_conv_chunk * enc.conv_chunk_frames
+        token_bytes = (checkpoint.config.decoder.hidden_size * model.dtype.itemsize
+                       + -(-window_frames * enc.num_mel_bins * 4 // enc.window_tokens))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
-                            enc.window_tokens), BlockManager(self.pool.allocator))
+                            enc.window_tokens, config.audio_memory_bytes or default_audio_bytes(model.device),
+                            token_bytes), BlockManager(self.pool.allocator))
         if prepared.make_runner is not None:
             self.runner = prepared.make_runner(prepared, self.pool, checkpoint.features, config)
         else:
@@ -87,10 +117,8 @@ class EngineCore:
         self._abort = False  # the loop ends now
         self._broken: BaseException | None = None
         self.steps = 0
-        self._last_step_ran = True
         self._progress_at = time.perf_counter()  # the last step's end, or when idle work arrived
         self._waiting = True  # blocked on an empty inbox with nothing to do
-        self._batch_heavy_at = 0.0  # perf_counter time from which a step may carry batch encode/prefill
         self.encoder_calls = 0
         self.generated_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens)
@@ -170,25 +198,12 @@ class EngineCore:
                         break
                 if not self.scheduler.idle and not self._abort:
                     self.step()
-                    self._wait_for_batch_turn()
         except BaseException as exc:  # noqa: BLE001
             log.exception("qasr engine loop failed; the engine is now broken")
             self._broken = exc
         finally:
             self._fail_everything()
             self._waiting = True
-
-    def _wait_for_batch_turn(self) -> None:
-        """After an empty step (batch work rationed beside live work), sleep until batch work's turn or the
-        next submission."""
-        if self._last_step_ran or self.scheduler.batch_heavy_ok:
-            return
-        wait = self._batch_heavy_at - time.perf_counter()
-        if wait > 0:
-            try:
-                self._take(self._inbox.get(timeout=wait))
-            except queue.Empty:
-                pass
 
     def _take(self, item: Request | KVLease | None) -> None:
         if isinstance(item, KVLease):
@@ -230,9 +245,7 @@ class EngineCore:
         for req in sched.admit():  # submit refuses these already: nothing waits forever on memory
             req.resolve(error=ValueError(f"request needs {req.needs_tokens} KV-cache tokens but the cache holds "
                                          f"{self.pool.tokens}"))
-        sched.batch_heavy_ok = t_step >= self._batch_heavy_at
         plan = sched.plan()
-        self._last_step_ran = bool(plan.encode or plan.decode or plan.prefill)
         encoded = False
         try:
             if plan.encode:
@@ -246,9 +259,6 @@ class EngineCore:
         self._apply(sampled)
         self._finish_alignments(plan)
         now = time.perf_counter()
-        if plan.live_batch_work:  # at most live_batch_share of the time while live work runs
-            share = self.config.live_batch_share
-            self._batch_heavy_at = now + (now - t_step) * (1 - share) / share
         self.timings["step_s"] += now - t_step
         self._progress_at = now
 
@@ -312,20 +322,15 @@ class EngineCore:
                 continue
             if req.first_token_at is None:
                 req.first_token_at = now
-            if not self._replays_faithfully(req, token):
-                ended.add(id(req))
-                continue
             reason = None
             if not req.spec.ignore_eos and token in self.eos:
                 reason = "stop"
             else:
-                req.output.append(token)
-                if len(req.output) > req.delivered:  # not a recomputed token
-                    generated += 1
-                    req.delivered += 1
-                    if req.on_token is not None and not self._deliver(req, token):
-                        ended.add(id(req))
-                        continue
+                req.output.append(token)  # a preempted request keeps its tokens: each is made and delivered once
+                generated += 1
+                if req.on_token is not None and not self._deliver(req, token):
+                    ended.add(id(req))
+                    continue
                 if len(req.output) >= req.max_new_tokens:
                     reason = "length"
             if reason is not None:
@@ -346,18 +351,6 @@ class EngineCore:
         self._recent.append((now, generated))
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
-
-    def _replays_faithfully(self, req: Request, token: int) -> bool:
-        """A preempted request must recompute the tokens it had delivered; one that differs fails."""
-        i = len(req.output)
-        if i >= len(req.replay) or req.replay[i] == token:
-            return True
-        err = RuntimeError(f"request {req.id}: token {i} recomputed after preemption is {token}, "
-                           f"not {req.replay[i]} as before")
-        log.error("qasr: %s", err)
-        self.scheduler.finish(req)
-        req.resolve(error=err)
-        return False
 
     def _finish_alignments(self, plan: StepPlan) -> None:
         for req, _ in plan.prefill:

@@ -99,7 +99,7 @@ def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, l
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != hidden:
         shape = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
         raise ValueError(f"audio_embeds must be an (audio tokens, {hidden}) tensor, got {shape}")
-    if embeds.device != device or not torch.isfinite(embeds).all():
+    if embeds.device != device or not finite_or_deferred(embeds):
         raise ValueError(f"audio_embeds must be finite and on the model's device ({device})")
     placeholders = _audio_placeholders(prompt, limits)
     if placeholders != embeds.shape[0] or placeholders == 0:
@@ -111,6 +111,13 @@ def check_embeds(prompt: list[int], embeds: torch.Tensor, max_new_tokens: int, l
     if need > limits.kv_tokens:
         raise ValueError(f"request needs {need} KV-cache tokens but the cache holds {limits.kv_tokens}")
     return embeds
+
+
+def finite_or_deferred(t: torch.Tensor) -> bool:
+    """Whether a CPU tensor holds no NaN or infinity; True for a tensor on another device, unread (the answer
+    would wait for the device's queued work): the CUDA runner checks the audio rows a step reads, and a conv
+    head through the rows it gives."""
+    return t.device.type != "cpu" or bool(torch.isfinite(t).all())
 
 
 def check_draft(draft: Sequence[int], vocab_size: int) -> tuple[int, ...]:
@@ -166,7 +173,7 @@ def check_conv_head(conv_head: torch.Tensor, frames: int, enc: EncoderConfig, de
             or conv_head.shape[0] < 1 or not conv_head.is_floating_point()):
         shape = tuple(conv_head.shape) if isinstance(conv_head, torch.Tensor) else type(conv_head).__name__
         raise ValueError(f"conv_head must be a (chunks >= 1, {want[0]}, {want[1]}) float tensor, got {shape}")
-    if conv_head.device != device or not torch.isfinite(conv_head).all():
+    if conv_head.device != device or not finite_or_deferred(conv_head):
         raise ValueError(f"conv_head must be finite and on the model's device ({device})")
     rows = conv_head.shape[0] * enc.tokens_per_conv_chunk + audio_token_count(frames, enc.conv_chunk_frames)
     if rows > enc.window_tokens:

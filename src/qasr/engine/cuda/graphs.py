@@ -1,5 +1,6 @@
-"""Pure decode steps replayed as CUDA graphs, one per batch bucket, over static buffers; each graph's first
-replay is checked against the eager forward. Without capture the same bucketed steps run eagerly."""
+"""Pure decode steps replayed as CUDA graphs, one per (batch bucket, context bucket), over static buffers: the
+rows' block tables are a graph input, so a graph replays whatever the block layout. Each graph's first replay
+is checked against the eager forward. Without capture the same bucketed steps run eagerly."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import numpy as np
 import torch
 
 from qasr.engine.cuda.kv_cache import TokenKVPool
-from qasr.engine.cuda.plan import DecodeRows, VarlenMeta, bucket_for, pack, pad_decode
+from qasr.engine.cuda.plan import (
+    DecodeRows,
+    PinnedStaging,
+    VarlenMeta,
+    block_table,
+    bucket_for,
+    num_splits,
+    pack,
+    pad_decode,
+)
 from qasr.engine.runner import pick, read_back
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import Kernels
@@ -19,44 +29,48 @@ from qasr.model.kernels import Kernels
 log = logging.getLogger(__name__)
 
 
-def _host(flat: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(flat)
-    return t.pin_memory() if device.type == "cuda" else t
-
-
 class _Step:
+    """One graph's static buffers: ``rows`` decode rows over at most ``max_k`` keys each."""
 
-    def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, rows: int) -> None:
-        self.model, self.pool, self.kernels, self.rows = model, pool, kernels, rows
+    def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, rows: int, max_k: int,
+                 splits: int, staging: PinnedStaging) -> None:
+        self.model, self.pool, self.kernels, self.rows, self.max_k = model, pool, kernels, rows, max_k
+        self.splits, self.staging = splits, staging
         dev = pool.device
-        b = rows
+        b, w = rows, max_k // pool.block_size
         self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=dev)  # ids | positions | write rows
-        self.i32 = torch.zeros(2 * b + 1, dtype=torch.int32, device=dev)  # k_starts (b + 1) | used (b)
+        self.i32 = torch.zeros(2 * b + 1 + b * w, dtype=torch.int32, device=dev)  # cu_k | used | block table
         self.ids, self.positions, self.write = self.i64[:b], self.i64[b:2 * b], self.i64[2 * b:]
-        self.k_starts, self.used = self.i32[:b + 1], self.i32[b + 1:]
+        self.cu_k, self.used = self.i32[:b + 1], self.i32[b + 1:2 * b + 1]
+        self.table = self.i32[2 * b + 1:].view(b, w)
         self.cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(b, dtype=torch.int64, device=dev)
         self.logprobs = torch.zeros(b, dtype=torch.float32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.verified = False
-        self.load(pad_decode([0], [0], [pool.scratch], [0], b, pool.scratch))
+        self.load(pad_decode([0], [0], [[pool.scratch_block]], [0], b, pool.scratch_block))
 
     def meta(self, rows: DecodeRows) -> VarlenMeta:
-        """The rows' metadata over the static buffers; a row's blocks are consecutive from its first row."""
-        b, bs = self.rows, self.pool.block_size
-        tables = tuple(tuple(range(s // bs, s // bs + c // bs + 1)) for s, c in zip(rows.starts, rows.context_lens,
-                                                                                    strict=True))
-        return VarlenMeta(tables, bs, (1,) * b, tuple(rows.context_lens), b, self.cu_q, self.k_starts, self.used,
-                          self.write, None, 1, self.pool.tokens + 1)
+        """The rows' metadata over the static buffers (the host tables serve the portable attention)."""
+        b = self.rows
+        return VarlenMeta(tuple(rows.tables), self.pool.block_size, (1,) * b,
+                          tuple(rows.context_lens), b, self.cu_q, self.cu_k, self.used, self.table, self.write, 1,
+                          self.max_k, self.splits)
 
     def load(self, rows: DecodeRows) -> None:
-        st = np.asarray(rows.starts, dtype=np.int64)
+        """The rows into the static buffers; of the block table only the columns the rows use (the graph
+        reads no further than each row's keys)."""
+        bs, b = self.pool.block_size, self.rows
         ctx = np.asarray(rows.context_lens, dtype=np.int64)
-        dev = self.pool.device
-        flat64, _ = pack([rows.ids, rows.positions, st + ctx], np.int64)
-        flat32, _ = pack([st, [0], ctx + 1], np.int32)
-        self.i64.copy_(_host(flat64, dev), non_blocking=True)
-        self.i32.copy_(_host(flat32, dev), non_blocking=True)
+        used = ctx + 1
+        write = [t[c // bs] * bs + c % bs for t, c in zip(rows.tables, rows.context_lens, strict=True)]
+        flat64, _ = pack([rows.ids, rows.positions, write], np.int64)
+        flat32, _ = pack([np.concatenate([[0], np.cumsum(used)]), used], np.int32)
+        width = -(-int(used.max()) // bs)
+        self.staging.upload(flat64, out=self.i64)
+        self.staging.upload(flat32, out=self.i32[:2 * b + 1])
+        table = block_table(rows.tables, bs, used, width, pad=self.pool.scratch_block)
+        self.staging.upload(table, out=self.table[:, :width])
         self._rows = rows
 
     def forward(self, meta: VarlenMeta) -> None:
@@ -87,8 +101,8 @@ class _Step:
             got, want = [int(t) for t in got], [int(t) for t in want]
             self.verified = True
             if got != want:
-                raise ReplayMismatch(want, logprobs, f"bucket {self.rows}: the replay gave {got}, "
-                                     f"the eager forward {want}")
+                raise ReplayMismatch(want, logprobs, f"bucket {self.rows} x {self.max_k} keys: the replay gave "
+                                     f"{got}, the eager forward {want}")
             return want, logprobs
         else:
             self.graph.replay()
@@ -119,28 +133,39 @@ def capture_graph(forward: Callable[[], None], mempool: object) -> torch.cuda.CU
 
 
 class DecodeGraphs:
+    """A step per (batch bucket, context bucket); ``slots`` (twice the SM count) sizes each one's key split."""
+
     def __init__(self, model: Qwen3ASRModel, pool: TokenKVPool, kernels: Kernels, buckets: Sequence[int],
-                 capture: bool) -> None:
+                 context_buckets: Sequence[int], capture: bool, staging: PinnedStaging, slots: int) -> None:
         self.model, self.pool, self.kernels = model, pool, kernels
         self.buckets = tuple(buckets)
+        self.context_buckets = tuple(context_buckets)
         self.capture = capture
+        self.staging = staging
+        self.slots = slots
         self.failed: str | None = None
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[tuple[int, int], _Step] = {}
         self.steps = 0
         self.replays = 0
         self.capture_s = 0.0
 
-    def run(self, ids: Sequence[int], positions: Sequence[int], starts: Sequence[int],
+    def key(self, rows: int, context_lens: Sequence[int]) -> tuple[int, int] | None:
+        """The (batch bucket, context bucket) of a decode step, or None when no bucket holds it."""
+        b = bucket_for(rows, self.buckets)
+        k = bucket_for(max(context_lens) + 1, self.context_buckets)
+        return None if b is None or k is None else (b, k)
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
             context_lens: Sequence[int]) -> tuple[list[int], list[float]] | None:
         """One pure decode step's tokens and log-probabilities, or None when no bucket holds it."""
-        b = bucket_for(len(ids), self.buckets)
-        if b is None:
+        key = self.key(len(ids), context_lens)
+        if key is None:
             return None
         self.prepare()
-        step = self._steps[b]
+        step = self._steps[key]
         replayed = step.graph is not None
         try:
-            sampled = step.run(pad_decode(ids, positions, starts, context_lens, b, self.pool.scratch))
+            sampled = step.run(pad_decode(ids, positions, tables, context_lens, key[0], self.pool.scratch_block))
         except ReplayMismatch as exc:
             self.disable(str(exc))
             log.warning("qasr: a replayed decode graph disagreed with the eager forward (%s); decode steps run "
@@ -161,13 +186,16 @@ class DecodeGraphs:
         if self._steps:
             return
         t0 = time.perf_counter()
-        self._steps = {b: _Step(self.model, self.pool, self.kernels, b) for b in self.buckets}
+        kv_heads = self.pool.k.shape[-2]
+        self._steps = {(b, k): _Step(self.model, self.pool, self.kernels, b, k,
+                                     num_splits(b, kv_heads, k, self.slots), self.staging)
+                       for b in self.buckets for k in self.context_buckets}
         if not self.capture:
             return
         try:
             mempool = torch.cuda.graph_pool_handle()
-            for b in sorted(self.buckets, reverse=True):
-                self._steps[b].capture(mempool)
+            for key in sorted(self._steps, reverse=True):
+                self._steps[key].capture(mempool)
             self._check()
         except Exception as exc:  # noqa: BLE001
             self.disable(repr(exc))
@@ -175,7 +203,7 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
 
     def _check(self) -> None:
-        step = self._steps[self.buckets[0]]
+        step = self._steps[(self.buckets[0], self.context_buckets[0])]
         rows = step._rows
         step.load(rows)
         step.graph.replay()

@@ -1,24 +1,35 @@
 """CUDA preparation: flash varlen attention where it passes its self-test, else the portable one; torch's
-linears and convolutions; the token-major pool and the CUDA runner."""
+linears and convolutions; the paged pool and the CUDA runner; the settings a GPU wants (``cuda_defaults``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from typing import TYPE_CHECKING
 
 from qasr.audio.features import FeatureConfig
 from qasr.engine.backend import PreparedModel
+from qasr.engine.config import EngineConfig
 from qasr.engine.cuda.attention import choose_attention, flash_attention
 from qasr.engine.cuda.kv_cache import TokenKVPool
+from qasr.engine.cuda.plan import FLASH_BLOCK_TOKENS
 from qasr.engine.cuda.runner import CudaRunner
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.kernels import TORCH_KERNELS
 
-if TYPE_CHECKING:
-    from qasr.engine.config import EngineConfig
-
 log = logging.getLogger(__name__)
+# what a GPU runs best where the CPU default was left: KV blocks flash's paged path reads, steps that fill the
+# device (the prefill and encoder budgets, 1 s chunks per conv call) and more requests at once
+GPU_DEFAULTS = dict(kv_block_tokens=FLASH_BLOCK_TOKENS, prefill_tokens=4096, encoder_tokens=4160, conv_batch=64,
+                    max_running=256)
+
+
+def cuda_defaults(config: EngineConfig) -> EngineConfig:
+    """``config`` with each of ``GPU_DEFAULTS``' fields that is still at its CPU default replaced; fields a
+    user set to anything else are kept."""
+    cpu = EngineConfig()
+    changes = {name: value for name, value in GPU_DEFAULTS.items() if getattr(config, name) == getattr(cpu, name)}
+    return dataclasses.replace(config, **changes)
 
 
 def graphs_mode(device_type: str, flash: bool, wanted: bool) -> str:
@@ -33,8 +44,10 @@ def graphs_mode(device_type: str, flash: bool, wanted: bool) -> str:
 
 def make_runner(prepared: PreparedModel, pool: TokenKVPool, features: FeatureConfig, config: EngineConfig,
                 flash: bool = False) -> CudaRunner:
-    mode = graphs_mode(pool.device.type, flash, config.cuda_graphs)
-    return CudaRunner(prepared, pool, features, config.conv_batch, graphs=mode, max_rows=config.max_running)
+    # an aligner's requests are prompts alone: it never decodes, so it captures no decode graphs
+    mode = graphs_mode(pool.device.type, flash, config.cuda_graphs and not prepared.model.cfg.is_aligner)
+    return CudaRunner(prepared, pool, features, config.conv_batch, graphs=mode, max_rows=config.max_running,
+                      max_positions=prepared.model.cfg.decoder.max_position_embeddings)
 
 
 def prepare_cuda(model: Qwen3ASRModel, native: bool = True, label: str = "model") -> PreparedModel:
