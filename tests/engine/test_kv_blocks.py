@@ -21,7 +21,6 @@ from qasr.engine.cpu.native import linear_kernel
 from qasr.engine.engine import Continuation, Engine, EngineConfig, RequestSpec
 from qasr.engine.kv_blocks import BlockAllocator, token_rows
 from qasr.engine.kv_cache import kv_bytes_per_token
-from qasr.engine.request import Request
 from qasr.model.prompt import build_prompt
 
 WAIT_S = 120  # far beyond what any scenario here takes: only a stuck engine reaches it
@@ -241,24 +240,3 @@ def test_a_cancelled_request_frees_its_blocks_at_the_next_step(ck) -> None:
         assert eng.stats().kv_blocks_used == 0 and eng.steps == steps + 1
     finally:
         eng.close(drain=False)
-
-
-def test_recomputed_tokens_are_checked_and_not_delivered_twice(ck) -> None:
-    """After a preemption the engine compares each recomputed token with the one made before: the same one
-    is kept but not handed to the listener again; another one fails the request (its listener already saw
-    the first), and the engine goes on."""
-    eng = engine_for(ck, 1024)
-    heard: list[int | None] = []
-    same = Request(RequestSpec([1, 2, 3], 5), on_token=heard.append)
-    other = Request(RequestSpec([1, 2, 3], 5))
-    for req in (same, other):
-        req.prefilled, req.replay, req.delivered = 3, [7, 8], 2  # preempted after two delivered tokens
-        eng.core.scheduler.active.append(req)
-    eng.core._apply([(same, 7), (other, 9)])  # the engine thread's step, driven by hand (no request was submitted)
-    eng.core._apply([(same, 8)])
-    eng.core._apply([(same, 4)])
-    assert same.output == [7, 8, 4] and heard == [4] and not same.future.done()
-    with pytest.raises(RuntimeError, match="recomputed after preemption is 9, not 7"):
-        other.future.result(0)
-    assert eng.core.scheduler.active == [same] and eng.core.generated_tokens == 1
-    eng.close()

@@ -250,6 +250,8 @@ def test_a_cancelled_request_deep_in_the_queue_is_gone_after_one_step(ck) -> Non
     (dict(conv_batch=0), "conv_batch"),
     (dict(max_running=2.5), "max_running"),
     (dict(kv_cache_bytes=-1), "kv_cache_bytes"),
+    (dict(audio_memory_bytes=-1), "audio_memory_bytes"),
+    (dict(audio_memory_bytes=True), "audio_memory_bytes"),
     (dict(prefill_tokens=100, prefill_chunk=201), "prefill_chunk"),
     (dict(prefill_tokens=64, prefill_chunk=256), "2 \\* prefill_tokens"),
 ])

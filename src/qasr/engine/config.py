@@ -16,6 +16,9 @@ class EngineConfig:
 
     kv_cache_bytes: int | None = None  # None or 0: on CPU two fifths of the available memory, at most 8 GiB
     kv_block_tokens: int = 64  # the KV pool's unit
+    # features and encoder rows of admitted requests; None or 0: on CPU a tenth of the available memory, at
+    # most 2 GiB (admission waits while more would be held; an engine with nothing admitted admits one)
+    audio_memory_bytes: int | None = None
     max_running: int = 64
     prefill_tokens: int = 512  # prompt tokens per step, in whole chunks
     prefill_chunk: int = 256  # every prompt's chunk grid (keeps outputs batch-independent)
@@ -25,7 +28,6 @@ class EngineConfig:
     backend: str = "auto"  # engine/device.py; auto: the model's device type
     cuda_graphs: bool = True  # CUDA: replay decode steps as graphs
     quantize: str | None = None  # None: the checkpoint's dtype; "int8" / "int4": CPU only (docs/quantization.md)
-    live_batch_share: float = 0.25  # of engine time, for steps with batch encode/prefill while live work runs
     drafts: bool = True  # check guessed tokens (Continuation.draft) where that is exact
     kv_cache_dtype: str = "auto"  # "int8": about half the bytes (CPU only)
     threads: int | None = None  # torch/OpenMP threads; None: torch's count, at most the usable CPUs (cpu/openmp.py)
@@ -45,14 +47,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        share = self.live_batch_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ValueError(f"EngineConfig.live_batch_share must be in (0, 1], got {share!r}: at 0 batch work would "
-                             "never advance while live sessions run")
-        kv = self.kv_cache_bytes
-        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, Integral) or kv < 0):
-            raise ValueError(f"EngineConfig.kv_cache_bytes must be None (or 0: the default size) or a positive byte "
-                             f"count, got {kv!r}")
+        for name in ("kv_cache_bytes", "audio_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 0):
+                raise ValueError(f"EngineConfig.{name} must be None (or 0: the default size) or a positive byte "
+                                 f"count, got {value!r}")
         # the encoder runs at most 2 * prefill_tokens ahead of prefill (scheduler._plan_encode)
         if self.prefill_chunk > 2 * self.prefill_tokens:
             raise ValueError(f"EngineConfig.prefill_chunk ({self.prefill_chunk}) must be at most 2 * prefill_tokens "

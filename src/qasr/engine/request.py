@@ -99,8 +99,6 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     classes: list[int] = field(default_factory=list)
     first_token_at: float | None = None
-    replay: list[int] = field(default_factory=list)  # what a recomputation must reproduce
-    delivered: int = 0
     preempted: list[str] = field(default_factory=list)
     resumed: int = 0  # tokens of the output made before its last preemption: prefill inputs now
 

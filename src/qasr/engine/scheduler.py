@@ -42,7 +42,6 @@ class StepPlan:
     encode: list[tuple[Request, int]]  # (request, audio tokens)
     decode: list[Request]
     prefill: list[tuple[Request, int]]  # (request, chunk length), in order
-    live_batch_work: bool = False
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # by id(request)
 
     @property
