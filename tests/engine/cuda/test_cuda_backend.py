@@ -785,7 +785,8 @@ def test_cuda_flash_paged_matches_the_reference_on_a_large_mixed_batch() -> None
 @needs_cuda
 def test_cuda_float32_engine_gives_the_cpu_engines_tokens(tiny_original, ck32) -> None:
     waves = [noise(s, seed=k) for k, s in enumerate(LENGTHS)]
-    want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, native_kernels=False), waves)  # nothing to compile
+    # the CPU engine with the settings the CUDA engine takes (the same steps), torch ops: nothing to compile
+    want, _ = _tokens(ck32, cuda_defaults(EngineConfig(kv_cache_bytes=KV, native_kernels=False)), waves)
     with exact_float32():
         ck = load_checkpoint(tiny_original, device="cuda", dtype="float32")
         got, engine = _tokens(ck, EngineConfig(kv_cache_bytes=KV), waves)
