@@ -36,8 +36,8 @@ __all__ = ["Continuation", "Engine", "EngineConfig", "EngineStats", "GenerationR
 class Engine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig()) -> None:
         self.checkpoint = checkpoint
-        self.config = config
         self.core = EngineCore(checkpoint, config)
+        self.config = self.core.config  # what it runs: on CUDA, the GPU defaults where the CPU's were left
         # on the CPU the runner's own log-mel, here run by the submitting thread; other devices make it there
         self._features = LogMel(checkpoint.features, "cpu") if self.device.type == "cpu" else None
         self.audio_token_id = checkpoint.config.audio_token_id

@@ -452,9 +452,11 @@ def test_gpu_defaults_replace_only_the_fields_left_at_their_cpu_defaults() -> No
 
 
 def test_the_gpu_settings_apply_on_a_cuda_device_only(ck32) -> None:
-    """On the CPU (the CUDA backend's planning on CPU tensors) the engine keeps the settings it was given."""
+    """On the CPU (the CUDA backend's planning on CPU tensors) the engine keeps the settings it was given;
+    ``engine.config`` is what the core runs (callers size their work by it, e.g. max_running)."""
     with Engine(ck32, EngineConfig(kv_cache_bytes=KV, backend="cuda")) as engine:
         assert engine.core.config.kv_block_tokens == 64 and engine.core.pool.block_size == 64
+        assert engine.config is engine.core.config
 
 
 def test_the_asr_and_aligner_engines_share_one_kv_budget(monkeypatch) -> None:

@@ -68,6 +68,7 @@ class CudaRunner(Runner):
                 req.features = self.staging.upload(req.features.float())
         return super().encode(slices)
 
+    @torch.inference_mode()
     def forward(self, plan: StepPlan) -> list[tuple[Request, int]]:
         self._pending = self._check_audio(plan)
         return super().forward(plan)
