@@ -241,3 +241,16 @@ def test_stream_refuses_start_settings_out_of_range(served, setting: str, value:
     events, code = asyncio.run(run())
     assert events == [{"type": "error", "code": "invalid_start", "message": message}]
     assert code == 4400
+
+
+def test_the_server_options_of_the_timeout_and_the_chunk(capsys: pytest.CaptureFixture[str]) -> None:
+    from qasr.cli.main import build_parser, main
+    from qasr.cli.serve import server_config
+
+    parse = build_parser().parse_args
+    assert server_config(parse(["serve", "-m", "m"])).engine_timeout_s == 60.0
+    assert server_config(parse(["serve", "-m", "m", "--engine-timeout-s", "5"])).engine_timeout_s == 5.0
+    assert main(["serve", "-m", "m", "--live-chunk-s", "0.1"]) == 2  # before anything loads
+    assert "live_chunk_s must be from 0.25 to 30, got 0.1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="engine_timeout_s must be > 0"):
+        ServerConfig(model="m", served_names=("m",), engine_timeout_s=0)
