@@ -408,24 +408,28 @@ class DoneLater:
 
 
 def test_staging_reuses_its_buffer_and_never_overwrites_one_a_copy_still_reads(monkeypatch) -> None:
-    """Uploads go through one host buffer, grown when too small (to a power of two) and written again only
-    once the copy that read it has run; the copies on the device are the data, not views of the buffer."""
+    """Uploads take consecutive regions of one host buffer, grown when too small; a full buffer is started over
+    only once the copy that last read it has run, else another is added; the copies on the device are the
+    data, not views of the buffer."""
     staging = PinnedStaging(torch.device("cpu"))
     a = staging.upload(np.arange(10, dtype=np.int32))
     ptr = staging._buffers[0][0].data_ptr()
     b = staging.upload(np.arange(100, dtype=np.int64))
     assert len(staging._buffers) == 1 and staging._buffers[0][0].data_ptr() == ptr and staging.nbytes == 4096
+    assert staging._buffers[0][1] == 64 + 832  # two regions, 64-byte aligned
     assert a.tolist() == list(range(10)) and b.tolist() == list(range(100))  # separate from the buffer
-    staging.upload(np.zeros(3000, dtype=np.float32))  # 12 kB: the buffer grows once
-    assert len(staging._buffers) == 1 and staging.nbytes == 16384
-    # on CUDA each copy records an event: a buffer whose copy has not run is left alone, another one is taken
+    staging.upload(np.zeros(3000, dtype=np.float32))  # 12 kB: the buffer grows once, and starts over
+    assert len(staging._buffers) == 1 and staging.nbytes == 16384 and staging._buffers[0][1] == 12032
+    # on CUDA each copy records an event: a full buffer whose last copy has not run is left alone
     monkeypatch.setattr(DoneLater, "done", False)
-    staging._buffers[0] = (staging._buffers[0][0], DoneLater())
-    c = staging.upload(np.arange(5, dtype=np.int64))
-    assert len(staging._buffers) == 2 and staging._buffers[0][0].data_ptr() != staging._buffers[1][0].data_ptr()
-    assert c.tolist() == list(range(5))
+    staging._buffers[0][2] = DoneLater()
+    c = staging.upload(np.arange(1000, dtype=np.int64))  # 8 kB: does not fit what is left
+    assert len(staging._buffers) == 2 and c.tolist() == list(range(1000))
+    first = staging._buffers[0][0].data_ptr()
     monkeypatch.setattr(DoneLater, "done", True)
-    assert staging._take(8) == 1 and staging._take(5000) == 0  # the smallest free buffer that fits
+    staging._buffers[1][2] = DoneLater()
+    staging.upload(np.zeros(3000, dtype=np.float32))  # the second is full: the first, its copy run, starts over
+    assert len(staging._buffers) == 2 and staging._buffers[0][0].data_ptr() == first and staging._current == 0
 
 
 def test_backend_choice_is_made_in_one_place(tiny_original) -> None:
@@ -573,7 +577,7 @@ def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens(ck32, mon
         nonlocal uploads
         uploads += 1
         out = upload_one(self, *args, **kwargs)
-        buffers.update(b.data_ptr() for b, _ in self._buffers)
+        buffers.update(b[0].data_ptr() for b in self._buffers)
         return out
 
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", spy)

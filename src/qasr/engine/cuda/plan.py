@@ -168,50 +168,62 @@ def pack(arrays: Sequence[Sequence[int] | np.ndarray], dtype: np.dtype) -> tuple
 
 
 class PinnedStaging:
-    """Host buffers for asynchronous uploads, reused: pinned on CUDA (a copy from pageable memory syncs the
-    stream), grown when too small, never given back. A buffer is written again only once the copy that
-    last read it has run (a CUDA event, queried without waiting); otherwise another buffer is taken."""
+    """Host memory for asynchronous uploads, reused: pinned on CUDA (a copy from pageable memory syncs the
+    stream), grown when too small, never given back. Uploads take consecutive regions of the current buffer
+    (a step's uploads share one); a full buffer is started over only once the last copy that read it has run
+    (a CUDA event, queried without waiting), else another buffer is taken or added."""
+
+    ALIGN = 64  # region offsets, so any dtype's view is aligned
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # uint8, the copy that read it
+        self._buffers: list[list] = []  # [uint8 buffer, bytes taken, event of the last copy that read it | None]
+        self._current = -1
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b, _ in self._buffers)
+        return sum(b[0].numel() for b in self._buffers)
 
-    def _take(self, nbytes: int) -> int:
-        """The index of a free buffer of at least ``nbytes`` (the smallest such), else of a new one: the largest
-        free buffer replaced by a larger one, or one more buffer where none is free."""
-        free = [i for i, (_, ev) in enumerate(self._buffers) if ev is None or ev.query()]
-        fits = [i for i in free if self._buffers[i][0].numel() >= nbytes]
+    def _region(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """(buffer index, offset) of ``nbytes`` that no queued copy reads."""
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if self._current >= 0:
+            buf = self._buffers[self._current]
+            if buf[1] + size <= buf[0].numel():
+                buf[1] += size
+                return self._current, buf[1] - size
+        free = [i for i, (_, _, ev) in enumerate(self._buffers) if ev is None or ev.query()]
+        fits = [i for i in free if self._buffers[i][0].numel() >= size]
         if fits:
-            return min(fits, key=lambda i: self._buffers[i][0].numel())
-        buf = torch.empty(max(4096, 1 << (max(nbytes, 1) - 1).bit_length()), dtype=torch.uint8,
-                          pin_memory=self.device.type == "cuda")
-        if free:
-            i = max(free, key=lambda i: self._buffers[i][0].numel())
-            self._buffers[i] = (buf, None)
-            return i
-        self._buffers.append((buf, None))
-        return len(self._buffers) - 1
+            i = min(fits, key=lambda i: self._buffers[i][0].numel())
+        else:
+            largest = max((self._buffers[i][0].numel() for i in free), default=2048)
+            grown = torch.empty(max(2 * largest, 1 << (size - 1).bit_length()), dtype=torch.uint8,
+                                pin_memory=self.device.type == "cuda")
+            if free:  # the largest free buffer gives way to a larger one
+                i = max(free, key=lambda i: self._buffers[i][0].numel())
+                self._buffers[i] = [grown, 0, None]
+            else:
+                self._buffers.append([grown, 0, None])
+                i = len(self._buffers) - 1
+        self._current = i
+        self._buffers[i][1] = size
+        return i, 0
 
     def upload(self, host: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``host`` (contiguous) on the device, into ``out`` when given, the copy queued on the current stream."""
+        """``host`` on the device, into ``out`` when given, the copy queued on the current stream."""
         src = torch.as_tensor(host).contiguous()
         nbytes = src.numel() * src.element_size()
-        i = self._take(nbytes)
-        buf = self._buffers[i][0]
-        staged = buf[:nbytes].view(src.dtype).view(src.shape)
+        i, offset = self._region(nbytes)
+        buf = self._buffers[i]
+        staged = buf[0][offset:offset + nbytes].view(src.dtype).view(src.shape)
         staged.copy_(src)
         if out is None:
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
         out.copy_(staged, non_blocking=self.device.type == "cuda")
-        event = None
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._buffers[i] = (buf, event)
+            buf[2] = torch.cuda.Event()
+            buf[2].record()
         return out
 
 
