@@ -139,6 +139,22 @@ def release_file_pages(t: torch.Tensor) -> int:
     return dropped
 
 
+def return_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing): scratch freed
+    between the copies made since would otherwise stay resident."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 @functools.cache
 def _madvise() -> ctypes._CFuncPtr:
     madvise = ctypes.CDLL(None, use_errno=True).madvise

@@ -21,6 +21,7 @@ from qasr.engine.cpu.quantized_linears import int4_decoder_linears, int8_linears
 from qasr.model.asr_model import Qwen3ASRModel
 from qasr.model.decoder import bind_decoder_layers
 from qasr.model.kernels import TORCH_KERNELS, Kernels, torch_silu_mul
+from qasr.model.weights import return_free_heap
 
 log = logging.getLogger(__name__)
 FUSED_NORM_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
@@ -65,6 +66,7 @@ def prepare_cpu(model: Qwen3ASRModel, use_native: bool, quantize: str | None = N
     else:
         linear, conv, gemm_name = _float_products(model, use_native, encoder_ops)
         parts.append(gemm_name)
+    return_free_heap()  # the packing's scratch, freed, would otherwise stay resident
     rms_norm = norm_rope = None
     silu_mul = torch_silu_mul
     if ops is not None:

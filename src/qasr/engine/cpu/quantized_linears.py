@@ -12,7 +12,7 @@ from torch import nn
 
 from qasr.engine.cpu.int4 import Int4Weight
 from qasr.engine.cpu.int8 import Int8Weight
-from qasr.model.weights import release_file_pages
+from qasr.model.weights import release_file_pages, return_free_heap
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class QuantizedLinears:
                 self.products[modules[0]] = make(weight, bias, modules[0])
             for m in modules:
                 release_file_pages(m.weight)  # the product's copy is the one read from now on
+            return_free_heap()  # the quantization's scratch, between the products made so far
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         product = self.products.get(module)
