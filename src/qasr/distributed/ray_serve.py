@@ -76,7 +76,13 @@ def qasr_application(config: ServerConfig, spec: EngineSpec, scaling: ServeScali
         """One qasr server with its own engine."""
 
         async def check_health(self) -> None:
-            await wait_until_loaded(self.app.state.qasr)  # type: ignore[attr-defined] - the ingress wrapper's app
+            """Raises (so Serve replaces this replica) until the model loaded, and when an engine is broken
+            or stalled (the rule of /health)."""
+            state = self.app.state.qasr  # type: ignore[attr-defined] - the ingress wrapper's app
+            await wait_until_loaded(state)
+            trouble = state.engine_trouble()
+            if trouble is not None:
+                raise RuntimeError(trouble[1])
 
     deployment = serve.deployment(QasrReplica, name=APP_NAME, health_check_timeout_s=LOAD_TIMEOUT_S,
                                   graceful_shutdown_timeout_s=60, **scaling.deployment_options())
