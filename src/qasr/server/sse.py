@@ -79,7 +79,7 @@ class TokenHandoff:
 
 
 _REPLACEMENT = "\ufffd"
-_FALLBACK_IDS = 16  # a tail this long that still ends in U+FFFD is split at its last _FALLBACK_IDS ids
+_FALLBACK_IDS = 16  # a tail of twice this many ids still ending in U+FFFD is split before its last 16
 
 
 class PieceText:
