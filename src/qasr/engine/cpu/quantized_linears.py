@@ -28,6 +28,7 @@ class Product:
         return self.weight.bound(self.kernel)
 
 
+RETURN_HEAP_BYTES = 64 << 20  # quantized weight bytes between two hand-backs of the C heap's free pages
 # (weight, bias, the module or a group's first) -> product
 MakeProduct = Callable[[torch.Tensor, "torch.Tensor | None", nn.Linear], Product]
 
@@ -62,6 +63,7 @@ class QuantizedLinears:
         items = [(group, True) for group in dict.fromkeys(g for g, _ in self._member.values())]
         items += [((m,), False) for m in model.modules() if isinstance(m, nn.Linear) and m not in self._member]
         # the largest first: its quantization's scratch is then the peak, not added on top of the others' copies
+        unreturned = 0  # weight bytes quantized since the heap's free pages were last handed back
         for modules, grouped in sorted(items, key=lambda item: -sum(m.weight.numel() for m in item[0])):
             weight = torch.cat([m.weight.detach() for m in modules]) if grouped else modules[0].weight.detach()
             biases = [m.bias for m in modules]
@@ -72,7 +74,10 @@ class QuantizedLinears:
                 self.products[modules[0]] = make(weight, bias, modules[0])
             for m in modules:
                 release_file_pages(m.weight)  # the product's copy is the one read from now on
-            return_free_heap()  # the quantization's scratch, between the products made so far
+            unreturned += sum(m.weight.nbytes for m in modules)
+            if unreturned >= RETURN_HEAP_BYTES:  # the scratch freed between the products made so far
+                return_free_heap()
+                unreturned = 0
 
     def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         product = self.products.get(module)
