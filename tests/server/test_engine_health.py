@@ -1,9 +1,9 @@
 """/health tells the truth about the engines, and live sessions survive a wedged one: a real uvicorn server on
 127.0.0.1 in this process, serving a tiny random checkpoint, with a fault injected into its engine core's
 runner (or an aligner's loop). A failing loop makes /health 503 ("broken", naming the engine) and /metrics
-say so; a step that never returns makes /health 503 ("stalled") past ``engine_timeout_s``, and ends the live
-sessions waiting on it with an error within that time, freeing their places. /v1/stream refuses start
-settings outside the served ranges."""
+say so, and the request that met it 503; a step that never returns makes /health 503 ("stalled") past
+``engine_timeout_s``, and ends the live sessions and the HTTP requests (plain and streamed) waiting on it with
+an error soon after, freeing their places. /v1/stream refuses start settings outside the served ranges."""
 
 from __future__ import annotations
 
@@ -100,7 +100,10 @@ def test_health_is_503_once_the_engine_breaks(tiny_original, monkeypatch: pytest
         wav = noise_pcm16(1.0)
         r = httpx.post(f"{url}/v1/audio/transcriptions", timeout=60, data={"model": "tiny"},
                        files={"file": ("n.raw", wav_file(wav), "audio/wav")})
-        assert r.status_code == 500, r.text
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == {"message": "the inference engine is broken and serves no more requests: "
+                                                "Fatal('the device went away')", "type": "server_error",
+                                     "param": None, "code": "engine_broken"}
         status, body = health(url)
         assert status == 503 and body["status"] == "broken", body
         assert body["error"].startswith("asr engine broken: its loop failed"), body
@@ -224,6 +227,59 @@ def test_a_wedged_engine_ends_live_sessions_within_the_timeout_and_frees_them(
     assert metric(scrape(url), "qasr_engine_stalled_seconds", engine="asr") == 0
     # the requests given up on were cancelled: once the engine steps again, they hold no KV
     wait_until(lambda: metric(scrape(url), "qasr_engine_kv_blocks_used") == 0, 30, "the cancelled requests' KV")
+
+
+def test_a_wedged_engine_ends_http_requests_with_503_within_the_timeout(
+        served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    url, app = served
+    core = app.state.qasr.asr._core.engine.core
+    release, wedged = threading.Event(), threading.Event()
+    real_forward = core.runner.forward
+
+    def wedge(plan: object) -> object:
+        wedged.set()
+        release.wait(120)
+        return real_forward(plan)
+
+    audio = {"file": ("n.wav", wav_file(noise_pcm16(2.0)), "audio/wav")}
+
+    async def run() -> tuple[tuple[httpx.Response, float], tuple[int, str, float]]:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S + SLACK_S) as client:
+            sent = time.monotonic()
+
+            async def plain() -> tuple[httpx.Response, float]:
+                r = await client.post("/v1/audio/transcriptions", data={"model": "tiny"}, files=audio)
+                return r, time.monotonic() - sent
+
+            async def streamed() -> tuple[int, str, float]:
+                async with client.stream("POST", "/v1/audio/transcriptions", files=audio,
+                                         data={"model": "tiny", "stream": "true"}) as r:
+                    body = (await r.aread()).decode()
+                return r.status_code, body, time.monotonic() - sent
+
+            return await asyncio.gather(plain(), streamed())
+
+    monkeypatch.setattr(core.runner, "forward", wedge)
+    try:
+        (plain, plain_s), (stream_status, stream_body, stream_s) = asyncio.run(run())
+        assert wedged.is_set()
+        assert plain.status_code == 503, plain.text
+        error = plain.json()["error"]
+        assert error["code"] == "engine_stalled" and error["type"] == "server_error", error
+        assert error["message"].startswith("asr engine stalled for "), error
+        assert error["message"].endswith(" s with work in hand; the request was cancelled"), error
+        assert stream_status == 200 and stream_body.startswith("event: error\ndata: "), stream_body
+        assert json.loads(stream_body.split("data: ", 1)[1])["error"]["code"] == "engine_stalled", stream_body
+        assert TIMEOUT_S <= min(plain_s, stream_s) and max(plain_s, stream_s) <= TIMEOUT_S + SLACK_S
+        status, body = health(url)  # still wedged, still answering
+        assert status == 503 and body["status"] == "stalled", body
+    finally:
+        release.set()
+    wait_until(lambda: health(url)[0] == 200, 30, "the engine did not recover once released")
+    # the requests given up on were cancelled: once the engine steps again, they hold no KV
+    wait_until(lambda: metric(scrape(url), "qasr_engine_kv_blocks_used") == 0, 30, "the cancelled requests' KV")
+    r = httpx.post(f"{url}/v1/audio/transcriptions", data={"model": "tiny"}, files=audio, timeout=60)
+    assert r.status_code == 200 and "text" in r.json(), r.text
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [

@@ -77,7 +77,8 @@ async def transcriptions(request: Request) -> Response:
     ticket.resize(upload.duration)  # the decoded audio, no longer the header's figure
     state.metrics.queued_audio.set(state.budget.queued_s)
     try:
-        run = EngineRun(core, upload, stream=params.stream, words=params.words, handoff=state.token_handoff())
+        run = EngineRun(core, upload, stream=params.stream, words=params.words, handoff=state.token_handoff(),
+                        trouble=state.engine_trouble)
     except BaseException:
         _release(state, ticket, None)
         raise
@@ -109,15 +110,16 @@ async def _decode(request: Request, state: ServerState, admission: UploadAdmissi
 
 
 async def _events(state: ServerState, run: EngineRun, ticket: Ticket, segments: bool) -> AsyncIterator[bytes]:
-    """The SSE body; a client that leaves cancels it, and ``finally`` cancels the engine requests."""
+    """The SSE body; a client that leaves cancels it, and ``finally`` cancels the engine requests. A failure
+    (a stalled engine's included) ends it with an error event."""
     done = None
     try:
-        async for item in run.deltas(segments=segments):
-            if isinstance(item, str):
-                yield sse.delta_event(item)
-            else:
-                yield sse.segment_event(*item)
         try:
+            async for item in run.deltas(segments=segments):
+                if isinstance(item, str):
+                    yield sse.delta_event(item)
+                else:
+                    yield sse.segment_event(*item)
             done = await run.finish()
         except ApiError as exc:
             yield sse.error_event(error_body(exc.status, exc.message, exc.param, exc.code))

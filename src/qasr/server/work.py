@@ -5,10 +5,10 @@ plain and the streamed answer share the pieces, so they carry the same text.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from qasr.transcribe.core import Core
     from qasr.transcribe.options import TranscribeOptions
     from qasr.transcribe.pieces import Piece
+
+T = TypeVar("T")
+Trouble = Callable[[], tuple[str, str] | None]  # ServerState.engine_trouble: (kind, why) or None
+TROUBLE_CHECK_S = 1.0  # how often a request waiting on the engine asks whether it can still serve
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,13 @@ class EngineRun:
     """The engine requests of one upload; create it on the event loop that consumes its tokens."""
 
     def __init__(self, core: Core, upload: Upload, stream: bool, words: bool = False,
-                 handoff: TokenHandoff | None = None) -> None:
-        """``words``: align each piece once transcribed. ``handoff``: the loop's shared one, else a private one."""
+                 handoff: TokenHandoff | None = None, trouble: Trouble | None = None) -> None:
+        """``words``: align each piece once transcribed. ``handoff``: the loop's shared one, else a private one.
+        ``trouble``: asked while waiting; once it names a broken or stalled engine, the wait ends in a 503."""
         self.core = core
         self.upload = upload
         self.words = words
+        self._trouble = trouble
         self.futures: list[Future] = []
         self._tokens: list[asyncio.Queue[int | None]] = []
         if stream:
@@ -109,11 +115,11 @@ class EngineRun:
             fut.cancel()
 
     async def finish(self) -> Finished:
-        """Wait for every piece; cancelled, so are the engine requests."""
+        """Wait for every piece; cancelled or given up on (``trouble``), so are the engine requests."""
         waiters = [asyncio.wrap_future(f) for f in self.futures]
         try:
             if waiters:
-                await asyncio.wait(waiters)
+                await self._served(asyncio.wait(waiters))
         finally:
             self.cancel()
         outcomes = []
@@ -126,7 +132,8 @@ class EngineRun:
 
     async def deltas(self, segments: bool = False) -> AsyncIterator[str | tuple[int, Segment]]:
         """Transcript text as generated, piece after piece; with ``segments``, ``(index, Segment)`` after
-        each piece's text. A failed piece ends them (``finish`` says why)."""
+        each piece's text. A failed piece ends them (``finish`` says why); an engine that cannot serve raises
+        the 503 ``finish`` would."""
         tok = self.core.checkpoint.tokenizer
         joiner = Joiner()
         for k, (piece, queue) in enumerate(zip(self.upload.pieces, self._tokens, strict=True)):
@@ -134,7 +141,7 @@ class EngineRun:
             ended = False
             while not ended:
                 # one delta for all tokens already here, not one event per token
-                tokens = [await queue.get()]
+                tokens = [await self._served(queue.get())]
                 while not queue.empty():
                     tokens.append(queue.get_nowait())
                 if None in tokens:
@@ -145,12 +152,31 @@ class EngineRun:
                     yield delta
             if segments:
                 done = asyncio.wrap_future(self.futures[k])  # settles once its words are aligned
-                await asyncio.wait({done})
+                await self._served(asyncio.wait({done}))
                 read = read_piece(tok, piece, outcome_of(done), self.upload.name, warn=False)
                 if isinstance(read, str):
                     segments = False  # the request fails: finish() says why
                 else:
                     yield k, read.segment
+
+    async def _served(self, work: Awaitable[T]) -> T:
+        """``await work``, asking ``trouble`` every TROUBLE_CHECK_S meanwhile: when it names an engine that
+        cannot serve, ``work`` and this upload's engine requests are cancelled and a 503 raised."""
+        if self._trouble is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=TROUBLE_CHECK_S)
+                if done:
+                    return task.result()
+                trouble = self._trouble()
+                if trouble is not None:
+                    self.cancel()
+                    kind, why = trouble
+                    raise ApiError(503, f"{why}; the request was cancelled", code=f"engine_{kind}")
+        finally:
+            task.cancel()  # no-op once done
 
     def _finished(self, outcomes: list[GenerationResult | Aligned]) -> Finished:
         up = self.upload
@@ -186,7 +212,9 @@ def _engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, EngineClosed):
         return ApiError(503, "the server is shutting down", code="shutting_down")
     if isinstance(exc, EngineBroken):
-        return ApiError(500, f"the inference engine failed: {exc}")
+        cause = repr(exc.__cause__) if exc.__cause__ is not None else str(exc)
+        return ApiError(503, f"the inference engine is broken and serves no more requests: {cause}",
+                        code="engine_broken")
     if isinstance(exc, ValueError):  # refused at submit, e.g. longer than the KV cache holds
         return ApiError(400, str(exc), param="file")
     return ApiError(500, f"transcription failed: {type(exc).__name__}: {exc}")
