@@ -3,13 +3,15 @@ demo model, driven by the official ``openai`` client and a WebSocket client.
 
 Covers: the OpenAI client's answers equal the offline transcripts; 16 concurrent requests are shared by both
 replicas (each response names its replica); a live WebSocket session works through Serve's proxy; SIGINT
-removes the app and exits 0; the replica and autoscaling options. Marked ``ray`` (``make test-ray``).
+removes the app and exits 0; a replica whose engine is broken fails its health check; the replica and
+autoscaling options. Marked ``ray`` (``make test-ray``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -128,6 +130,50 @@ def test_sigint_removes_the_app_and_exits_0(server) -> None:
     from ray import serve
 
     assert "qasr" not in serve.status().applications
+
+
+def test_a_replica_whose_engine_broke_fails_its_health_check(runtime, tiny_original) -> None:  # noqa: ANN001
+    from ray import serve
+
+    from qasr.distributed.config import ServeScaling
+    from qasr.distributed.ray_serve import qasr_application
+    from qasr.server.config import ServerConfig
+
+    model = str(tiny_original)
+
+    class BreakingSpec:  # EngineSpec's part a replica uses; defined here, so shipped to the replica by value
+        def load(self):  # noqa: ANN202 - an ASR
+            """The tiny model's ASR, its engine's loop failed by a forward pass that raises a fatal error."""
+            import numpy as np
+
+            from qasr import ASR
+
+            class Fatal(BaseException):
+                pass
+
+            def fail(plan: object) -> object:
+                raise Fatal("the device went away")
+
+            asr = ASR.from_pretrained(model, device="cpu", dtype="float32")
+            asr._core.engine.core.runner.forward = fail
+            noise = np.random.default_rng(0).standard_normal(16000).astype(np.float32) * 0.1
+            with contextlib.suppress(Exception):
+                asr.transcribe((noise, 16000))
+            assert asr._core.engine.stats().broken
+            return asr
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})  # no-op if the server test started it
+    config = ServerConfig(model=model, served_names=("tiny",), warmup=False)  # no warm-up: it would fail the load
+    try:
+        # Serve checks a replica's health as it starts: the broken one never counts as started
+        with pytest.raises(RuntimeError, match="Deploying application broken failed"):
+            serve.run(qasr_application(config, BreakingSpec(), ServeScaling(replica_cpus=0.5)),
+                      name="broken", route_prefix="/broken")
+        status = serve.status().applications["broken"]
+        assert status.status == "DEPLOY_FAILED"
+        assert "asr engine broken: its loop failed" in status.deployments["qasr"].message
+    finally:
+        serve.delete("broken")
 
 
 def test_replica_and_autoscaling_options() -> None:
