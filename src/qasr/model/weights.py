@@ -1,4 +1,5 @@
-"""Find a checkpoint and read its safetensors, keys of either layout mapped onto the release's minus ``thinker.``."""
+"""Find a checkpoint and read its safetensors, keys of either layout mapped onto the release's minus ``thinker.``;
+the weights stay views of the mapped files, and a packer lets a weight's pages go once it holds its own copy."""
 
 from __future__ import annotations
 
