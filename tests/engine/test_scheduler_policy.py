@@ -1,4 +1,4 @@
-"""The scheduling policy on the scheduler alone: rank (live work, then age), each class's share of a step's
+"""The scheduling policy on the scheduler alone: rank (live work, then age), each class's share of the steps'
 budgets under overload, the same room rule for every kind, the audio memory budget and the preemption cap."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 
 from qasr.engine.kv_blocks import BlockAllocator, BlockManager
 from qasr.engine.request import Request, RequestSpec
-from qasr.engine.scheduler import BATCH_SHARE, PREEMPT_CAP, Scheduler, SchedulerConfig, StepPlan
+from qasr.engine.scheduler import BATCH_EVERY, BATCH_SHARE, PREEMPT_CAP, Scheduler, SchedulerConfig, StepPlan
 
 CFG = SchedulerConfig(prefill_tokens=512, prefill_chunk=128, encoder_tokens=520, window_tokens=104)
 
@@ -28,29 +28,33 @@ def shares(plan: StepPlan) -> tuple[int, int, int, int]:
             sum(n for r, n in plan.encode if r.live), sum(n for r, n in plan.encode if not r.live))
 
 
-def test_under_overload_each_class_keeps_its_share_of_every_step() -> None:
-    """Both classes with far more ready work than a step holds: batch work gets its floor of each budget
-    (BATCH_SHARE, in whole chunks and windows), live work the rest, step after step; with one class alone it
-    gets the whole budget."""
+def test_under_overload_batch_work_rides_in_one_step_of_batch_every() -> None:
+    """Both classes with far more ready work than a step holds: in one step of BATCH_EVERY batch work gets its
+    share of each budget (BATCH_SHARE, in whole chunks and windows) and live work the rest; in the others live
+    work gets the whole budgets. With one class alone it gets the whole budgets every step; encoder-only
+    requests (live sessions' windows) are encoded whole, whatever the budget."""
     sched = scheduler()
-    sched.active = [*(ready(2048, audio=1040) for _ in range(4)), *(ready(2048, interactive=True) for _ in range(4))]
-    sched.encoding = [Request(RequestSpec([], 0), audio_tokens=104, encode_only=True) for _ in range(12)]
+    sched.active = [*(ready(2048, audio=1040) for _ in range(4)),
+                    *(ready(2048, interactive=True, audio=1040) for _ in range(4))]
     floor_p = int(512 * BATCH_SHARE) // 128 * 128
     floor_e = int(520 * BATCH_SHARE) // 104 * 104
-    for _ in range(3):
+    seen = []
+    for _ in range(2 * BATCH_EVERY):
         plan = sched.plan()
-        assert shares(plan) == (512 - floor_p, floor_p, 520 - floor_e, floor_e)
+        seen.append(shares(plan))
         for req, n in plan.prefill:
             req.prefilled += n
         for req, n in plan.encode:
             req.encoded_tokens += n
-        sched.encoding = [r for r in sched.encoding if not r.encoded]
+    batch_step = (512 - floor_p, floor_p, 520 - floor_e, floor_e)
+    assert seen == ([(512, 0, 520, 0)] * (BATCH_EVERY - 1) + [batch_step]) * 2
     batch_only = scheduler()
     batch_only.active = [ready(2048, audio=1040) for _ in range(2)]
-    assert shares(batch_only.plan()) == (0, 512, 0, 520)
+    assert [shares(batch_only.plan()) for _ in range(BATCH_EVERY)] == [(0, 512, 0, 520)] * BATCH_EVERY
     live_only = scheduler()
     live_only.active = [ready(2048, interactive=True) for _ in range(2)]
-    assert shares(live_only.plan()) == (512, 0, 0, 0)
+    live_only.encoding = [Request(RequestSpec([], 0), audio_tokens=208, encode_only=True) for _ in range(4)]
+    assert shares(live_only.plan()) == (512, 0, 832, 0)
 
 
 def test_work_goes_by_rank_live_first_then_age() -> None:
@@ -59,8 +63,10 @@ def test_work_goes_by_rank_live_first_then_age() -> None:
     old, young = ready(300), ready(300)
     live = ready(100, interactive=True)
     sched.active = [young, old, live]
-    assert sched.plan().prefill == [(live, 100), (old, 128), (old, 128), (old, 44)]  # 400 of 512: young's
-    # chunk would pass the budget
+    sched.planned = BATCH_EVERY - 1  # the next step is one where batch work rides beside live work
+    assert sched.plan().prefill == [(live, 100), (old, 128)]  # its share
+    sched.active.remove(live)
+    assert sched.plan().prefill == [(old, 128), (old, 128), (old, 44), (young, 128)]  # 428 of 512
 
 
 def test_interactive_requests_wait_for_room_and_count_toward_max_running() -> None:
@@ -141,3 +147,14 @@ def test_a_preempted_request_resumes_with_its_tokens_as_prefill_inputs() -> None
     assert young.prefill_ids == [1] * 20 + [5, 6] and young.prefill_len == 22 and not young.prefill_done
     assert young.ready_until(0) == 22 and young.context == 22
     assert sched._needs(young) == 2
+
+
+def test_encoder_slices_are_whole_windows_when_live_windows_fill_the_budget() -> None:
+    """Encoder-only requests past the whole budget leave the other requests' slices positive whole windows
+    (or none) in every kind of step."""
+    sched = scheduler()
+    sched.encoding = [Request(RequestSpec([], 0), audio_tokens=208, encode_only=True) for _ in range(4)]
+    sched.active = [ready(64, audio=1040), ready(64, interactive=True, audio=1040)]
+    for _ in range(BATCH_EVERY):
+        plan = sched.plan()
+        assert all(n > 0 and (r.encode_only or n % 104 == 0) for r, n in plan.encode), plan.encode

@@ -22,7 +22,8 @@ from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.request import Request
 
 DRAFT_ROWS = 8  # guesses checked per request and step
-BATCH_SHARE = 0.25  # of each step's encoder and prefill budgets, for batch work while both classes have work
+BATCH_SHARE = 0.25  # of a step's encoder and prefill budgets: batch work's while live work is in the engine
+BATCH_EVERY = 4  # while live work is in the engine, batch work's share rides in one step of this many
 PREEMPT_CAP = 2  # preemptions after which a request is no longer a victim (but of the top-ranked request)
 
 
@@ -76,6 +77,7 @@ class Scheduler:
         self.active: list[Request] = []  # in admission order
         self.encoding: list[Request] = []  # encoder-only requests
         self.preemptions = 0
+        self.planned = 0  # steps planned
 
     def add(self, req: Request) -> None:
         (self.encoding if req.encode_only else self.waiting).append(req)
@@ -211,6 +213,7 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """The next step: every decode row plus encoder and prefill work by rank; KV blocks are taken here."""
+        self.planned += 1
         plan = StepPlan(self._plan_encode(), [], [])
         after = {id(r): r.encoded_tokens + n for r, n in plan.encode}
         for req in sorted(self.active, key=rank):
@@ -231,28 +234,45 @@ class Scheduler:
         behind; by rank within ``encoder_tokens`` (one item at least), batch work's share kept."""
         cfg = self.config
         lookahead = 2 * cfg.prefill_tokens
-        wanted = sorted([*(r for r in self.encoding if not r.cancelled),
-                         *(r for r in self.active if not r.encoded
-                           and r.encoded_tokens - r.audio_before_position(r.prefilled) < lookahead)], key=rank)
-        live_cap = _live_cap(cfg.encoder_tokens, cfg.window_tokens, wanted)
-        plan: list[tuple[Request, int]] = []
-        used, batch_in = 0, False
+        plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
+        wanted = sorted((r for r in self.active if not r.encoded
+                         and r.encoded_tokens - r.audio_before_position(r.prefilled) < lookahead), key=rank)
+        live_cap, batch_cap = self._caps(cfg.encoder_tokens, cfg.window_tokens, wanted)
+        used = sum(n for _, n in plan)
+        batch_used = 0
         for req in wanted:
-            room = (live_cap if req.live else cfg.encoder_tokens) - used
-            if not req.live and not batch_in:
-                room = max(room, cfg.window_tokens)  # batch work's floor: a window a step
-            n = req.audio_tokens if req.encode_only else self._slice(req, room)
-            if n == 0 or (plan and n > room):
+            if req.live:
+                room = live_cap - used
+            elif batch_cap == 0:
+                break
+            else:
+                room = min(cfg.encoder_tokens - used, batch_cap - batch_used)
+                if not batch_used:
+                    room = max(room, cfg.window_tokens)  # batch work's floor: a window in its steps
+            n = self._slice(req, room)
+            if n <= 0 or (plan and n > room):
                 continue
             plan.append((req, n))
             used += n
-            batch_in = batch_in or not req.live
+            batch_used += 0 if req.live else n
         return plan
+
+    def _caps(self, budget: int, unit: int, wanted: list[Request]) -> tuple[int, int]:
+        """What live and batch work may take of this step's budget. Without live work in the engine, batch work
+        all of it. With it, batch work its share in one step of BATCH_EVERY and nothing in the others, so the
+        steps a live request waits for stay short; live work the rest."""
+        live_in = any(r.live for r in self.active) or any(not r.cancelled for r in self.encoding)
+        if not live_in:
+            return budget, budget
+        if self.planned % BATCH_EVERY or all(r.live for r in wanted):
+            return budget, 0
+        share = _share(budget, unit)
+        return max(budget - share, unit), share
 
     def _slice(self, req: Request, room: int) -> int:
         """Whole windows of ``req``'s audio within ``room`` (its last window may be short); 0 if none fits."""
         left = req.audio_tokens - req.encoded_tokens
-        n = min(left, room // self.config.window_tokens * self.config.window_tokens)
+        n = min(left, max(room, 0) // self.config.window_tokens * self.config.window_tokens)
         return left if n == 0 and left <= room else n
 
     def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan) -> None:
@@ -266,8 +286,8 @@ class Scheduler:
                 if limit > req.prefilled:
                     ready[id(req)] = limit
         wanted = sorted((r for r in self.active if id(r) in ready), key=rank)
-        live_cap = _live_cap(cfg.prefill_tokens, cfg.prefill_chunk, wanted)
-        used, batch_in = 0, False
+        live_cap, batch_cap = self._caps(cfg.prefill_tokens, cfg.prefill_chunk, wanted)
+        used = batch_used = 0
         for req in wanted:
             if req not in self.active:
                 continue  # preempted by an earlier reservation
@@ -284,26 +304,24 @@ class Scheduler:
                 n = end - done
                 if req.live:
                     fits = not plan.prefill or used + n <= live_cap
-                else:
-                    fits = not batch_in or used + n <= cfg.prefill_tokens  # batch work's floor: a chunk a step
+                elif batch_cap == 0:
+                    return
+                else:  # batch work's floor: a chunk in its steps
+                    fits = not batch_used or (used + n <= cfg.prefill_tokens and batch_used + n <= batch_cap)
                 if not fits:
                     break
                 if not self._reserve(req, end, plan):
                     return
                 plan.prefill.append((req, n))
                 used += n
-                batch_in = batch_in or not req.live
+                batch_used += 0 if req.live else n
                 prompt_chunk = prompt_chunk or done < len(req.prompt)
                 done = end
 
 
-def _live_cap(budget: int, unit: int, wanted: list[Request]) -> int:
-    """What live work may take of a budget: all of it, or while batch work waits, all but BATCH_SHARE of it
-    (in whole units, one at least)."""
-    if all(r.live for r in wanted):
-        return budget
-    share = max(int(budget * BATCH_SHARE) // unit, 1) * unit
-    return max(budget - share, unit)
+def _share(budget: int, unit: int) -> int:
+    """BATCH_SHARE of a budget in whole units, one at least."""
+    return max(int(budget * BATCH_SHARE) // unit, 1) * unit
 
 
 def _by_group(reqs) -> dict[object, deque[Request]]:  # noqa: ANN001 - an iterable of requests
