@@ -6,11 +6,12 @@ batch work, then age (submission order), so within one input the earlier pieces 
 waiting requests by rank (batch ones by group first: the group with the fewest running, preempted requests
 ahead) while ``max_running`` allows and the KV blocks and audio memory they need are there for the taking;
 nothing overtakes a request that waits for room. Each step carries every decode row plus encoder slices and
-prefill chunks by rank within two budgets (``encoder_tokens``, ``prefill_tokens``); while batch work is
-ready, live work leaves it ``BATCH_SHARE`` of each budget (one window, one chunk at least), so neither class
-starves the other. When blocks run out, kept leases are evicted, then the lowest-ranked running request
-below the one in need is preempted; one preempted ``PREEMPT_CAP`` times is spared by all but the
-top-ranked request, which can always go on.
+prefill chunks by rank within two budgets (``encoder_tokens``, ``prefill_tokens``; encoder-only requests
+whole, whatever the budget). While live work is in the engine, batch work's encoder and prefill work rides
+in one step of ``BATCH_EVERY`` with ``BATCH_SHARE`` of each budget (one window, one chunk at least), so
+neither class starves the other and the steps live work waits for stay short. When blocks run out, kept
+leases are evicted, then the lowest-ranked running request below the one in need is preempted; one
+preempted ``PREEMPT_CAP`` times is spared by all but the top-ranked request, which can always go on.
 """
 
 from __future__ import annotations
@@ -230,8 +231,8 @@ class Scheduler:
                 plan.drafts[id(req)] = ahead
 
     def _plan_encode(self) -> list[tuple[Request, int]]:
-        """Encoder-only requests whole, other requests' next windows while their prefill is less than two steps
-        behind; by rank within ``encoder_tokens`` (one item at least), batch work's share kept."""
+        """Encoder-only requests whole, then other requests' next windows while their prefill is less than two
+        steps behind, by rank within what is left of ``encoder_tokens`` and the class caps (one item at least)."""
         cfg = self.config
         lookahead = 2 * cfg.prefill_tokens
         plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
@@ -276,8 +277,8 @@ class Scheduler:
         return left if n == 0 and left <= room else n
 
     def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan) -> None:
-        """Prefill chunks on each request's grid, by rank within ``prefill_tokens`` (one chunk at least), a
-        chunk once its audio is encoded; batch work's share kept."""
+        """Prefill chunks on each request's grid, by rank within ``prefill_tokens`` and the class caps (one chunk
+        at least), a chunk once its audio is encoded."""
         cfg = self.config
         ready = {}
         for req in self.active:
