@@ -1,5 +1,6 @@
 """The scheduling policy on the scheduler alone: rank (live work, then age), each class's share of the steps'
-budgets under overload, the same room rule for every kind, the audio memory budget and the preemption cap."""
+budgets under overload, the same room rule for every kind, the audio memory budget (and, through an engine,
+that its setting reaches the scheduler) and the preemption cap."""
 
 from __future__ import annotations
 
@@ -158,3 +159,26 @@ def test_encoder_slices_are_whole_windows_when_live_windows_fill_the_budget() ->
     for _ in range(BATCH_EVERY):
         plan = sched.plan()
         assert all(n > 0 and (r.encode_only or n % 104 == 0) for r, n in plan.encode), plan.encode
+
+
+def test_an_engine_holds_the_audio_of_one_request_at_a_time_under_a_tiny_audio_budget(ck) -> None:  # noqa: ANN001
+    """EngineConfig.audio_memory_bytes reaches the scheduler: with a budget below one request's audio, requests
+    run one at a time (an engine with nothing admitted admits one) and all finish."""
+    from conftest import noise, prompt_for
+
+    from qasr.engine.engine import Engine, EngineConfig
+
+    with Engine(ck, EngineConfig(audio_memory_bytes=1)) as engine:
+        sched = engine.core.scheduler
+        plan = sched.plan
+        running: list[int] = []
+
+        def recording_plan():  # noqa: ANN202
+            running.append(len(sched.active))
+            return plan()
+
+        sched.plan = recording_plan
+        waves = [noise(1.0 + k, seed=80 + k) for k in range(3)]
+        futures = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w, ignore_eos=True)) for w in waves]
+        assert all(len(f.result(60).token_ids) == 4 for f in futures)
+    assert max(running) == 1 and sched.config.audio_memory_bytes == 1 and sched.config.audio_token_bytes > 0
