@@ -17,6 +17,7 @@ preempted ``PREEMPT_CAP`` times is spared by all but the top-ranked request, whi
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from qasr.engine.kv_blocks import BlockManager
@@ -125,20 +126,18 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return impossible
 
-    def _admission_order(self) -> list[Request]:
+    def _admission_order(self) -> Iterator[Request]:
         """Live requests by age; then batch: a preempted one first, else the group with the fewest running
-        (queue order within a group and between equals)."""
-        live = sorted((r for r in self.waiting if r.live), key=rank)
+        (queue order within a group and between equals). Lazy: admission stops at the first that waits."""
+        yield from sorted((r for r in self.waiting if r.live), key=rank)
         queues = _by_group(r for r in self.waiting if not r.live)
         running = Counter(r.group_key for r in self.active if not r.live)
-        order = []
         while queues:
             key = _next_group(queues, running)
-            order.append(queues[key].popleft())
+            yield queues[key].popleft()
             running[key] += 1
             if not queues[key]:
                 del queues[key]
-        return [*live, *order]
 
     def _needs(self, req: Request) -> int:
         """Blocks to get back where it was: its prompt, and the tokens it had made if it was preempted."""
@@ -325,7 +324,7 @@ def _share(budget: int, unit: int) -> int:
     return max(int(budget * BATCH_SHARE) // unit, 1) * unit
 
 
-def _by_group(reqs) -> dict[object, deque[Request]]:  # noqa: ANN001 - an iterable of requests
+def _by_group(reqs: Iterable[Request]) -> dict[object, deque[Request]]:
     queues: dict[object, deque[Request]] = {}
     for req in reqs:
         queues.setdefault(req.group_key, deque()).append(req)
