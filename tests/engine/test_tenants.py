@@ -311,6 +311,34 @@ def test_a_step_where_every_request_fails_alone_breaks_the_engine(ck) -> None:
     engine.close()
 
 
+def test_requests_that_each_fail_for_their_own_data_keep_the_engine(ck) -> None:
+    """Every request of a step failing alone with a ValueError (its own data, e.g. non-finite audio rows)
+    fails those requests only: the engine is not broken and serves the next one."""
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
+    forward = engine.core.runner.forward
+    bad = {len(prompt_for(ck, noise(1.0 + k, seed=40 + k))) for k in range(3)}
+
+    def refusing(plan):  # noqa: ANN001, ANN202
+        if any(len(r.prompt) in bad for r in plan.requests):
+            raise ValueError("audio rows hold NaN")
+        return forward(plan)
+
+    engine.core.runner.forward = refusing
+    gate = StepGate(engine)
+    waves = [noise(1.0 + k, seed=40 + k) for k in range(3)]
+    futures = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w)) for w in waves]
+    gate.wait_blocked()
+    gate.open()
+    for f in futures:
+        with pytest.raises(ValueError, match="NaN"):
+            f.result(timeout=30)
+    assert not engine.stats().broken
+    good = noise(4.5, seed=49)
+    assert len(engine.submit(RequestSpec(prompt_for(ck, good), 2, waveform=good,
+                                         ignore_eos=True)).result(timeout=30).token_ids) == 2
+    engine.close()
+
+
 def test_a_step_where_one_request_fails_keeps_the_engine(ck) -> None:
     engine = Engine(ck, EngineConfig(kv_cache_bytes=KV))
     waves = [noise(1.0 + k, seed=30 + k) for k in range(3)]

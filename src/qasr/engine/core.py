@@ -307,8 +307,9 @@ class EngineCore:
                 self.scheduler.finish(req)
                 req.resolve(error=err)
                 failed.append(err)
-        if len(reqs) > 1 and len(failed) == len(reqs):
-            # no culprit: the device is failing (a sticky error); break the engine
+        # no culprit: the device is failing (a sticky error); break the engine. A ValueError names the
+        # request's own data (e.g. non-finite audio), so it is never proof of a failing device.
+        if len(reqs) > 1 and len(failed) == len(reqs) and not any(isinstance(e, ValueError) for e in failed):
             raise RuntimeError(f"every one of the {len(reqs)} requests of a step failed alone as well (the first "
                                f"with {failed[0]!r}): the device, not a request, is failing") from exc
         return sampled
