@@ -297,3 +297,23 @@ def test_the_kernel_line_names_its_model(caplog) -> None:
 def test_a_cached_snapshot_is_labelled_by_its_hub_id(ck) -> None:
     snapshot = Path("/cache/hub/models--Qwen--Qwen3-ASR-0.6B/snapshots/0123abcd")
     assert dataclasses.replace(ck, path=snapshot).label == "model Qwen/Qwen3-ASR-0.6B"
+
+
+def test_the_log_mel_is_made_at_submit_and_counted_in_the_request_times(ck) -> None:
+    """On CPU the submitting thread makes the log-mel (no engine step does), and a result's ttft_s and
+    latency_s count from the call to submit, so that time is in them."""
+    with Engine(ck, EngineConfig(kv_cache_bytes=KV)) as engine:
+        made = engine._features
+        threads: list[str] = []
+
+        def slow(wave):  # noqa: ANN001, ANN202
+            threads.append(threading.current_thread().name)
+            time.sleep(0.3)
+            return made(wave)
+
+        engine._features = slow
+        wave = noise(1.0, seed=3)
+        result = engine.submit(RequestSpec(prompt_for(ck, wave), 2, waveform=wave)).result(timeout=60)
+        assert threads == [threading.current_thread().name]
+        assert 0.3 <= result.ttft_s <= result.latency_s
+        assert engine.timings["features_s"] < 0.1  # the engine only slices the features it was given

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
@@ -81,6 +82,7 @@ class Engine:
         """Queue one request (thread-safe); the future resolves to a GenerationResult. ``on_token``, called
         on the engine thread, gets each token, then None. Cancelling the future stops the request. Raises
         ValueError for a malformed spec, EngineClosed after close(), EngineBroken after a loop failure."""
+        submitted = time.perf_counter()  # the result's ttft_s and latency_s include the log-mel made here
         if self.checkpoint.config.is_aligner:
             raise ValueError("this engine runs a forced-aligner checkpoint (its head classifies timestamps, it "
                              "generates no text): use submit_alignment")
@@ -94,7 +96,8 @@ class Engine:
         prompt = spec.prompt
         req = Request(replace(spec, waveform=None, features=None, audio_embeds=None, continuation=cont),
                       on_token=on_token, waveform=spec.waveform, features=spec.features,
-                      audio_tokens=prompt.count(self.audio_token_id), audio_before=self._audio_before(prompt))
+                      audio_tokens=prompt.count(self.audio_token_id), audio_before=self._audio_before(prompt),
+                      submitted=submitted)
         if spec.audio_embeds is not None:
             req.audio, req.encoded_tokens = spec.audio_embeds, req.audio_tokens
         if cont.kv_prefix is not None:
