@@ -97,7 +97,7 @@ def test_a_queue_holds_its_features_and_memory_follows_the_queued_audio(ck) -> N
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = base
-    per_clip = engine._features(wave).nbytes  # what Engine.submit makes of it
+    per_clip = engine.log_mel(wave).nbytes  # what Engine.submit makes of it
     assert per_clip <= 0.8 * wave.nbytes + 128 * 4 * 2  # 128 mel bins x 100 frames/s vs 16,000 samples/s
     futures = [engine.submit(RequestSpec(prompt, 1, waveform=wave)) for _ in range(CLIPS)]
     while not all(f.done() for f in futures[::20]) or not futures[-1].done():

@@ -39,8 +39,9 @@ class Engine:
         self.checkpoint = checkpoint
         self.core = EngineCore(checkpoint, config)
         self.config = self.core.config  # what it runs: on CUDA, the GPU defaults where the CPU's were left
-        # on the CPU the runner's own log-mel, here run by the submitting thread; other devices make it there
-        self._features = LogMel(checkpoint.features, "cpu") if self.device.type == "cpu" else None
+        # the CPU runner's log-mel, run by submitting threads (front ends make pieces' features with it); other
+        # devices make it on the device, inside the step
+        self.log_mel = LogMel(checkpoint.features, "cpu") if self.device.type == "cpu" else None
         self.audio_token_id = checkpoint.config.audio_token_id
         self._lock = threading.Lock()  # lease hand-over
 
@@ -88,8 +89,8 @@ class Engine:
                              "generates no text): use submit_alignment")
         spec = check_spec(spec, self.limits, self.checkpoint.config.decoder.hidden_size, self.device,
                           self.prefix_grid)
-        if spec.waveform is not None and self._features is not None:
-            spec = replace(spec, waveform=None, features=self._features(spec.waveform))
+        if spec.waveform is not None and self.log_mel is not None:
+            spec = replace(spec, waveform=None, features=self.log_mel(spec.waveform))
         cont = spec.continuation
         if cont.draft and not self.verifies_drafts:
             cont = replace(cont, draft=())
@@ -125,8 +126,8 @@ class Engine:
             raise ValueError("alignment requests need a forced-aligner checkpoint (a timestamp classifier head)")
         waveform, features, audio_tokens = check_request(prompt, waveform, features, 0, self.limits,
                                                          min_new_tokens=0)
-        if waveform is not None and self._features is not None:
-            waveform, features = None, self._features(waveform)
+        if waveform is not None and self.log_mel is not None:
+            waveform, features = None, self.log_mel(waveform)
         prompt = [int(t) for t in prompt]
         req = Request(RequestSpec(prompt, 0), waveform=waveform, features=features, audio_tokens=audio_tokens,
                       classify=check_positions(positions, len(prompt)), audio_before=self._audio_before(prompt))

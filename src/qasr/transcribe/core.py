@@ -8,7 +8,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from qasr.audio.features import LogMel
 from qasr.engine.engine import Engine, EngineConfig, RequestSpec
 from qasr.model.checkpoint import Checkpoint
 from qasr.model.prompt import SUPPORTED_LANGUAGES
@@ -34,9 +33,8 @@ class Core:
         self.checkpoint = checkpoint
         self.engine = Engine(checkpoint, engine or EngineConfig())
         # pieces bring their log-mel, made where they are prepared: never on the engine's or the event loop's
-        # thread (other devices make it on the device, inside the step)
-        on_cpu = self.engine.prepared.model.device.type == "cpu"
-        self.log_mel = LogMel(checkpoint.features, "cpu") if on_cpu else None
+        # thread (None: the device makes it, inside the step)
+        self.log_mel = self.engine.log_mel
         self.aligner = aligner
         self.words = None if aligner is None else WordChain(aligner, checkpoint.tokenizer)
         self.max_chunk_sec = max_chunk_sec
