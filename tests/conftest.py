@@ -3,6 +3,7 @@ three sentences it knows, spoken by espeak-ng voices."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +172,25 @@ def reference_logprobs(ck, wave: np.ndarray, prompt: list[int], tokens: list[int
         logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, meta, logits_rows=rows, audio_embeds=audio)
     logprobs = torch.log_softmax(logits.float(), -1)
     return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def record_log_mel_and_submits(core, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list]:  # noqa: ANN001
+    """Make ``core`` (a transcribe Core) record the thread of each log-mel its pieces make and each spec it
+    submits to its engine; returns those two lists, filled as it runs."""
+    made_on: list[str] = []
+    specs: list = []
+
+    class Recording(LogMel):
+        def __call__(self, samples):  # noqa: ANN001, ANN204
+            made_on.append(threading.current_thread().name)
+            return super().__call__(samples)
+
+    real_submit = core.engine.submit
+
+    def submit(spec, *args, **kwargs):  # noqa: ANN001, ANN202
+        specs.append(spec)
+        return real_submit(spec, *args, **kwargs)
+
+    monkeypatch.setattr(core, "log_mel", Recording(core.checkpoint.features))
+    monkeypatch.setattr(core.engine, "submit", submit)
+    return made_on, specs

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import io
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import soundfile as sf
 import torch
-from conftest import noise
+from conftest import noise, record_log_mel_and_submits
 
 from qasr.audio.features import LogMel
 from qasr.audio.io import EncodedAudio
-from qasr.engine.request import RequestSpec
 from qasr.server.work import EngineRun, prepare_upload
 from qasr.transcribe.options import TranscribeOptions
 
@@ -29,22 +27,7 @@ def wav(x: np.ndarray) -> EncodedAudio:
 
 def test_an_upload_is_submitted_as_features_made_off_the_event_loop(tiny_asr, monkeypatch) -> None:
     core = tiny_asr._core
-    made_on: list[str] = []
-
-    class Recording(LogMel):
-        def __call__(self, samples):  # noqa: ANN001, ANN204
-            made_on.append(threading.current_thread().name)
-            return super().__call__(samples)
-
-    specs: list[RequestSpec] = []
-    real_submit = core.engine.submit
-
-    def submit(spec, *args, **kwargs):  # noqa: ANN001, ANN202
-        specs.append(spec)
-        return real_submit(spec, *args, **kwargs)
-
-    monkeypatch.setattr(core, "log_mel", Recording(core.checkpoint.features))
-    monkeypatch.setattr(core.engine, "submit", submit)
+    made_on, specs = record_log_mel_and_submits(core, monkeypatch)
     x = noise(5.0, seed=5)
     options = TranscribeOptions(segmentation="fixed", max_segment_s=2.5, max_new_tokens=3)
     with ThreadPoolExecutor(1, thread_name_prefix="decode-pool") as pool:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import noise
+from conftest import noise, record_log_mel_and_submits
 
 from qasr import ASR, AudioError, Piece, TranscribeOptions, Transcription
 from qasr.engine.engine import EngineConfig, RequestSpec
@@ -406,22 +406,7 @@ def test_pieces_bring_their_log_mel_made_on_the_feeding_thread(tiny_asr, monkeyp
     from qasr.audio.features import LogMel
 
     core = tiny_asr._core
-    made_on: list[str] = []
-
-    class Recording(LogMel):
-        def __call__(self, samples):  # noqa: ANN001, ANN204
-            made_on.append(threading.current_thread().name)
-            return super().__call__(samples)
-
-    specs: list[RequestSpec] = []
-    real_submit = core.engine.submit
-
-    def submit(spec, *args, **kwargs):  # noqa: ANN001, ANN202
-        specs.append(spec)
-        return real_submit(spec, *args, **kwargs)
-
-    monkeypatch.setattr(core, "log_mel", Recording(core.checkpoint.features))
-    monkeypatch.setattr(core.engine, "submit", submit)
+    made_on, specs = record_log_mel_and_submits(core, monkeypatch)
     x = noise(4.0, seed=11)
     fixed = TranscribeOptions(segmentation="fixed", max_segment_s=2.0)
     [r] = tiny_asr.transcribe((x, 16000), fixed, max_new_tokens=3)
