@@ -103,7 +103,6 @@ class EngineCore:
         else:
             self.runner = Runner(prepared, self.pool, LogMel(checkpoint.features, "cpu"), config.conv_batch)
         self.eos = frozenset(checkpoint.generation.eos_token_ids)
-        self.audio_token_id = checkpoint.config.audio_token_id
         # kv_prefix lengths are multiples of this, so later chunks give a fresh prefill's bits
         self.prefix_grid = 1 if prepared.chunk_invariant_prefill else config.prefill_chunk
         # drafts only where a decode row's bits do not depend on the rows beside it
