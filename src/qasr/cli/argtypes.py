@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from qasr.engine.config import KV_CACHE_DTYPES, QUANTIZE_CHOICES  # plain data, no torch
 
 if TYPE_CHECKING:
+    from qasr.engine_process.child import EngineSpec
     from qasr.transcribe.asr import ASR
 
 QUANTIZE_HELP = ("int8: int8 weights and per-row int8 activations in the model's linears and encoder convolutions; "
@@ -65,3 +66,17 @@ def load_asr(args: argparse.Namespace, aligner: str | None) -> ASR:
     return ASR.from_pretrained(args.model, device=args.device, dtype=args.dtype, aligner=aligner,
                                quantize=args.quantize, threads=args.threads,
                                engine=EngineConfig(max_running=args.max_running, kv_cache_dtype=args.kv_cache_dtype))
+
+
+def engine_spec(args: argparse.Namespace, aligner: str | None) -> EngineSpec:
+    """What ``load_asr`` would load, for an engine process (qasr serve)."""
+    import logging
+
+    from qasr.engine.config import EngineConfig, quantize_option
+    from qasr.engine_process.child import EngineSpec
+
+    engine = EngineConfig(max_running=args.max_running, kv_cache_dtype=args.kv_cache_dtype,
+                          quantize=quantize_option(args.quantize), threads=args.threads)
+    return EngineSpec(args.model, device=args.device, dtype=args.dtype, engine=engine, aligner=aligner,
+                      aligner_engine=EngineConfig(threads=args.threads),
+                      log_level=logging.getLevelName(args.log_level.upper()))

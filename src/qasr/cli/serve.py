@@ -12,7 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from qasr.cli.argtypes import add_engine_flags, load_asr, positive_float, positive_int
+from qasr.cli.argtypes import add_engine_flags, engine_spec, positive_float, positive_int
 
 if TYPE_CHECKING:
     from qasr.server.config import ServerConfig
@@ -141,7 +141,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
         return serve_on_ray(args, config)
 
-    app = create_app(config, lambda: load_asr(args, args.aligner))  # in a worker thread once the server listens
+    from qasr.engine_process.asr import start_asr
+
+    # the engines run in a process of their own, started in a worker thread once the server listens
+    app = create_app(config, lambda: start_asr(engine_spec(args, args.aligner), config.engine_timeout_s))
     # qasr's access log, not uvicorn's (which prints query strings). No pong timeout: a throttled live
     # client's pong waits in TCP behind its audio; a client that left is closed by --live-idle-timeout-s.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

@@ -50,6 +50,15 @@ class Engine:
         return self.core.prepared
 
     @property
+    def description(self) -> str:
+        """How the model runs: backend, dtype and kernels."""
+        return self.core.prepared.description
+
+    def release_caller_threads(self) -> None:
+        """Free the calling thread's idle OpenMP pool, which slows the engine's (cpu/openmp.py)."""
+        self.core.prepared.release_caller_threads()
+
+    @property
     def device(self) -> torch.device:
         return self.core.prepared.model.device
 
@@ -149,7 +158,7 @@ class Engine:
 
     def _enqueue(self, req: Request) -> Future:
         self.core.put(req)
-        self.prepared.release_caller_threads()  # this thread's idle OpenMP pool (cpu/openmp.py)
+        self.release_caller_threads()
         return req.future
 
     async def generate_async(self, spec: RequestSpec) -> GenerationResult:

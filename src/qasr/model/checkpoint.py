@@ -26,7 +26,7 @@ class Checkpoint:
     features: FeatureConfig
     tokenizer: Tokenizer
     special: SpecialTokens
-    model: Qwen3ASRModel
+    model: Qwen3ASRModel  # None when loaded without weights (a server whose engine runs in another process)
 
     @property
     def device(self) -> torch.device:
@@ -46,7 +46,8 @@ class Checkpoint:
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device = "auto",
-                    dtype: str | torch.dtype = "auto") -> Checkpoint:
+                    dtype: str | torch.dtype = "auto", weights: bool = True) -> Checkpoint:
+    """``weights=False``: the config, tokenizer and features only (``model`` is None)."""
     model_dir = resolve_model_dir(name_or_path)
     config = ModelConfig.from_file(model_dir / "config.json")
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -55,6 +56,8 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     generation = GenerationDefaults.load(model_dir, fallback_eos=(special.im_end, special.endoftext))
     pre = model_dir / "preprocessor_config.json"
     features = FeatureConfig.from_dict(json.loads(pre.read_text())) if pre.exists() else FeatureConfig()
+    if not weights:
+        return Checkpoint(model_dir, config, generation, features, tokenizer, special, None)  # type: ignore[arg-type]
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     model = load_model(model_dir, config, dev, dt)

@@ -37,7 +37,8 @@ def create_app(config: ServerConfig, load: Callable[[], ASR]) -> FastAPI:
     """``load`` builds the ASR (called once, in a worker thread, after start-up)."""
     metrics = Metrics()
     state = ServerState(config, metrics)
-    metrics.watch_engines(lambda: {role: engine.stats() for role, engine in state.engines().items()})
+    metrics.watch_engines(lambda: {role: engine.stats() for role, engine in state.engines().items()},
+                          state.engine_restarts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

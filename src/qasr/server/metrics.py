@@ -42,17 +42,22 @@ class Metrics:
         self.live_audio_seconds = Counter("qasr_live_audio_seconds", "Seconds of audio received by live sessions",
                                           registry=r)
 
-    def watch_engines(self, stats: Callable[[], dict[str, EngineStats]]) -> None:
+    def watch_engines(self, stats: Callable[[], dict[str, EngineStats]], restarts: Callable[[], int]) -> None:
         """Export the engines' own counters, read at scrape time: ``stats()`` by role (``asr``, ``aligner``;
-        empty while loading). The ASR engine's unlabelled; broken and stalled labelled with every role."""
-        self.registry.register(_EngineCollector(stats))
+        empty while loading), the ASR engine's unlabelled, broken and stalled labelled with every role; and
+        ``restarts()``, the engine processes started anew."""
+        self.registry.register(_EngineCollector(stats, restarts))
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], dict[str, EngineStats]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, EngineStats]], restarts: Callable[[], int]) -> None:
         self._stats = stats
+        self._restarts = restarts
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield CounterMetricFamily("qasr_engine_restarts", "Engine processes started anew after one died or "
+                                  "stopped stepping (0 with the engine in the server's process)",
+                                  value=self._restarts())
         by_role = self._stats()
         if not by_role:  # the model is still loading
             return

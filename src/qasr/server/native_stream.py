@@ -33,7 +33,6 @@ from qasr.server.state import ServerState
 from qasr.streaming import (
     LiveConfig,
     LiveEvent,
-    LiveSession,
     PcmIngest,
     SpeechStarted,
     SpeechStopped,
@@ -103,7 +102,7 @@ async def _serve(channel: Channel, state: ServerState) -> None:
                                 "backlog_seconds": round(runner.backlog / SAMPLE_RATE, 3),
                                 "max_backlog_seconds": runner.max_backlog_s})
 
-        runner = LiveRunner(LiveSession(asr._core.engine, asr._core.checkpoint, live), ingest, emit, fail,
+        runner = LiveRunner(asr.live(live), ingest, emit, fail,
                             state.config.live_max_backlog_s, state.live_pool, progress)
         config = {**_describe(live, ingest), "max_backlog_seconds": state.config.live_max_backlog_s}
         await channel.send({"type": "ready", "session": session_id, "config": config})

@@ -37,7 +37,6 @@ from qasr.server.state import ServerState
 from qasr.streaming import (
     LiveConfig,
     LiveEvent,
-    LiveSession,
     PcmIngest,
     SpeechStarted,
     SpeechStopped,
@@ -282,7 +281,7 @@ class RealtimeConnection:
                           prefix_padding_ms=int(vad.get("prefix_padding_ms", LiveConfig.prefix_padding_ms)),
                           silence_ms=int(vad.get("silence_duration_ms", LiveConfig.silence_ms)),
                           end_on_chunk=cfg.live_end_on_chunk)
-        return LiveRunner(LiveSession(asr._core.engine, asr._core.checkpoint, live), PcmIngest("pcm16", s.rate),
+        return LiveRunner(asr.live(live), PcmIngest("pcm16", s.rate),
                           self._emit, self._fail, cfg.live_max_backlog_s, self.state.live_pool, self._progress)
 
     async def _progress(self) -> None:

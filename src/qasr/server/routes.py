@@ -219,7 +219,7 @@ def _model(state: ServerState, name: str) -> dict:
         engine = state.asr._core.engine
         d["quantize"] = engine.config.quantize or "none"
         d["kv_cache_dtype"] = engine.config.kv_cache_dtype
-        d["kernels"] = engine.prepared.description
+        d["kernels"] = engine.description
     return d
 
 

@@ -16,6 +16,7 @@ from qasr.server.sse import TokenHandoff
 
 if TYPE_CHECKING:
     from qasr.engine.engine import Engine
+    from qasr.engine_process.client import RemoteEngine
     from qasr.transcribe.asr import ASR
 
 T = TypeVar("T")
@@ -67,7 +68,7 @@ class ServerState:
             self._handoff = TokenHandoff(loop)
         return self._handoff
 
-    def engines(self) -> dict[str, Engine]:
+    def engines(self) -> dict[str, Engine | RemoteEngine]:
         """The loaded engines by role: ``asr``, and ``aligner`` with one (none while loading)."""
         if self.asr is None:
             return {}
@@ -75,9 +76,13 @@ class ServerState:
         return {"asr": core.engine} | ({"aligner": core.aligner.engine} if core.aligner is not None else {})
 
     def engine_trouble(self) -> tuple[str, str] | None:
-        """``("broken" | "stalled", why)`` for the first engine that cannot serve: its loop failed, or it has
-        had work in hand for more than ``config.engine_timeout_s`` without finishing a step; else None."""
+        """``("broken" | "stalled" | "restarting", why)`` for the first engine that cannot serve: its loop
+        failed, it has had work in hand for more than ``config.engine_timeout_s`` without finishing a step, or
+        its engine process is starting anew; else None."""
         for role, engine in self.engines().items():
+            if not getattr(engine, "ready", True):
+                return "restarting", (f"{role} engine restarting: its engine process ended and a new one is "
+                                      "loading the model")
             stats = engine.stats()
             if stats.broken:
                 return "broken", (f"{role} engine broken: its loop failed and it serves no more requests (the "
@@ -85,6 +90,10 @@ class ServerState:
             if stats.stalled_s > self.config.engine_timeout_s:
                 return "stalled", f"{role} engine stalled for {stats.stalled_s:.0f} s with work in hand"
         return None
+
+    def engine_restarts(self) -> int:
+        """Engine processes started anew since the server started (0 with an in-process engine)."""
+        return max((getattr(engine, "restarts", 0) for engine in self.engines().values()), default=0)
 
     def require_asr(self) -> ASR:
         if self.load_error is not None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from qasr.audio.vad import make_scorer, resolve_backend
 from qasr.audio.vad_models import FRAME, FrameScorer
 from qasr.engine.engine import Engine
 from qasr.model.checkpoint import Checkpoint
-from qasr.streaming.config import LiveConfig
+from qasr.streaming.config import LiveConfig, StreamConfig
 from qasr.streaming.pcm import SampleBuffer, as_float_pcm
 from qasr.streaming.session import Session, Update
 
@@ -60,12 +61,31 @@ class TurnFinal:
 LiveEvent = SpeechStarted | SpeechStopped | TurnUpdate | TurnFinal
 
 
+class Turn(Protocol):
+    """What a live session drives each turn through: a ``Session``, or one run in the engine process."""
+
+    @property
+    def samples(self) -> int: ...
+
+    def push(self, pcm: np.ndarray) -> list[Update]: ...
+
+    def finish(self) -> Update: ...
+
+    def close(self) -> None: ...
+
+
+OpenTurn = Callable[[StreamConfig], Turn]
+
+
 class LiveSession:
     """Driven from one thread at a time."""
 
-    def __init__(self, engine: Engine, checkpoint: Checkpoint, config: LiveConfig | None = None) -> None:
+    def __init__(self, engine: Engine, checkpoint: Checkpoint, config: LiveConfig | None = None,
+                 open_turn: OpenTurn | None = None) -> None:
+        """``open_turn``: how a turn starts (default: a ``Session`` on ``engine``)."""
         self.engine = engine
         self.checkpoint = checkpoint
+        self._open_turn = open_turn
         self.config = cfg = config or LiveConfig()
         chunk = cfg.stream.chunk_size_samples
         self._buffer = SampleBuffer(int(cfg.max_turn_s * SAMPLE_RATE) + chunk + 2 * FRAME)
@@ -77,7 +97,7 @@ class LiveSession:
         self._pending = np.zeros(0, dtype=np.float32)
         self.position = 0
         self.turns = 0
-        self._turn: Session | None = None
+        self._turn: Turn | None = None
         self._turn_start = 0
         self._stable = ""
         self._in_speech = False
@@ -93,7 +113,7 @@ class LiveSession:
 
     @property
     def turn_seconds(self) -> float:
-        return self._turn.audio.size / SAMPLE_RATE if self._turn is not None else 0.0
+        return self._turn.samples / SAMPLE_RATE if self._turn is not None else 0.0
 
     def push(self, pcm: np.ndarray) -> list[LiveEvent]:
         """Add 16 kHz samples (float32 or int16, any count); returns the events they caused, in order."""
@@ -205,12 +225,12 @@ class LiveSession:
     def _chunk_room(self) -> int:
         assert self._turn is not None
         chunk = self.config.stream.chunk_size_samples
-        return -self._turn.audio.size % chunk
+        return -self._turn.samples % chunk
 
     def _pad(self, frame: np.ndarray, out: list[LiveEvent]) -> bool:
         """Give a silent frame to a closing turn up to its chunk boundary; False past ``max_turn_s``."""
         room = self._chunk_room()
-        if (self._turn.audio.size + min(room, frame.size)) / SAMPLE_RATE > self.config.max_turn_s:
+        if (self._turn.samples + min(room, frame.size)) / SAMPLE_RATE > self.config.max_turn_s:
             return False
         self._preroll.append(frame)
         self._feed(frame[:room], out, advance=False)
@@ -248,7 +268,10 @@ class LiveSession:
 
     def _start_turn(self, start: int, out: list[LiveEvent], announce: bool) -> None:
         stream = replace(self.config.stream, context=self.next_context)
-        self._turn = Session(self.engine, self.checkpoint, stream, buffer=self._buffer)
+        if self._open_turn is not None:
+            self._turn = self._open_turn(stream)
+        else:
+            self._turn = Session(self.engine, self.checkpoint, stream, buffer=self._buffer)
         self._turn_start = start
         self._stable = ""
         if announce:
@@ -274,7 +297,7 @@ class LiveSession:
         text = final.stable_text
         start = self._turn_start / SAMPLE_RATE
         out.append(TurnFinal(self.turns - 1, text, final.language, text[len(self._stable):], start,
-                             start + turn.audio.size / SAMPLE_RATE, reason))
+                             start + turn.samples / SAMPLE_RATE, reason))
         self._stable = ""
         if self.config.carry_context and text:
             self._carried = (f"{self._carried} {text}" if self._carried else text)[-self.config.carried_chars:]

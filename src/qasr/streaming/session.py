@@ -73,6 +73,11 @@ class Session:
         self._undelivered: deque[Update] = deque(maxlen=UPDATE_QUEUE)
 
     @property
+    def samples(self) -> int:
+        """Samples pushed so far."""
+        return self.audio.size
+
+    @property
     def results(self) -> list[StepResult]:
         """The StepResults (all with ``record``, else the last)."""
         return self.state.results

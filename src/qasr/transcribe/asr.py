@@ -32,10 +32,13 @@ class ASR:
 
     def __init__(self, checkpoint: Checkpoint, engine: EngineConfig | None = None, aligner: Aligner | None = None,
                  max_chunk_sec: float = 1200.0, max_tokens_per_second: float = 15.0,
-                 max_in_flight_s: float = 1800.0, max_in_flight_pieces: int | None = None) -> None:
-        self._core = Core(checkpoint, engine, aligner, max_chunk_sec=max_chunk_sec,
-                          max_tokens_per_second=max_tokens_per_second, max_in_flight_s=max_in_flight_s,
-                          max_in_flight_pieces=max_in_flight_pieces)
+                 max_in_flight_s: float = 1800.0, max_in_flight_pieces: int | None = None, *,
+                 core: Core | None = None) -> None:
+        """``core``: a Core built already (the server's, over an engine process); the other arguments are then
+        ignored."""
+        self._core = core or Core(checkpoint, engine, aligner, max_chunk_sec=max_chunk_sec,
+                                  max_tokens_per_second=max_tokens_per_second, max_in_flight_s=max_in_flight_s,
+                                  max_in_flight_pieces=max_in_flight_pieces)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = "Qwen/Qwen3-ASR-0.6B", device: str = "auto",
@@ -85,7 +88,7 @@ class ASR:
         stopped, updates with the newly stable text, each turn's final transcript)."""
         from qasr.streaming import LiveSession
 
-        return LiveSession(self._core.engine, self._core.checkpoint, config)
+        return LiveSession(self._core.engine, self._core.checkpoint, config, open_turn=self._core.open_turn)
 
     def transcribe(self, audio: AudioInput | Sequence[AudioInput], options: TranscribeOptions | None = None, *,
                    language: str | Sequence[str | None] | None = None, context: str | Sequence[str] | None = None,

@@ -21,17 +21,25 @@ from qasr.transcribe.words import Aligned, WordChain
 
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
+    from qasr.engine_process.client import RemoteEngine
+    from qasr.streaming.live import OpenTurn
 
 
 class Core:
     """``max_chunk_sec``: the longest unsegmented piece; ``max_in_flight_*``: what one call has submitted and
     not finished."""
 
-    def __init__(self, checkpoint: Checkpoint, engine: EngineConfig | None = None, aligner: Aligner | None = None,
-                 max_chunk_sec: float = 1200.0, max_tokens_per_second: float = 15.0,
-                 max_in_flight_s: float = 1800.0, max_in_flight_pieces: int | None = None) -> None:
+    def __init__(self, checkpoint: Checkpoint, engine: EngineConfig | Engine | RemoteEngine | None = None,
+                 aligner: Aligner | None = None, max_chunk_sec: float = 1200.0, max_tokens_per_second: float = 15.0,
+                 max_in_flight_s: float = 1800.0, max_in_flight_pieces: int | None = None,
+                 open_turn: OpenTurn | None = None) -> None:
+        """``engine``: a config (an Engine is made of it) or an engine already running; ``open_turn``: how a
+        live session's turn starts (default: a Session on the engine)."""
         self.checkpoint = checkpoint
-        self.engine = Engine(checkpoint, engine or EngineConfig())
+        if engine is None or isinstance(engine, EngineConfig):
+            engine = Engine(checkpoint, engine or EngineConfig())
+        self.engine = engine
+        self.open_turn = open_turn
         # pieces bring their log-mel, made where they are prepared: never on the engine's or the event loop's
         # thread (None: the device makes it, inside the step)
         self.log_mel = self.engine.log_mel
@@ -50,7 +58,7 @@ class Core:
 
     def release_idle_threads(self) -> None:
         """Free this thread's idle OpenMP pool, which slows the engine's (engine/cpu/openmp.py)."""
-        self.engine.prepared.release_caller_threads()
+        self.engine.release_caller_threads()
 
     def close(self) -> None:
         self.engine.close()  # its last pieces are handed to the word chain,
