@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from qasr.align.aligner import Aligner
@@ -32,8 +30,3 @@ def start_asr(spec: EngineSpec, timeout_s: float = 60.0) -> ASR:
     core = Core(checkpoint, engine, aligner, open_turn=engine.open_turn)
     return ASR(checkpoint, core=core)
 
-
-def with_threads(spec: EngineSpec, threads: int | None) -> EngineSpec:
-    """``spec`` whose engines use ``threads`` CPU threads (None: their default)."""
-    return replace(spec, engine=replace(spec.engine, threads=threads),
-                   aligner_engine=replace(spec.aligner_engine, threads=threads))

@@ -306,15 +306,15 @@ class EngineProcess:
         return None
 
     def _reap(self, target: _Child) -> None:
-        if target.process.is_alive():
-            target.process.join(0.5)
-        if target.process.is_alive():
-            target.process.kill()
-            target.process.join(5.0)
+        """Close the pipe (an engine process still reading it exits), then make sure it is gone."""
         try:
             target.conn.close()  # type: ignore[attr-defined]
         except OSError:
             pass
+        target.process.join(2.0)
+        if target.process.is_alive():
+            target.process.kill()
+            target.process.join(5.0)
 
     def _kill(self) -> None:
         target = self._child
