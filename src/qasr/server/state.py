@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from qasr.engine_process.client import RemoteEngine
 from qasr.server.config import ServerConfig
 from qasr.server.errors import ApiError
 from qasr.server.limits import AudioBudget
@@ -16,7 +17,6 @@ from qasr.server.sse import TokenHandoff
 
 if TYPE_CHECKING:
     from qasr.engine.engine import Engine
-    from qasr.engine_process.client import RemoteEngine
     from qasr.transcribe.asr import ASR
 
 T = TypeVar("T")
@@ -80,7 +80,7 @@ class ServerState:
         failed, it has had work in hand for more than ``config.engine_timeout_s`` without finishing a step, or
         its engine process is starting anew; else None."""
         for role, engine in self.engines().items():
-            if not getattr(engine, "ready", True):
+            if isinstance(engine, RemoteEngine) and not engine.ready:
                 return "restarting", (f"{role} engine restarting: its engine process ended and a new one is "
                                       "loading the model")
             stats = engine.stats()
@@ -93,7 +93,7 @@ class ServerState:
 
     def engine_restarts(self) -> int:
         """Engine processes started anew since the server started (0 with an in-process engine)."""
-        return max((getattr(engine, "restarts", 0) for engine in self.engines().values()), default=0)
+        return max((e.restarts for e in self.engines().values() if isinstance(e, RemoteEngine)), default=0)
 
     def require_asr(self) -> ASR:
         if self.load_error is not None:

@@ -22,6 +22,7 @@ from qasr.transcribe.options import TranscribeOptions
 if TYPE_CHECKING:
     from qasr.align.aligner import Aligner
     from qasr.streaming import LiveConfig, LiveSession, Session, StreamConfig
+    from qasr.streaming.live import Turn
 
 Progress = Callable[[float], None]  # audio seconds done
 
@@ -75,11 +76,14 @@ class ASR:
     def close(self) -> None:
         self._core.close()
 
-    def stream(self, config: StreamConfig | None = None) -> Session:
+    def stream(self, config: StreamConfig | None = None) -> Session | Turn:
         """A live transcription session for one turn (``qasr.streaming.Session``): ``push`` 16 kHz float32
-        or int16 samples, read an ``Update`` per chunk, ``finish`` at the end; see docs/streaming.md."""
-        from qasr.streaming import Session
+        or int16 samples, read an ``Update`` per chunk, ``finish`` at the end; see docs/streaming.md. (Over
+        an engine process, a turn run there: push, finish and close.)"""
+        from qasr.streaming import Session, StreamConfig
 
+        if self._core.open_turn is not None:
+            return self._core.open_turn(config or StreamConfig())
         return Session(self._core.engine, self._core.checkpoint, config)
 
     def live(self, config: LiveConfig | None = None) -> LiveSession:
