@@ -143,7 +143,7 @@ def test_alignment_matches_transformers(oracle, aligners, seconds, language, tex
 def test_batched_alignment_equals_one_at_a_time(checkpoints) -> None:
     """Several requests in one engine, prefilled in small chunks that share steps, give the ids each
     gets alone."""
-    config = EngineConfig(prefill_tokens=96, prefill_chunk=32, encoder_tokens=104)
+    config = EngineConfig(step_tokens=200, prefill_chunk=32)
     with Aligner.from_pretrained(checkpoints["original"], device="cpu", dtype="float32",
                                  engine_config=config) as aligner:
         pieces = [(noise(s, seed=k), TEXTS[k % 2][1]) for k, s in enumerate([3.0, 11.5, 0.3, 17.0, 6.2])]

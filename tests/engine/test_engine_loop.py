@@ -33,7 +33,7 @@ def test_concurrent_random_arrivals_match_one_by_one(dtype, request) -> None:
         alone.append(solo.submit(RequestSpec(p, 24, waveform=w)).result().token_ids)
     solo.close()
 
-    engine = Engine(ck, EngineConfig(kv_cache_bytes=64 << 20, max_running=16, prefill_tokens=300))
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=64 << 20, max_running=16, step_tokens=300))
     results: list[list[int] | None] = [None] * 30
 
     def client(k: int) -> None:
@@ -93,7 +93,7 @@ def test_a_queue_holds_its_features_and_memory_follows_the_queued_audio(ck) -> N
     wave = noise(60.0)
     prompt = prompt_for(ck, wave)
     budget = 8 * (len(prompt) + 2) * kv_bytes_per_token(ck.config.decoder, ck.dtype)
-    engine = Engine(ck, EngineConfig(kv_cache_bytes=budget, max_running=8, encoder_tokens=4 * 780))
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=budget, max_running=8, step_tokens=4 * 780))
     proc = psutil.Process()
     base = proc.memory_info().rss
     peak = base

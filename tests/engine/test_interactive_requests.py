@@ -57,7 +57,7 @@ def test_a_batch_request_beside_a_stream_of_interactive_ones_keeps_its_tokens(ck
     from qasr.engine.scheduler import BATCH_EVERY
 
     wave, live = noise(12.0, seed=3), noise(1.0, seed=4)
-    config = EngineConfig(max_running=4, prefill_chunk=16, prefill_tokens=32)
+    config = EngineConfig(max_running=4, prefill_chunk=16, step_tokens=32)
     with Engine(ck, config) as engine:
         alone = engine.submit(RequestSpec(prompt_for(ck, wave), 8, waveform=wave, ignore_eos=True)).result(60)
         live_alone = engine.submit(RequestSpec(prompt_for(ck, live), 3, waveform=live, ignore_eos=True)).result(60)

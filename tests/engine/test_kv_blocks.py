@@ -134,7 +134,7 @@ def test_preempted_requests_give_the_tokens_of_an_unpreempted_run(dtype, kv, req
     if dtype == "bfloat16" and linear_kernel() is None:
         pytest.skip("bf16 row invariance rests on qasr's AVX512-BF16 kernels")
     ck = request.getfixturevalue("ck" if dtype == "float32" else "ck_bf16")
-    config = dict(prefill_chunk=16, prefill_tokens=16, kv_cache_dtype=kv)
+    config = dict(prefill_chunk=16, step_tokens=16, kv_cache_dtype=kv)
     a_wave, b_wave, c_wave = noise(2.0, seed=4), noise(30.0, seed=5), noise(2.0, seed=6)
     a = (prompt_for(ck, a_wave), dict(waveform=a_wave, max_new_tokens=400, ignore_eos=True))
     b = (prompt_for(ck, b_wave), dict(waveform=b_wave, max_new_tokens=8, ignore_eos=True))
@@ -163,7 +163,7 @@ def test_a_preempted_continuation_recomputes_its_kept_prefix_exactly(ck) -> None
     grows until the pool runs out: the continuation, the youngest, is preempted, its taken-over blocks
     freed, and it later prefills its whole prompt from scratch on the same chunk grid: the tokens of a
     fresh, unpreempted run."""
-    config = dict(prefill_chunk=16, prefill_tokens=32)
+    config = dict(prefill_chunk=16, step_tokens=32)
     eng = engine_for(ck, 768, **config)
     try:
         model = eng.prepared.model
@@ -199,7 +199,7 @@ def test_a_preempted_continuation_recomputes_its_kept_prefix_exactly(ck) -> None
 def test_an_evicted_lease_is_continued_from_scratch(ck) -> None:
     """Kept prefixes are a cache: when a request needs their blocks they are freed before anyone running is
     preempted, and a continuation of an evicted lease prefills its whole prompt (same tokens)."""
-    config = dict(prefill_chunk=16, prefill_tokens=32)
+    config = dict(prefill_chunk=16, step_tokens=32)
     eng = engine_for(ck, 512, **config)
     try:
         wave, big = noise(20.0, seed=8), noise(10.0, seed=9)

@@ -16,9 +16,9 @@ WAIT_S = 120
 
 
 def tight(ck, pool: int = 640, **config) -> EngineConfig:  # noqa: ANN001, ANN003
-    """A pool of ``pool`` tokens in 16-token blocks, two windows and two 64-token chunks a step."""
+    """A pool of ``pool`` tokens in 16-token blocks; a step holds about two windows and two 64-token chunks."""
     return EngineConfig(kv_cache_bytes=pool * kv_bytes_per_token(ck.config.decoder, ck.dtype), kv_block_tokens=16,
-                        prefill_chunk=64, prefill_tokens=128, encoder_tokens=208, **config)
+                        prefill_chunk=64, step_tokens=336, **config)
 
 
 def batch_steps(engine: Engine, waves: list, tokens: int) -> int:

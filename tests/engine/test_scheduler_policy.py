@@ -1,16 +1,25 @@
-"""The scheduling policy on the scheduler alone: rank (live work, then age), each class's share of the steps'
-budgets under overload, the same room rule for every kind, the audio memory budget (and, through an engine,
-that its setting reaches the scheduler) and the preemption cap."""
+"""The scheduling policy on the scheduler alone: rank (live work, then age), one token budget per step (decode
+rows first, then encoder and prefill work, each class's share under overload, progress when decode rows fill
+it), the same room rule for every kind, the audio memory budget (and, through an engine, that its setting
+reaches the scheduler) and the preemption cap."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from qasr.engine.kv_blocks import BlockAllocator, BlockManager
-from qasr.engine.request import Request, RequestSpec
-from qasr.engine.scheduler import BATCH_EVERY, BATCH_SHARE, PREEMPT_CAP, Scheduler, SchedulerConfig, StepPlan
+from qasr.engine.request import Continuation, Request, RequestSpec
+from qasr.engine.scheduler import (
+    BATCH_EVERY,
+    BATCH_SHARE,
+    DRAFT_ROWS,
+    PREEMPT_CAP,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+)
 
-CFG = SchedulerConfig(prefill_tokens=512, prefill_chunk=128, encoder_tokens=520, window_tokens=104)
+CFG = SchedulerConfig(step_tokens=1040, prefill_chunk=128, window_tokens=104)
 
 
 def ready(prompt: int, interactive: bool = False, audio: int = 0) -> Request:
@@ -29,33 +38,123 @@ def shares(plan: StepPlan) -> tuple[int, int, int, int]:
             sum(n for r, n in plan.encode if r.live), sum(n for r, n in plan.encode if not r.live))
 
 
+def advance(plan: StepPlan) -> None:
+    """Apply a plan's encoder slices and prefill chunks (decode rows make no token here)."""
+    for req, n in plan.prefill:
+        req.prefilled += n
+    for req, n in plan.encode:
+        req.encoded_tokens += n
+
+
+def decoding(n: int, interactive: bool = False) -> list[Request]:
+    """``n`` requests past their prefill, each a decode row."""
+    reqs = [ready(16, interactive=interactive) for _ in range(n)]
+    for req in reqs:
+        req.prefilled = 16
+    return reqs
+
+
+def work(plan: StepPlan) -> int:
+    """Tokens a plan spends: decode rows (guesses included), prefill tokens and encoder rows."""
+    return (len(plan.decode) + sum(len(g) for g in plan.drafts.values()) + sum(n for _, n in plan.prefill)
+            + sum(n for _, n in plan.encode))
+
+
 def test_under_overload_batch_work_rides_in_one_step_of_batch_every() -> None:
     """Both classes with far more ready work than a step holds: in one step of BATCH_EVERY batch work gets its
-    share of each budget (BATCH_SHARE, in whole chunks and windows) and live work the rest; in the others live
-    work gets the whole budgets. With one class alone it gets the whole budgets every step; encoder-only
+    share of the budget (BATCH_SHARE, one window and one chunk at least) and live work the rest; in the others
+    live work gets the whole budget. With one class alone it gets the whole budget every step; encoder-only
     requests (live sessions' windows) are encoded whole, whatever the budget."""
     sched = scheduler()
     sched.active = [*(ready(2048, audio=1040) for _ in range(4)),
                     *(ready(2048, interactive=True, audio=1040) for _ in range(4))]
-    floor_p = int(512 * BATCH_SHARE) // 128 * 128
-    floor_e = int(520 * BATCH_SHARE) // 104 * 104
     seen = []
     for _ in range(2 * BATCH_EVERY):
         plan = sched.plan()
         seen.append(shares(plan))
-        for req, n in plan.prefill:
-            req.prefilled += n
-        for req, n in plan.encode:
-            req.encoded_tokens += n
-    batch_step = (512 - floor_p, floor_p, 520 - floor_e, floor_e)
-    assert seen == ([(512, 0, 520, 0)] * (BATCH_EVERY - 1) + [batch_step]) * 2
+        advance(plan)
+    floor = 104 + 128  # a class's window and chunk, whatever is left
+    share = int(1040 * BATCH_SHARE)
+    for k, (lp, bp, le, be) in enumerate(seen):
+        if (k + 1) % BATCH_EVERY:  # live work's steps: the whole budget (and no more than its floor beyond)
+            assert bp == be == 0 and 1040 - 128 < lp + le <= 1040 + floor, seen
+        else:  # batch work's: its share, one window and one chunk at least; live work the rest
+            assert be >= 104 and bp >= 128 and bp + be <= share + floor, seen
+            assert lp + le <= 1040 - share + floor and lp > 0 and le > 0, seen
     batch_only = scheduler()
     batch_only.active = [ready(2048, audio=1040) for _ in range(2)]
-    assert [shares(batch_only.plan()) for _ in range(BATCH_EVERY)] == [(0, 512, 0, 520)] * BATCH_EVERY
+    for _ in range(BATCH_EVERY):
+        plan = batch_only.plan()
+        assert 1040 - 128 < work(plan) <= 1040 + 128 and shares(plan)[0] == shares(plan)[2] == 0, shares(plan)
+        advance(plan)
     live_only = scheduler()
     live_only.active = [ready(2048, interactive=True) for _ in range(2)]
     live_only.encoding = [Request(RequestSpec([], 0), audio_tokens=208, encode_only=True) for _ in range(4)]
-    assert shares(live_only.plan()) == (512, 0, 832, 0)
+    assert shares(live_only.plan()) == (128 * 1, 0, 832, 0)  # 832 whole windows; one chunk of 128 fits in 208
+
+
+def test_decode_rows_and_their_guesses_count_against_the_budget() -> None:
+    """Each decode row and each guessed row takes one token of step_tokens before any encoder or prefill work;
+    what they leave goes to prefill in whole chunks."""
+    sched = scheduler(step_tokens=1040)
+    rows = decoding(100)
+    waiting = ready(4096)
+    sched.active = [*rows, waiting]
+    plan = sched.plan()
+    assert plan.decode == rows and plan.prefill == [(waiting, 128)] * 7  # 100 + 7 * 128 = 996 of 1040
+    sched = scheduler(step_tokens=1040)
+    guessing = decoding(36)
+    for req in guessing:
+        req.spec = RequestSpec([1] * 16, 20, continuation=Continuation(draft=(7,) * 12))
+    sched.active = [*guessing, ready(4096)]
+    plan = sched.plan()
+    assert sum(len(g) for g in plan.drafts.values()) == 36 * DRAFT_ROWS  # 36 + 288 rows: 716 left
+    assert sum(n for _, n in plan.prefill) == 5 * 128 and work(plan) <= 1040
+
+
+def test_a_step_whose_decode_rows_fill_the_budget_runs_them_all_and_still_moves_other_work() -> None:
+    """More decode rows than step_tokens: every row runs (none is left a step behind), and each class that
+    works in the step gets its floor, one window and one chunk, so encoder and prefill work never starve;
+    a request waiting behind them is encoded and prefilled to its first token."""
+    sched = scheduler(step_tokens=256)
+    rows = decoding(300)
+    newcomer = ready(300, audio=200)
+    newcomer.audio_before = np.minimum(np.arange(301), 200)  # its audio first, then 100 text tokens
+    sched.active = [*rows, newcomer]
+    steps = 0
+    while not newcomer.prefill_done:
+        plan = sched.plan()
+        assert plan.decode[:300] == rows  # every row, every step
+        assert [n for _, n in plan.encode] in ([104], [96], []) and len(plan.prefill) <= 1, plan
+        advance(plan)
+        steps += 1
+    assert steps <= 4, steps  # window, window + chunk, chunk, last chunk: never starved
+    sched = scheduler(step_tokens=256)
+    live_rows = decoding(300, interactive=True)
+    batch = ready(300, audio=200)
+    batch.audio_before = np.minimum(np.arange(301), 200)
+    sched.active = [*live_rows, batch]
+    planned = []
+    while not batch.prefill_done:
+        plan = sched.plan()
+        planned.append(bool(plan.encode or plan.prefill))
+        advance(plan)
+        assert len(planned) <= 8 * BATCH_EVERY
+    assert planned[BATCH_EVERY - 1::BATCH_EVERY][:2] == [True, True]  # batch work moves in each of its steps
+
+
+def test_the_encoder_runs_at_most_a_budget_ahead_of_prefill() -> None:
+    """A request's next slice is planned only while its encoded audio is less than step_tokens ahead of its
+    prefill; its prefill then follows within the same step."""
+    sched = scheduler(step_tokens=520, prefill_chunk=128)
+    long = ready(2100, audio=2080)
+    long.audio_before = np.minimum(np.arange(2101), 2080)
+    sched.active = [long]
+    for _ in range(12):
+        plan = sched.plan()
+        advance(plan)
+        assert long.encoded_tokens - long.audio_before_position(long.prefilled) < 520 + 520, plan
+    assert long.prefilled > 0
 
 
 def test_work_goes_by_rank_live_first_then_age() -> None:
@@ -65,8 +164,9 @@ def test_work_goes_by_rank_live_first_then_age() -> None:
     live = ready(100, interactive=True)
     sched.active = [young, old, live]
     sched.planned = BATCH_EVERY - 1  # the next step is one where batch work rides beside live work
-    assert sched.plan().prefill == [(live, 100), (old, 128)]  # its share
-    sched.active.remove(live)
+    assert sched.plan().prefill == [(live, 100), (old, 128), (old, 128)]  # its share: 256 of 260
+    sched = scheduler(step_tokens=512)
+    sched.active = [young, old]
     assert sched.plan().prefill == [(old, 128), (old, 128), (old, 44), (young, 128)]  # 428 of 512
 
 

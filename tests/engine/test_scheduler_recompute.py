@@ -40,7 +40,7 @@ def preempted_in_decode(ck, wrap_run=None, checks: bool = False) -> tuple[object
     rows (as where decode rows are row-invariant). Returns C's result, C's listener and the engine (closed)."""
     per_token = kv_bytes_per_token(ck.config.decoder, ck.dtype)
     eng = Engine(ck, EngineConfig(kv_cache_bytes=512 * per_token, kv_block_tokens=16, prefill_chunk=16,
-                                  prefill_tokens=16))
+                                  step_tokens=16))
     runner = eng.core.runner
     runner.checks_recompute = checks
     if wrap_run is not None:

@@ -184,7 +184,7 @@ def test_an_aligner_closed_under_a_transcription_fails_it_instead_of_hanging(dem
 
 def test_an_alignment_failed_by_its_engines_close_fails_the_transcription(demo_ck, aligner_path, sentence) -> None:
     # small prefill chunks: the alignment takes several steps, so the one in flight at close does not finish it
-    config = EngineConfig(prefill_tokens=16, prefill_chunk=16, encoder_tokens=104, kv_cache_bytes=KV)
+    config = EngineConfig(step_tokens=16, prefill_chunk=16, kv_cache_bytes=KV)
     asr = ASR(demo_ck, aligner=Aligner.from_pretrained(aligner_path, device="cpu", dtype="float32",
                                                        engine_config=config))
     try:
@@ -203,7 +203,7 @@ def test_an_alignment_failed_by_its_engines_close_fails_the_transcription(demo_c
 
 # ---------------------------------------------------------------- 3. cancelled requests leave the queue at once
 def test_a_cancelled_request_deep_in_the_queue_is_gone_after_one_step(ck) -> None:
-    engine = Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=1, prefill_chunk=64, prefill_tokens=64))
+    engine = Engine(ck, EngineConfig(kv_cache_bytes=KV, max_running=1, prefill_chunk=64, step_tokens=64))
     kept_wave = noise(10.0, seed=4)
     kept_prompt = prompt_for(ck, kept_wave)
     lease = engine.submit(RequestSpec(kept_prompt, 2, waveform=kept_wave,
@@ -244,16 +244,16 @@ def test_a_cancelled_request_deep_in_the_queue_is_gone_after_one_step(ck) -> Non
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_running=0), "max_running"),
     (dict(max_running=-3), "max_running"),
-    (dict(prefill_tokens=0), "prefill_tokens"),
+    (dict(step_tokens=0), "step_tokens"),
+    (dict(step_tokens=True), "step_tokens"),
     (dict(prefill_chunk=0), "prefill_chunk"),
-    (dict(encoder_tokens=0), "encoder_tokens"),
     (dict(conv_batch=0), "conv_batch"),
     (dict(max_running=2.5), "max_running"),
     (dict(kv_cache_bytes=-1), "kv_cache_bytes"),
     (dict(audio_memory_bytes=-1), "audio_memory_bytes"),
     (dict(audio_memory_bytes=True), "audio_memory_bytes"),
-    (dict(prefill_tokens=100, prefill_chunk=201), "prefill_chunk"),
-    (dict(prefill_tokens=64, prefill_chunk=256), "2 \\* prefill_tokens"),
+    (dict(step_tokens=200, prefill_chunk=201), "prefill_chunk"),
+    (dict(step_tokens=128, prefill_chunk=256), "at most step_tokens"),
 ])
 def test_settings_that_cannot_make_progress_are_refused(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -265,18 +265,18 @@ def test_the_settings_in_use_still_construct() -> None:
     EngineConfig(kv_cache_bytes=1)  # the smallest cache the engine makes
     EngineConfig(kv_cache_bytes=0)  # the default size, like None
     EngineConfig(kv_cache_bytes=np.int64(1 << 20), max_running=np.int64(4))
-    EngineConfig(max_running=1, prefill_tokens=300)
-    EngineConfig(encoder_tokens=4 * 780)
-    EngineConfig(prefill_tokens=96, prefill_chunk=32, encoder_tokens=104)  # the aligner parity test's
-    EngineConfig(prefill_chunk=64, prefill_tokens=128)
-    EngineConfig(kv_cache_bytes=None, max_running=64, prefill_tokens=16384, prefill_chunk=2048,
-                 encoder_tokens=120 * 104, conv_batch=256)  # bench/gpu.py
-    EngineConfig(prefill_tokens=100, prefill_chunk=200)  # the edge: a chunk of 2 steps' prefill still progresses
+    EngineConfig(max_running=1, step_tokens=300)
+    EngineConfig(step_tokens=4 * 780)
+    EngineConfig(step_tokens=200, prefill_chunk=32)  # the aligner parity test's
+    EngineConfig(prefill_chunk=64, step_tokens=128)
+    EngineConfig(kv_cache_bytes=None, max_running=64, step_tokens=120 * 104 + 16384 + 64, prefill_chunk=2048,
+                 conv_batch=256)  # bench/gpu.py
+    EngineConfig(step_tokens=200, prefill_chunk=200)  # the edge: a chunk of a whole step's budget still progresses
 
 
 def test_a_chunk_at_the_limit_still_finishes_long_audio(ck) -> None:
-    wave = noise(30.0, seed=8)  # 390 audio tokens: far beyond the encoder's lookahead of 2 * prefill_tokens
-    with Engine(ck, EngineConfig(kv_cache_bytes=KV, prefill_tokens=64, prefill_chunk=128, encoder_tokens=104)) as e:
+    wave = noise(30.0, seed=8)  # 390 audio tokens: far beyond the encoder's lookahead of step_tokens
+    with Engine(ck, EngineConfig(kv_cache_bytes=KV, step_tokens=128, prefill_chunk=128)) as e:
         assert len(e.submit(RequestSpec(prompt_for(ck, wave), 3, waveform=wave,
                                         ignore_eos=True)).result(timeout=120).token_ids) == 3
 

@@ -92,7 +92,7 @@ def test_a_preempted_request_recomputes_the_same_logprobs(dtype, request) -> Non
         pytest.skip("bf16 row invariance rests on qasr's AVX512-BF16 kernels")
     ck = request.getfixturevalue("ck" if dtype == "float32" else "ck_bf16")
     a_wave, c_wave = noise(2.0, seed=4), noise(2.0, seed=6)
-    config = dict(kv_block_tokens=16, prefill_chunk=16, prefill_tokens=16)
+    config = dict(kv_block_tokens=16, prefill_chunk=16, step_tokens=16)
     want = [generate(ck, [w], new_tokens=300, **config)[0] for w in (a_wave, c_wave)]
     pool = 512 * kv_bytes_per_token(ck.config.decoder, ck.dtype)
     with Engine(ck, EngineConfig(kv_cache_bytes=pool, **config)) as engine:

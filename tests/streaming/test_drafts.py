@@ -138,7 +138,7 @@ def test_a_preempted_request_with_a_draft_recomputes_the_same_output(path128) ->
     from qasr.model.checkpoint import load_checkpoint
 
     ck = load_checkpoint(path128, device="cpu", dtype="bfloat16")
-    config = dict(kv_block_tokens=16, prefill_chunk=16, prefill_tokens=16)
+    config = dict(kv_block_tokens=16, prefill_chunk=16, step_tokens=16)
     a_wave, c_wave = noise(2.0, seed=4), noise(2.0, seed=6)
     with Engine(ck, EngineConfig(kv_cache_bytes=KV, **config)) as eng:
         if not eng.verifies_drafts:

@@ -118,12 +118,12 @@ def clip_pool(n: int, seconds: float, seed: int) -> list[np.ndarray]:
 
 
 def gpu_engine_config(max_running: int, kv_bytes: int | None) -> object:
-    """The engine's settings for a GPU: a whole 2-minute clip encoded and prefilled in one step, up to
-    ``max_running`` sequences decoding together."""
+    """The engine's settings for a GPU: a whole 2-minute clip encoded and prefilled in one step beside the decode
+    rows of ``max_running`` sequences decoding together."""
     from qasr.engine.engine import EngineConfig
 
-    return EngineConfig(kv_cache_bytes=kv_bytes, max_running=max_running, prefill_tokens=16384, prefill_chunk=2048,
-                        encoder_tokens=120 * 104, conv_batch=256)
+    return EngineConfig(kv_cache_bytes=kv_bytes, max_running=max_running, step_tokens=120 * 104 + 16384 + max_running,
+                        prefill_chunk=2048, conv_batch=256)
 
 
 def _gpu_memory(device: torch.device) -> dict:

@@ -20,9 +20,10 @@ class EngineConfig:
     # most 2 GiB (admission waits while more would be held; an engine with nothing admitted admits one)
     audio_memory_bytes: int | None = None
     max_running: int = 64
-    prefill_tokens: int = 512  # prompt tokens per step, in whole chunks
+    # one budget per step: decode rows (drafts' included) + prompt tokens (whole chunks) + encoder rows (whole 8 s
+    # windows); every decode row runs, and a step with encoder or prefill work moves a window and a chunk at least
+    step_tokens: int = 1024
     prefill_chunk: int = 256  # every prompt's chunk grid (keeps outputs batch-independent)
-    encoder_tokens: int = 512  # encoder rows per step, in whole 8 s windows (at least one)
     conv_batch: int = 8  # 1 s chunks per conv call
     native_kernels: bool = True  # qasr's C++ CPU kernels (else torch ops)
     backend: str = "auto"  # engine/device.py; auto: the model's device type
@@ -34,8 +35,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Refuse settings with which the engine could not make progress."""
-        for name in ("kv_block_tokens", "max_running", "prefill_tokens", "prefill_chunk", "encoder_tokens",
-                     "conv_batch", "threads"):
+        for name in ("kv_block_tokens", "max_running", "step_tokens", "prefill_chunk", "conv_batch", "threads"):
             value = getattr(self, name)
             if name == "threads" and value is None:
                 continue
@@ -52,11 +52,11 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 0):
                 raise ValueError(f"EngineConfig.{name} must be None (or 0: the default size) or a positive byte "
                                  f"count, got {value!r}")
-        # the encoder runs at most 2 * prefill_tokens ahead of prefill (scheduler._plan_encode)
-        if self.prefill_chunk > 2 * self.prefill_tokens:
-            raise ValueError(f"EngineConfig.prefill_chunk ({self.prefill_chunk}) must be at most 2 * prefill_tokens "
-                             f"({2 * self.prefill_tokens}): a longer chunk can wait forever for audio the encoder "
-                             "does not run ahead to")
+        # a request's encoder runs ahead of its prefill while less than step_tokens ahead (Scheduler._wants_slice)
+        if self.prefill_chunk > self.step_tokens:
+            raise ValueError(f"EngineConfig.prefill_chunk ({self.prefill_chunk}) must be at most step_tokens "
+                             f"({self.step_tokens}): a longer chunk can wait forever for audio the encoder does "
+                             "not run ahead to")
 
 
 @dataclass(frozen=True)

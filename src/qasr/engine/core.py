@@ -95,9 +95,10 @@ class EngineCore:
         token_bytes = (checkpoint.config.decoder.hidden_size * model.dtype.itemsize
                        + -(-window_frames * enc.num_mel_bins * 4 // enc.window_tokens))
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_running, config.prefill_tokens, config.prefill_chunk, config.encoder_tokens,
-                            enc.window_tokens, config.audio_memory_bytes or default_audio_bytes(model.device),
-                            token_bytes), BlockManager(self.pool.allocator))
+            SchedulerConfig(max_running=config.max_running, step_tokens=config.step_tokens,
+                            prefill_chunk=config.prefill_chunk, window_tokens=enc.window_tokens,
+                            audio_memory_bytes=config.audio_memory_bytes or default_audio_bytes(model.device),
+                            audio_token_bytes=token_bytes), BlockManager(self.pool.allocator))
         if prepared.make_runner is not None:
             self.runner = prepared.make_runner(prepared, self.pool, checkpoint.features, config)
         else:

@@ -5,11 +5,13 @@ The policy: every request has a rank, live work (interactive requests and encode
 batch work, then age (submission order), so within one input the earlier pieces go first. Admission takes
 waiting requests by rank (batch ones by group first: the group with the fewest running, preempted requests
 ahead) while ``max_running`` allows and the KV blocks and audio memory they need are there for the taking;
-nothing overtakes a request that waits for room. Each step carries every decode row plus encoder slices and
-prefill chunks by rank within two budgets (``encoder_tokens``, ``prefill_tokens``; encoder-only requests
-whole, whatever the budget). While live work is in the engine, batch work's encoder and prefill work rides
-in one step of ``BATCH_EVERY`` with ``BATCH_SHARE`` of each budget (one window, one chunk at least), so
-neither class starves the other and the steps live work waits for stay short. When blocks run out, kept
+nothing overtakes a request that waits for room. Each step has one budget, ``step_tokens``, counting decode
+rows (drafts' rows included), prefill tokens and encoder rows. Every decode row runs and is counted first;
+encoder-only requests come whole; what is left goes by rank to each request's next encoder slice, then its
+prefill chunks once their audio is encoded. While live work is in the engine, batch work rides in one step of
+``BATCH_EVERY`` with ``BATCH_SHARE`` of what is left, so neither class starves the other and the steps live
+work waits for stay short. A class that works in a step gets one window and one chunk whatever is left, so a
+step whose decode rows fill the budget still moves encoder and prefill work. When blocks run out, kept
 leases are evicted, then the lowest-ranked running request below the one in need is preempted; one
 preempted ``PREEMPT_CAP`` times is spared by all but the top-ranked request, which can always go on.
 """
@@ -24,7 +26,7 @@ from qasr.engine.kv_blocks import BlockManager
 from qasr.engine.request import Request
 
 DRAFT_ROWS = 8  # guesses checked per request and step
-BATCH_SHARE = 0.25  # of a step's encoder and prefill budgets: batch work's while live work is in the engine
+BATCH_SHARE = 0.25  # of what a step's decode rows leave of its budget: batch work's while live work is in the engine
 BATCH_EVERY = 4  # while live work is in the engine, batch work's share rides in one step of this many
 PREEMPT_CAP = 2  # preemptions after which a request is no longer a victim (but of the top-ranked request)
 
@@ -32,9 +34,8 @@ PREEMPT_CAP = 2  # preemptions after which a request is no longer a victim (but 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64
-    prefill_tokens: int = 512  # per step, in whole chunks (one at least)
+    step_tokens: int = 1024  # decode rows + prefill tokens + encoder rows per step (Scheduler.plan)
     prefill_chunk: int = 256  # prefill grid
-    encoder_tokens: int = 512  # per step, in whole windows (one at least)
     window_tokens: int = 104  # encoder slice grid
     audio_memory_bytes: int = 1 << 62  # features and encoder rows of admitted requests
     audio_token_bytes: int = 0  # one audio token's encoder row and share of the features
@@ -212,86 +213,58 @@ class Scheduler:
         self.preemptions += 1
 
     def plan(self) -> StepPlan:
-        """The next step: every decode row plus encoder and prefill work by rank; KV blocks are taken here."""
+        """The next step: every decode row and its guesses, then encoder and prefill work by rank within what
+        they leave of ``step_tokens``; KV blocks are taken here."""
         self.planned += 1
-        plan = StepPlan(self._plan_encode(), [], [])
-        after = {id(r): r.encoded_tokens + n for r, n in plan.encode}
+        plan = StepPlan([(r, r.audio_tokens) for r in self.encoding if not r.cancelled], [], [])
         for req in sorted(self.active, key=rank):
             if req in self.active and req.prefill_done and self._reserve(req, req.context, plan):
                 plan.decode.append(req)
-        self._plan_prefill(after, plan)
-        self._plan_drafts(plan)
-        return plan
-
-    def _plan_drafts(self, plan: StepPlan) -> None:
-        for req in plan.decode:
-            ahead = req.draft_ahead(min(DRAFT_ROWS, req.max_new_tokens - len(req.output) - 1))
+        guesses = {id(r): g for r in plan.decode
+                   if (g := r.draft_ahead(min(DRAFT_ROWS, r.max_new_tokens - len(r.output) - 1)))}
+        rows = len(plan.decode) + sum(len(g) for g in guesses.values())
+        self._plan_work(plan, self.config.step_tokens - rows)
+        for req in plan.decode:  # a guess takes only free blocks: it never evicts or preempts
+            ahead = guesses.get(id(req))
             if ahead and self.blocks.grow(req, req.context + len(ahead)):
                 plan.drafts[id(req)] = ahead
-
-    def _plan_encode(self) -> list[tuple[Request, int]]:
-        """Encoder-only requests whole, then other requests' next windows while their prefill is less than two
-        steps behind, by rank within what is left of ``encoder_tokens`` and the class caps (one item at least)."""
-        cfg = self.config
-        lookahead = 2 * cfg.prefill_tokens
-        plan: list[tuple[Request, int]] = [(r, r.audio_tokens) for r in self.encoding if not r.cancelled]
-        wanted = sorted((r for r in self.active if not r.encoded
-                         and r.encoded_tokens - r.audio_before_position(r.prefilled) < lookahead), key=rank)
-        live_cap, batch_cap = self._caps(cfg.encoder_tokens, cfg.window_tokens, wanted)
-        used = sum(n for _, n in plan)
-        batch_used = 0
-        for req in wanted:
-            if req.live:
-                room = live_cap - used
-            elif batch_cap == 0:
-                break
-            else:
-                room = min(cfg.encoder_tokens - used, batch_cap - batch_used)
-                if not batch_used:
-                    room = max(room, cfg.window_tokens)  # batch work's floor: a window in its steps
-            n = self._slice(req, room)
-            if n <= 0 or (plan and n > room):
-                continue
-            plan.append((req, n))
-            used += n
-            batch_used += 0 if req.live else n
         return plan
 
-    def _caps(self, budget: int, unit: int, wanted: list[Request]) -> tuple[int, int]:
-        """What live and batch work may take of this step's budget. Without live work in the engine, batch work
-        all of it. With it, batch work its share in one step of BATCH_EVERY and nothing in the others, so the
-        steps a live request waits for stay short; live work the rest."""
-        live_in = any(r.live for r in self.active) or any(not r.cancelled for r in self.encoding)
-        if not live_in:
-            return budget, budget
-        if self.planned % BATCH_EVERY or all(r.live for r in wanted):
-            return budget, 0
-        share = _share(budget, unit)
-        return max(budget - share, unit), share
+    def _wants_slice(self, req: Request) -> bool:
+        """Its audio is not all encoded and its prefill is less than a step's budget behind its encoder."""
+        return not req.encoded and (req.encoded_tokens - req.audio_before_position(req.prefilled)
+                                    < self.config.step_tokens)
 
-    def _slice(self, req: Request, room: int) -> int:
-        """Whole windows of ``req``'s audio within ``room`` (its last window may be short); 0 if none fits."""
-        left = req.audio_tokens - req.encoded_tokens
-        n = min(left, max(room, 0) // self.config.window_tokens * self.config.window_tokens)
-        return left if n == 0 and left <= room else n
-
-    def _plan_prefill(self, encoded_after: dict[int, int], plan: StepPlan) -> None:
-        """Prefill chunks on each request's grid, by rank within ``prefill_tokens`` and the class caps (one chunk
-        at least), a chunk once its audio is encoded."""
+    def _plan_work(self, plan: StepPlan, left: int) -> None:
+        """Encoder slices and prefill chunks by rank within ``left`` tokens and the class caps: each request its
+        next slice (whole windows), then its chunks (on its grid) as far as their audio is encoded. A class
+        that works in this step gets one window and one chunk whatever is left (its floor)."""
         cfg = self.config
-        ready = {}
-        for req in self.active:
-            if not req.prefill_done:
-                limit = req.ready_until(encoded_after.get(id(req), req.encoded_tokens))
-                if limit > req.prefilled:
-                    ready[id(req)] = limit
-        wanted = sorted((r for r in self.active if id(r) in ready), key=rank)
-        live_cap, batch_cap = self._caps(cfg.prefill_tokens, cfg.prefill_chunk, wanted)
-        used = batch_used = 0
+        left = max(left, 0)
+        wanted = sorted((r for r in self.active if self._wants_slice(r)
+                         or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled)), key=rank)
+        turn, cap = self._caps(left, wanted)
+        used = sum(n for _, n in plan.encode)  # encoder-only requests: live work, whole
+        spent = {True: used, False: 0}
+        windowed = {True: bool(plan.encode), False: False}  # the class had its floor's window
+        chunked = {True: False, False: False}  # and its chunk
+        short = False  # out of KV blocks: no more prefill this step
         for req in wanted:
-            if req not in self.active:
-                continue  # preempted by an earlier reservation
-            done, limit = req.prefilled, ready[id(req)]
+            live = req.live
+            if not turn[live] or req not in self.active:  # not its class's step, or preempted meanwhile
+                continue
+            if self._wants_slice(req):
+                room = min(left - used, cap[live] - spent[live])
+                n = self._slice(req, room if windowed[live] else max(room, cfg.window_tokens))
+                if n > 0:
+                    plan.encode.append((req, n))
+                    used += n
+                    spent[live] += n
+                    windowed[live] = True
+            if short or req.prefill_done:
+                continue
+            done = req.prefilled
+            limit = req.ready_until(req.encoded_tokens + sum(n for r, n in plan.encode if r is req))
             prompt_chunk = False
             while done < limit:
                 end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, req.prefill_len)
@@ -302,26 +275,36 @@ class Scheduler:
                 if end > limit:  # its audio is not encoded yet
                     break
                 n = end - done
-                if req.live:
-                    fits = not plan.prefill or used + n <= live_cap
-                elif batch_cap == 0:
-                    return
-                else:  # batch work's floor: a chunk in its steps
-                    fits = not batch_used or (used + n <= cfg.prefill_tokens and batch_used + n <= batch_cap)
-                if not fits:
+                if chunked[live] and (used + n > left or spent[live] + n > cap[live]):
                     break
                 if not self._reserve(req, end, plan):
-                    return
+                    short = True
+                    break
                 plan.prefill.append((req, n))
                 used += n
-                batch_used += 0 if req.live else n
+                spent[live] += n
+                chunked[live] = True
                 prompt_chunk = prompt_chunk or done < len(req.prompt)
                 done = end
 
+    def _caps(self, left: int, wanted: list[Request]) -> tuple[dict[bool, bool], dict[bool, int]]:
+        """Whether each class (live: True) works in this step, and what it may take of ``left``. Without live
+        work in the engine, batch work all of it. With it, batch work BATCH_SHARE of it in one step of
+        BATCH_EVERY and nothing in the others, so the steps a live request waits for stay short; live work the
+        rest."""
+        live_in = any(r.live for r in self.active) or any(not r.cancelled for r in self.encoding)
+        if not live_in:
+            return {True: True, False: True}, {True: left, False: left}
+        if self.planned % BATCH_EVERY or all(r.live for r in wanted):
+            return {True: True, False: False}, {True: left, False: 0}
+        share = int(left * BATCH_SHARE)
+        return {True: True, False: True}, {True: left - share, False: share}
 
-def _share(budget: int, unit: int) -> int:
-    """BATCH_SHARE of a budget in whole units, one at least."""
-    return max(int(budget * BATCH_SHARE) // unit, 1) * unit
+    def _slice(self, req: Request, room: int) -> int:
+        """Whole windows of ``req``'s audio within ``room`` (its last window may be short); 0 if none fits."""
+        left = req.audio_tokens - req.encoded_tokens
+        n = min(left, max(room, 0) // self.config.window_tokens * self.config.window_tokens)
+        return left if n == 0 and left <= room else n
 
 
 def _by_group(reqs: Iterable[Request]) -> dict[object, deque[Request]]:

@@ -450,8 +450,8 @@ def test_gpu_defaults_replace_only_the_fields_left_at_their_cpu_defaults() -> No
     gpu = cuda_defaults(Config())
     assert all(getattr(gpu, name) == value for name, value in GPU_DEFAULTS.items())
     assert gpu.kv_block_tokens == 256 and gpu.max_running > Config().max_running
-    mine = cuda_defaults(Config(max_running=32, prefill_tokens=1024, kv_cache_bytes=1 << 30))
-    assert (mine.max_running, mine.prefill_tokens, mine.kv_cache_bytes) == (32, 1024, 1 << 30)
+    mine = cuda_defaults(Config(max_running=32, step_tokens=2048, kv_cache_bytes=1 << 30))
+    assert (mine.max_running, mine.step_tokens, mine.kv_cache_bytes) == (32, 2048, 1 << 30)
     assert mine.conv_batch == GPU_DEFAULTS["conv_batch"] and cuda_defaults(gpu) == gpu
 
 
@@ -583,8 +583,8 @@ def test_the_cuda_backend_on_cpu_tensors_gives_the_cpu_backends_tokens(ck32, mon
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", spy)
     monkeypatch.setattr(PinnedStaging, "upload", seen)
     waves = [noise(s, seed=k) for k, s in enumerate(LENGTHS)]
-    want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128), waves)
-    got, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, prefill_tokens=128,
+    want, _ = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, step_tokens=128), waves)
+    got, engine = _tokens(ck32, EngineConfig(kv_cache_bytes=KV, prefill_chunk=64, step_tokens=128,
                                              backend="cuda", kv_block_tokens=16), waves)
     assert got == want
     stats = engine.core.runner.stats()

@@ -19,9 +19,9 @@ from qasr.model.kernels import TORCH_KERNELS
 
 log = logging.getLogger(__name__)
 # what a GPU runs best where the CPU default was left: KV blocks flash's paged path reads, steps that fill the
-# device (the prefill and encoder budgets, 1 s chunks per conv call) and more requests at once
-GPU_DEFAULTS = dict(kv_block_tokens=FLASH_BLOCK_TOKENS, prefill_tokens=4096, encoder_tokens=4160, conv_batch=64,
-                    max_running=256)
+# device (a budget with room for max_running decode rows beside 8k prompt tokens and encoder rows, 1 s chunks
+# per conv call) and more requests at once
+GPU_DEFAULTS = dict(kv_block_tokens=FLASH_BLOCK_TOKENS, step_tokens=8448, conv_batch=64, max_running=256)
 
 
 def cuda_defaults(config: EngineConfig) -> EngineConfig:
