@@ -113,9 +113,9 @@ class Host:
     def run(self) -> None:
         writer = threading.Thread(target=self._write, name="qasr-engine-writer", daemon=True)
         writer.start()
-        threading.Thread(target=self._stats, name="qasr-engine-stats", daemon=True).start()
         self.out.put(Ready({role: EngineInfo(e.config, e.prepared.description, e.log_mel is not None)
                             for role, e in self.engines.items()}))
+        threading.Thread(target=self._stats, name="qasr-engine-stats", daemon=True).start()  # after Ready
         while True:  # the server closes the pipe once every engine is closed, or when it dies
             try:
                 message = self.conn.recv()
@@ -212,8 +212,11 @@ class Host:
         self.out.put(Done(call_id, error=_sendable(error)) if error is not None else Done(call_id, future.result()))
 
     def _stats(self) -> None:
-        while not self._stop.wait(STATS_EVERY_S):
+        """A snapshot at once (the server counts the process ready with it), then every STATS_EVERY_S."""
+        while True:
             self.out.put(Stats({role: e.stats() for role, e in self.engines.items()}))
+            if self._stop.wait(STATS_EVERY_S):
+                return
 
     def _write(self) -> None:
         """Send what is queued, as one message per wake-up (tokens of one step travel together)."""

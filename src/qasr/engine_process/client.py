@@ -190,10 +190,15 @@ class EngineProcess:
     def _supervise(self) -> None:
         backoff = RESTART_BACKOFF_S[0]
         while not self._closing:
-            target = self._spawn()
-            failure = self._await_ready(target)
+            try:
+                target = self._spawn()
+            except Exception as exc:  # noqa: BLE001 - e.g. no memory or file descriptors left: tried again later
+                target, failure = None, f"it could not be started ({exc!r})"
+            else:
+                failure = self._await_ready(target)
             if failure is not None:
-                self._reap(target)
+                if target is not None:
+                    self._reap(target)
                 if not self._first.done():
                     self._first.set_exception(RuntimeError(f"the engine process failed to start: {failure}"))
                     return
@@ -228,8 +233,10 @@ class EngineProcess:
                 backoff = RESTART_BACKOFF_S[0]
 
     def _await_ready(self, target: _Child) -> str | None:
-        """None once it says Ready, else why it will not."""
+        """None once it has said Ready and sent its first Stats (stats() has a snapshot as soon as ``ready``),
+        else why it will not."""
         conn = target.conn
+        info: dict[str, EngineInfo] | None = None
         while True:
             if self._closing:
                 return "closed while starting"
@@ -237,10 +244,13 @@ class EngineProcess:
                 if conn.poll(POLL_S):  # type: ignore[attr-defined]
                     for message in conn.recv():  # type: ignore[attr-defined]
                         if isinstance(message, Ready):
-                            self.info = message.engines
+                            info = message.engines
+                        elif isinstance(message, Stats) and info is not None:
+                            # the last process's snapshot (broken, stalled) is replaced before this one serves
+                            self.info, self._stats = info, message.engines
                             target.stats_at = time.monotonic()
                             return None
-                        if isinstance(message, LoadFailed):
+                        elif isinstance(message, LoadFailed):
                             return message.error
             except (EOFError, OSError):
                 pass
