@@ -121,8 +121,9 @@ def test_sigkill_with_calls_in_flight(checkpoint, demo_clips) -> None:  # noqa: 
     try:
         before = tokens_of(engine, checkpoint, demo_clips)
         futures, streams = in_flight(engine, checkpoint, demo_clips)
-        turn = engine.open_turn(StreamConfig(chunk_size_sec=1.0))
-        turn.push(demo_clips[0][:16000])
+        turns = [engine.open_turn(StreamConfig(chunk_size_sec=1.0)) for _ in range(2)]
+        for turn in turns:
+            assert len(turn.push(demo_clips[0][:16000])) == 1
         old_pid = process.pid
         assert old_pid is not None
         killed = time.monotonic()
@@ -130,11 +131,20 @@ def test_sigkill_with_calls_in_flight(checkpoint, demo_clips) -> None:  # noqa: 
         assert assert_fail_fast(futures, killed, 10.0) < 10.0
         assert all(s[-1] is None for s in streams), "a streamed call did not end its stream"
         with pytest.raises(EngineBroken):
-            turn.push(demo_clips[0][16000:32000])  # its engine process is gone: so is the turn
-        turn.close()
+            turns[0].push(demo_clips[0][16000:32000])  # its engine process is gone: so is the turn
+        turns[0].close()
         assert_restarted(process, engine, old_pid)
         assert tokens_of(engine, checkpoint, demo_clips) == before
-        assert not process._pending
+        with pytest.raises(EngineBroken, match="live turn ended"):  # not a turn of the new engine process
+            turns[1].push(demo_clips[0][16000:32000])
+        turns[1].close()
+        turn = engine.open_turn(StreamConfig(chunk_size_sec=1.0))
+        assert len(turn.push(demo_clips[0][:16000])) == 1
+        turn.close()
+        deadline = time.monotonic() + SLACK_S
+        while process._pending:  # every call answered, the last close's included
+            assert time.monotonic() < deadline, process._pending
+            time.sleep(0.02)
     finally:
         process.close()
     assert not process.ready

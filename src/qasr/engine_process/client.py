@@ -117,14 +117,17 @@ class EngineProcess:
         return self.call_with_id(work, on_token, shared)[1]
 
     def call_with_id(self, work: Work, on_token: Callable[[int | None], None] | None = None,
-                     shared: Sequence[object] = ()) -> tuple[int, Future]:
-        """``call``, and the call's id (a turn's id is the id of its TurnOpen)."""
+                     shared: Sequence[object] = (), restarts: int | None = None) -> tuple[int, Future]:
+        """``call``, and the call's id (a turn's id is the id of its TurnOpen). ``restarts``: raise EngineBroken
+        unless the engine process is the one that ran at that count of restarts (a live turn's own)."""
         with self._lock:
             if self._closing:
                 raise EngineClosed("the engine is closed")
             target = self._child
             if target is None:
                 raise EngineBroken("the engine process is not running (a new one is starting after a failure)")
+            if restarts is not None and restarts != self.restarts:
+                raise EngineBroken("the engine process of this live turn ended (a new one serves new turns)")
             call_id = next(self._ids)
             future: Future = Future()
             self._pending[call_id] = _Pending(future, on_token, tuple(shared))
@@ -432,7 +435,8 @@ class RemoteTurn:
         self.config = config
         self.samples = 0
         self.finished = False
-        turn, future = process.call_with_id(TurnOpen(config))
+        self._restarts = process.restarts  # its engine process: after a restart, the turn is gone
+        turn, future = process.call_with_id(TurnOpen(config), restarts=self._restarts)
         future.result()  # opened as the engine process reads it: no step to wait for
         self._id: int | None = turn
 
@@ -441,13 +445,13 @@ class RemoteTurn:
             raise RuntimeError("the session is finished")
         x = as_float_pcm(pcm)
         self.samples += x.size
-        return self.process.call(TurnPush(self._turn, x)).result()
+        return self._call(TurnPush(self._turn, x)).result()
 
     def finish(self) -> Update:
         if self.finished:
             raise RuntimeError("the session is finished")
         self.finished = True
-        return self.process.call(TurnFinish(self._turn)).result()
+        return self._call(TurnFinish(self._turn)).result()
 
     def close(self) -> None:
         if self._id is None:
@@ -455,9 +459,12 @@ class RemoteTurn:
         turn, self._id = self._id, None
         if not self.finished:
             try:
-                self.process.call(TurnClose(turn))
+                self._call(TurnClose(turn))
             except (EngineBroken, EngineClosed):
                 pass  # the turn went with its engine process
+
+    def _call(self, work: Work) -> Future:
+        return self.process.call_with_id(work, restarts=self._restarts)[1]
 
     @property
     def _turn(self) -> int:
