@@ -3,6 +3,7 @@ module)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = ROOT / "models" / "qasr-demo-en"
@@ -90,6 +92,23 @@ class ServerProcess:
             time.sleep(0.05)
         raise TimeoutError(f"qasr serve not ready after {timeout} s:\n{self.log()}")
 
+    def engine_pid(self, timeout: float = 120) -> int:
+        """The pid of the server's engine process (its child that multiprocessing's spawn_main runs), waiting up
+        to ``timeout`` s for one to be running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = []
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(self.proc.pid).children():
+                    with contextlib.suppress(psutil.Error):
+                        if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                            pids.append(child.pid)
+            if len(pids) == 1:
+                return pids[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not one engine process after {timeout} s: {pids}:\n{self.log()}")
+            time.sleep(0.05)
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
@@ -103,6 +122,14 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+def gone(pid: int) -> bool:
+    """No process ``pid`` runs (none, or a zombie left for a parent to reap)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def metric(text: str, name: str, **labels: str) -> float:
