@@ -23,8 +23,10 @@ import pytest
 from qasr.engine.config import EngineConfig
 from qasr.engine.engine import RequestSpec
 from qasr.engine.errors import EngineBroken
+from qasr.engine_process import client
 from qasr.engine_process.child import EngineSpec
 from qasr.engine_process.client import EngineProcess, RemoteEngine
+from qasr.engine_process.shared_array import SharedArray
 from qasr.model.checkpoint import load_checkpoint
 from qasr.streaming import StreamConfig
 from tests.conftest import DEMO, prompt_for
@@ -104,8 +106,22 @@ def assert_restarted(process: EngineProcess, engine: RemoteEngine, old_pid: int)
         assert time.monotonic() < deadline, "the engine process was not given up on"
         time.sleep(0.01)
     assert engine.stats().broken
-    with pytest.raises(EngineBroken):
-        engine.submit(RequestSpec([1, 2, 3], 1, waveform=np.zeros(1600, np.float32)))
+    shared: list[SharedArray] = []
+    real_share = client.share
+
+    def recording_share(array):  # noqa: ANN001, ANN202
+        sent = real_share(array)
+        shared.append(sent)
+        return sent
+
+    client.share = recording_share
+    try:
+        with pytest.raises(EngineBroken):  # 10 s: its features would go by shared memory
+            engine.submit(RequestSpec([1, 2, 3], 1, waveform=np.zeros(160000, np.float32)))
+    finally:
+        client.share = real_share
+    assert len(shared) == 1 and isinstance(shared[0], SharedArray)
+    assert not Path("/dev/shm", shared[0].name.lstrip("/")).exists(), "a refused call's block was left behind"
     deadline = time.monotonic() + 120
     while not process.ready:
         assert time.monotonic() < deadline, "no new engine process within 120 s"

@@ -120,23 +120,26 @@ class EngineProcess:
                      shared: Sequence[object] = (), restarts: int | None = None) -> tuple[int, Future]:
         """``call``, and the call's id (a turn's id is the id of its TurnOpen). ``restarts``: raise EngineBroken
         unless the engine process is the one that ran at that count of restarts (a live turn's own)."""
-        with self._lock:
-            if self._closing:
-                raise EngineClosed("the engine is closed")
-            target = self._child
-            if target is None:
-                raise EngineBroken("the engine process is not running (a new one is starting after a failure)")
-            if restarts is not None and restarts != self.restarts:
-                raise EngineBroken("the engine process of this live turn ended (a new one serves new turns)")
-            call_id = next(self._ids)
-            future: Future = Future()
-            self._pending[call_id] = _Pending(future, on_token, tuple(shared))
         try:
-            self._send(target, Call(call_id, work))
-        except BaseException:
             with self._lock:
-                self._pending.pop(call_id, None)
-            for item in shared:
+                if self._closing:
+                    raise EngineClosed("the engine is closed")
+                target = self._child
+                if target is None:
+                    raise EngineBroken("the engine process is not running (a new one is starting after a failure)")
+                if restarts is not None and restarts != self.restarts:
+                    raise EngineBroken("the engine process of this live turn ended (a new one serves new turns)")
+                call_id = next(self._ids)
+                future: Future = Future()
+                self._pending[call_id] = _Pending(future, on_token, tuple(shared))
+            try:
+                self._send(target, Call(call_id, work))
+            except BaseException:
+                with self._lock:
+                    self._pending.pop(call_id, None)
+                raise
+        except BaseException:
+            for item in shared:  # refused: no engine process will take them
                 discard(item)
             raise
         future.add_done_callback(lambda f: f.cancelled() and self._abort(call_id))
