@@ -7,6 +7,7 @@ holding the GIL (the engine process sends nothing past ``timeout_s``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -182,6 +183,36 @@ def test_a_step_that_fails_or_never_returns(faulty, checkpoint, demo_clips, faul
         assert took >= TIMEOUT_S
     assert_restarted(process, engine, old_pid)
     assert tokens_of(engine, checkpoint, demo_clips) == before
+
+
+def test_close_while_a_new_engine_process_loads(checkpoint, demo_clips, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """close() during a restart returns at once, fails what was in flight, and leaves no engine process."""
+    process, engine = started()
+    futures, _ = in_flight(engine, checkpoint, demo_clips)
+    old_pid = process.pid
+    assert old_pid is not None
+    os.kill(old_pid, signal.SIGKILL)
+    assert_fail_fast(futures, time.monotonic(), 10.0)
+    deadline = time.monotonic() + SLACK_S
+    while not [pid for pid in engine_processes() if pid != old_pid]:  # the new one is loading
+        assert time.monotonic() < deadline, "no new engine process"
+        time.sleep(0.01)
+    assert not process.ready
+    at = time.monotonic()
+    process.close()
+    assert time.monotonic() - at < 1.0
+    assert not engine_processes(), "an engine process was left running"
+    assert "trying again" not in caplog.text
+
+
+def engine_processes() -> list[int]:
+    """This process's children that run an engine process (live, not zombies)."""
+    pids = []
+    for c in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
+                pids.append(c.pid)
+    return pids
 
 
 def start_within(process: EngineProcess, timeout: float = 60.0) -> None:

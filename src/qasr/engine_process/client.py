@@ -204,9 +204,13 @@ class EngineProcess:
                 failure = self._await_ready(target)
             if failure is not None:
                 if target is not None:
+                    if self._closing:
+                        target.process.kill()  # still loading: it reads no pipe, so it would not see ours close
                     self._reap(target)
                 if not self._first.done():
                     self._first.set_exception(RuntimeError(f"the engine process failed to start: {failure}"))
+                    return
+                if self._closing:
                     return
                 log.error("the engine process failed to start (%s); trying again in %.0f s", failure, backoff)
                 time.sleep(backoff)
