@@ -25,7 +25,7 @@ from qasr.engine.config import EngineConfig
 from qasr.engine.engine import RequestSpec
 from qasr.engine.errors import EngineBroken
 from qasr.engine_process import client
-from qasr.engine_process.child import EngineSpec
+from qasr.engine_process.child import STATS_EVERY_S, EngineSpec
 from qasr.engine_process.client import EngineProcess, RemoteEngine
 from qasr.engine_process.shared_array import SharedArray
 from qasr.model.checkpoint import load_checkpoint
@@ -179,8 +179,8 @@ def test_a_step_that_fails_or_never_returns(faulty, checkpoint, demo_clips, faul
     futures = [engine.submit(long_request(checkpoint, w)) for w in demo_clips[:2]]
     took = assert_fail_fast(futures, at, TIMEOUT_S + SLACK_S)
     assert not path.exists(), "the fault never ran"
-    if fault != "raise":  # a hang is given up on after timeout_s, not before
-        assert took >= TIMEOUT_S
+    if fault != "raise":  # a hang is given up on after timeout_s (from its last stats snapshot), not before
+        assert took >= TIMEOUT_S - STATS_EVERY_S - 0.1
     assert_restarted(process, engine, old_pid)
     assert tokens_of(engine, checkpoint, demo_clips) == before
 
