@@ -177,6 +177,14 @@ def test_a_step_that_fails_or_never_returns(faulty, checkpoint, demo_clips, faul
     path.write_text(fault)
     at = time.monotonic()
     futures = [engine.submit(long_request(checkpoint, w)) for w in demo_clips[:2]]
+    if fault == "gil":  # the engine process reads no pipe now; a caller (the event loop) still never waits on it
+        while path.exists():
+            assert time.monotonic() - at < SLACK_S, "the fault never ran"
+            time.sleep(0.01)
+        for wave in demo_clips * 2:  # each over 64 KiB of features in the message: more than the pipe holds
+            sent = time.monotonic()
+            futures.append(engine.submit(RequestSpec(prompt_for(checkpoint, wave), 8, waveform=wave)))
+            assert time.monotonic() - sent < 1.0, "a submit waited on the engine process's pipe"
     took = assert_fail_fast(futures, at, TIMEOUT_S + SLACK_S)
     assert not path.exists(), "the fault never ran"
     if fault != "raise":  # a hang is given up on after timeout_s (from its last stats snapshot), not before

@@ -6,6 +6,7 @@ and word times through the ``ASR`` facade (aligner role), a live turn's Updates 
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from qasr.engine.engine import RequestSpec
 from qasr.engine_process import client
 from qasr.engine_process.asr import start_asr
 from qasr.engine_process.child import EngineSpec
+from qasr.engine_process.protocol import TurnClose
 from qasr.engine_process.shared_array import SharedArray
 from qasr.streaming import Session, StreamConfig
 from tests.conftest import DEMO, prompt_for
@@ -180,3 +182,13 @@ def wait_stats(engine, condition, timeout: float = 20.0):  # noqa: ANN001, ANN20
             return stats
         assert time.monotonic() < deadline, f"stats never got there: {stats}"
         time.sleep(0.02)
+
+
+def test_a_call_that_does_not_pickle_fails_alone(remote, local, demo_clips) -> None:  # noqa: ANN001
+    """Its caller gets the error; the engine process's pipe and the calls after it are unharmed."""
+    engine = remote._core.engine
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        engine.process.call(TurnClose(lambda: 0))  # type: ignore[arg-type]
+    assert not engine.process._pending
+    spec = specs(local._core.checkpoint, demo_clips)[0]
+    assert engine.submit(spec).result(60).token_ids == local._core.engine.submit(spec).result(60).token_ids

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 SENTENCES = ("set an alarm for six forty five", "turn off the lights in the bedroom",
              "what is the weather like in paris on friday")
 SECONDS = 10.0  # what "within seconds" allows on a loaded 2-core machine
+FAULTS = Path(__file__).resolve().parent.parent / "engine_process" / "faults"
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +198,47 @@ def test_sigkill_of_the_server_ends_the_engine_process(tmp_path: Path) -> None:
         while not gone(pid):
             assert time.monotonic() < deadline, "the engine process outlived the server"
             time.sleep(0.05)
+
+
+def test_the_server_answers_while_its_engine_process_hangs_holding_its_gil(
+        tmp_path: Path, audio, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The engine process stops reading its pipe (a step that never returns, holding the GIL: injected by
+    tests/engine_process/faults/sitecustomize.py); uploads sent meanwhile do not block the server's event loop:
+    /health answers at once, and the requests end with 503 engine_broken when it is given up on."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("QASR_TEST_FAULT", str(fault))
+    timeout_s = 6.0
+    with ServerProcess(tmp_path / "serve.log", "--engine-timeout-s", str(timeout_s)) as srv:
+        pid = srv.engine_pid()
+        fault.write_text("gil")
+
+        async def run() -> tuple[list[httpx.Response], list[float]]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+                async def post() -> httpx.Response:
+                    return await client.post("/v1/audio/transcriptions", data={"model": "demo"},
+                                             files={"file": audio["short"].read_bytes()})
+
+                posts = [asyncio.create_task(post())]
+                deadline = time.monotonic() + 60
+                while fault.exists():
+                    assert time.monotonic() < deadline, "the fault never ran"
+                    await asyncio.sleep(0.02)
+                posts += [asyncio.create_task(post()) for _ in range(4)]  # each more than the pipe holds
+                health_s = []
+                for _ in range(6):
+                    at = time.monotonic()
+                    await client.get("/health", timeout=timeout_s + SECONDS)
+                    health_s.append(time.monotonic() - at)
+                    await asyncio.sleep(0.3)
+                return await asyncio.gather(*posts), health_s
+
+        responses, health_s = asyncio.run(run())
+        assert max(health_s) < 2.0, health_s
+        assert [r.status_code for r in responses] == [503] * 5, [r.text for r in responses]
+        assert {r.json()["error"]["code"] for r in responses} == {"engine_broken"}
+        assert wait_health(srv, 120)[-1] == (200, "ok")
+        assert gone(pid)
 
 
 @pytest.mark.xfail(strict=True, reason="a live session learns that its engine process died only at its next audio")

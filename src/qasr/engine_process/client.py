@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -65,6 +67,23 @@ class _Child:
     process: multiprocessing.process.BaseProcess
     conn: object  # multiprocessing.connection.Connection
     stats_at: float = field(default_factory=time.monotonic)
+    # what goes to it, sent by one thread of its own: a caller never waits on the pipe (one the engine process
+    # does not read, e.g. while it hangs holding its GIL, would block the event loop until it is killed)
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    writer: threading.Thread | None = None
+
+    def send(self, message: object) -> None:
+        """Queue ``message`` for the writer; pickled here, so one that does not pickle fails its caller."""
+        self.outbox.put(None if message is None else ForkingPickler.dumps(message))
+
+    def write(self) -> None:
+        """The writer thread: send what is queued, in order, until a None or the pipe fails (the engine process
+        is gone; the supervisor fails the calls in flight)."""
+        while (data := self.outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - broken pipe, or closed under us
+                return
 
 
 class EngineProcess:
@@ -78,7 +97,6 @@ class EngineProcess:
         self.info: dict[str, EngineInfo] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()  # _pending and _child
-        self._send_lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._child: _Child | None = None  # set while ready
         self._stats: dict[str, EngineStats] = {}
@@ -112,8 +130,8 @@ class EngineProcess:
 
     def call(self, work: Work, on_token: Callable[[int | None], None] | None = None,
              shared: Sequence[object] = ()) -> Future:
-        """Send ``work``; the future resolves to its answer. Cancelling it aborts the call. Raises EngineBroken
-        while no engine process is ready, EngineClosed once closing."""
+        """Send ``work`` (never waiting on the pipe); the future resolves to its answer. Cancelling it aborts the
+        call. Raises EngineBroken while no engine process is ready, EngineClosed once closing."""
         return self.call_with_id(work, on_token, shared)[1]
 
     def call_with_id(self, work: Work, on_token: Callable[[int | None], None] | None = None,
@@ -133,7 +151,7 @@ class EngineProcess:
                 future: Future = Future()
                 self._pending[call_id] = _Pending(future, on_token, tuple(shared))
             try:
-                self._send(target, Call(call_id, work))
+                target.send(Call(call_id, work))
             except BaseException:
                 with self._lock:
                     self._pending.pop(call_id, None)
@@ -156,10 +174,7 @@ class EngineProcess:
             if last:
                 self._closing = True
         if target is not None:
-            try:
-                self._send(target, Close(role, drain, timeout))
-            except EngineBroken:
-                pass
+            target.send(Close(role, drain, timeout))
         if last:
             deadline = None if timeout is None else time.monotonic() + timeout + 5.0
             self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -173,17 +188,7 @@ class EngineProcess:
     def _abort(self, call_id: int) -> None:
         target = self._child
         if target is not None:
-            try:
-                self._send(target, Abort(call_id))
-            except EngineBroken:
-                pass
-
-    def _send(self, target: _Child, message: object) -> None:
-        with self._send_lock:
-            try:
-                target.conn.send(message)  # type: ignore[attr-defined]
-            except (OSError, ValueError) as exc:
-                raise EngineBroken(f"the engine process is gone ({exc!r})") from exc
+            target.send(Abort(call_id))
 
     def _spawn(self) -> _Child:
         context = multiprocessing.get_context("spawn")
@@ -191,7 +196,10 @@ class EngineProcess:
         process = context.Process(target=child.main, args=(theirs, self.spec), name="qasr-engine", daemon=True)
         process.start()
         theirs.close()
-        return _Child(process, ours)
+        target = _Child(process, ours)
+        target.writer = threading.Thread(target=target.write, name="qasr-engine-sender", daemon=True)
+        target.writer.start()
+        return target
 
     def _supervise(self) -> None:
         backoff = RESTART_BACKOFF_S[0]
@@ -326,7 +334,13 @@ class EngineProcess:
         return None
 
     def _reap(self, target: _Child) -> None:
-        """Close the pipe (an engine process still reading it exits), then make sure it is gone."""
+        """Stop its writer, close the pipe (an engine process still reading it exits), then make sure it is gone."""
+        target.send(None)
+        if target.writer is not None:
+            target.writer.join(2.0)
+            if target.writer.is_alive():  # blocked on a pipe the engine process does not read: it goes first
+                target.process.kill()
+                target.writer.join(5.0)
         try:
             target.conn.close()  # type: ignore[attr-defined]
         except OSError:
