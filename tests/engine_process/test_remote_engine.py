@@ -28,13 +28,14 @@ from tests.conftest import DEMO, prompt_for
 
 DEMO_ALIGNER = DEMO.parent / "qasr-demo-aligner-en"
 KV_BYTES = 64 * 2**20  # plenty for these requests; the KV pool's size changes no token
+THREADS = 2  # both sides alike: the engine process would take every CPU, the tests' torch runs 2 threads
 
 
 def demo_spec(**engine: object) -> EngineSpec:
     """The demo model and its aligner, float32 on the CPU, as the engine process loads them."""
-    config = EngineConfig(kv_cache_bytes=KV_BYTES, **engine)  # type: ignore[arg-type]
+    config = EngineConfig(kv_cache_bytes=KV_BYTES, threads=THREADS, **engine)  # type: ignore[arg-type]
     return EngineSpec(str(DEMO), device="cpu", dtype="float32", engine=config, aligner=str(DEMO_ALIGNER),
-                      aligner_engine=EngineConfig(kv_cache_bytes=KV_BYTES))
+                      aligner_engine=EngineConfig(kv_cache_bytes=KV_BYTES, threads=THREADS))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def remote() -> Iterator[ASR]:
 @pytest.fixture(scope="module")
 def local() -> Iterator[ASR]:
     asr = ASR.from_pretrained(DEMO, device="cpu", dtype="float32", aligner=str(DEMO_ALIGNER),
-                              engine=EngineConfig(kv_cache_bytes=KV_BYTES))
+                              engine=EngineConfig(kv_cache_bytes=KV_BYTES), threads=THREADS)
     yield asr
     asr.close()
 
