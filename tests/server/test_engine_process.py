@@ -123,8 +123,7 @@ def test_sigkill_of_the_engine_process_mid_request_and_live_sessions(tmp_path: P
                 await sender
                 # restarting, then ready again
                 seen = await asyncio.to_thread(wait_health, srv, 120)
-                # the quiet session's turn went with the engine process: its next audio ends it
-                await quiet.send(audio["pcm"][64000:96000])
+                # the quiet session's turn went with the engine process: it is told without sending anything
                 quiet_end = await asyncio.wait_for(until_closed(quiet), SECONDS)
             return r, r_s, live, seen, quiet_end
 
@@ -138,7 +137,8 @@ def test_sigkill_of_the_engine_process_mid_request_and_live_sessions(tmp_path: P
         assert code == 1011 and took < SECONDS
         assert seen[0] == (503, "restarting") and seen[-1] == (200, "ok"), seen
         errors = [e for e in quiet_events if e["type"] == "error"]
-        assert errors and errors[-1]["code"] == "server_error" and "EngineBroken" in errors[-1]["message"], errors
+        assert errors and errors[-1]["code"] == "server_error", errors
+        assert "engine process ended" in errors[-1]["message"] or "EngineBroken" in errors[-1]["message"], errors
         assert quiet_code == 1011
         assert gone(pid)
         assert srv.engine_pid() != pid
@@ -239,20 +239,3 @@ def test_the_server_answers_while_its_engine_process_hangs_holding_its_gil(
         assert {r.json()["error"]["code"] for r in responses} == {"engine_broken"}
         assert wait_health(srv, 120)[-1] == (200, "ok")
         assert gone(pid)
-
-
-@pytest.mark.xfail(strict=True, reason="a live session learns that its engine process died only at its next audio")
-def test_a_quiet_live_session_is_told_at_once_when_the_engine_process_dies(tmp_path: Path, audio) -> None:  # noqa: ANN001
-    """The issue's "every live session gets an error event and a close", for a session whose client sends
-    nothing (its turn open in the engine process) when the engine process is killed."""
-    with ServerProcess(tmp_path / "serve.log") as srv:
-        pid = srv.engine_pid()
-
-        async def run() -> tuple[list[dict], int | None]:
-            ws = await open_stream(srv)
-            await first_partial(ws, audio["pcm"][:64000])
-            os.kill(pid, signal.SIGKILL)
-            return await asyncio.wait_for(until_closed(ws), SECONDS)
-
-        events, code = asyncio.run(run())
-        assert [e["code"] for e in events if e["type"] == "error"] == ["server_error"] and code == 1011

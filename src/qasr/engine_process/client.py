@@ -94,6 +94,7 @@ class EngineProcess:
         self.spec = spec
         self.timeout_s = timeout_s
         self.restarts = 0
+        self.lost = 0  # engine processes that ended while serving (counted at once; restarts when replaced)
         self.info: dict[str, EngineInfo] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()  # _pending and _child
@@ -235,6 +236,7 @@ class EngineProcess:
             with self._lock:
                 self._child = None
                 pending, self._pending = self._pending, {}
+                self.lost += not self._closing
             self._reap(target)
             error = EngineBroken(f"the engine process {why}; the server is starting a new one")
             if self._closing:

@@ -34,6 +34,10 @@ class Draining(Exception):
     """The server is shutting down."""
 
 
+class EngineLost(RuntimeError):
+    """The engine process that held this session's turn ended (a new one serves the next sessions)."""
+
+
 @dataclass(frozen=True)
 class Refusal:
     code: str
@@ -82,6 +86,7 @@ class Channel:
         self._arrived = asyncio.Event()  # a message came, or the client left
         self._taken = asyncio.Event()
         self._reader: asyncio.Task | None = None
+        self._engine_losses = state.engine_losses()
 
     async def send(self, message: dict) -> None:
         async with self._lock:
@@ -98,7 +103,7 @@ class Channel:
 
     async def receive(self, busy: Callable[[], bool] = lambda: False, room: Callable[[], bool] = lambda: True) -> dict:
         """The next message (``{"text": ...}`` or ``{"bytes": ...}``) once ``room()``; raises
-        WebSocketDisconnect, Idle or Draining. Time while ``busy()`` or without room is not idle."""
+        WebSocketDisconnect, Idle, Draining or EngineLost. Time while ``busy()`` or without room is not idle."""
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())
         loop = asyncio.get_running_loop()
@@ -109,6 +114,8 @@ class Channel:
                 raise WebSocketDisconnect(self.gone)
             if self.state.draining:
                 raise Draining()
+            if self.state.engine_losses() != self._engine_losses:
+                raise EngineLost("the engine process ended (the server log says why); a new one is starting")
             has_room = room()
             if has_room and self._unread:
                 message = self._unread.popleft()

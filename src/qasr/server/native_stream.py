@@ -20,6 +20,7 @@ from qasr.server.live_ws import (
     DRAIN_CUT,
     Channel,
     Draining,
+    EngineLost,
     Idle,
     drain_session,
     end_session,
@@ -127,6 +128,9 @@ async def _serve(channel: Channel, state: ServerState) -> None:
         await unless_gone(channel.send({"type": "error", "code": "session_idle", "message": "nothing received for "
                                         f"{state.config.live_idle_timeout_s:g} s: closed"}))
         await channel.close(1000, "idle")
+    except EngineLost as exc:
+        if runner is None or not runner.failed:
+            await unless_gone(fail(exc))
     except Draining:  # the audio received gets its transcript (within the drain's deadline), then 1001
         why = await drain_session(runner, state)
         await unless_gone(channel.send({"type": "error", "code": "shutting_down", "message": why}))

@@ -24,6 +24,7 @@ from qasr.server.live_ws import (
     CLOSE_GOING_AWAY,
     Channel,
     Draining,
+    EngineLost,
     Idle,
     drain_session,
     end_session,
@@ -167,6 +168,9 @@ class RealtimeConnection:
             await unless_gone(self._send_error("session_idle", f"no event for "
                                                f"{self.state.config.live_idle_timeout_s:g} s: the session is closed"))
             await self.channel.close(1000, "idle")
+        except EngineLost as exc:
+            if not self.runner.failed:
+                await unless_gone(self._fail(exc))
         except Draining:  # the audio received still gets its transcript, by the deadline
             await unless_gone(self._send_error("shutting_down", await drain_session(self.runner, self.state)))
             await self.channel.close(CLOSE_GOING_AWAY, "server shutting down")

@@ -91,6 +91,10 @@ class ServerState:
                 return "stalled", f"{role} engine stalled for {stats.stalled_s:.0f} s with work in hand"
         return None
 
+    def engine_losses(self) -> int:
+        """Engine processes that ended while serving, so far: a live session whose count changed lost its turn."""
+        return sum(e.process.lost for e in self.engines().values() if isinstance(e, RemoteEngine) and e.role == "asr")
+
     def engine_restarts(self) -> int:
         """Engine processes started anew since the server started (0 with an in-process engine)."""
         return max((e.restarts for e in self.engines().values() if isinstance(e, RemoteEngine)), default=0)
