@@ -158,16 +158,40 @@ def test_the_encoder_runs_at_most_a_budget_ahead_of_prefill() -> None:
 
 
 def test_work_goes_by_rank_live_first_then_age() -> None:
-    """Prefill chunks go to live work first, then to the oldest request, whatever the admission order."""
+    """Prefill chunks go to live work first, then to the oldest request, whatever the admission order; while
+    another request of its class waits for work, one takes at most half of its class's share."""
     sched = scheduler()
     old, young = ready(300), ready(300)
     live = ready(100, interactive=True)
     sched.active = [young, old, live]
     sched.planned = BATCH_EVERY - 1  # the next step is one where batch work rides beside live work
-    assert sched.plan().prefill == [(live, 100), (old, 128), (old, 128)]  # its share: 256 of 260
+    assert sched.plan().prefill == [(live, 100), (old, 128), (young, 128)]  # batch work's 260: 130 each
     sched = scheduler(step_tokens=512)
     sched.active = [young, old]
-    assert sched.plan().prefill == [(old, 128), (old, 128), (old, 44), (young, 128)]  # 428 of 512
+    assert sched.plan().prefill == [(old, 128), (old, 128), (young, 128), (young, 128)]
+    sched = scheduler(step_tokens=1024)
+    sched.active = [young, old]
+    assert sched.plan().prefill == [(old, 128), (old, 128), (old, 44), (young, 128), (young, 128), (young, 44)]
+    sched = scheduler(step_tokens=512)
+    sched.active = [old]  # alone, it takes the whole budget
+    assert sched.plan().prefill == [(old, 128), (old, 128), (old, 44)]
+
+
+def test_a_short_request_is_not_held_behind_a_long_ones_prompt() -> None:
+    """A long request that could fill every step takes at most half of it while a younger one waits for
+    work: the younger one is encoded and prefilled in its first step."""
+    sched = scheduler(step_tokens=1024)
+    long = ready(15620, audio=15600)
+    long.audio_before = np.minimum(np.arange(15621), 15600)
+    sched.active = [long]
+    for _ in range(3):
+        advance(sched.plan())
+    short = ready(46, audio=26)
+    short.audio_before = np.minimum(np.arange(47), 26)
+    sched.active.append(short)
+    plan = sched.plan()
+    assert (short, 26) in plan.encode and (short, 46) in plan.prefill, plan
+    assert sum(n for r, n in [*plan.encode, *plan.prefill] if r is long) <= 512 + 128
 
 
 def test_interactive_requests_wait_for_room_and_count_toward_max_running() -> None:

@@ -8,10 +8,12 @@ ahead) while ``max_running`` allows and the KV blocks and audio memory they need
 nothing overtakes a request that waits for room. Each step has one budget, ``step_tokens``, counting decode
 rows (drafts' rows included), prefill tokens and encoder rows. Every decode row runs and is counted first;
 encoder-only requests come whole; what is left goes by rank to each request's next encoder slice, then its
-prefill chunks once their audio is encoded. While live work is in the engine, batch work rides in one step of
-``BATCH_EVERY`` with ``BATCH_SHARE`` of what is left, so neither class starves the other and the steps live
-work waits for stay short. A class that works in a step gets one window and one chunk whatever is left, so a
-step whose decode rows fill the budget still moves encoder and prefill work. When blocks run out, kept
+prefill chunks once their audio is encoded, one request taking at most half while another waits for such
+work (so a short request is not held behind a long one's prompt). While live work is in the engine, batch
+work rides in one step of ``BATCH_EVERY`` with ``BATCH_SHARE`` of what is left, so neither class starves the
+other and the steps live work waits for stay short. A class that works in a step gets one window and one
+chunk whatever is left, so a step whose decode rows fill the budget still moves encoder and prefill work.
+When blocks run out, kept
 leases are evicted, then the lowest-ranked running request below the one in need is preempted; one
 preempted ``PREEMPT_CAP`` times is spared by all but the top-ranked request, which can always go on.
 """
@@ -244,6 +246,9 @@ class Scheduler:
         wanted = sorted((r for r in self.active if self._wants_slice(r)
                          or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled)), key=rank)
         turn, cap = self._caps(left, wanted)
+        # while another request of its class waits for work, one request takes at most half of its class's cap
+        count = Counter(r.live for r in wanted)
+        each = {c: cap[c] // 2 if count[c] > 1 else cap[c] for c in (True, False)}
         used = sum(n for _, n in plan.encode)  # encoder-only requests: live work, whole
         spent = {True: used, False: 0}
         windowed = {True: bool(plan.encode), False: False}  # the class had its floor's window
@@ -253,18 +258,19 @@ class Scheduler:
             live = req.live
             if not turn[live] or req not in self.active:  # not its class's step, or preempted meanwhile
                 continue
+            sliced = 0
             if self._wants_slice(req):
-                room = min(left - used, cap[live] - spent[live])
-                n = self._slice(req, room if windowed[live] else max(room, cfg.window_tokens))
-                if n > 0:
-                    plan.encode.append((req, n))
-                    used += n
-                    spent[live] += n
+                room = min(left - used, cap[live] - spent[live], each[live])
+                sliced = max(self._slice(req, room if windowed[live] else max(room, cfg.window_tokens)), 0)
+                if sliced:
+                    plan.encode.append((req, sliced))
+                    used += sliced
+                    spent[live] += sliced
                     windowed[live] = True
             if short or req.prefill_done:
                 continue
-            done = req.prefilled
-            limit = req.ready_until(req.encoded_tokens + sum(n for r, n in plan.encode if r is req))
+            done, own = req.prefilled, sliced
+            limit = req.ready_until(req.encoded_tokens + sliced)
             prompt_chunk = False
             while done < limit:
                 end = min((done // cfg.prefill_chunk + 1) * cfg.prefill_chunk, req.prefill_len)
@@ -275,13 +281,14 @@ class Scheduler:
                 if end > limit:  # its audio is not encoded yet
                     break
                 n = end - done
-                if chunked[live] and (used + n > left or spent[live] + n > cap[live]):
+                if chunked[live] and (used + n > left or spent[live] + n > cap[live] or own + n > each[live]):
                     break
                 if not self._reserve(req, end, plan):
                     short = True
                     break
                 plan.prefill.append((req, n))
                 used += n
+                own += n
                 spent[live] += n
                 chunked[live] = True
                 prompt_chunk = prompt_chunk or done < len(req.prompt)
