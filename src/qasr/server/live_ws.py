@@ -35,7 +35,8 @@ class Draining(Exception):
 
 
 class EngineLost(RuntimeError):
-    """The engine process that held this session's turn ended (a new one serves the next sessions)."""
+    """The engine process ended while the session was open: its turn went with it (a new one serves new
+    sessions)."""
 
 
 @dataclass(frozen=True)

@@ -212,9 +212,10 @@ def _engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, EngineClosed):
         return ApiError(503, "the server is shutting down", code="shutting_down")
     if isinstance(exc, EngineBroken):
-        cause = repr(exc.__cause__) if exc.__cause__ is not None else str(exc)
-        return ApiError(503, f"the inference engine is broken and serves no more requests: {cause}",
-                        code="engine_broken")
+        if exc.__cause__ is not None:  # the in-process engine's loop failed: it serves no more requests
+            return ApiError(503, f"the inference engine is broken and serves no more requests: "
+                            f"{exc.__cause__!r}", code="engine_broken")
+        return ApiError(503, f"the inference engine failed: {exc}", code="engine_broken")
     if isinstance(exc, ValueError):  # refused at submit, e.g. longer than the KV cache holds
         return ApiError(400, str(exc), param="file")
     return ApiError(500, f"transcription failed: {type(exc).__name__}: {exc}")
