@@ -39,10 +39,10 @@ from qasr.engine_process.protocol import (
     TurnPush,
 )
 from qasr.engine_process.shared_array import received
+from qasr.streaming.session import Session, Update
 
 log = logging.getLogger("qasr.engine_process")
 STATS_EVERY_S = 0.2
-TURN_THREADS = 64  # live turns block on their engine requests: one thread each while they step
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class Host:
         self.engines = engines
         self.out: queue.SimpleQueue[FromEngine] = queue.SimpleQueue()
         self.futures: dict[int, Future] = {}
-        self.turns: dict[int, object] = {}  # id -> streaming.Session
-        self.turn_pool = ThreadPoolExecutor(TURN_THREADS, thread_name_prefix="qasr-turn")
+        # id -> (streaming.Session, its thread): a turn's calls block on its engine requests and run in order
+        self.turns: dict[int, tuple[Session, ThreadPoolExecutor]] = {}
         self._stop = threading.Event()
 
     def run(self) -> None:
@@ -135,9 +135,9 @@ class Host:
 
     def _close(self, message: Close) -> None:
         if message.role == "asr":
-            for turn in list(self.turns.values()):
+            for turn, _ in list(self.turns.values()):
                 with contextlib.suppress(Exception):
-                    turn.close()  # type: ignore[attr-defined]
+                    turn.close()
         engine = self.engines.get(message.role)
         if engine is not None:
             engine.close(message.drain, message.timeout_s)
@@ -146,15 +146,18 @@ class Host:
     def _call(self, call: Call) -> None:
         work = call.work
         try:
-            if isinstance(work, TurnOpen | TurnClose):  # quick, and in order with the turn's next push
-                self.out.put(Done(call.id, self._turn(call.id, work)))
+            if isinstance(work, TurnOpen):  # quick; the turn's later calls queue on its own thread
+                engine = self.engines["asr"]
+                self.turns[call.id] = (Session(engine, engine.checkpoint, work.config),
+                                       ThreadPoolExecutor(1, thread_name_prefix="qasr-turn"))
+                self.out.put(Done(call.id))
                 return
             if isinstance(work, Generate):
                 future = self._generate(call.id, work)
             elif isinstance(work, Align):
                 future = self._align(work)
             else:
-                future = self.turn_pool.submit(self._turn, call.id, work)
+                future = self._turn(work)
         except BaseException as exc:  # noqa: BLE001 - a refusal is the call's answer
             self.out.put(Done(call.id, error=_sendable(exc)))
             return
@@ -182,26 +185,17 @@ class Host:
                                            features=torch.from_numpy(audio))
         return engine.submit_alignment(list(work.prompt), positions=work.positions, waveform=audio)
 
-    def _turn(self, call_id: int, work: TurnOpen | TurnPush | TurnFinish | TurnClose) -> object:
-        from qasr.streaming.session import Session
-
-        if isinstance(work, TurnOpen):
-            engine = self.engines["asr"]
-            self.turns[call_id] = Session(engine, engine.checkpoint, work.config)
-            return None
-        turn = self.turns.get(work.turn)
-        if turn is None:
+    def _turn(self, work: TurnPush | TurnFinish | TurnClose) -> Future:
+        """Queue a call on its turn's thread; a finish or a close ends the turn."""
+        if work.turn not in self.turns:
             raise RuntimeError(f"live turn {work.turn} is not open in the engine process")
         if isinstance(work, TurnPush):
-            return turn.push(work.pcm)  # type: ignore[attr-defined]
-        self.turns.pop(work.turn, None)
-        if isinstance(work, TurnFinish):
-            try:
-                return turn.finish()  # type: ignore[attr-defined]
-            finally:
-                turn.close()  # type: ignore[attr-defined]
-        turn.close()  # type: ignore[attr-defined]
-        return None
+            turn, thread = self.turns[work.turn]
+            return thread.submit(turn.push, work.pcm)
+        turn, thread = self.turns.pop(work.turn)
+        future = thread.submit(_end_turn, turn, isinstance(work, TurnFinish))
+        thread.shutdown(wait=False)
+        return future
 
     def _done(self, call_id: int, future: Future) -> None:
         self.futures.pop(call_id, None)
@@ -239,6 +233,13 @@ class Host:
                         continue
                     if isinstance(m, Done):
                         self.conn.send([Done(m.id, error=RuntimeError(f"answer not sendable: {exc!r}"))])
+
+
+def _end_turn(turn: Session, finish: bool) -> Update | None:
+    try:
+        return turn.finish() if finish else None
+    finally:
+        turn.close()
 
 
 class _Cancelled(Exception):

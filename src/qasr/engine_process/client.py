@@ -481,8 +481,8 @@ class RemoteTurn:
         if self.finished:
             raise RuntimeError("the session is finished")
         self.finished = True
-        if self._held:  # the engine process runs a turn's calls on a pool: the finish must not overtake it
-            self._send_held().result()  # completes no chunk: no update
+        if self._held:
+            self._send_held()  # completes no chunk (no update); the engine process runs a turn's calls in order
         return self._call(TurnFinish(self._turn)).result()
 
     def _send_held(self) -> Future:
