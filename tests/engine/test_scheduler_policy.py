@@ -159,13 +159,13 @@ def test_the_encoder_runs_at_most_a_budget_ahead_of_prefill() -> None:
 
 def test_work_goes_by_rank_live_first_then_age() -> None:
     """Prefill chunks go to live work first, then to the oldest request, whatever the admission order; while
-    another request of its class waits for work, one takes at most half of its class's share."""
+    another request of its class waits for work, one takes at most half of what the decode rows leave."""
     sched = scheduler()
     old, young = ready(300), ready(300)
     live = ready(100, interactive=True)
     sched.active = [young, old, live]
     sched.planned = BATCH_EVERY - 1  # the next step is one where batch work rides beside live work
-    assert sched.plan().prefill == [(live, 100), (old, 128), (young, 128)]  # batch work's 260: 130 each
+    assert sched.plan().prefill == [(live, 100), (old, 128), (old, 128)]  # batch work's share: 256 of 260
     sched = scheduler(step_tokens=512)
     sched.active = [young, old]
     assert sched.plan().prefill == [(old, 128), (old, 128), (young, 128), (young, 128)]

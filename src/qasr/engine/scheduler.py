@@ -246,9 +246,9 @@ class Scheduler:
         wanted = sorted((r for r in self.active if self._wants_slice(r)
                          or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled)), key=rank)
         turn, cap = self._caps(left, wanted)
-        # while another request of its class waits for work, one request takes at most half of its class's cap
+        # while another request of its class waits for work, one request takes at most half of ``left``
         count = Counter(r.live for r in wanted)
-        each = {c: cap[c] // 2 if count[c] > 1 else cap[c] for c in (True, False)}
+        each = {c: left // 2 if count[c] > 1 else left for c in (True, False)}
         used = sum(n for _, n in plan.encode)  # encoder-only requests: live work, whole
         spent = {True: used, False: 0}
         windowed = {True: bool(plan.encode), False: False}  # the class had its floor's window
