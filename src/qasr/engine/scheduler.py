@@ -8,7 +8,7 @@ ahead) while ``max_running`` allows and the KV blocks and audio memory they need
 nothing overtakes a request that waits for room. Each step has one budget, ``step_tokens``, counting decode
 rows (drafts' rows included), prefill tokens and encoder rows. Every decode row runs and is counted first;
 encoder-only requests come whole; what is left goes by rank to each request's next encoder slice, then its
-prefill chunks once their audio is encoded, one request taking at most half while another waits for such
+prefill chunks once their audio is encoded, a batch request taking at most half while another waits for such
 work (so a short request is not held behind a long one's prompt). While live work is in the engine, batch
 work rides in one step of ``BATCH_EVERY`` with ``BATCH_SHARE`` of what is left, so neither class starves the
 other and the steps live work waits for stay short. A class that works in a step gets one window and one
@@ -246,9 +246,8 @@ class Scheduler:
         wanted = sorted((r for r in self.active if self._wants_slice(r)
                          or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled)), key=rank)
         turn, cap = self._caps(left, wanted)
-        # while another request of its class waits for work, one request takes at most half of ``left``
-        count = Counter(r.live for r in wanted)
-        each = {c: left // 2 if count[c] > 1 else left for c in (True, False)}
+        # while another batch request waits for work, one takes at most half of ``left`` (live requests are short)
+        each = {True: left, False: left // 2 if sum(not r.live for r in wanted) > 1 else left}
         used = sum(n for _, n in plan.encode)  # encoder-only requests: live work, whole
         spent = {True: used, False: 0}
         windowed = {True: bool(plan.encode), False: False}  # the class had its floor's window
