@@ -49,6 +49,7 @@ def start(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_txt_file_grows_as_partial_then_is_written_whole(long_wav, tmp_path) -> None:
     out = tmp_path / "out"
     proc = start(str(long_wav), "-o", str(out))

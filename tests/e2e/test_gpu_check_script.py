@@ -105,6 +105,7 @@ esac
 """
 
 
+@pytest.mark.slow
 def test_a_hanging_stage_costs_its_budget_and_every_stage_is_recorded(tmp_path) -> None:
     python = tmp_path / "python3"
     python.write_text(STAND_IN)

@@ -193,6 +193,7 @@ def test_a_step_that_fails_or_never_returns(faulty, checkpoint, demo_clips, faul
     assert tokens_of(engine, checkpoint, demo_clips) == before
 
 
+@pytest.mark.slow
 def test_close_while_a_new_engine_process_loads(checkpoint, demo_clips, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
     """close() during a restart returns at once, fails what was in flight, and leaves no engine process."""
     process, engine = started()

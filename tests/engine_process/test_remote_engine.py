@@ -111,6 +111,7 @@ def test_streamed_tokens_arrive_in_order_then_none(remote, local, demo_clips) ->
     assert seen[:len(ids)] == ids
 
 
+@pytest.mark.slow
 def test_transcripts_and_word_times_through_the_facade(remote, local, demo_clips) -> None:  # noqa: ANN001
     options = TranscribeOptions(sample_rate=16000, timestamps="word")
     want = local.transcribe(list(demo_clips), options)

@@ -130,6 +130,7 @@ def test_parallel_hour_long_uploads_are_refused_before_decoding(server, audio) -
         "set an alarm for six forty five"
 
 
+@pytest.mark.slow
 def test_a_header_that_claims_an_hour_is_refused_by_its_header(server, audio) -> None:
     """While the queue holds audio, a file whose header says an hour gets 429 although it holds a minute: the
     server decided by the header, before decoding (decoding would have found 60 s, which fits)."""

@@ -73,6 +73,7 @@ def read_all(sock: socket.socket, seconds: float) -> bytes:
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/stream", "/v1/realtime"])
 def test_unanswered_pings_never_close_a_live_connection(server, path: str) -> None:
     with handshake(server.port, path) as sock:

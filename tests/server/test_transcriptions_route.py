@@ -188,6 +188,7 @@ def test_concurrent_requests_match_offline(server, clips, offline) -> None:
     assert texts == [offline[n] for n in names]
 
 
+@pytest.mark.slow
 def test_64_concurrent_requests_all_answered(tmp_path_factory, clips, offline) -> None:
     """64 clients at once against a server with the default queue limit: every request answered, each
     text equal to the offline one, nothing lost or duplicated (a third of them streamed)."""
