@@ -417,6 +417,10 @@ def test_a_send_that_never_finishes_means_the_client_is_gone() -> None:
     class State:
         draining = False
 
+        @staticmethod
+        def engine_losses() -> int:
+            return 0
+
         class config:  # noqa: N801
             live_idle_timeout_s = 0.2
 
