@@ -77,6 +77,7 @@ def test_130_when_terminated(long_inputs) -> None:
     assert "qasr: interrupted" in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_141_when_stdout_closed_early(long_inputs) -> None:
     cmd = [sys.executable, "-m", "qasr", "transcribe", *long_inputs, *DEMO_ARGS]
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:

@@ -73,6 +73,7 @@ def test_txt_file_grows_as_partial_then_is_written_whole(long_wav, tmp_path) -> 
     assert (first + rest).decode() == final.read_text()  # same bytes as the whole printed at once
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_no_partial_file(long_wav, tmp_path) -> None:
     out = tmp_path / "out"
     proc = start(str(long_wav), "-o", str(out))

@@ -61,6 +61,7 @@ def test_a_language_error_lists_the_models_own_languages(language: str, message:
     assert out.returncode == 2 and out.stderr == f"qasr: error: {message}\n"
 
 
+@pytest.mark.slow
 def test_an_aligner_without_word_timestamps_is_not_loaded() -> None:
     out = run_qasr("transcribe", ALARM, *DEMO_ARGS, "--aligner", "/no/such/aligner")  # loading it would exit 2
     assert out.returncode == 0, out.stderr

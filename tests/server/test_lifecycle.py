@@ -32,6 +32,7 @@ def clip(tmp_path_factory):
     return d / "clip.wav"
 
 
+@pytest.mark.slow
 def test_health_waits_for_the_model_and_sigterm_drains(tmp_path, clip) -> None:
     srv = ServerProcess(tmp_path / "serve.log", "--drain-timeout", "600")  # all of it finishes, however slow
     try:

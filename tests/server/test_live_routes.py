@@ -446,6 +446,7 @@ def test_qasr_stream_reports_a_server_that_is_not_there(tmp_path: Path, clips) -
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_gives_open_sessions_their_final_transcript(tmp_path: Path, clips, offline) -> None:
     srv = ServerProcess(tmp_path / "serve.log")
     try:
