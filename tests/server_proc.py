@@ -4,6 +4,7 @@ module)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import websockets
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = ROOT / "models" / "qasr-demo-en"
@@ -142,3 +144,12 @@ def metric(text: str, name: str, **labels: str) -> float:
         if key == name if not want else key == f"{name}{{{want}}}":
             return float(value)
     return 0.0
+
+
+async def until_closed(ws: websockets.ClientConnection) -> tuple[list[dict], int | None]:
+    """Every event up to the close, and the close code."""
+    events = []
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async for message in ws:
+            events.append(json.loads(message))
+    return events, ws.close_code

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import uvicorn
 import websockets
-from server_proc import free_port, metric
+from server_proc import free_port, metric, until_closed
 
 from qasr.engine.errors import EngineBroken
 from qasr.server.app import create_app
@@ -159,15 +159,6 @@ async def open_realtime(url: str) -> websockets.ClientConnection:
     while json.loads(await ws.recv())["type"] != "session.updated":
         pass
     return ws
-
-
-async def until_closed(ws: websockets.ClientConnection) -> tuple[list[dict], int | None]:
-    """Every event up to the close, and the close code."""
-    events = []
-    with contextlib.suppress(websockets.ConnectionClosed):
-        async for message in ws:
-            events.append(json.loads(message))
-    return events, ws.close_code
 
 
 def test_a_wedged_engine_ends_live_sessions_within_the_timeout_and_frees_them(

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import websockets
-from server_proc import ServerProcess, gone, metric
+from server_proc import ServerProcess, gone, metric, until_closed
 
 from qasr.testing.speech import speak
 
@@ -75,14 +75,6 @@ async def first_partial(ws: websockets.ClientConnection, pcm: bytes) -> None:
     await ws.send(pcm)
     while json.loads(await asyncio.wait_for(ws.recv(), 60))["type"] != "partial":
         pass
-
-
-async def until_closed(ws: websockets.ClientConnection) -> tuple[list[dict], int | None]:
-    events = []
-    with contextlib.suppress(websockets.ConnectionClosed):
-        async for message in ws:
-            events.append(json.loads(message))
-    return events, ws.close_code
 
 
 async def keep_sending(ws: websockets.ClientConnection, pcm: bytes) -> None:

@@ -11,6 +11,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -108,7 +109,6 @@ class Host:
         self.futures: dict[int, Future] = {}
         # id -> (streaming.Session, its thread): a turn's calls block on its engine requests and run in order
         self.turns: dict[int, tuple[Session, ThreadPoolExecutor]] = {}
-        self._stop = threading.Event()
 
     def run(self) -> None:
         writer = threading.Thread(target=self._write, name="qasr-engine-writer", daemon=True)
@@ -209,8 +209,7 @@ class Host:
         """A snapshot at once (the server counts the process ready with it), then every STATS_EVERY_S."""
         while True:
             self.out.put(Stats({role: e.stats() for role, e in self.engines.items()}))
-            if self._stop.wait(STATS_EVERY_S):
-                return
+            time.sleep(STATS_EVERY_S)
 
     def _write(self) -> None:
         """Send what is queued, as one message per wake-up (tokens of one step travel together)."""
