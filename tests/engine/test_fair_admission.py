@@ -77,7 +77,8 @@ def test_the_server_gives_each_uploads_pieces_one_group_of_their_own() -> None:
         def __init__(self) -> None:
             self.groups: list[object] = []
 
-        def submit(self, piece: Piece, words: bool = False, on_token=None, group=None) -> Future:  # noqa: ANN001
+        def submit(self, piece: Piece, words: bool = False, on_token=None, group=None,
+                   lead=False) -> Future:  # noqa: ANN001
             self.groups.append(group)
             return Future()
 

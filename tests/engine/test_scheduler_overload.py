@@ -113,3 +113,28 @@ def test_an_inputs_pieces_come_out_in_order(ck) -> None:  # noqa: ANN001
     order = [first_token[k] for k in range(16)]
     assert order == sorted(order), order
     assert done[0] < first_token[15], (done[0], first_token[15])
+
+
+def test_a_lead_piece_is_done_before_its_inputs_other_pieces_start(ck) -> None:  # noqa: ANN001
+    """The same sixteen pieces with the first as the lead: it is done before any other piece of its group makes
+    a token, while its steps carry no other piece's encoder or prefill work."""
+    waves = [noise(6.0, seed=70 + k) for k in range(16)]
+    first_token: dict[int, int] = {}
+    done: dict[int, int] = {}
+    with Engine(ck, tight(ck, 4096, max_running=16)) as engine:
+
+        def listener(k: int):  # noqa: ANN202
+            def heard(token: int | None) -> None:
+                if token is None:
+                    done[k] = engine.steps
+                else:
+                    first_token.setdefault(k, engine.steps)
+            return heard
+
+        futures = [engine.submit(RequestSpec(prompt_for(ck, w), 6, waveform=w, ignore_eos=True, group="file",
+                                             lead=k == 0), on_token=listener(k)) for k, w in enumerate(waves)]
+        for f in futures:
+            f.result(WAIT_S)
+    assert done[0] < min(first_token[k] for k in range(1, 16)), (done, first_token)
+    order = [first_token[k] for k in range(16)]
+    assert order == sorted(order), order

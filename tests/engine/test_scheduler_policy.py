@@ -306,3 +306,24 @@ def test_an_engine_holds_the_audio_of_one_request_at_a_time_under_a_tiny_audio_b
         futures = [engine.submit(RequestSpec(prompt_for(ck, w), 4, waveform=w, ignore_eos=True)) for w in waves]
         assert all(len(f.result(60).token_ids) == 4 for f in futures)
     assert max(running) == 1 and sched.config.audio_memory_bytes == 1 and sched.config.audio_token_bytes > 0
+
+
+def test_a_lead_requests_group_gets_no_work_while_it_is_admitted() -> None:
+    """While a lead request is admitted its group's other requests get no encoder or prefill work (their
+    decode rows still run); other groups' work goes on; once it ends, or while it waits, its group moves."""
+    sched = scheduler(step_tokens=1024)
+    lead = Request(RequestSpec([1] * 16, 8, group="file", lead=True), audio_before=np.zeros(17, dtype=np.int64))
+    lead.prefilled = 16  # decoding
+    mate, other = ready(300), ready(300)
+    mate.spec = RequestSpec(mate.spec.prompt, 8, group="file")
+    decoding_mate = decoding(1)[0]
+    decoding_mate.spec = RequestSpec(decoding_mate.spec.prompt, 8, group="file")
+    sched.active = [lead, mate, decoding_mate, other]
+    plan = sched.plan()
+    assert plan.decode == [lead, decoding_mate]
+    assert {r for r, _ in plan.prefill} == {other}
+    sched.active = [mate, decoding_mate, other]  # the lead is done
+    assert mate in {r for r, _ in sched.plan().prefill}
+    sched.active = [mate, decoding_mate, other]
+    sched.waiting.append(lead)  # preempted: the group is not held behind a request that cannot run
+    assert mate in {r for r, _ in sched.plan().prefill}

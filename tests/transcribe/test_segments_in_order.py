@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+from conftest import record_log_mel_and_submits
 
 from qasr import ASR, Segment, TranscribeOptions, Transcription, TranscriptionFailed
 from qasr.engine.config import EngineConfig
@@ -73,6 +74,18 @@ def test_transcribe_iter_gives_each_inputs_segments_then_its_result(asr, long_wa
             results[i] = item
     for i in (0, 1):
         assert tuple(seen[i]) == results[i].segments and results[i].error is None
+
+
+def test_only_a_streamed_calls_first_piece_leads(asr, long_wave, monkeypatch) -> None:
+    """Streamed segments: the call's first piece is its group's lead (its text starts early); a call whose
+    results come whole has no lead, so its pieces share the engine as before."""
+    _, specs = record_log_mel_and_submits(asr._core, monkeypatch)
+    vad = TranscribeOptions(segmentation="vad", max_segment_s=4)
+    list(asr.transcribe_segments((long_wave, SR), vad))
+    assert len(specs) >= 10 and [s.lead for s in specs] == [True] + [False] * (len(specs) - 1)
+    specs.clear()
+    asr.transcribe([(long_wave, SR), (long_wave[: 4 * SR], SR)], vad)
+    assert len(specs) >= 10 and not any(s.lead for s in specs)
 
 
 def test_a_failed_input_raises_after_its_segments(asr, tmp_path) -> None:

@@ -59,7 +59,7 @@ class Continuation:
 @dataclass(frozen=True)
 class RequestSpec:
     """One generation request; audio: ``waveform`` (1-D, 16 kHz), ``features`` (mel, frames) or ``audio_embeds``.
-    ``interactive`` and ``group`` change the place in line, not the tokens."""
+    ``interactive``, ``group`` and ``lead`` change the place in line, not the tokens."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -69,6 +69,7 @@ class RequestSpec:
     ignore_eos: bool = False
     interactive: bool = False  # goes before batch work
     group: Hashable | None = None  # the group with the fewest running goes first
+    lead: bool = False  # a batch request whose text is awaited: its group's other work waits while it runs
     continuation: Continuation = Continuation()
 
 

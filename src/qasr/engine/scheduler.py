@@ -1,21 +1,22 @@
 """What each engine step does: admissions, encoder slices, prefill chunks, decode rows, preemptions.
 Engine thread only; the reasoning is in docs/engine.md.
 
-The policy: every request has a rank, live work (interactive requests and encoder-only requests) before
-batch work, then age (submission order), so within one input the earlier pieces go first. Admission takes
-waiting requests by rank (batch ones by group first: the group with the fewest running, preempted requests
-ahead) while ``max_running`` allows and the KV blocks and audio memory they need are there for the taking;
-nothing overtakes a request that waits for room. Each step has one budget, ``step_tokens``, counting decode
-rows (drafts' rows included), prefill tokens and encoder rows. Every decode row runs and is counted first;
-encoder-only requests come whole; what is left goes by rank to each request's next encoder slice, then its
-prefill chunks once their audio is encoded, a batch request taking at most half while another waits for such
-work (so a short request is not held behind a long one's prompt). While live work is in the engine, batch
-work rides in one step of ``BATCH_EVERY`` with ``BATCH_SHARE`` of what is left, so neither class starves the
-other and the steps live work waits for stay short. A class that works in a step gets one window and one
-chunk whatever is left, so a step whose decode rows fill the budget still moves encoder and prefill work.
-When blocks run out, kept
-leases are evicted, then the lowest-ranked running request below the one in need is preempted; one
-preempted ``PREEMPT_CAP`` times is spared by all but the top-ranked request, which can always go on.
+The policy: every request has a rank, live work (interactive requests and encoder-only requests) before batch work,
+then age (submission order), so within one input the earlier pieces go first. Admission takes waiting requests by
+rank (batch ones by group first: the group with the fewest running, preempted requests ahead) while ``max_running``
+allows and the KV blocks and audio memory they need are there for the taking; nothing overtakes a request that waits
+for room. Each step has one budget, ``step_tokens``, counting decode rows (drafts' rows included), prefill tokens
+and encoder rows. Every decode row runs and is counted first; encoder-only requests come whole; what is left goes by
+rank to each request's next encoder slice, then its prefill chunks once their audio is encoded, a batch request
+taking at most half while another waits for such work (so a short request is not held behind a long one's prompt).
+While a ``lead`` request (a piece whose text a caller streams, such as a long file's first) is admitted, the other
+requests of its group get no encoder or prefill work, so its decode steps stay short and its text comes after its
+own work, not its group's. While live work is in the engine, batch work rides in one step of ``BATCH_EVERY`` with
+``BATCH_SHARE`` of what is left, so neither class starves the other and the steps live work waits for stay short. A
+class that works in a step gets one window and one chunk whatever is left, so a step whose decode rows fill the
+budget still moves encoder and prefill work. When blocks run out, kept leases are evicted, then the lowest-ranked
+running request below the one in need is preempted; one preempted ``PREEMPT_CAP`` times is spared by all but the
+top-ranked request, which can always go on.
 """
 
 from __future__ import annotations
@@ -243,8 +244,10 @@ class Scheduler:
         that works in this step gets one window and one chunk whatever is left (its floor)."""
         cfg = self.config
         left = max(left, 0)
-        wanted = sorted((r for r in self.active if self._wants_slice(r)
-                         or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled)), key=rank)
+        held = {r.group_key for r in self.active if r.spec.lead and not r.live}
+        wanted = sorted((r for r in self.active if (r.live or r.spec.lead or r.group_key not in held)
+                         and (self._wants_slice(r)
+                              or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled))), key=rank)
         turn, cap = self._caps(left, wanted)
         # while another batch request waits for work, one takes at most half of ``left`` (live requests are short)
         each = {True: left, False: left // 2 if sum(not r.live for r in wanted) > 1 else left}

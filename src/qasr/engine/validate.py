@@ -28,7 +28,7 @@ def check_spec(spec: RequestSpec, limits: Limits, hidden: int, device: torch.dev
     """The spec with its prompt a list of ints, its audio float32 and its draft a tuple; else ValueError."""
     if not isinstance(spec, RequestSpec):
         raise TypeError(f"submit takes a RequestSpec, got {type(spec).__name__}")
-    for name in ("ignore_eos", "interactive"):
+    for name in ("ignore_eos", "interactive", "lead"):
         if not isinstance(getattr(spec, name), bool | np.bool_):
             raise ValueError(f"{name} must be a bool, got {getattr(spec, name)!r}")
     if not isinstance(spec.group, Hashable):
@@ -50,7 +50,7 @@ def check_spec(spec: RequestSpec, limits: Limits, hidden: int, device: torch.dev
     cont = replace(cont, draft=draft, keep_kv=bool(cont.keep_kv))
     return replace(spec, prompt=prompt, max_new_tokens=int(spec.max_new_tokens), waveform=waveform,
                    features=features, audio_embeds=embeds, ignore_eos=bool(spec.ignore_eos),
-                   interactive=bool(spec.interactive), continuation=cont)
+                   interactive=bool(spec.interactive), lead=bool(spec.lead), continuation=cont)
 
 
 def _check_prefix(kv_prefix: tuple[KVLease, int], prompt: list[int], grid: int) -> None:

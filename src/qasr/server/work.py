@@ -104,7 +104,8 @@ class EngineRun:
                     on_token = handoff.sender(queue)  # called on the engine thread: never blocks it
                 if feats is not None:
                     piece = replace(piece, features=feats)
-                self.futures.append(core.submit(piece, words=words, on_token=on_token, group=group))
+                lead = stream and not self.futures  # a streamed upload's first piece: its text starts early
+                self.futures.append(core.submit(piece, words=words, on_token=on_token, group=group, lead=lead))
         except BaseException as exc:
             self.cancel()
             raise _engine_error(exc) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
@@ -88,20 +89,22 @@ class Core:
             self.release_idle_threads()
 
     def submit(self, piece: Piece, words: bool = False, ignore_eos: bool = False,
-               on_token: Callable[[int | None], None] | None = None, group: Hashable | None = None) -> Future:
-        """Queue a piece (``words``: and its alignment) as ``Engine.submit`` does; ``assemble`` takes the outcome."""
+               on_token: Callable[[int | None], None] | None = None, group: Hashable | None = None,
+               lead: bool = False) -> Future:
+        """Queue a piece (``words``: and its alignment) as ``Engine.submit`` does; ``assemble`` takes the outcome.
+        ``lead``: its text is streamed, so its group's other pieces wait while it runs (``RequestSpec.lead``)."""
         audio = {"waveform": piece.samples} if piece.features is None else {"features": piece.features}
         fut = self.engine.submit(RequestSpec(piece.prompt, piece.max_new_tokens, ignore_eos=ignore_eos, group=group,
-                                             **audio), on_token=on_token)
+                                             lead=lead, **audio), on_token=on_token)
         if words and self.words is not None:
             return self.words.with_words(replace(piece, features=None), fut)  # the engine drops them once encoded
         return fut
 
     def submit_or_refuse(self, piece: Piece, ignore_eos: bool = False, words: bool = False,
-                         group: Hashable | None = None) -> Future:
+                         group: Hashable | None = None, lead: bool = False) -> Future:
         """``submit`` whose refusal becomes the future's error."""
         try:
-            return self.submit(piece, words=words, ignore_eos=ignore_eos, group=group)
+            return self.submit(piece, words=words, ignore_eos=ignore_eos, group=group, lead=lead)
         except Exception as exc:  # noqa: BLE001 - this input's error
             refused: Future = Future()
             refused.set_exception(exc)
@@ -127,8 +130,10 @@ class Core:
                             duration=duration, source=call.names[i], words=call.words)
 
         group = object()  # the call's share of the engine's admission
+        leads = itertools.chain([segments], itertools.repeat(False))  # streamed segments: the first one leads
         results = run_inputs(len(call.items), pieces_of=call.pieces_of,
-                             submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words, group),
+                             submit=lambda piece: self.submit_or_refuse(piece, ignore_eos, call.words, group,
+                                                                        lead=next(leads)),
                              finish=finish, fail=lambda i, message: failed(call.names[i], message),
                              max_in_flight_s=self.max_in_flight_s, max_in_flight_pieces=self.max_in_flight_pieces,
                              progress=progress, stop=stop, piece_done=segment if segments else None,
