@@ -6,11 +6,13 @@ once in one group (their log-mel made before the clock starts):
 
 * ``lead``: the first piece is the group's lead (``RequestSpec(lead=True)``), as a streamed call marks it;
 * ``no lead``: no piece leads, as a call whose results come whole (and the engine before the lead);
+* ``transcribe_segments``: the API a caller streams with, on the same file (it cuts and submits the pieces as
+  it decodes the file, the first as the lead);
 * ``serial``: the pieces one after another, each waiting for the previous one (how the official package
   and vLLM's offline path run a long file's pieces): the reference, over the first --serial-minutes.
 
 The lead and no-lead sides alternate, --repeats times each. Reported: when the first segment is done (and
-its share of the run), the whole run, RTFx.
+its share of the run), the whole run, RTFx (audio seconds covered over the wall time).
 
     .venv/bin/python benchmarks/first_text.py [--minutes 9] [--repeats 2] [--serial-minutes 3]
 
@@ -38,16 +40,21 @@ from qasr.engine.engine import RequestSpec
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _asr_and_pieces(model: str, path: str, minutes: float | None = None):  # noqa: ANN202
+def _asr(model: str):  # noqa: ANN202
     from qasr import ASR
 
     asr = ASR.from_pretrained(model, device="cpu", dtype="bfloat16", max_tokens_per_second=TOKENS_PER_SECOND)
     warm = np.zeros(SR * 2, np.float32)
     asr.transcribe((warm, SR), TranscribeOptions(max_new_tokens=4, ignore_eos=True))  # builds kernels, packs weights
+    return asr
+
+
+def _pieces(asr, path: str, minutes: float | None = None) -> list:  # noqa: ANN001
+    """The file's VAD pieces with their log-mel (those starting in the first ``minutes``)."""
     pieces = asr._core.prepare(path, TranscribeOptions(segmentation="vad", ignore_eos=True))
     if minutes is not None:
         pieces = [p for p in pieces if p.offset < minutes * 60] or pieces[:1]
-    return asr, pieces
+    return pieces
 
 
 def _spec(piece, group: object, lead: bool) -> RequestSpec:  # noqa: ANN001
@@ -57,7 +64,8 @@ def _spec(piece, group: object, lead: bool) -> RequestSpec:  # noqa: ANN001
 
 def run_together(model: str, path: str, lead: bool) -> dict:
     """Every piece submitted at once in one group; the first one the lead if ``lead``."""
-    asr, pieces = _asr_and_pieces(model, path)
+    asr = _asr(model)
+    pieces = _pieces(asr, path)
     engine = asr._core.engine
     done = [0.0] * len(pieces)
     group = object()
@@ -71,15 +79,32 @@ def run_together(model: str, path: str, lead: bool) -> dict:
         tokens = sum(len(f.result().token_ids) for f in futures)
         wall = time.perf_counter() - t0
     in_order = list(np.maximum.accumulate(done))  # when pieces 0..k are all done: what a stream can show
-    audio = sum(p.duration for p in pieces)
+    audio = sf.info(path).duration
     return {"wall_s": wall, "first_s": done[0], "first_share": done[0] / wall, "in_order_s": in_order,
             "segments": len(pieces), "tokens": tokens, "audio_s": audio, "rtfx": audio / wall,
             "foreign_cpu": foreign.share}
 
 
+def run_api(model: str, path: str) -> dict:
+    """``ASR.transcribe_segments`` over the file: when each segment is handed over."""
+    asr = _asr(model)
+    with ForeignCpu() as foreign:
+        t0 = time.perf_counter()
+        times = []
+        stream = asr.transcribe_segments(path, TranscribeOptions(segmentation="vad", ignore_eos=True))
+        for _ in stream:
+            times.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+    tokens, audio = len(stream.transcription.token_ids), stream.transcription.duration
+    return {"wall_s": wall, "first_s": times[0], "first_share": times[0] / wall, "in_order_s": times,
+            "segments": len(times), "tokens": tokens, "audio_s": audio, "rtfx": audio / wall,
+            "foreign_cpu": foreign.share}
+
+
 def run_serial(model: str, path: str, minutes: float) -> dict:
     """The pieces of the first ``minutes``, each submitted once the previous one is done."""
-    asr, pieces = _asr_and_pieces(model, path, minutes)
+    asr = _asr(model)
+    pieces = _pieces(asr, path, minutes)
     engine = asr._core.engine
     done = []
     with ForeignCpu() as foreign:
@@ -89,7 +114,7 @@ def run_serial(model: str, path: str, minutes: float) -> dict:
             tokens += len(engine.submit(_spec(piece, None, False)).result().token_ids)
             done.append(time.perf_counter() - t0)
         wall = time.perf_counter() - t0
-    audio = sum(p.duration for p in pieces)
+    audio = pieces[-1].offset + pieces[-1].duration  # the stretch of the file they cover
     return {"wall_s": wall, "first_s": done[0], "in_order_s": done, "segments": len(pieces), "tokens": tokens,
             "audio_s": audio, "rtfx": audio / wall, "foreign_cpu": foreign.share}
 
@@ -101,7 +126,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, color in (("lead", "tab:blue"), ("no lead", "tab:orange")):
+    for name, color in (("lead", "tab:blue"), ("no lead", "tab:orange"), ("transcribe_segments", "tab:green")):
         for k, run in enumerate(report["runs"][name]):
             ax.step(run["in_order_s"], range(1, run["segments"] + 1), where="post", color=color, alpha=0.8,
                     label=name if k == 0 else None)
@@ -141,14 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"title": f"qasr first text of a {args.minutes:g}-minute file, 0.6B dims random bf16, "
                              f"{args.threads} threads, {cpu}",
                     "cpu": cpu, "minutes": args.minutes, "serial_minutes": args.serial_minutes,
-                    "tokens_per_second": TOKENS_PER_SECOND, "runs": {"lead": [], "no lead": []}}
+                    "tokens_per_second": TOKENS_PER_SECOND,
+                    "runs": {"lead": [], "no lead": [], "transcribe_segments": []}}
     for k in range(args.repeats):
-        for name in ("lead", "no lead") if k % 2 == 0 else ("no lead", "lead"):
+        for name in ("lead", "no lead", "transcribe_segments") if k % 2 == 0 else ("no lead", "lead",
+                                                                                  "transcribe_segments"):
             print(f"{name}, run {k + 1} of {args.repeats} ...", flush=True)
-            report["runs"][name].append(in_subprocess(run_together, args.threads, ckpt, str(path), name == "lead"))
+            if name == "transcribe_segments":
+                report["runs"][name].append(in_subprocess(run_api, args.threads, ckpt, str(path)))
+            else:
+                report["runs"][name].append(in_subprocess(run_together, args.threads, ckpt, str(path),
+                                                          name == "lead"))
     print("serial segments (reference) ...", flush=True)
     report["serial"] = in_subprocess(run_serial, args.threads, ckpt, str(path), args.serial_minutes)
-    for name in ("lead", "no lead"):
+    for name in ("lead", "no lead", "transcribe_segments"):
         runs = report["runs"][name]
         report[name] = {key: statistics.median(r[key] for r in runs)
                         for key in ("first_s", "first_share", "wall_s", "rtfx")}
@@ -161,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     lead, no_lead = report["lead"], report["no lead"]
     print(f"first_text_lead_s={lead['first_s']:.1f} ({lead['first_share']:.0%}) "
           f"first_text_no_lead_s={no_lead['first_s']:.1f} ({no_lead['first_share']:.0%}) "
+          f"api_first_s={report['transcribe_segments']['first_s']:.1f} "
           f"serial_first_s={report['serial']['first_s']:.1f} "
           f"wall_lead_over_no_lead={report['wall_lead_over_no_lead']:.3f}")
     return 0
@@ -168,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(report: dict) -> None:
     print(f"\n{'side':<28}{'segments':>9}{'first text s':>14}{'share':>7}{'wall s':>8}{'RTFx':>7}{'others CPU':>11}")
-    for name in ("lead", "no lead"):
+    for name in ("lead", "no lead", "transcribe_segments"):
         for r in report["runs"][name]:
             print(f"{name:<28}{r['segments']:>9}{r['first_s']:>14.2f}{r['first_share']:>7.0%}{r['wall_s']:>8.1f}"
                   f"{r['rtfx']:>7.1f}{r['foreign_cpu']:>11.0%}")

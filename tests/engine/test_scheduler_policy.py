@@ -13,6 +13,7 @@ from qasr.engine.scheduler import (
     BATCH_EVERY,
     BATCH_SHARE,
     DRAFT_ROWS,
+    LEAD_HOLD_STEPS,
     PREEMPT_CAP,
     Scheduler,
     SchedulerConfig,
@@ -308,22 +309,27 @@ def test_an_engine_holds_the_audio_of_one_request_at_a_time_under_a_tiny_audio_b
     assert max(running) == 1 and sched.config.audio_memory_bytes == 1 and sched.config.audio_token_bytes > 0
 
 
-def test_a_lead_requests_group_gets_no_work_while_it_is_admitted() -> None:
-    """While a lead request is admitted its group's other requests get no encoder or prefill work (their
-    decode rows still run); other groups' work goes on; once it ends, or while it waits, its group moves."""
+def test_a_lead_holds_its_groups_work_while_the_group_has_enough_of_it() -> None:
+    """While a lead is admitted and its group's other requests have LEAD_HOLD_STEPS budgets of encoder and
+    prefill work left, they get none (their decode rows still run); other groups' work goes on; a group with
+    less work is not held (the hold would cost more than it spares), nor one whose lead ended or waits."""
+    def of_file(req: Request) -> Request:
+        req.spec = RequestSpec(req.spec.prompt, 8, group="file")
+        return req
+
     sched = scheduler(step_tokens=1024)
     lead = Request(RequestSpec([1] * 16, 8, group="file", lead=True), audio_before=np.zeros(17, dtype=np.int64))
     lead.prefilled = 16  # decoding
-    mate, other = ready(300), ready(300)
-    mate.spec = RequestSpec(mate.spec.prompt, 8, group="file")
-    decoding_mate = decoding(1)[0]
-    decoding_mate.spec = RequestSpec(decoding_mate.spec.prompt, 8, group="file")
+    mate = of_file(ready(LEAD_HOLD_STEPS * 1024))
+    other, decoding_mate = ready(300), of_file(decoding(1)[0])
     sched.active = [lead, mate, decoding_mate, other]
     plan = sched.plan()
     assert plan.decode == [lead, decoding_mate]
     assert {r for r, _ in plan.prefill} == {other}
+    mate.prefilled = 1  # a token less than the hold's threshold left
+    assert mate in {r for r, _ in sched.plan().prefill}
+    mate.prefilled = 0
     sched.active = [mate, decoding_mate, other]  # the lead is done
     assert mate in {r for r, _ in sched.plan().prefill}
-    sched.active = [mate, decoding_mate, other]
     sched.waiting.append(lead)  # preempted: the group is not held behind a request that cannot run
     assert mate in {r for r, _ in sched.plan().prefill}

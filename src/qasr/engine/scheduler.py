@@ -9,14 +9,14 @@ for room. Each step has one budget, ``step_tokens``, counting decode rows (draft
 and encoder rows. Every decode row runs and is counted first; encoder-only requests come whole; what is left goes by
 rank to each request's next encoder slice, then its prefill chunks once their audio is encoded, a batch request
 taking at most half while another waits for such work (so a short request is not held behind a long one's prompt).
-While a ``lead`` request (a piece whose text a caller streams, such as a long file's first) is admitted, the other
-requests of its group get no encoder or prefill work, so its decode steps stay short and its text comes after its
-own work, not its group's. While live work is in the engine, batch work rides in one step of ``BATCH_EVERY`` with
-``BATCH_SHARE`` of what is left, so neither class starves the other and the steps live work waits for stay short. A
-class that works in a step gets one window and one chunk whatever is left, so a step whose decode rows fill the
-budget still moves encoder and prefill work. When blocks run out, kept leases are evicted, then the lowest-ranked
-running request below the one in need is preempted; one preempted ``PREEMPT_CAP`` times is spared by all but the
-top-ranked request, which can always go on.
+While a ``lead`` request (a piece whose text a caller streams, such as a long file's first) is admitted and the
+other requests of its group have ``LEAD_HOLD_STEPS`` budgets of encoder and prefill work left, they get none of it,
+so its text comes after its own work, not its group's. While live work is in the engine, batch work rides in one
+step of ``BATCH_EVERY`` with ``BATCH_SHARE`` of what is left, so neither class starves the other and the steps live
+work waits for stay short. A class that works in a step gets one window and one chunk whatever is left, so a step
+whose decode rows fill the budget still moves encoder and prefill work. When blocks run out, kept leases are
+evicted, then the lowest-ranked running request below the one in need is preempted; one preempted ``PREEMPT_CAP``
+times is spared by all but the top-ranked request, which can always go on.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ DRAFT_ROWS = 8  # guesses checked per request and step
 BATCH_SHARE = 0.25  # of what a step's decode rows leave of its budget: batch work's while live work is in the engine
 BATCH_EVERY = 4  # while live work is in the engine, batch work's share rides in one step of this many
 PREEMPT_CAP = 2  # preemptions after which a request is no longer a victim (but of the top-ranked request)
+LEAD_HOLD_STEPS = 8  # a lead holds its group while the group has this many budgets of other work left
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,7 @@ class Scheduler:
         that works in this step gets one window and one chunk whatever is left (its floor)."""
         cfg = self.config
         left = max(left, 0)
-        held = {r.group_key for r in self.active if r.spec.lead and not r.live}
+        held = self._held_groups()
         wanted = sorted((r for r in self.active if (r.live or r.spec.lead or r.group_key not in held)
                          and (self._wants_slice(r)
                               or (not r.prefill_done and r.ready_until(r.encoded_tokens) > r.prefilled))), key=rank)
@@ -295,6 +296,19 @@ class Scheduler:
                 chunked[live] = True
                 prompt_chunk = prompt_chunk or done < len(req.prompt)
                 done = end
+
+    def _held_groups(self) -> set[object]:
+        """Groups whose admitted lead holds their other requests' encoder and prefill work: those whose other
+        requests have at least LEAD_HOLD_STEPS budgets of it left, so the wait the hold spares the lead's text
+        outweighs its cost (the lead's decode steps, which nothing of its group shares)."""
+        leads = {r.group_key for r in self.active if r.spec.lead and not r.live}
+        if not leads:
+            return set()
+        work: Counter = Counter()
+        for req in [*self.active, *self.waiting]:
+            if req.group_key in leads and not (req.spec.lead or req.live):
+                work[req.group_key] += req.audio_tokens - req.encoded_tokens + req.prefill_len - req.prefilled
+        return {g for g in leads if work[g] >= LEAD_HOLD_STEPS * self.config.step_tokens}
 
     def _caps(self, left: int, wanted: list[Request]) -> tuple[dict[bool, bool], dict[bool, int]]:
         """Whether each class (live: True) works in this step, and what it may take of ``left``. Without live
