@@ -155,8 +155,14 @@ def wait_health(srv: ServerProcess, timeout: float) -> list[tuple[int, str]]:
         time.sleep(0.05)
 
 
-def test_sigterm_with_the_engine_busy_leaves_no_process(tmp_path: Path, audio) -> None:  # noqa: ANN001
-    drain_s = 0.5  # the long file takes seconds even on a quiet machine: the drain cuts it
+def test_sigterm_with_the_engine_busy_leaves_no_process(
+        tmp_path: Path, audio, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Every engine step lasts 0.1 s more (the ``slow`` fault): the long file outlasts the drain on any machine."""
+    drain_s = 0.5
+    fault = tmp_path / "fault"
+    fault.write_text("slow")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("QASR_TEST_FAULT", str(fault))
     with ServerProcess(tmp_path / "serve.log", "--drain-timeout", str(drain_s)) as srv:
         pid = srv.engine_pid()
 

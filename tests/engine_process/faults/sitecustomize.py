@@ -1,7 +1,8 @@
 """Faults injected into the engine process for the recovery tests, which put this folder on PYTHONPATH (a spawned
 engine process inherits it). Once the file named by QASR_TEST_FAULT exists, the next ``EngineCore.step`` in a
 process named ``qasr-engine`` removes it and does what it says: ``raise`` (the step raises: the engine loop
-breaks), ``sleep`` (the step never returns), ``gil`` (the step never returns and holds the GIL)."""
+breaks), ``sleep`` (the step never returns), ``gil`` (the step never returns and holds the GIL), ``slow`` (this
+and every later step take at least SLOW_STEP_S more: work that lasts on any machine)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from types import ModuleType
 
 FAULT_FILE = os.environ.get("QASR_TEST_FAULT")
+SLOW_STEP_S = 0.1
+_slow = False
 
 
 def _fault() -> str | None:
@@ -33,7 +36,14 @@ def _patch(module: ModuleType) -> None:
     real_step = module.EngineCore.step
 
     def step(self: object) -> None:
+        global _slow
         fault = _fault()
+        if fault == "slow":
+            _slow = True
+        if _slow:
+            import time
+
+            time.sleep(SLOW_STEP_S)
         if fault == "raise":
             raise RuntimeError("injected fault: the step failed")
         if fault == "sleep":
