@@ -46,18 +46,27 @@ def audio(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "pcm": (np.clip(three, -1, 1) * 32767).astype("<i2").tobytes()}
 
 
+def slow_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next engine process steps 0.1 s slower each time (the ``slow`` fault); a restarted one does not."""
+    fault = tmp_path / "fault"
+    fault.write_text("slow")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("QASR_TEST_FAULT", str(fault))
+
+
 def transcribe(srv: ServerProcess, path: Path) -> httpx.Response:
     with path.open("rb") as f:
         return httpx.post(f"{srv.url}/v1/audio/transcriptions", data={"model": "demo"}, files={"file": f},
                           timeout=300)
 
 
-async def engine_busy(client: httpx.AsyncClient, timeout: float = 60) -> None:
-    """Once the engine has requests in hand (it steps on the long file)."""
+async def engine_busy(client: httpx.AsyncClient, beyond: int = 0, timeout: float = 60) -> None:
+    """Once the engine holds more than ``beyond`` requests, running or waiting (the long file's are in)."""
     deadline = time.monotonic() + timeout
     while True:
         text = (await client.get("/metrics")).text
-        if metric(text, "qasr_engine_running_requests") > 0:
+        held = metric(text, "qasr_engine_running_requests") + metric(text, "qasr_engine_waiting_requests")
+        if held > beyond:
             return
         assert time.monotonic() < deadline, "the engine never got the request"
         await asyncio.sleep(0.05)
@@ -86,7 +95,9 @@ async def keep_sending(ws: websockets.ClientConnection, pcm: bytes) -> None:
                 await asyncio.sleep(0.1)
 
 
-def test_sigkill_of_the_engine_process_mid_request_and_live_sessions(tmp_path: Path, audio) -> None:  # noqa: ANN001
+def test_sigkill_of_the_engine_process_mid_request_and_live_sessions(
+        tmp_path: Path, audio, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    slow_engine(tmp_path, monkeypatch)  # the long file is still in hand when the kill comes, on any machine
     with ServerProcess(tmp_path / "serve.log") as srv:
         before = transcribe(srv, audio["short"])
         assert before.status_code == 200 and before.json()["text"], before.text
@@ -101,7 +112,7 @@ def test_sigkill_of_the_engine_process_mid_request_and_live_sessions(tmp_path: P
                 with audio["long"].open("rb") as f:
                     posted = asyncio.create_task(client.post("/v1/audio/transcriptions", data={"model": "demo"},
                                                              files={"file": f}))
-                    await engine_busy(client)
+                    await engine_busy(client, beyond=2)  # the two sessions' open turns are two requests
                     os.kill(pid, signal.SIGKILL)
                     killed = time.monotonic()
                     r = await asyncio.wait_for(posted, 60)
@@ -159,10 +170,7 @@ def test_sigterm_with_the_engine_busy_leaves_no_process(
         tmp_path: Path, audio, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """Every engine step lasts 0.1 s more (the ``slow`` fault): the long file outlasts the drain on any machine."""
     drain_s = 0.5
-    fault = tmp_path / "fault"
-    fault.write_text("slow")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("QASR_TEST_FAULT", str(fault))
+    slow_engine(tmp_path, monkeypatch)
     with ServerProcess(tmp_path / "serve.log", "--drain-timeout", str(drain_s)) as srv:
         pid = srv.engine_pid()
 
