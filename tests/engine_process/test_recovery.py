@@ -1,9 +1,9 @@
 """An engine process that dies or stops stepping is replaced: the calls in flight (requests, a live turn) fail at
-once with EngineBroken, the engine is not ready until a new process has loaded the model, ``restarts`` counts
-it, and the same pieces give the same tokens after. The deaths: SIGKILL, and faults injected into the engine
-process by faults/sitecustomize.py (on PYTHONPATH, inherited by the spawned process): a step that raises (the
-engine reports itself broken), one that never returns (stalled past ``timeout_s``), and one that never returns
-holding the GIL (the engine process sends nothing past ``timeout_s``)."""
+once with EngineBroken, the engine is not ready until a new process has loaded the model and warmed up (stepped),
+``restarts`` counts it, and the same pieces give the same tokens after. The deaths: SIGKILL, and faults injected
+into the engine process by faults/sitecustomize.py (on PYTHONPATH, inherited by the spawned process): a step that
+raises (the engine reports itself broken), one that never returns (stalled past ``timeout_s``), and one that never
+returns holding the GIL (the engine process sends nothing past ``timeout_s``)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def started(timeout_s: float = 60.0) -> tuple[EngineProcess, RemoteEngine]:
     process.start()
     engine = RemoteEngine(process, "asr", load_checkpoint(DEMO, weights=False).features)
     assert process.ready and not engine.stats().broken
+    assert engine.stats().steps > 0, "ready before its warm-up"
     return process, engine
 
 
@@ -128,6 +129,7 @@ def assert_restarted(process: EngineProcess, engine: RemoteEngine, old_pid: int)
         assert time.monotonic() < deadline, "no new engine process within 120 s"
         time.sleep(0.05)
     assert not engine.stats().broken, "ready before its first stats snapshot"
+    assert engine.stats().steps > 0, "a new engine process served before its warm-up"
     assert process.restarts == 1
     assert process.pid is not None and process.pid != old_pid
     assert not psutil.pid_exists(old_pid), "the old engine process is left behind"

@@ -57,6 +57,7 @@ class EngineSpec:
     aligner: str | None = None
     aligner_engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: int = logging.INFO
+    warmup: bool = True  # one short transcription before Ready, at every start
 
 
 def main(conn: Connection, spec: EngineSpec) -> None:
@@ -96,7 +97,22 @@ def _load(spec: EngineSpec) -> dict[str, Engine]:
         if not aligner.config.is_aligner:
             raise ValueError(f"{spec.aligner} is not a forced-aligner checkpoint (it looks like an ASR model)")
         engines["aligner"] = Engine(aligner, spec.aligner_engine)
+    if spec.warmup:
+        _warm_up(engines)
     return engines
+
+
+def _warm_up(engines: dict[str, Engine]) -> None:
+    """``ASR.warm_up`` over these engines, in this process: no client meets a cold engine process."""
+    from qasr.align.aligner import Aligner
+    from qasr.transcribe.asr import ASR
+    from qasr.transcribe.core import Core
+
+    asr, aligner = engines["asr"], engines.get("aligner")
+    started = time.perf_counter()
+    words = None if aligner is None else Aligner(aligner.checkpoint, aligner)
+    ASR(asr.checkpoint, core=Core(asr.checkpoint, asr, words)).warm_up()
+    log.info("warmed up in %.1f s", time.perf_counter() - started)
 
 
 class Host:

@@ -4,6 +4,7 @@ dies or stops stepping; ``RemoteEngine`` is an engine of it as the server's code
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -100,6 +101,7 @@ class EngineProcess:
         self._lock = threading.Lock()  # _pending and _child
         self._pending: dict[int, _Pending] = {}
         self._child: _Child | None = None  # set while ready
+        self._spawned: _Child | None = None  # the last one started, ready or not
         self._stats: dict[str, EngineStats] = {}
         self._closing = False
         self._closed: set[str] = set()  # engines asked to close
@@ -109,6 +111,7 @@ class EngineProcess:
 
     def start(self) -> dict[str, EngineInfo]:
         """Start the engine process and wait until it is ready; raises RuntimeError when it fails to load."""
+        atexit.register(self._end_at_exit)
         self._thread.start()
         return self._first.result()
 
@@ -180,6 +183,7 @@ class EngineProcess:
             deadline = None if timeout is None else time.monotonic() + timeout + 5.0
             self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             self._kill()
+            atexit.unregister(self._end_at_exit)
 
     def close(self) -> None:
         """Close every engine without draining."""
@@ -200,7 +204,16 @@ class EngineProcess:
         target = _Child(process, ours)
         target.writer = threading.Thread(target=target.write, name="qasr-engine-sender", daemon=True)
         target.writer.start()
+        self._spawned = target
         return target
+
+    def _end_at_exit(self) -> None:
+        """At interpreter exit without close(): kill the engine process. It ignores SIGTERM, which is how
+        multiprocessing ends a daemon process at exit, so the exit would otherwise wait on it forever."""
+        self._closing = True
+        target = self._spawned
+        if target is not None and target.process.is_alive():
+            target.process.kill()
 
     def _supervise(self) -> None:
         backoff = RESTART_BACKOFF_S[0]

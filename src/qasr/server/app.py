@@ -10,9 +10,9 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import TYPE_CHECKING
 
-import numpy as np
 from fastapi import FastAPI
 
+from qasr.engine_process.client import RemoteEngine
 from qasr.server.auth import ApiKeyAuth
 from qasr.server.config import ServerConfig
 from qasr.server.errors import install_handlers
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from qasr.transcribe.asr import ASR
 
 log = logging.getLogger("qasr.server")
-WARMUP_SECONDS = 1.0
 CUT_GRACE_S = 2.0  # after a cut: time for the error answers to go out
 ENGINE_CLOSE_S = 10.0  # after a drain the engine holds only what a cut left
 
@@ -78,10 +77,9 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
     started = time.perf_counter()
     try:
         asr = await asyncio.to_thread(load)
-        if state.config.warmup:  # lazy set-up (kernels, allocator) is paid here, not by a client
-            noise = (np.random.default_rng(0).standard_normal(int(16000 * WARMUP_SECONDS)) * 0.01).astype(np.float32)
-            words = asr._core.aligner is not None
-            await asr.transcribe_async((noise, 16000), timestamps="word" if words else "segment")
+        # an engine process warms itself up before it says ready (each time it starts): an in-process one here
+        if state.config.warmup and not isinstance(asr._core.engine, RemoteEngine):
+            await asyncio.to_thread(asr.warm_up)
     except Exception as exc:  # noqa: BLE001 - reported by /health and every request
         log.exception("the model failed to load")
         state.load_error = f"{type(exc).__name__}: {exc}"
