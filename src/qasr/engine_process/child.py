@@ -103,15 +103,16 @@ def _load(spec: EngineSpec) -> dict[str, Engine]:
 
 
 def _warm_up(engines: dict[str, Engine]) -> None:
-    """``ASR.warm_up`` over these engines, in this process: no client meets a cold engine process."""
+    """``warm_up`` over these engines, in this process: no client meets a cold engine process."""
     from qasr.align.aligner import Aligner
     from qasr.transcribe.asr import ASR
     from qasr.transcribe.core import Core
+    from qasr.transcribe.warm_up import warm_up
 
     asr, aligner = engines["asr"], engines.get("aligner")
     started = time.perf_counter()
     words = None if aligner is None else Aligner(aligner.checkpoint, aligner)
-    ASR(asr.checkpoint, core=Core(asr.checkpoint, asr, words)).warm_up()
+    warm_up(ASR(asr.checkpoint, core=Core(asr.checkpoint, asr, words)))
     log.info("warmed up in %.1f s", time.perf_counter() - started)
 
 

@@ -23,6 +23,7 @@ from qasr.server.realtime import router as realtime_router
 from qasr.server.routes import router
 from qasr.server.state import ServerState
 from qasr.server.upload import UploadLimit
+from qasr.transcribe.warm_up import warm_up
 
 if TYPE_CHECKING:
     from qasr.transcribe.asr import ASR
@@ -79,7 +80,7 @@ async def _load(state: ServerState, load: Callable[[], ASR]) -> None:
         asr = await asyncio.to_thread(load)
         # an engine process warms itself up before it says ready (each time it starts): an in-process one here
         if state.config.warmup and not isinstance(asr._core.engine, RemoteEngine):
-            await asyncio.to_thread(asr.warm_up)
+            await asyncio.to_thread(warm_up, asr)
     except Exception as exc:  # noqa: BLE001 - reported by /health and every request
         log.exception("the model failed to load")
         state.load_error = f"{type(exc).__name__}: {exc}"

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from qasr.engine.config import quantize_option
@@ -76,12 +75,6 @@ class ASR:
 
     def close(self) -> None:
         self._core.close()
-
-    def warm_up(self) -> None:
-        """Transcribe a second of quiet noise (word timestamps when there is an aligner), so that lazy set-up
-        (kernels, the allocator's pools) is paid now rather than by the first caller."""
-        noise = np.random.default_rng(0).standard_normal(16000).astype(np.float32) * 0.01
-        self.transcribe((noise, 16000), timestamps="word" if self._core.aligner is not None else "segment")
 
     def stream(self, config: StreamConfig | None = None) -> Session | Turn:
         """A live transcription session for one turn (``qasr.streaming.Session``): ``push`` 16 kHz float32
