@@ -46,12 +46,17 @@ def audio(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "pcm": (np.clip(three, -1, 1) * 32767).astype("<i2").tobytes()}
 
 
-def slow_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The next engine process steps 0.1 s slower each time (the ``slow`` fault); a restarted one does not."""
+def fault_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file whose words the next server's engine process does at its next step (faults/sitecustomize.py)."""
     fault = tmp_path / "fault"
-    fault.write_text("slow")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("QASR_TEST_FAULT", str(fault))
+    return fault
+
+
+def slow_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next engine process steps 0.1 s slower each time (the ``slow`` fault); a restarted one does not."""
+    fault_file(tmp_path, monkeypatch).write_text("slow")
 
 
 def transcribe(srv: ServerProcess, path: Path) -> httpx.Response:
@@ -211,9 +216,7 @@ def test_the_server_answers_while_its_engine_process_hangs_holding_its_gil(
     """The engine process stops reading its pipe (a step that never returns, holding the GIL: injected by
     tests/engine_process/faults/sitecustomize.py); uploads sent meanwhile do not block the server's event loop:
     /health answers at once, and the requests end with 503 engine_broken when it is given up on."""
-    fault = tmp_path / "fault"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("QASR_TEST_FAULT", str(fault))
+    fault = fault_file(tmp_path, monkeypatch)
     timeout_s = 6.0
     with ServerProcess(tmp_path / "serve.log", "--engine-timeout-s", str(timeout_s)) as srv:
         pid = srv.engine_pid()

@@ -211,9 +211,7 @@ class EngineProcess:
         """At interpreter exit without close(): kill the engine process. It ignores SIGTERM, which is how
         multiprocessing ends a daemon process at exit, so the exit would otherwise wait on it forever."""
         self._closing = True
-        target = self._spawned
-        if target is not None and target.process.is_alive():
-            target.process.kill()
+        self._kill()
 
     def _supervise(self) -> None:
         backoff = RESTART_BACKOFF_S[0]
@@ -366,7 +364,8 @@ class EngineProcess:
             target.process.join(5.0)
 
     def _kill(self) -> None:
-        target = self._child
+        """Kill the last engine process started, ready or still loading, if it is alive."""
+        target = self._spawned
         if target is not None and target.process.is_alive():
             target.process.kill()
 
